@@ -1,0 +1,3 @@
+from padded_moe.cli import main
+
+raise SystemExit(main())

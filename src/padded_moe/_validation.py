@@ -1,0 +1,54 @@
+"""Typed argument checks shared by every public entry point.
+
+Each raises TypeError or ValueError naming the argument and what was expected, never a bare
+assert, so a caller can tell which of their tensors is wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def require_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def require_dtype(name: str, t: torch.Tensor, allowed: Iterable[torch.dtype]) -> None:
+    allowed = tuple(allowed)
+    if t.dtype not in allowed:
+        raise TypeError(f"{name} must have dtype in ({_names(allowed)}), got {str(t.dtype).replace('torch.', '')}")
+
+
+def require_rank(name: str, t: torch.Tensor, ranks: Iterable[int]) -> None:
+    ranks = tuple(ranks)
+    if t.dim() not in ranks:
+        want = " or ".join(f"{r}-D" for r in ranks)
+        raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)}")
+
+
+def require_same_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} must be on {ref_name}'s device {ref.device}, got {t.device}")
+
+
+def require_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must have a contiguous last dimension (stride 1), got strides {tuple(t.stride())}"
+        )
+
+
+def require_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")

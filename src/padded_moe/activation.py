@@ -1,0 +1,322 @@
+"""The count-aware MoE activation (spec 01).
+
+One entry point, `apply_moe_activation`, serves a plain 2-D buffer, a flat buffer whose first `n`
+rows are valid (one count) and a batched `[E, T, ·]` buffer with one valid prefix per expert. Rows
+past a count are never read or written. CUDA tensors run the Triton kernel in
+`padded_moe.kernels.activation`; CPU tensors run `padded_moe.reference.activation` (or the Triton
+kernel through the interpreter when TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from padded_moe import _platform
+from padded_moe._validation import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    require_dtype,
+    require_last_dim_contiguous,
+    require_rank,
+    require_same_device,
+    require_tensor,
+)
+from padded_moe.reference import activation as torch_activation
+
+
+class MoEActivation(enum.Enum):
+    """Activations between the two expert GEMMs, spelled as in vLLM."""
+
+    SILU = "silu"
+    GELU = "gelu"
+    GELU_TANH = "gelu_tanh"
+    RELU2 = "relu2"
+    SWIGLUOAI = "swigluoai"
+    SITU = "situ"
+    SWIGLUOAI_UNINTERLEAVE = "swigluoai_uninterleave"
+    SWIGLUSTEP = "swiglustep"
+    SILU_NO_MUL = "silu_no_mul"
+    GELU_NO_MUL = "gelu_no_mul"
+    GELU_TANH_NO_MUL = "gelu_tanh_no_mul"
+    RELU2_NO_MUL = "relu2_no_mul"
+
+    @property
+    def is_gated(self) -> bool:
+        return not self.value.endswith("_no_mul")
+
+    def without_mul(self) -> "MoEActivation":
+        """The non-gated variant (`silu` → `silu_no_mul`); non-gated ones return themselves."""
+        if not self.is_gated:
+            return self
+        try:
+            return MoEActivation(self.value + "_no_mul")
+        except ValueError:
+            raise NotImplementedError(f"activation {self.value!r} has no non-gated variant") from None
+
+    @classmethod
+    def from_str(cls, name: str) -> "MoEActivation":
+        if not isinstance(name, str):
+            raise TypeError(f"activation must be a str or MoEActivation, got {type(name).__name__}")
+        key = _ALIASES.get(name.lower(), name.lower())
+        try:
+            return cls(key)
+        except ValueError:
+            valid = ", ".join(m.value for m in cls)
+            raise ValueError(f"activation must be one of ({valid}), got {name!r}") from None
+
+
+_ALIASES = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_pytorch_tanh_no_mul": "gelu_tanh_no_mul"}
+
+# Gated activations that have no kernel (fail closed, name what to use instead).
+_UNSUPPORTED = {
+    MoEActivation.RELU2: "gated relu2 is not implemented; use relu2_no_mul (NemotronH's non-gated MLP)",
+}
+
+
+def _as_activation(activation: Union[str, MoEActivation]) -> MoEActivation:
+    if isinstance(activation, MoEActivation):
+        return activation
+    return MoEActivation.from_str(activation)
+
+
+def resolve_supported(activation: Union[str, MoEActivation]) -> MoEActivation:
+    """Parse `activation`; raise NotImplementedError (fail closed) if no kernel implements it."""
+    act = _as_activation(activation)
+    if act in _UNSUPPORTED:
+        raise NotImplementedError(_UNSUPPORTED[act])
+    return act
+
+
+def activation_supported(activation: Union[str, MoEActivation]) -> bool:
+    """Whether `apply_moe_activation` implements this activation on plain buffers."""
+    return _as_activation(activation) not in _UNSUPPORTED
+
+
+def masked_activation_supported(activation: Union[str, MoEActivation]) -> bool:
+    """Whether the count-aware (flat / batched) path implements this activation.
+
+    One kernel family serves masked and unmasked calls, so the answer equals
+    `activation_supported`; both exist because vLLM users ask both questions.
+    """
+    return activation_supported(activation)
+
+
+@dataclass(frozen=True)
+class ApplyMoEActivationConfig:
+    """Activation parameters; `None` means the activation's default (spec 01's table)."""
+
+    clamp_limit: Optional[float] = None
+    alpha: Optional[float] = None
+    beta: Optional[float] = None
+    situ_beta: Optional[float] = None
+    situ_linear_beta: Optional[float] = None
+
+    @classmethod
+    def from_configs(cls, model_config: Any, quant_config: Any = None) -> "ApplyMoEActivationConfig":
+        """Read a model config (object or dict); a quant config's gemm1_* values win."""
+        values = {
+            "clamp_limit": _read(model_config, "swiglu_limit"),
+            "alpha": _read(model_config, "swiglu_alpha"),
+            "beta": _read(model_config, "swiglu_beta"),
+            "situ_beta": _read(model_config, "activation_situ_beta"),
+            "situ_linear_beta": _read(model_config, "activation_situ_linear_beta"),
+        }
+        if quant_config is not None:
+            for field, key in (("clamp_limit", "gemm1_clamp_limit"), ("alpha", "gemm1_alpha"),
+                               ("beta", "gemm1_beta")):
+                value = _read(quant_config, key)
+                if value is not None:
+                    values[field] = value
+        return cls(**{k: (None if v is None else float(v)) for k, v in values.items()})
+
+
+def _read(config: Any, key: str) -> Any:
+    if config is None:
+        return None
+    if isinstance(config, Mapping):
+        return config.get(key)
+    return getattr(config, key, None)
+
+
+@dataclass(frozen=True)
+class _Params:
+    """Resolved numeric parameters handed to the kernel (None = feature off)."""
+
+    limit: Optional[float]
+    alpha: float
+    beta: float
+    situ_beta: float
+    situ_lambda: Optional[float]
+
+
+_OAI = (MoEActivation.SWIGLUOAI, MoEActivation.SWIGLUOAI_UNINTERLEAVE)
+
+
+def _resolve(act: MoEActivation, cfg: ApplyMoEActivationConfig) -> _Params:
+    """Fill the activation's defaults; fields an activation does not use are ignored."""
+    limit, alpha, beta, situ_beta, situ_lambda = None, 1.0, 0.0, 1.0, None
+    if act is MoEActivation.SILU:
+        limit = cfg.clamp_limit
+        alpha = 1.0 if cfg.alpha is None else cfg.alpha
+        beta = 0.0 if cfg.beta is None else cfg.beta
+    elif act in _OAI:
+        limit = 7.0 if cfg.clamp_limit is None else cfg.clamp_limit
+        alpha = 1.702 if cfg.alpha is None else cfg.alpha
+        beta = 1.0 if cfg.beta is None else cfg.beta
+    elif act is MoEActivation.SWIGLUSTEP:
+        limit = 7.0 if cfg.clamp_limit is None else cfg.clamp_limit
+    elif act is MoEActivation.SITU:
+        if cfg.situ_beta is None:
+            raise ValueError("activation_config.situ_beta is required for situ (Kimi-K3 uses 4.0), got None")
+        if not (cfg.situ_beta > 0 and math.isfinite(cfg.situ_beta)):
+            raise ValueError(f"activation_config.situ_beta must be a positive finite number, got {cfg.situ_beta}")
+        situ_beta = cfg.situ_beta
+        lam = cfg.situ_linear_beta
+        situ_lambda = lam if lam is not None and lam > 0 else None
+    if limit is not None and math.isinf(limit) and limit > 0:
+        limit = None  # L = +inf disables both clamps (Step-3.7 layers without a limit)
+    if limit is not None and (math.isnan(limit) or limit < 0):
+        raise ValueError(f"activation_config.clamp_limit must be >= 0 or inf, got {limit}")
+    return _Params(limit, float(alpha), float(beta), float(situ_beta), situ_lambda)
+
+
+def _check_tensors(act: MoEActivation, output: Any, input: Any, counts: Any) -> None:
+    require_tensor("output", output)
+    require_tensor("input", input)
+    require_dtype("input", input, FLOAT_DTYPES)
+    if output.dtype != input.dtype:
+        raise TypeError(f"output must have input's dtype {input.dtype}, got {output.dtype}")
+    require_same_device("output", output, "input", input)
+    require_rank("input", input, (2, 3))
+    if output.dim() != input.dim():
+        raise ValueError(f"output must have input's rank {input.dim()}, got shape {tuple(output.shape)}")
+    if tuple(output.shape[:-1]) != tuple(input.shape[:-1]):
+        raise ValueError(
+            f"output's leading dims must equal input's {tuple(input.shape[:-1])}, got {tuple(output.shape[:-1])}")
+    width, d = input.shape[-1], output.shape[-1]
+    expected = 2 * d if act.is_gated else d
+    if width != expected:
+        kind = "gated: input width = 2 × output width" if act.is_gated else "non-gated: equal widths"
+        raise ValueError(f"input's last dim must be {expected} for {act.value} ({kind}), got {width}")
+    require_last_dim_contiguous("input", input)
+    require_last_dim_contiguous("output", output)
+    if counts is None:
+        return
+    require_tensor("valid_token_counts", counts)
+    require_dtype("valid_token_counts", counts, INDEX_DTYPES)
+    require_same_device("valid_token_counts", counts, "input", input)
+    want = 1 if input.dim() == 2 else input.shape[0]
+    if counts.dim() != 1 or counts.shape[0] != want:
+        mode = "flat input: one count" if input.dim() == 2 else f"batched input: one count per expert ({want})"
+        raise ValueError(f"valid_token_counts must be 1-D of length {want} ({mode}), got shape {tuple(counts.shape)}")
+
+
+def _check_counts_on_host(counts: torch.Tensor, num_rows: int) -> None:
+    values = counts.detach().cpu().tolist()
+    for i, c in enumerate(values):
+        if c < 0 or c > num_rows:
+            raise ValueError(f"valid_token_counts[{i}] = {c} is outside [0, {num_rows}] (check_counts=True)")
+
+
+def apply_moe_activation(activation: Union[str, MoEActivation], output: torch.Tensor, input: torch.Tensor, *,
+                         activation_config: Optional[ApplyMoEActivationConfig] = None,
+                         valid_token_counts: Optional[torch.Tensor] = None,
+                         check_counts: bool = False) -> torch.Tensor:
+    """Write `activation(input)` into `output` for the valid rows only; return `output`.
+
+    Plain: `input [T, W]`, no counts. Flat: `input [T, W]`, `valid_token_counts [1]`. Batched:
+    `input [E, T, W]`, `valid_token_counts [E]` (or None: all rows valid). `W = 2d` for gated
+    activations (gate then up; interleaved for swigluoai), `d` otherwise; `output [.., d]`.
+    Counts are clamped to `[0, T]` on the device; output rows at or past a count keep their
+    previous contents. `check_counts=True` syncs to the host and rejects counts outside `[0, T]`.
+    """
+    act = resolve_supported(activation)
+    cfg = ApplyMoEActivationConfig() if activation_config is None else activation_config
+    if not isinstance(cfg, ApplyMoEActivationConfig):
+        raise TypeError(f"activation_config must be an ApplyMoEActivationConfig, got {type(cfg).__name__}")
+    params = _resolve(act, cfg)
+    _check_tensors(act, output, input, valid_token_counts)
+    if check_counts and valid_token_counts is not None:
+        _check_counts_on_host(valid_token_counts, input.shape[-2])
+    torch.ops.padded_moe.moe_activation(
+        act.value, output, input, valid_token_counts,
+        params.limit, params.alpha, params.beta, params.situ_beta, params.situ_lambda)
+    return output
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom op: opaque to torch.compile (fake impl mutates nothing observable), capturable.
+
+
+@torch.library.custom_op("padded_moe::moe_activation", mutates_args={"output"})
+def _moe_activation_op(activation: str, output: torch.Tensor, input: torch.Tensor,
+                       counts: Optional[torch.Tensor], limit: Optional[float], alpha: float,
+                       beta: float, situ_beta: float, situ_lambda: Optional[float]) -> None:
+    act = MoEActivation(activation)
+    params = _Params(limit, alpha, beta, situ_beta, situ_lambda)
+    if input.numel() == 0:
+        return
+    if _platform.use_triton(input.device):
+        _launch_triton(act, output, input, counts, params)
+    else:
+        _run_torch(act, output, input, counts, params)
+
+
+@_moe_activation_op.register_fake
+def _moe_activation_fake(activation, output, input, counts, limit, alpha, beta, situ_beta, situ_lambda) -> None:
+    return None
+
+
+def _as_batched(t: torch.Tensor) -> torch.Tensor:
+    return t.unsqueeze(0) if t.dim() == 2 else t
+
+
+def _run_torch(act: MoEActivation, output: torch.Tensor, input: torch.Tensor,
+               counts: Optional[torch.Tensor], p: _Params) -> None:
+    out3, in3 = _as_batched(output), _as_batched(input)
+    num_rows = in3.shape[1]
+    # CPU path: reading counts on the host is free here (CUDA tensors always take the kernel).
+    ns = [num_rows] * in3.shape[0] if counts is None else [max(0, min(int(c), num_rows)) for c in counts.tolist()]
+    kwargs = dict(limit=p.limit, alpha=p.alpha, beta=p.beta, situ_beta=p.situ_beta, situ_lambda=p.situ_lambda)
+    for e, n in enumerate(ns):
+        torch_activation.apply_rows(act.value, act.is_gated, act is MoEActivation.SWIGLUOAI,
+                                    out3[e, :n], in3[e, :n], kwargs)
+
+
+def _block_shape(d: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_D, num_warps): ~4K elements a tile, 16-byte vectors along the row."""
+    import triton
+
+    block_d = min(1024, triton.next_power_of_2(max(d, 1)))
+    block_t = max(1, min(64, 4096 // block_d))
+    return block_t, block_d, 4
+
+
+def _launch_triton(act: MoEActivation, output: torch.Tensor, input: torch.Tensor,
+                   counts: Optional[torch.Tensor], p: _Params) -> None:
+    import triton
+
+    from padded_moe.kernels.activation import KERNEL_IDS, moe_activation_kernel
+
+    out3, in3 = _as_batched(output), _as_batched(input)
+    num_experts, num_rows, d = out3.shape
+    block_t, block_d, num_warps = _block_shape(d)
+    col_blocks = triton.cdiv(d, block_d)
+    # Enough resident programs to fill the chip; each strides over its expert's valid row blocks.
+    budget = max(1, _platform.program_cap(input.device, per_sm=16) // (col_blocks * num_experts))
+    row_programs = max(1, min(triton.cdiv(num_rows, block_t), budget))
+    grid = (row_programs, col_blocks, num_experts)
+    counts_arg = counts if counts is not None else in3  # unused pointer when HAS_COUNTS is False
+    moe_activation_kernel[grid](
+        out3, in3, counts_arg, num_rows, d,
+        in3.stride(0), in3.stride(1), out3.stride(0), out3.stride(1),
+        p.limit if p.limit is not None else 0.0, p.alpha, p.beta, p.situ_beta,
+        p.situ_lambda if p.situ_lambda is not None else 1.0,
+        ACT=KERNEL_IDS[act.value], HAS_COUNTS=counts is not None, HAS_LIMIT=p.limit is not None,
+        HAS_LAMBDA=p.situ_lambda is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
+    )

@@ -1,0 +1,6 @@
+"""Triton kernels. Reference math lives in `padded_moe.reference`; dispatch lives in the stage modules."""
+
+from triton import knobs as _knobs
+
+# Triton decides at `@triton.jit` time whether a kernel is interpreted; record that here.
+INTERPRETED: bool = bool(_knobs.runtime.interpret)

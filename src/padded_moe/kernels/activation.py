@@ -1,0 +1,149 @@
+"""Triton kernel for the count-aware MoE activation (spec 01).
+
+One kernel serves plain, flat and batched buffers: a plain or flat buffer is a batch of one
+expert. Each program owns one column block of one expert and strides over that expert's valid
+row blocks, so a 5%-valid buffer costs about 5% of a full one and rows past the count are never
+loaded or stored. The count is read on the device (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Activation ids (constexpr inside the kernel). Gated ids < 16, non-gated >= 16.
+ACT_SILU = 0
+ACT_GELU = 1
+ACT_GELU_TANH = 2
+ACT_SWIGLUOAI = 3  # interleaved gate/up
+ACT_SWIGLUOAI_UNINTERLEAVE = 4
+ACT_SWIGLUSTEP = 5
+ACT_SITU = 6
+ACT_SILU_NO_MUL = 16
+ACT_GELU_NO_MUL = 17
+ACT_GELU_TANH_NO_MUL = 18
+ACT_RELU2_NO_MUL = 19
+
+# Activation name (spec 01 spelling) -> kernel id.
+KERNEL_IDS = {
+    "silu": ACT_SILU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH, "swigluoai": ACT_SWIGLUOAI,
+    "swigluoai_uninterleave": ACT_SWIGLUOAI_UNINTERLEAVE, "swiglustep": ACT_SWIGLUSTEP, "situ": ACT_SITU,
+    "silu_no_mul": ACT_SILU_NO_MUL, "gelu_no_mul": ACT_GELU_NO_MUL,
+    "gelu_tanh_no_mul": ACT_GELU_TANH_NO_MUL, "relu2_no_mul": ACT_RELU2_NO_MUL,
+}
+
+_SQRT_2_OVER_PI = 0.7978845608028654
+_INV_SQRT_2 = 0.7071067811865476
+
+
+@triton.jit
+def _sigmoid(z):
+    return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _tanh(z):
+    # tanh through exp keeps the kernel free of libdevice so the interpreter runs it too;
+    # 1 - 2/(e^{2z}+1) saturates correctly at both ends (e^{2z} -> inf or 0).
+    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+
+
+@triton.jit
+def _gelu_erf(x):
+    return 0.5 * x * (1.0 + tl.math.erf(x * _INV_SQRT_2))
+
+
+@triton.jit
+def _gelu_tanh(x):
+    return 0.5 * x * (1.0 + _tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+
+
+@triton.jit
+def _gated(g, u, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, limit, alpha, beta,
+           situ_beta, HAS_LAMBDA: tl.constexpr, situ_lambda):
+    if ACT == ACT_SILU or ACT == ACT_SWIGLUOAI or ACT == ACT_SWIGLUOAI_UNINTERLEAVE:
+        if HAS_LIMIT:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        y = g * _sigmoid(alpha * g) * (u + beta)
+    elif ACT == ACT_GELU:
+        y = _gelu_erf(g) * u
+    elif ACT == ACT_GELU_TANH:
+        y = _gelu_tanh(g) * u
+    elif ACT == ACT_SWIGLUSTEP:
+        s = g * _sigmoid(g)
+        if HAS_LIMIT:
+            s = tl.minimum(s, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        y = s * u
+    else:  # ACT_SITU
+        if HAS_LAMBDA:
+            u = situ_lambda * _tanh(u / situ_lambda)
+        y = situ_beta * _tanh(g / situ_beta) * _sigmoid(g) * u
+    return y
+
+
+@triton.jit
+def _ungated(x, ACT: tl.constexpr):
+    if ACT == ACT_SILU_NO_MUL:
+        y = x * _sigmoid(x)
+    elif ACT == ACT_GELU_NO_MUL:
+        y = _gelu_erf(x)
+    elif ACT == ACT_GELU_TANH_NO_MUL:
+        y = _gelu_tanh(x)
+    else:  # ACT_RELU2_NO_MUL
+        r = tl.maximum(x, 0.0)
+        y = r * r
+    return y
+
+
+@triton.jit
+def moe_activation_kernel(
+    out_ptr, in_ptr, counts_ptr,
+    T, D,
+    stride_in_e, stride_in_t, stride_out_e, stride_out_t,
+    limit, alpha, beta, situ_beta, situ_lambda,
+    ACT: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    HAS_LAMBDA: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Grid: (row programs, column blocks, experts). Output [E, T, D] from input [E, T, W]."""
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    e = tl.program_id(2).to(tl.int64)
+    num_row_programs = tl.num_programs(0)
+
+    n = T
+    if HAS_COUNTS:
+        # Clamp on the device: negative counts mean 0, counts above T mean T.
+        c = tl.load(counts_ptr + e).to(tl.int64)
+        n = tl.minimum(tl.maximum(c, 0), T)
+
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    rows_in_block = tl.arange(0, BLOCK_T)
+    in_base = in_ptr + e * stride_in_e
+    out_base = out_ptr + e * stride_out_e
+
+    for first_row in range(pid_t * BLOCK_T, n, num_row_programs * BLOCK_T):
+        rows = (first_row + rows_in_block).to(tl.int64)
+        mask = (rows < n)[:, None] & col_ok[None, :]
+        in_rows = in_base + rows[:, None] * stride_in_t
+        if ACT >= ACT_SILU_NO_MUL:
+            x = tl.load(in_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = _ungated(x, ACT)
+        else:
+            if ACT == ACT_SWIGLUOAI:
+                g_off = 2 * cols
+                u_off = 2 * cols + 1
+            else:
+                g_off = cols
+                u_off = cols + D
+            g = tl.load(in_rows + g_off[None, :], mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(in_rows + u_off[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = _gated(g, u, ACT, HAS_LIMIT, limit, alpha, beta, situ_beta, HAS_LAMBDA, situ_lambda)
+        out_rows = out_base + rows[:, None] * stride_out_t
+        tl.store(out_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)

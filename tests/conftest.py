@@ -1,0 +1,49 @@
+"""Test setup: Triton's interpreter on machines without CUDA, the `gpu` marker, path switching.
+
+`TRITON_INTERPRET=1` must be set before any `@triton.jit` runs (Triton picks interpreter or
+compiler at decoration time), so this file sets it before padded_moe's kernels are imported.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_multi = pytest.mark.skip(reason="needs two CUDA GPUs")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if "multigpu" in item.keywords and torch.cuda.device_count() < 2:
+            item.add_marker(skip_multi)
+
+
+# The ways a CPU test can run our code: the torch path, or the Triton kernels interpreted.
+CPU_PATHS = ["torch", "triton_interpret"]
+
+
+@pytest.fixture(params=CPU_PATHS)
+def cpu_path(request, monkeypatch):
+    """Run the test once on the torch path and once on the interpreted Triton kernels."""
+    if request.param == "torch":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    else:
+        from padded_moe._platform import kernels_interpreted
+
+        if not kernels_interpreted():
+            pytest.skip("Triton kernels were compiled for a GPU; the interpreter is not in use")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return request.param
+
+
+@pytest.fixture
+def gen():
+    """A fresh, per-test seeded generator (seed printed on failure through the test id)."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    return g

@@ -44,6 +44,8 @@ def cpu_path(request, monkeypatch):
 
 @pytest.fixture
 def gen():
-    """A fresh, per-test seeded generator (seed printed on failure through the test id)."""
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    return g
+    """A fresh, per-test seeded generator. The seed is printed (pytest shows a failing test's
+    captured output), so a failure can be replayed with PADDED_MOE_SEED=<seed>."""
+    seed = int(os.environ.get("PADDED_MOE_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"generator seed: {seed}")
+    return torch.Generator().manual_seed(seed)

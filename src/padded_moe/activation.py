@@ -243,9 +243,15 @@ def apply_moe_activation(activation: Union[str, MoEActivation], output: torch.Te
     _check_tensors(act, output, input, valid_token_counts)
     if check_counts and valid_token_counts is not None:
         _check_counts_on_host(valid_token_counts, input.shape[-2])
-    torch.ops.padded_moe.moe_activation(
-        act.value, output, input, valid_token_counts,
-        params.limit, params.alpha, params.beta, params.situ_beta, params.situ_lambda)
+    if torch.compiler.is_compiling():
+        # Under torch.compile the registered op keeps the kernel opaque to the tracer.
+        torch.ops.padded_moe.moe_activation(
+            act.value, output, input, valid_token_counts,
+            params.limit, params.alpha, params.beta, params.situ_beta, params.situ_lambda)
+    else:
+        # Eager calls skip the dispatcher: it costs tens of µs of host time per call, more than
+        # the kernel itself for small or mostly-padded buffers.
+        _run(act, output, input, valid_token_counts, params)
     return output
 
 
@@ -257,8 +263,11 @@ def apply_moe_activation(activation: Union[str, MoEActivation], output: torch.Te
 def _moe_activation_op(activation: str, output: torch.Tensor, input: torch.Tensor,
                        counts: Optional[torch.Tensor], limit: Optional[float], alpha: float,
                        beta: float, situ_beta: float, situ_lambda: Optional[float]) -> None:
-    act = MoEActivation(activation)
-    params = _Params(limit, alpha, beta, situ_beta, situ_lambda)
+    _run(MoEActivation(activation), output, input, counts, _Params(limit, alpha, beta, situ_beta, situ_lambda))
+
+
+def _run(act: MoEActivation, output: torch.Tensor, input: torch.Tensor, counts: Optional[torch.Tensor],
+         params: _Params) -> None:
     if input.numel() == 0:
         return
     if _platform.use_triton(input.device):
@@ -288,13 +297,17 @@ def _run_torch(act: MoEActivation, output: torch.Tensor, input: torch.Tensor,
                                     out3[e, :n], in3[e, :n], kwargs)
 
 
+# Launch shape of the activation kernel; benchmarks/bench_activation.py sweeps these on a GPU.
+TUNING = {"tile_elems": 4096, "max_block_d": 1024, "num_warps": 4, "programs_per_sm": 16}
+
+
 def _block_shape(d: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_D, num_warps): ~4K elements a tile, 16-byte vectors along the row."""
+    """(BLOCK_T, BLOCK_D, num_warps): a tile of `tile_elems`, 16-byte vectors along the row."""
     import triton
 
-    block_d = min(1024, triton.next_power_of_2(max(d, 1)))
-    block_t = max(1, min(64, 4096 // block_d))
-    return block_t, block_d, 4
+    block_d = min(TUNING["max_block_d"], triton.next_power_of_2(max(d, 1)))
+    block_t = max(1, min(64, TUNING["tile_elems"] // block_d))
+    return block_t, block_d, TUNING["num_warps"]
 
 
 def _launch_triton(act: MoEActivation, output: torch.Tensor, input: torch.Tensor,
@@ -308,7 +321,7 @@ def _launch_triton(act: MoEActivation, output: torch.Tensor, input: torch.Tensor
     block_t, block_d, num_warps = _block_shape(d)
     col_blocks = triton.cdiv(d, block_d)
     # Enough resident programs to fill the chip; each strides over its expert's valid row blocks.
-    budget = max(1, _platform.program_cap(input.device, per_sm=16) // (col_blocks * num_experts))
+    budget = max(1, _platform.program_cap(input.device, per_sm=TUNING["programs_per_sm"]) // (col_blocks * num_experts))
     row_programs = max(1, min(triton.cdiv(num_rows, block_t), budget))
     grid = (row_programs, col_blocks, num_experts)
     counts_arg = counts if counts is not None else in3  # unused pointer when HAS_COUNTS is False
@@ -318,5 +331,7 @@ def _launch_triton(act: MoEActivation, output: torch.Tensor, input: torch.Tensor
         p.limit if p.limit is not None else 0.0, p.alpha, p.beta, p.situ_beta,
         p.situ_lambda if p.situ_lambda is not None else 1.0,
         ACT=KERNEL_IDS[act.value], HAS_COUNTS=counts is not None, HAS_LIMIT=p.limit is not None,
-        HAS_LAMBDA=p.situ_lambda is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
+        HAS_LAMBDA=p.situ_lambda is not None,
+        # Approximate tanh only where the output's rounding hides it, and never in the interpreter.
+        FAST=input.is_cuda and output.dtype != torch.float32, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
     )

@@ -12,40 +12,51 @@ import triton
 import triton.language as tl
 
 # Activation ids (constexpr inside the kernel). Gated ids < 16, non-gated >= 16.
-ACT_SILU = 0
-ACT_GELU = 1
-ACT_GELU_TANH = 2
-ACT_SWIGLUOAI = 3  # interleaved gate/up
-ACT_SWIGLUOAI_UNINTERLEAVE = 4
-ACT_SWIGLUSTEP = 5
-ACT_SITU = 6
-ACT_SILU_NO_MUL = 16
-ACT_GELU_NO_MUL = 17
-ACT_GELU_TANH_NO_MUL = 18
-ACT_RELU2_NO_MUL = 19
+ACT_SILU = tl.constexpr(0)
+ACT_GELU = tl.constexpr(1)
+ACT_GELU_TANH = tl.constexpr(2)
+ACT_SWIGLUOAI = tl.constexpr(3)  # interleaved gate/up
+ACT_SWIGLUOAI_UNINTERLEAVE = tl.constexpr(4)
+ACT_SWIGLUSTEP = tl.constexpr(5)
+ACT_SITU = tl.constexpr(6)
+ACT_SILU_NO_MUL = tl.constexpr(16)
+ACT_GELU_NO_MUL = tl.constexpr(17)
+ACT_GELU_TANH_NO_MUL = tl.constexpr(18)
+ACT_RELU2_NO_MUL = tl.constexpr(19)
 
-# Activation name (spec 01 spelling) -> kernel id.
-KERNEL_IDS = {
+# Activation name (spec 01 spelling) -> kernel id (a plain int for the launch).
+_KERNEL_ID_CONSTANTS = {
     "silu": ACT_SILU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH, "swigluoai": ACT_SWIGLUOAI,
     "swigluoai_uninterleave": ACT_SWIGLUOAI_UNINTERLEAVE, "swiglustep": ACT_SWIGLUSTEP, "situ": ACT_SITU,
     "silu_no_mul": ACT_SILU_NO_MUL, "gelu_no_mul": ACT_GELU_NO_MUL,
     "gelu_tanh_no_mul": ACT_GELU_TANH_NO_MUL, "relu2_no_mul": ACT_RELU2_NO_MUL,
 }
+KERNEL_IDS = {name: c.value for name, c in _KERNEL_ID_CONSTANTS.items()}
 
-_SQRT_2_OVER_PI = 0.7978845608028654
-_INV_SQRT_2 = 0.7071067811865476
-
-
-@triton.jit
-def _sigmoid(z):
-    return 1.0 / (1.0 + tl.exp(-z))
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_INV_SQRT_2 = tl.constexpr(0.7071067811865476)
 
 
 @triton.jit
-def _tanh(z):
-    # tanh through exp keeps the kernel free of libdevice so the interpreter runs it too;
-    # 1 - 2/(e^{2z}+1) saturates correctly at both ends (e^{2z} -> inf or 0).
-    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+def _tanh(z, FAST: tl.constexpr):
+    if FAST:
+        # One special-function op (MUFU.TANH, max rel. error ~2^-11): the kernel is bound by the
+        # special-function unit otherwise (situ needs three tanh and a sigmoid per element).
+        # Used only for 16-bit outputs, whose rounding is coarser than that error.
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [z], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        # Exact-enough tanh from exp, which the interpreter also runs; 1 - 2/(e^{2z}+1)
+        # saturates correctly at both ends (e^{2z} -> inf or 0).
+        return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+
+
+@triton.jit
+def _sigmoid(z, FAST: tl.constexpr):
+    if FAST:
+        return 0.5 * _tanh(0.5 * z, FAST) + 0.5
+    else:
+        return 1.0 / (1.0 + tl.exp(-z))
 
 
 @triton.jit
@@ -54,43 +65,43 @@ def _gelu_erf(x):
 
 
 @triton.jit
-def _gelu_tanh(x):
-    return 0.5 * x * (1.0 + _tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+def _gelu_tanh(x, FAST: tl.constexpr):
+    return 0.5 * x * (1.0 + _tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x), FAST))
 
 
 @triton.jit
 def _gated(g, u, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, limit, alpha, beta,
-           situ_beta, HAS_LAMBDA: tl.constexpr, situ_lambda):
+           situ_beta, HAS_LAMBDA: tl.constexpr, situ_lambda, FAST: tl.constexpr):
     if ACT == ACT_SILU or ACT == ACT_SWIGLUOAI or ACT == ACT_SWIGLUOAI_UNINTERLEAVE:
         if HAS_LIMIT:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
-        y = g * _sigmoid(alpha * g) * (u + beta)
+        y = g * _sigmoid(alpha * g, FAST) * (u + beta)
     elif ACT == ACT_GELU:
         y = _gelu_erf(g) * u
     elif ACT == ACT_GELU_TANH:
-        y = _gelu_tanh(g) * u
+        y = _gelu_tanh(g, FAST) * u
     elif ACT == ACT_SWIGLUSTEP:
-        s = g * _sigmoid(g)
+        s = g * _sigmoid(g, FAST)
         if HAS_LIMIT:
             s = tl.minimum(s, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
         y = s * u
     else:  # ACT_SITU
         if HAS_LAMBDA:
-            u = situ_lambda * _tanh(u / situ_lambda)
-        y = situ_beta * _tanh(g / situ_beta) * _sigmoid(g) * u
+            u = situ_lambda * _tanh(u / situ_lambda, FAST)
+        y = situ_beta * _tanh(g / situ_beta, FAST) * _sigmoid(g, FAST) * u
     return y
 
 
 @triton.jit
-def _ungated(x, ACT: tl.constexpr):
+def _ungated(x, ACT: tl.constexpr, FAST: tl.constexpr):
     if ACT == ACT_SILU_NO_MUL:
-        y = x * _sigmoid(x)
+        y = x * _sigmoid(x, FAST)
     elif ACT == ACT_GELU_NO_MUL:
         y = _gelu_erf(x)
     elif ACT == ACT_GELU_TANH_NO_MUL:
-        y = _gelu_tanh(x)
+        y = _gelu_tanh(x, FAST)
     else:  # ACT_RELU2_NO_MUL
         r = tl.maximum(x, 0.0)
         y = r * r
@@ -107,6 +118,7 @@ def moe_activation_kernel(
     HAS_COUNTS: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
     HAS_LAMBDA: tl.constexpr,
+    FAST: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -134,7 +146,7 @@ def moe_activation_kernel(
         in_rows = in_base + rows[:, None] * stride_in_t
         if ACT >= ACT_SILU_NO_MUL:
             x = tl.load(in_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = _ungated(x, ACT)
+            y = _ungated(x, ACT, FAST)
         else:
             if ACT == ACT_SWIGLUOAI:
                 g_off = 2 * cols
@@ -144,6 +156,6 @@ def moe_activation_kernel(
                 u_off = cols + D
             g = tl.load(in_rows + g_off[None, :], mask=mask, other=0.0).to(tl.float32)
             u = tl.load(in_rows + u_off[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = _gated(g, u, ACT, HAS_LIMIT, limit, alpha, beta, situ_beta, HAS_LAMBDA, situ_lambda)
+            y = _gated(g, u, ACT, HAS_LIMIT, limit, alpha, beta, situ_beta, HAS_LAMBDA, situ_lambda, FAST)
         out_rows = out_base + rows[:, None] * stride_out_t
         tl.store(out_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One device run: GPU tests and benchmarks for the named stages, logs under $OUT (or ./gpu-out).
+# Usage: bash scripts/gpu_check.sh activation layouts gemm experts layer ep
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu-out}"
+mkdir -p "$OUT/bench"
+export PYTHONPATH=src:tests PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+summary="$OUT/summary.txt"
+: > "$summary"
+step() {  # step NAME CMD...: run, log, record status and seconds
+    local name="$1"; shift
+    local t0=$SECONDS
+    "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$summary"
+    tail -n 25 "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv,noheader | tee -a "$summary"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$summary"
+for stage in "$@"; do
+    case "$stage" in
+        activation)
+            step test-activation python3 -m pytest -q -m gpu tests/test_activation_gpu.py
+            step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench" ;;
+        layouts)
+            step test-layouts python3 -m pytest -q -m gpu tests/test_layouts_gpu.py
+            step sanitizer-layouts compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_layouts_gpu.py -k sanitizer
+            step bench-permute python3 benchmarks/bench_permute.py --out "$OUT/bench" ;;
+        gemm)
+            step test-gemm python3 -m pytest -q -m gpu tests/test_gemm_gpu.py
+            step bench-gemm python3 benchmarks/bench_gemm.py --out "$OUT/bench" ;;
+        experts)
+            step test-experts python3 -m pytest -q -m gpu tests/test_experts_gpu.py tests/test_layer_gpu.py ;;
+        layer)
+            step bench-layer python3 benchmarks/bench_layer.py --out "$OUT/bench" ;;
+        hf)
+            step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py ;;
+        ep)
+            step test-ep python3 -m pytest -q -m gpu tests/test_distributed_gpu.py
+            step bench-ep python3 benchmarks/bench_ep.py --out "$OUT/bench" ;;
+        cpu-suite)
+            step test-all-gpu python3 -m pytest -q -x tests ;;
+        *) echo "unknown stage $stage" | tee -a "$summary" ;;
+    esac
+done
+echo "=== summary"; cat "$summary"

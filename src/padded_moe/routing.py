@@ -1,0 +1,361 @@
+"""Routers: router logits -> (topk_weights float32 [M, k], topk_ids int32 [M, k]) (spec 02).
+
+Each function reproduces one family's router from transformers (the test oracles), given the
+router logits the model's gate projection produced (`F.linear(hidden, gate.weight[, bias])`):
+
+| function | models | transformers class |
+|---|---|---|
+| `softmax_topk(..., renormalize=True)` | Mixtral (always renormalizes) | `MixtralTopKRouter` |
+| `softmax_topk(..., renormalize=config.norm_topk_prob)` | Qwen3-MoE, OLMoE | `Qwen3MoeTopKRouter`, `OlmoeTopKRouter` |
+| `softmax_topk(..., topk_before_softmax=True)` | GPT-OSS | `GptOssTopKRouter` |
+| `biased_grouped_topk(..., scoring="sigmoid")` | DeepSeek-V3 | `DeepseekV3TopkRouter` |
+| `biased_grouped_topk(..., scoring="sqrtsoftplus")` | DeepSeek-V4 | `DeepseekV4TopKRouter` |
+| `hash_topk` | DeepSeek-V4 hash layers | `DeepseekV4HashRouter` |
+
+All math runs in float32 whatever the logits dtype (transformers does the same for Mixtral,
+Qwen3, OLMoE and DeepSeek-V3; GPT-OSS and DeepSeek-V4 compute in the model dtype, so with bf16
+logits our weights are the more precise ones and near-ties may pick a different expert).
+Everything is pure torch with fixed output shapes and no host synchronisation, so the same code
+runs on CPU and CUDA and captures in a CUDA graph. The order of the k slots within a token is
+descending by the selection score (table order for `hash_topk`); consumers must not rely on it
+(transformers uses `sorted=False` for DeepSeek).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from padded_moe._validation import (
+    INDEX_DTYPES,
+    require_dtype,
+    require_rank,
+    require_same_device,
+    require_tensor,
+)
+
+__all__ = ["SCORING_FUNCS", "softmax_topk", "biased_grouped_topk", "hash_topk"]
+
+# Logits may come straight from the gate projection in any float dtype; float64 is accepted so
+# float64 references can drive the routers too.
+LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+# DeepSeek-V4's `scoring_func` choices (V3 always uses sigmoid).
+SCORING_FUNCS = ("sigmoid", "sqrtsoftplus", "softmax")
+
+# DeepSeek's renormalisation denominator guard (`sum + 1e-20` in transformers V3 and V4).
+_DEEPSEEK_NORM_EPS = 1e-20
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks
+
+
+def _check_logits(logits: object) -> torch.Tensor:
+    logits = require_tensor("logits", logits)
+    require_rank("logits", logits, (2,))
+    require_dtype("logits", logits, LOGIT_DTYPES)
+    if logits.shape[1] < 1:
+        raise ValueError(f"logits must have at least one expert column, got shape {tuple(logits.shape)}")
+    return logits
+
+
+def _check_int(name: str, value: object, low: int, high: int, what: str) -> int:
+    # bool is an int subclass; a stray True must not pass as k=1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}] ({what}), got {value}")
+    return value
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _check_scale(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"routed_scaling_factor must be a float, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_scoring(scoring: object) -> str:
+    if scoring not in SCORING_FUNCS:
+        raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORING_FUNCS))}, got {scoring!r}")
+    return scoring  # type: ignore[return-value]
+
+
+def _check_bias(bias: object, logits: torch.Tensor) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    bias = require_tensor("bias", bias)
+    require_dtype("bias", bias, LOGIT_DTYPES)
+    num_experts = logits.shape[1]
+    if tuple(bias.shape) != (num_experts,):
+        raise ValueError(
+            f"bias must have shape ({num_experts},) (one correction per expert, E from logits), "
+            f"got {tuple(bias.shape)}"
+        )
+    require_same_device("bias", bias, "logits", logits)
+    return bias
+
+
+# --------------------------------------------------------------------------------------------
+# shared pieces
+
+
+def _scores(logits32: torch.Tensor, scoring: str) -> torch.Tensor:
+    """The per-expert affinity DeepSeek weights experts by (float32 in, float32 out)."""
+    if scoring == "sigmoid":
+        return logits32.sigmoid()
+    if scoring == "sqrtsoftplus":
+        return F.softplus(logits32).sqrt()
+    return logits32.softmax(dim=-1)
+
+
+def _finish(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return weights.to(torch.float32).contiguous(), ids.to(torch.int32).contiguous()
+
+
+def _deepseek_normalize(weights: torch.Tensor, renormalize: bool, scale: float) -> torch.Tensor:
+    # DeepSeek renormalises first (with a 1e-20 guard, so an all-zero row stays zero instead of
+    # NaN), then scales: the scaled weights sum to `routed_scaling_factor`, not to 1.
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + _DEEPSEEK_NORM_EPS)
+    return weights * scale
+
+
+# --------------------------------------------------------------------------------------------
+# softmax routers
+
+
+def softmax_topk(
+    logits: torch.Tensor, k: int, renormalize: bool, *, topk_before_softmax: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing (Mixtral, Qwen3-MoE, OLMoE, GPT-OSS).
+
+    Default: softmax over all `E` experts, keep the `k` largest probabilities, and when
+    `renormalize` divide them by their sum (no epsilon: the sum includes the row maximum, which
+    is at least 1/E). Mixtral always renormalizes; Qwen3-MoE and OLMoE renormalize iff
+    `config.norm_topk_prob` (default False for both).
+
+    `topk_before_softmax=True` is GPT-OSS: take the `k` largest logits (the gate has a bias; pass
+    logits with the bias added) and softmax over those `k` only; the weights then already sum to
+    one, so `renormalize` has no further effect.
+
+    Args:
+        logits: float `[M, E]` router logits.
+        k: experts per token, `1 <= k <= E`.
+        renormalize: divide the kept probabilities by their sum.
+        topk_before_softmax: GPT-OSS ordering (top-k of logits, then softmax over the k).
+
+    Returns:
+        `(topk_weights float32 [M, k], topk_ids int32 [M, k])`.
+    """
+    logits = _check_logits(logits)
+    k = _check_int("k", k, 1, logits.shape[1], "experts per token, at most E = logits.shape[1]")
+    renormalize = _check_bool("renormalize", renormalize)
+    topk_before_softmax = _check_bool("topk_before_softmax", topk_before_softmax)
+
+    logits32 = logits.to(torch.float32)
+    if topk_before_softmax:
+        top_logits, ids = torch.topk(logits32, k, dim=-1)
+        return _finish(top_logits.softmax(dim=-1), ids)
+
+    weights, ids = torch.topk(logits32.softmax(dim=-1), k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return _finish(weights, ids)
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSeek routers
+
+
+def _group_mask(choice: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """Boolean `[M, E]`: True for experts in the `topk_groups` best groups of each token.
+
+    A group's score is the sum of its two best (biased) expert scores, as in DeepSeek-V3.
+    """
+    num_tokens, num_experts = choice.shape
+    grouped = choice.view(num_tokens, num_groups, num_experts // num_groups)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    best_groups = group_scores.topk(topk_groups, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    return keep.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+
+
+def _check_groups(num_experts: int, k: int, num_groups: object, topk_groups: object) -> tuple[int, int]:
+    num_groups = _check_int("num_groups", num_groups, 1, num_experts, "expert groups, at most E")
+    if num_experts % num_groups:
+        raise ValueError(f"num_groups must divide the number of experts E={num_experts}, got {num_groups}")
+    topk_groups = _check_int(
+        "topk_groups", topk_groups, 1, num_groups, "groups kept per token, at most num_groups"
+    )
+    group_size = num_experts // num_groups
+    if num_groups > 1 and group_size < 2:
+        raise ValueError(
+            f"num_groups={num_groups} leaves {group_size} expert per group; group scores sum the top-2 "
+            f"experts of a group, so each group needs at least 2 (E={num_experts})"
+        )
+    if k > topk_groups * group_size:
+        raise ValueError(
+            f"k must be at most topk_groups * E / num_groups = {topk_groups * group_size} (the experts "
+            f"left after group selection), got {k}"
+        )
+    return num_groups, topk_groups
+
+
+def biased_grouped_topk(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    k: int,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    scoring: str = "sigmoid",
+    routed_scaling_factor: float = 1.0,
+    renormalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / V4 routing: scores, bias-corrected group-limited selection, unbiased weights.
+
+    1. `scores = scoring(logits)` in float32 (`sigmoid` for V3; V4's `config.scoring_func`,
+       `sqrtsoftplus` = sqrt(softplus(x)) by default, or `sigmoid` / `softmax`).
+    2. Selection uses `scores + bias` (`e_score_correction_bias`). With `num_groups > 1` (V3's
+       `n_group`) the experts split into contiguous groups, each group is scored by the sum of
+       its top-2 biased scores, only the `topk_groups` (V3's `topk_group`) best groups stay
+       eligible, and the `k` best eligible experts are chosen. V4 has no groups (defaults).
+    3. Weights are the *unbiased* scores of the chosen experts; if `renormalize` (V3's
+       `norm_topk_prob`; V4 always renormalizes) they are divided by `sum + 1e-20`, and then
+       multiplied by `routed_scaling_factor` (scaling comes after renormalisation).
+
+    Args:
+        logits: float `[M, E]` router logits.
+        bias: float `[E]` selection-only correction, or None for none.
+        k: experts per token.
+        num_groups: expert groups; must divide E, each group at least 2 experts when > 1.
+        topk_groups: groups kept per token, `1 <= topk_groups <= num_groups`.
+        scoring: one of `SCORING_FUNCS`.
+        routed_scaling_factor: multiplier applied to the final weights.
+        renormalize: divide the chosen scores by their sum before scaling.
+
+    Returns:
+        `(topk_weights float32 [M, k], topk_ids int32 [M, k])`.
+    """
+    logits = _check_logits(logits)
+    num_experts = logits.shape[1]
+    bias = _check_bias(bias, logits)
+    k = _check_int("k", k, 1, num_experts, "experts per token, at most E = logits.shape[1]")
+    num_groups, topk_groups = _check_groups(num_experts, k, num_groups, topk_groups)
+    scoring = _check_scoring(scoring)
+    scale = _check_scale(routed_scaling_factor)
+    renormalize = _check_bool("renormalize", renormalize)
+
+    scores = _scores(logits.to(torch.float32), scoring)
+    choice = scores if bias is None else scores + bias.to(torch.float32)
+    if topk_groups < num_groups:
+        choice = choice.masked_fill(~_group_mask(choice, num_groups, topk_groups), float("-inf"))
+    ids = torch.topk(choice, k, dim=-1).indices
+    weights = _deepseek_normalize(scores.gather(1, ids), renormalize, scale)
+    return _finish(weights, ids)
+
+
+def _hash_lookup(
+    token_ids: torch.Tensor, table: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(ids int64 [M, k], valid bool [M, k])`; invalid slots hold -1, never a wrapped index.
+
+    A slot is invalid when its token id is outside `[0, vocab)` or the table entry is outside
+    `[0, E)`. Both checks happen in int64 before anything indexes with the value; the gather
+    reads a clamped index and the result is then overwritten, so no out-of-bounds read occurs.
+    """
+    vocab = table.shape[0]
+    tok = token_ids.reshape(-1).to(torch.int64)
+    tok_ok = (tok >= 0) & (tok < vocab)
+    rows = table.index_select(0, tok.clamp(0, max(vocab - 1, 0))).to(torch.int64)
+    valid = tok_ok.unsqueeze(1) & (rows >= 0) & (rows < num_experts)
+    return torch.where(valid, rows, torch.full_like(rows, -1)), valid
+
+
+def _raise_on_invalid_hash(token_ids: torch.Tensor, table: torch.Tensor, num_experts: int) -> None:
+    # Host-side check; only called for CPU tensors where reading a value costs no GPU sync.
+    tok = token_ids.reshape(-1).to(torch.int64)
+    vocab = table.shape[0]
+    bad_tok = (tok < 0) | (tok >= vocab)
+    if bool(bad_tok.any()):
+        first = int(tok[bad_tok][0])
+        raise ValueError(f"token_ids must be in [0, {vocab}) (rows of table), got {first}")
+    rows = table.index_select(0, tok).to(torch.int64)
+    bad_row = (rows < 0) | (rows >= num_experts)
+    if bool(bad_row.any()):
+        first = int(rows[bad_row][0])
+        raise ValueError(
+            f"table entries looked up by token_ids must be expert ids in [0, {num_experts}) "
+            f"(E from logits), got {first}"
+        )
+
+
+def hash_topk(
+    token_ids: torch.Tensor,
+    table: torch.Tensor,
+    logits: torch.Tensor,
+    scoring: str = "sqrtsoftplus",
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 hash-layer routing (`DeepseekV4HashRouter`): fixed experts, learned weights.
+
+    The experts of token `t` are `table[token_ids[t]]` (transformers: `tid2eid[input_ids]`,
+    `k = table.shape[1]` = `num_experts_per_tok`); the weights are `scoring(logits)` at those
+    experts, always renormalised by `sum + 1e-20`, then times `routed_scaling_factor`
+    (`config.scoring_func`, `config.routed_scaling_factor`).
+
+    Invalid input: on CPU a token id outside `[0, table.shape[0])` or a looked-up table entry
+    outside `[0, E)` raises ValueError. On CUDA we cannot look without a host sync, so such slots
+    get `topk_id = -1` (which the expert guard drops) and weight 0, and are left out of the
+    renormalisation sum; a token with no valid slot gets all-zero weights. (transformers would
+    wrap a negative id or fault on an out-of-range one.)
+
+    Args:
+        token_ids: int32/int64 token ids, any shape with `M` elements (flattened row-major,
+            matching the `[M, E]` logits of the flattened hidden states).
+        table: int32/int64 `[vocab, k]` token -> expert ids.
+        logits: float `[M, E]` router logits.
+        scoring: one of `SCORING_FUNCS` (DeepSeek-V4 default `sqrtsoftplus`).
+        routed_scaling_factor: multiplier applied to the final weights.
+
+    Returns:
+        `(topk_weights float32 [M, k], topk_ids int32 [M, k])`.
+    """
+    logits = _check_logits(logits)
+    num_tokens, num_experts = logits.shape
+    token_ids = require_tensor("token_ids", token_ids)
+    require_dtype("token_ids", token_ids, INDEX_DTYPES)
+    if token_ids.numel() != num_tokens:
+        raise ValueError(
+            f"token_ids must have one id per logits row ({num_tokens} elements), "
+            f"got shape {tuple(token_ids.shape)}"
+        )
+    require_same_device("token_ids", token_ids, "logits", logits)
+    table = require_tensor("table", table)
+    require_dtype("table", table, INDEX_DTYPES)
+    require_rank("table", table, (2,))
+    if table.shape[0] < 1 or table.shape[1] < 1:
+        raise ValueError(f"table must be [vocab, k] with vocab >= 1 and k >= 1, got shape {tuple(table.shape)}")
+    require_same_device("table", table, "logits", logits)
+    scoring = _check_scoring(scoring)
+    scale = _check_scale(routed_scaling_factor)
+
+    if token_ids.device.type == "cpu":
+        _raise_on_invalid_hash(token_ids, table, num_experts)
+    return _hash_route(token_ids, table, logits, scoring, scale)
+
+
+def _hash_route(
+    token_ids: torch.Tensor, table: torch.Tensor, logits: torch.Tensor, scoring: str, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sync-free body of `hash_topk` (what CUDA runs): invalid slots -> id -1, weight 0."""
+    ids, valid = _hash_lookup(token_ids, table, logits.shape[1])
+    scores = _scores(logits.to(torch.float32), scoring)
+    weights = scores.gather(1, ids.clamp(min=0)).masked_fill(~valid, 0.0)
+    return _finish(_deepseek_normalize(weights, True, scale), ids)

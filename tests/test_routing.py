@@ -1,0 +1,525 @@
+"""Routers against the real transformers router modules (the oracles), plus error paths.
+
+Every test builds the model family's router from transformers with a tiny config, gives it
+fresh random weights and hidden states, and compares our (weights, ids) to its output: ids as
+sets per token, weights matched per id, within 1e-6 in float32.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import devices
+
+from padded_moe.routing import SCORING_FUNCS, _hash_route, biased_grouped_topk, hash_topk, softmax_topk
+
+ATOL = 1e-6
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort each row by expert id so two routings can be compared order-insensitively."""
+    ids64 = ids.to(torch.int64).cpu()
+    order = ids64.argsort(dim=-1)
+    return weights.float().cpu().gather(1, order), ids64.gather(1, order)
+
+
+def assert_same_routing(ours, theirs, atol=ATOL):
+    w, ids = ours
+    ref_w, ref_ids = theirs
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32
+    assert w.shape == ids.shape == ref_ids.shape
+    w_s, ids_s = _by_id(w, ids)
+    ref_w_s, ref_ids_s = _by_id(ref_w, ref_ids)
+    assert torch.equal(ids_s, ref_ids_s), "selected expert sets differ"
+    err = (w_s - ref_w_s).abs().max().item() if w.numel() else 0.0
+    assert err <= atol, f"weights differ by {err}"
+
+
+def _randomize(module: torch.nn.Module, gen: torch.Generator, scale: float = 1.0) -> None:
+    # transformers initialises several routers to zeros; routing on zeros would only test ties.
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def _hidden(gen, num_tokens, hidden_size):
+    return torch.randn(num_tokens, hidden_size, generator=gen)
+
+
+def _sets(ids: torch.Tensor) -> list[frozenset]:
+    return [frozenset(row) for row in ids.tolist()]
+
+
+# --------------------------------------------------------------------------------------------
+# softmax routers
+
+
+@pytest.mark.parametrize("num_experts,k", [(8, 2), (16, 1), (6, 6), (64, 8)])
+def test_mixtral_matches_transformers(gen, num_experts, k):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    cfg = MixtralConfig(hidden_size=32, num_local_experts=num_experts, num_experts_per_tok=k)
+    router = MixtralTopKRouter(cfg)
+    _randomize(router, gen, scale=0.3)
+    with torch.no_grad():
+        logits, ref_w, ref_ids = router(_hidden(gen, 97, 32))
+    ours = softmax_topk(logits, k, renormalize=True)
+    assert_same_routing(ours, (ref_w, ref_ids))
+    # Slots come out in descending weight order (documented; cheap to keep honest).
+    assert bool((ours[0][:, :-1] >= ours[0][:, 1:]).all())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_qwen3_olmoe_match_transformers(gen, family, norm_topk_prob):
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig as Config
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter as Router
+    else:
+        from transformers import OlmoeConfig as Config
+        from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter as Router
+
+    cfg = Config(hidden_size=24, num_experts=16, num_experts_per_tok=4, norm_topk_prob=norm_topk_prob)
+    router = Router(cfg)
+    _randomize(router, gen, scale=0.2)  # logits of std ~1: softmax far from saturated
+    with torch.no_grad():
+        logits, ref_w, ref_ids = router(_hidden(gen, 65, 24))
+    ours = softmax_topk(logits, 4, renormalize=norm_topk_prob)
+    assert_same_routing(ours, (ref_w, ref_ids))
+    # Without renormalisation the kept probabilities sum to < 1, so the flag really matters.
+    sums = ours[0].sum(dim=-1)
+    if norm_topk_prob:
+        assert torch.allclose(sums, torch.ones_like(sums), atol=1e-6)
+    else:
+        assert bool((sums < 1 - 1e-3).all())
+
+
+@pytest.mark.parametrize("num_experts,k", [(32, 4), (8, 1), (5, 5)])
+def test_gpt_oss_matches_transformers(gen, num_experts, k):
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+
+    cfg = GptOssConfig(hidden_size=16, num_local_experts=num_experts, num_experts_per_tok=k)
+    router = GptOssTopKRouter(cfg)
+    _randomize(router, gen)  # includes the router bias
+    with torch.no_grad():
+        logits, ref_w, ref_ids = router(_hidden(gen, 80, 16))
+    for renormalize in (False, True):  # a no-op after a softmax over the k
+        assert_same_routing(softmax_topk(logits, k, renormalize, topk_before_softmax=True), (ref_w, ref_ids))
+    if 1 < k < num_experts:
+        # The two orderings differ (k-softmax sums to 1, E-softmax top-k does not): a router that
+        # ignored topk_before_softmax would fail the comparison above.
+        plain_w, _ = softmax_topk(logits, k, renormalize=False)
+        assert (plain_w - _by_id(ref_w, ref_ids)[0]).abs().max() > 1e-3
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSeek routers
+
+
+def _v3_router(gen, num_experts, k, n_group, topk_group, norm, scale):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = DeepseekV3Config(
+        hidden_size=16,
+        n_routed_experts=num_experts,
+        num_experts_per_tok=k,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=norm,
+        routed_scaling_factor=scale,
+    )
+    router = DeepseekV3TopkRouter(cfg)
+    _randomize(router, gen, scale=0.5)
+    with torch.no_grad():
+        # The correction bias must be large enough to change which experts win.
+        router.e_score_correction_bias.copy_(torch.randn(num_experts, generator=gen) * 0.3)
+    return router
+
+
+@pytest.mark.parametrize(
+    "num_experts,k,n_group,topk_group",
+    [(16, 4, 1, 1), (16, 4, 4, 2), (32, 6, 8, 3), (64, 8, 8, 4), (8, 2, 4, 4), (12, 2, 6, 1)],
+)
+@pytest.mark.parametrize("norm", [True, False])
+def test_deepseek_v3_matches_transformers(gen, num_experts, k, n_group, topk_group, norm):
+    scale = 2.5
+    router = _v3_router(gen, num_experts, k, n_group, topk_group, norm, scale)
+    with torch.no_grad():
+        logits, ref_w, ref_ids = router(_hidden(gen, 128, 16))
+    bias = router.e_score_correction_bias
+    ours = biased_grouped_topk(
+        logits, bias, k, n_group, topk_group, scoring="sigmoid", routed_scaling_factor=scale, renormalize=norm
+    )
+    assert_same_routing(ours, (ref_w, ref_ids))
+    if norm:  # renormalised, then scaled: each row sums to the scaling factor
+        assert torch.allclose(ours[0].sum(-1), torch.full((128,), scale), atol=1e-5)
+
+    # Non-vacuous: dropping the bias (or the group limit, when one applies) changes the result.
+    no_bias = biased_grouped_topk(logits, None, k, n_group, topk_group, "sigmoid", scale, norm)
+    assert _sets(no_bias[1]) != _sets(ref_ids)
+    if topk_group < n_group:
+        no_groups = biased_grouped_topk(logits, bias, k, 1, 1, "sigmoid", scale, norm)
+        assert _sets(no_groups[1]) != _sets(ref_ids)
+
+
+@pytest.mark.parametrize("scoring_func", ["sqrtsoftplus", "sigmoid"])
+@pytest.mark.parametrize("num_experts,k", [(16, 6), (8, 1), (7, 7)])
+def test_deepseek_v4_matches_transformers(gen, scoring_func, num_experts, k):
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
+
+    cfg = DeepseekV4Config(
+        hidden_size=16,
+        n_routed_experts=num_experts,
+        num_experts_per_tok=k,
+        scoring_func=scoring_func,
+        routed_scaling_factor=1.5,
+        num_hidden_layers=2,
+        vocab_size=64,
+    )
+    router = DeepseekV4TopKRouter(cfg)
+    _randomize(router, gen, scale=0.5)
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(torch.randn(num_experts, generator=gen) * 0.3)
+        logits, ref_w, ref_ids = router(_hidden(gen, 100, 16))
+    bias = router.e_score_correction_bias
+    ours = biased_grouped_topk(logits, bias, k, scoring=scoring_func, routed_scaling_factor=1.5)
+    assert_same_routing(ours, (ref_w, ref_ids))
+    if 1 < k < num_experts:  # k == 1 renormalises to a constant, k == E selects everything
+        other = "sigmoid" if scoring_func == "sqrtsoftplus" else "sqrtsoftplus"
+        wrong = biased_grouped_topk(logits, bias, k, scoring=other, routed_scaling_factor=1.5)
+        assert (_by_id(*wrong)[0] - _by_id(ref_w, ref_ids)[0]).abs().max() > 1e-4
+
+
+def _v4_hash_router(gen, num_experts, k, vocab, scoring_func="sqrtsoftplus"):
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter
+
+    cfg = DeepseekV4Config(
+        hidden_size=16,
+        n_routed_experts=num_experts,
+        num_experts_per_tok=k,
+        scoring_func=scoring_func,
+        routed_scaling_factor=1.5,
+        num_hidden_layers=2,
+        vocab_size=vocab,
+    )
+    assert cfg.mlp_layer_types[0] == "hash_moe"
+    router = DeepseekV4HashRouter(cfg)
+    _randomize(router, gen, scale=0.5)
+    # A real table: k distinct experts per token id (transformers initialises it to zeros).
+    table = torch.stack([torch.randperm(num_experts, generator=gen)[:k] for _ in range(vocab)])
+    with torch.no_grad():
+        router.tid2eid.copy_(table)
+    return cfg, router
+
+
+@pytest.mark.parametrize("scoring_func", ["sqrtsoftplus", "sigmoid"])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_deepseek_v4_hash_matches_transformers(gen, scoring_func, id_dtype):
+    cfg, router = _v4_hash_router(gen, num_experts=16, k=6, vocab=50, scoring_func=scoring_func)
+    input_ids = torch.randint(0, cfg.vocab_size, (3, 21), generator=gen)
+    hidden = torch.randn(3, 21, 16, generator=gen)
+    with torch.no_grad():
+        logits, ref_w, ref_ids = router(hidden, input_ids)
+    w, ids = hash_topk(
+        input_ids.to(id_dtype),
+        router.tid2eid.to(id_dtype),
+        logits,
+        scoring=cfg.scoring_func,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )
+    assert_same_routing((w, ids), (ref_w, ref_ids))
+    # Hash routing keeps the table's slot order exactly.
+    assert torch.equal(ids.long(), ref_ids)
+
+
+# --------------------------------------------------------------------------------------------
+# independent float64 references (paths transformers cannot exercise)
+
+
+def _ref_biased(logits, bias, k, scoring, scale, renormalize):
+    """Per-token float64 loop: score, pick the k best biased scores, weight by unbiased ones."""
+    x = logits.double()
+    if scoring == "sigmoid":
+        s = 1 / (1 + torch.exp(-x))
+    elif scoring == "sqrtsoftplus":
+        s = torch.log1p(torch.exp(x)).sqrt()
+    else:
+        s = torch.exp(x - x.max(-1, keepdim=True).values)
+        s = s / s.sum(-1, keepdim=True)
+    out_w, out_ids = [], []
+    for row, brow in zip(s.tolist(), (s + bias.double()).tolist()):
+        chosen = sorted(range(len(row)), key=lambda e: -brow[e])[:k]
+        w = [row[e] for e in chosen]
+        if renormalize:
+            total = sum(w)
+            w = [v / (total + 1e-20) for v in w]
+        out_w.append([v * scale for v in w])
+        out_ids.append(chosen)
+    return torch.tensor(out_w), torch.tensor(out_ids)
+
+
+@pytest.mark.parametrize("scoring", SCORING_FUNCS)
+def test_biased_topk_all_scorings_vs_float64(gen, scoring):
+    logits = torch.randn(40, 12, generator=gen) * 2
+    bias = torch.randn(12, generator=gen) * 0.1
+    for renormalize in (True, False):
+        ours = biased_grouped_topk(
+            logits, bias, 3, scoring=scoring, routed_scaling_factor=0.7, renormalize=renormalize
+        )
+        assert_same_routing(ours, _ref_biased(logits, bias, 3, scoring, 0.7, renormalize), atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_logits_route_in_float32(gen, dtype):
+    logits = (torch.randn(64, 16, generator=gen) * 3).to(dtype)
+    bias = torch.randn(16, generator=gen) * 0.2
+    up = logits.double()
+    # Upcasting preserves order, so the float64 results on the same values are the reference.
+    ref_soft = torch.softmax(up, -1).topk(4, -1)
+    assert_same_routing(
+        softmax_topk(logits, 4, renormalize=False), (ref_soft.values, ref_soft.indices), atol=2e-7
+    )
+    assert_same_routing(
+        biased_grouped_topk(logits, bias, 4, scoring="sqrtsoftplus"),
+        _ref_biased(up, bias, 4, "sqrtsoftplus", 1.0, True),
+        atol=2e-6,
+    )
+
+
+def test_empty_batch_all_routers():
+    logits = torch.randn(0, 8)
+    for w, ids in (
+        softmax_topk(logits, 2, True),
+        softmax_topk(logits, 2, False, topk_before_softmax=True),
+        biased_grouped_topk(logits, torch.randn(8), 2, 4, 2),
+        hash_topk(torch.zeros(0, dtype=torch.int64), torch.randint(0, 8, (5, 2)), logits),
+    ):
+        assert w.shape == ids.shape == (0, 2)
+        assert w.dtype == torch.float32 and ids.dtype == torch.int32
+
+
+# --------------------------------------------------------------------------------------------
+# hash routing: invalid ids
+
+
+@pytest.mark.parametrize("bad", [-1, 50, 2**31 - 1, -(2**31)])
+def test_hash_out_of_range_token_raises_on_cpu(gen, bad):
+    table = torch.randint(0, 8, (50, 2), generator=gen)
+    token_ids = torch.randint(0, 50, (10,), generator=gen)
+    token_ids[3] = bad
+    with pytest.raises(ValueError, match=r"token_ids must be in \[0, 50\)"):
+        hash_topk(token_ids, table, torch.randn(10, 8, generator=gen))
+
+
+def test_hash_bad_table_entry_raises_on_cpu(gen):
+    table = torch.randint(0, 8, (20, 3), generator=gen)
+    token_ids = torch.randint(0, 20, (6,), generator=gen)
+    table[token_ids[2], 1] = 8  # == E
+    with pytest.raises(ValueError, match=r"table entries .* \[0, 8\)"):
+        hash_topk(token_ids, table, torch.randn(6, 8, generator=gen))
+
+
+def _check_dropped_slots(gen, device):
+    """The CUDA semantics: invalid slots -> id -1, weight 0, excluded from renormalisation."""
+    num_experts, vocab, k = 8, 20, 3
+    table = torch.stack([torch.randperm(num_experts, generator=gen)[:k] for _ in range(vocab)])
+    table[7, 1] = num_experts  # one bad entry in the row of token 7
+    table[9, :] = -5  # a row with no valid entry
+    token_ids = torch.tensor([0, -1, 7, vocab, 9, 2**40, 3], dtype=torch.int64)
+    logits = torch.randn(7, num_experts, generator=gen)
+    route = _hash_route if device == "cpu" else hash_topk  # CPU's public path raises instead
+    w, ids = route(token_ids.to(device), table.to(device), logits.to(device), "sigmoid", 2.0)
+    w, ids = w.cpu(), ids.cpu()
+
+    scores = torch.sigmoid(logits.double())
+    for t, tok in enumerate(token_ids.tolist()):
+        row = table[tok].tolist() if 0 <= tok < vocab else [None] * k
+        keep = [e if e is not None and 0 <= e < num_experts else -1 for e in row]
+        assert ids[t].tolist() == keep
+        raw = [scores[t, e].item() if e >= 0 else 0.0 for e in keep]
+        total = sum(raw)
+        expect = [2.0 * v / (total + 1e-20) for v in raw]
+        assert torch.allclose(w[t].double(), torch.tensor(expect, dtype=torch.float64), atol=1e-6)
+    assert (w[[1, 3, 4, 5]] == 0).all()
+
+
+def test_hash_invalid_slots_dropped_sync_free_path(gen):
+    _check_dropped_slots(gen, "cpu")
+
+
+@pytest.mark.gpu
+def test_hash_invalid_slots_dropped_on_cuda(gen):
+    _check_dropped_slots(gen, "cuda")
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: same answers as CPU, no host sync (CUDA graph capture)
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_and_captures(gen):
+    # 64 tokens keeps the chance of a CPU/CUDA last-ulp near-tie flipping a pick negligible.
+    logits = torch.randn(64, 64, generator=gen)
+    bias = torch.randn(64, generator=gen) * 0.3
+    table = torch.stack([torch.randperm(64, generator=gen)[:6] for _ in range(100)])
+    token_ids = torch.randint(0, 100, (64,), generator=gen)
+    calls = [
+        lambda lg, b, tb, ti: softmax_topk(lg, 8, True),
+        lambda lg, b, tb, ti: softmax_topk(lg, 4, False, topk_before_softmax=True),
+        lambda lg, b, tb, ti: biased_grouped_topk(lg, b, 8, 8, 4, "sigmoid", 2.5, True),
+        lambda lg, b, tb, ti: biased_grouped_topk(lg, b, 6, scoring="sqrtsoftplus", routed_scaling_factor=1.5),
+        lambda lg, b, tb, ti: hash_topk(ti, tb, lg, "sqrtsoftplus", 1.5),
+    ]
+    cuda_args = [a.cuda() for a in (logits, bias, table, token_ids)]
+    for call in calls:
+        assert_same_routing(call(*cuda_args), call(logits, bias, table, token_ids), atol=2e-6)
+        static_logits = cuda_args[0].clone()
+        call(static_logits, *cuda_args[1:])  # warm up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call(static_logits, *cuda_args[1:])
+        fresh = torch.randn(64, 64, generator=gen)
+        static_logits.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same_routing(out, call(fresh, bias, table, token_ids), atol=2e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# error paths
+
+
+@pytest.mark.parametrize("device", devices())
+def test_logits_errors(device):
+    good = torch.randn(4, 8, device=device)
+    for fn in (
+        lambda lg: softmax_topk(lg, 2, True),
+        lambda lg: biased_grouped_topk(lg, None, 2),
+        lambda lg: hash_topk(
+            torch.zeros(4, dtype=torch.int64, device=device), torch.zeros(3, 2, dtype=torch.int64, device=device), lg
+        ),
+    ):
+        with pytest.raises(TypeError, match="logits must be a torch.Tensor"):
+            fn(good.tolist())
+        with pytest.raises(ValueError, match="logits must be 2-D"):
+            fn(good[0])
+        with pytest.raises(ValueError, match="logits must be 2-D"):
+            fn(good.unsqueeze(0))
+        with pytest.raises(TypeError, match="logits must have dtype"):
+            fn(good.to(torch.int32))
+        fn(good)  # and the good input passes
+
+
+@pytest.mark.parametrize("k", [0, -1, 9])
+def test_k_out_of_range(k):
+    logits = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"k must be in \[1, 8\]"):
+        softmax_topk(logits, k, True)
+    with pytest.raises(ValueError, match=r"k must be in \[1, 8\]"):
+        biased_grouped_topk(logits, None, k)
+
+
+@pytest.mark.parametrize("k", [2.0, True, None, torch.tensor(2)])
+def test_k_wrong_type(k):
+    with pytest.raises(TypeError, match="k must be an int"):
+        softmax_topk(torch.randn(4, 8), k, True)
+
+
+def test_flag_types():
+    logits = torch.randn(4, 8)
+    with pytest.raises(TypeError, match="renormalize must be a bool"):
+        softmax_topk(logits, 2, 1)
+    with pytest.raises(TypeError, match="topk_before_softmax must be a bool"):
+        softmax_topk(logits, 2, True, topk_before_softmax="yes")
+    with pytest.raises(TypeError, match="routed_scaling_factor must be a float"):
+        biased_grouped_topk(logits, None, 2, routed_scaling_factor="2.5")
+
+
+@pytest.mark.parametrize(
+    "num_groups,topk_groups,k,match",
+    [
+        (8, 1, 2, "num_groups must divide the number of experts E=12"),
+        (5, 1, 2, "num_groups must divide"),
+        (0, 1, 2, r"num_groups must be in \[1, 12\]"),
+        (4, 5, 2, r"topk_groups must be in \[1, 4\]"),
+        (4, 0, 2, r"topk_groups must be in \[1, 4\]"),
+        (12, 2, 2, "at least 2"),
+        (4, 1, 4, r"k must be at most topk_groups \* E / num_groups = 3"),
+    ],
+)
+def test_group_errors(num_groups, topk_groups, k, match):
+    with pytest.raises(ValueError, match=match):
+        biased_grouped_topk(torch.randn(4, 12), torch.randn(12), k, num_groups, topk_groups)
+
+
+def test_bias_errors():
+    logits = torch.randn(4, 12)
+    with pytest.raises(ValueError, match=r"bias must have shape \(12,\)"):
+        biased_grouped_topk(logits, torch.randn(11), 2)
+    with pytest.raises(ValueError, match=r"bias must have shape \(12,\)"):
+        biased_grouped_topk(logits, torch.randn(1, 12), 2)
+    with pytest.raises(TypeError, match="bias must have dtype"):
+        biased_grouped_topk(logits, torch.zeros(12, dtype=torch.int64), 2)
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor"):
+        biased_grouped_topk(logits, [0.0] * 12, 2)
+
+
+@pytest.mark.parametrize("scoring", ["softplus", "Sigmoid", "", None])
+def test_unknown_scoring_lists_choices(scoring):
+    logits = torch.randn(4, 8)
+    pattern = "scoring must be one of 'sigmoid', 'sqrtsoftplus', 'softmax'"
+    with pytest.raises(ValueError, match=pattern):
+        biased_grouped_topk(logits, None, 2, scoring=scoring)
+    with pytest.raises(ValueError, match=pattern):
+        hash_topk(torch.zeros(4, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.int64), logits, scoring)
+
+
+def test_hash_argument_errors():
+    logits = torch.randn(6, 8)
+    table = torch.randint(0, 8, (10, 2))
+    ids = torch.randint(0, 10, (6,))
+    with pytest.raises(TypeError, match="token_ids must have dtype"):
+        hash_topk(ids.float(), table, logits)
+    with pytest.raises(TypeError, match="token_ids must be a torch.Tensor"):
+        hash_topk(ids.tolist(), table, logits)
+    with pytest.raises(ValueError, match=r"token_ids must have one id per logits row \(6 elements\)"):
+        hash_topk(ids[:5], table, logits)
+    with pytest.raises(TypeError, match="table must have dtype"):
+        hash_topk(ids, table.float(), logits)
+    with pytest.raises(ValueError, match="table must be 2-D"):
+        hash_topk(ids, table[:, 0], logits)
+    with pytest.raises(ValueError, match="table must be"):
+        hash_topk(ids, table[:, :0], logits)
+    # [2, 3]-shaped ids are fine (flattened row-major, like input_ids.reshape(-1)).
+    w, out = hash_topk(ids.view(2, 3), table, logits)
+    assert torch.equal(out.long(), table[ids])
+    assert math.isclose(w.sum().item(), 6.0, rel_tol=1e-6)
+
+
+@pytest.mark.gpu
+def test_device_mismatch():
+    logits = torch.randn(4, 8, device="cuda")
+    with pytest.raises(ValueError, match="bias must be on logits's device"):
+        biased_grouped_topk(logits, torch.randn(8), 2)
+    with pytest.raises(ValueError, match="token_ids must be on logits's device"):
+        hash_topk(torch.zeros(4, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.int64, device="cuda"), logits)
+
+
+def test_softmax_reference_formula(gen):
+    """A small hand reference for the softmax-then-top-k path with renormalisation."""
+    logits = torch.randn(9, 7, generator=gen)
+    p = F.softmax(logits.double(), -1)
+    top = p.topk(3, -1)
+    ref_w = top.values / top.values.sum(-1, keepdim=True)
+    assert_same_routing(softmax_topk(logits, 3, True), (ref_w, top.indices))

@@ -1,0 +1,183 @@
+"""`FusedMoE`: router + routed experts (+ optional shared experts) as one `nn.Module` (spec 03).
+
+The router turns logits into `(topk_weights, topk_ids)` with the functions of
+`padded_moe.routing`; the experts run through `padded_moe.experts.fused_experts`, or through an
+`ExpertParallel` dispatch → local experts → combine when `expert_parallel` is given.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from padded_moe import routing
+from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
+from padded_moe.experts import batched_experts, fused_experts
+from padded_moe.mxfp4 import Mxfp4Tensor, quantize_mxfp4
+from padded_moe.presets import MoEPreset, get_preset
+
+RouterFn = Callable[[torch.Tensor, Optional[torch.Tensor]], "tuple[torch.Tensor, torch.Tensor]"]
+
+# Router names (as used by the presets) and whether the gate has a bias / a correction bias.
+ROUTERS = ("softmax", "softmax_renorm", "topk_softmax", "biased_sigmoid", "biased_sqrtsoftplus")
+WEIGHT_FORMATS = ("bf16", "mxfp4")
+
+
+class FusedMoE(nn.Module):
+    """A MoE block. `forward(hidden_states [..., K], router_logits=None, token_ids=None)`.
+
+    `router` is a name from `ROUTERS` or a callable `(logits, token_ids) -> (weights f32, ids i32)`.
+    Without expert parallelism the layer holds all `num_experts`; with it, only this rank's.
+    `weight_format="mxfp4"` stores the expert weights as MXFP4 (activations stay bf16).
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
+                 activation: Union[str, MoEActivation] = "silu",
+                 activation_config: Optional[ApplyMoEActivationConfig] = None,
+                 router: Union[str, RouterFn] = "softmax_renorm", routed_scaling_factor: float = 1.0,
+                 weight_format: str = "bf16", has_bias: bool = False, expert_parallel=None,
+                 shared_experts: Optional[nn.Module] = None, layout: Optional[str] = None,
+                 backend: str = "auto", dtype: torch.dtype = torch.bfloat16,
+                 device: Union[str, torch.device, None] = None):
+        super().__init__()
+        self.activation = resolve_supported(activation)
+        self.activation_config = activation_config or ApplyMoEActivationConfig()
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+        if not callable(router) and router not in ROUTERS:
+            raise ValueError(f"router must be a callable or one of {ROUTERS}, got {router!r}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.router, self.routed_scaling_factor = router, routed_scaling_factor
+        self.weight_format, self.layout, self.backend = weight_format, layout, backend
+        self.expert_parallel = expert_parallel
+        self.shared_experts = shared_experts
+        self.num_local = expert_parallel.expert_map.num_local if expert_parallel is not None else num_experts
+        factory = dict(dtype=dtype, device=device)
+        self.gate = nn.Linear(hidden_size, num_experts, bias=(router == "topk_softmax"), **factory)
+        if isinstance(router, str) and router.startswith("biased_"):
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
+        else:
+            self.e_score_correction_bias = None
+        w13_rows = 2 * intermediate_size if self.activation.is_gated else intermediate_size
+        self._w13_shape = (self.num_local, w13_rows, hidden_size)
+        self._w2_shape = (self.num_local, hidden_size, intermediate_size)
+        self.w13 = nn.Parameter(torch.empty(self._w13_shape, **factory), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self._w2_shape, **factory), requires_grad=False)
+        self.w13_bias = nn.Parameter(torch.zeros(self.num_local, w13_rows, **factory), requires_grad=False) if has_bias else None
+        self.w2_bias = nn.Parameter(torch.zeros(self.num_local, hidden_size, **factory), requires_grad=False) if has_bias else None
+        self._mxfp4: dict = {}
+
+    # ----- construction helpers -------------------------------------------------------------
+
+    @classmethod
+    def from_preset(cls, preset: Union[str, MoEPreset], *, weight_format: Optional[str] = None, **kwargs) -> "FusedMoE":
+        p = get_preset(preset) if isinstance(preset, str) else preset
+        cfg = ApplyMoEActivationConfig(**p.activation_config)
+        return cls(p.num_experts, p.top_k, p.hidden_size, p.intermediate_size, activation=p.activation,
+                   activation_config=cfg, router=p.routing,
+                   routed_scaling_factor=p.routing_config.get("routed_scaling_factor", 1.0),
+                   weight_format=weight_format or p.weight_format, has_bias=p.has_bias, **kwargs)
+
+    @property
+    def local_experts(self) -> list:
+        if self.expert_parallel is None:
+            return list(range(self.num_experts))
+        return list(self.expert_parallel.expert_map.local_experts)
+
+    @torch.no_grad()
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor, w13_bias: Optional[torch.Tensor] = None,
+                     w2_bias: Optional[torch.Tensor] = None) -> None:
+        """Load global weights `[E, ·, ·]` (HF gate_up_proj / down_proj layout); keeps local experts."""
+        want13 = (self.num_experts,) + self._w13_shape[1:]
+        want2 = (self.num_experts,) + self._w2_shape[1:]
+        if tuple(w13.shape) != want13 or tuple(w2.shape) != want2:
+            raise ValueError(f"w13/w2 must be {want13} / {want2}, got {tuple(w13.shape)} / {tuple(w2.shape)}")
+        idx = torch.tensor(self.local_experts, dtype=torch.long)
+        self.w13.copy_(w13[idx].to(self.w13.device))
+        self.w2.copy_(w2[idx].to(self.w2.device))
+        if self.w13_bias is not None and w13_bias is not None:
+            self.w13_bias.copy_(w13_bias[idx].to(self.w13_bias.device))
+        if self.w2_bias is not None and w2_bias is not None:
+            self.w2_bias.copy_(w2_bias[idx].to(self.w2_bias.device))
+        self._mxfp4.clear()
+
+    @torch.no_grad()
+    def randomize(self, seed: int = 0, std: float = 0.05) -> None:
+        """Random normal weights (demos, tests, benchmarks), drawn on the weights' device so model-
+        sized layers need no host copy; deterministic for a seed on a given device."""
+        params = (self.gate.weight, self.gate.bias, self.w13, self.w2, self.w13_bias, self.w2_bias,
+                  self.e_score_correction_bias)
+        generators: dict = {}
+        for p in params:
+            if p is None:
+                continue
+            gen = generators.get(p.device)
+            if gen is None:
+                gen = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(std))
+        self._mxfp4.clear()
+
+    def expert_weights(self) -> tuple:
+        """`(w13, w2)` in the layer's weight format (MXFP4 quantized once, then cached)."""
+        if self.weight_format == "bf16":
+            return self.w13, self.w2
+        if not self._mxfp4:
+            self._mxfp4["w13"] = quantize_mxfp4(self.w13.detach())
+            self._mxfp4["w2"] = quantize_mxfp4(self.w2.detach())
+        return self._mxfp4["w13"], self._mxfp4["w2"]
+
+    # ----- forward --------------------------------------------------------------------------
+
+    def route(self, logits: torch.Tensor, token_ids: Optional[torch.Tensor] = None):
+        if callable(self.router):
+            return self.router(logits, token_ids)
+        k, scale = self.top_k, self.routed_scaling_factor
+        if self.router == "softmax":
+            return routing.softmax_topk(logits, k, False)
+        if self.router == "softmax_renorm":
+            return routing.softmax_topk(logits, k, True)
+        if self.router == "topk_softmax":
+            return routing.softmax_topk(logits, k, False, topk_before_softmax=True)
+        scoring = "sigmoid" if self.router == "biased_sigmoid" else "sqrtsoftplus"
+        return routing.biased_grouped_topk(logits, self.e_score_correction_bias, k, scoring=scoring,
+                                           routed_scaling_factor=scale, renormalize=True)
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None,
+                token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.hidden_size)
+        logits = self.gate(x) if router_logits is None else router_logits
+        topk_weights, topk_ids = self.route(logits, token_ids)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Routed experts only (no router, no shared experts) on `x [M, K]`."""
+        w13, w2 = self.expert_weights()
+        common = dict(activation=self.activation, activation_config=self.activation_config, backend=self.backend)
+        ep = self.expert_parallel
+        if ep is None:
+            return fused_experts(x, w13, w2, topk_weights, topk_ids, layout=self.layout,
+                                 w13_bias=self.w13_bias, w2_bias=self.w2_bias, **common)
+        rb, handle = ep.dispatch(x, topk_ids, topk_weights)
+        if ep.mode == "flat":
+            y = fused_experts(rb.x, w13, w2, rb.topk_weights, rb.topk_ids, expert_map=ep.expert_map,
+                              valid_tokens=rb.valid_tokens, layout=self.layout,
+                              w13_bias=self.w13_bias, w2_bias=self.w2_bias, **common)
+        else:
+            if self.w13_bias is not None:
+                raise NotImplementedError("expert biases are not supported in batched expert-parallel mode; use mode='flat'")
+            y = batched_experts(rb.x, rb.counts, w13, w2, **common)
+        return ep.combine(y, handle)
+
+
+def dense_weights(w) -> torch.Tensor:
+    """A float copy of a weight for references (dequantizes MXFP4)."""
+    return w.dequantize(torch.float32) if isinstance(w, Mxfp4Tensor) else w.detach().float()

@@ -1,0 +1,189 @@
+"""Spec 03: fused_experts / batched_experts / FusedMoE against the float64 loop-over-experts oracle."""
+
+import pytest
+import torch
+
+from helpers import SENTINEL, rel_err
+from padded_moe.activation import ApplyMoEActivationConfig
+from padded_moe.expert_map import ExpertMap
+from padded_moe.experts import batched_experts, fused_experts
+from padded_moe.layer import FusedMoE, dense_weights
+from padded_moe.layouts import PermuteScratch
+from padded_moe.mxfp4 import quantize_mxfp4
+from padded_moe.reference.moe import activation_f64, reference_moe
+
+K, N = 64, 32
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+LAYOUTS = ["indexed", "grouped_contiguous"]
+
+
+def weights(num_local, gen, dtype, gated=True, std=0.1):
+    w13 = (torch.randn(num_local, (2 if gated else 1) * N, K, generator=gen) * std).to(dtype)
+    w2 = (torch.randn(num_local, K, N, generator=gen) * std).to(dtype)
+    return w13, w2
+
+
+def routed(M, k, E, gen):
+    """Random distinct ids per token plus softmax-ish weights."""
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
+    w = torch.rand(M, k, generator=gen)
+    return w / w.sum(-1, keepdim=True), ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fused_experts_matches_reference(cpu_path, layout, dtype, gen):
+    M, k, E = 19, 3, 6
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    w13, w2 = weights(E, gen, dtype)
+    tw, ids = routed(M, k, E, gen)
+    ids[2, 1] = -1  # padding slot
+    ids[5, 0] = E  # out of range
+    ids[7] = torch.tensor([-1, 2**31 - 1, -(2**31)], dtype=torch.int32)  # a token with nothing kept
+    out = fused_experts(x, w13, w2, tw, ids, activation="silu", layout=layout)
+    ref = reference_moe(x, w13, w2, tw, ids, activation="silu")
+    assert rel_err(out, ref) <= TOL[dtype]
+    assert (out[7] == 0).all()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_expert_map_and_valid_tokens(cpu_path, layout, gen):
+    """The flat receive buffer of EP: global ids, -1 for other ranks, garbage past valid_tokens."""
+    M, k, E = 24, 4, 8
+    emap = ExpertMap(E, ep_rank=1, ep_size=2)
+    L = emap.num_local
+    x = torch.randn(M, K, generator=gen)
+    w13, w2 = weights(L, gen, torch.float32)
+    tw, ids = routed(M, k, E, gen)
+    valid = 15
+    ids[valid:] = torch.randint(-3, E + 3, (M - valid, k), generator=gen, dtype=torch.int32)
+    x[valid:] = float("nan")
+    out = torch.full((M, K), SENTINEL)
+    out = fused_experts(x, w13, w2, tw, ids, activation="silu", expert_map=emap, layout=layout,
+                        valid_tokens=torch.tensor([valid], dtype=torch.int32))
+    ref = reference_moe(x, w13, w2, tw, ids, activation="silu", expert_map=emap.map, num_experts=E,
+                        valid_tokens=valid)
+    assert rel_err(out[:valid], ref[:valid]) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_swigluoai_with_biases_and_mxfp4(cpu_path, layout, gen):
+    M, k, E = 13, 2, 4
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    w13f, w2f = weights(E, gen, torch.float32)
+    q13, q2 = quantize_mxfp4(w13f), quantize_mxfp4(w2f)
+    b13 = (torch.randn(E, 2 * N, generator=gen) * 0.1).to(torch.bfloat16)
+    b2 = (torch.randn(E, K, generator=gen) * 0.1).to(torch.bfloat16)
+    tw, ids = routed(M, k, E, gen)
+    out = fused_experts(x, q13, q2, tw, ids, activation="swigluoai", layout=layout, w13_bias=b13, w2_bias=b2)
+    ref = reference_moe(x, dense_weights(q13), dense_weights(q2), tw, ids, activation="swigluoai",
+                        w13_bias=b13, w2_bias=b2)
+    assert rel_err(out, ref) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("act, cfg", [
+    ("situ", ApplyMoEActivationConfig(situ_beta=4.0, situ_linear_beta=25.0)),
+    ("silu", ApplyMoEActivationConfig(clamp_limit=0.05)),
+    ("gelu_no_mul", None),
+])
+def test_activation_config_reaches_the_kernel(cpu_path, act, cfg, gen):
+    M, k, E = 11, 2, 4
+    gated = not act.endswith("_no_mul")
+    x = torch.randn(M, K, generator=gen)
+    w13, w2 = weights(E, gen, torch.float32, gated=gated, std=0.5)
+    tw, ids = routed(M, k, E, gen)
+    out = fused_experts(x, w13, w2, tw, ids, activation=act, activation_config=cfg)
+    c = cfg or ApplyMoEActivationConfig()
+    kw = dict(limit=c.clamp_limit, situ_beta=c.situ_beta, situ_lambda=c.situ_linear_beta)
+    ref = reference_moe(x, w13, w2, tw, ids, activation=act, activation_kwargs=kw)
+    assert rel_err(out, ref) <= TOL[torch.float32]
+
+
+def test_scratch_reuses_every_buffer(cpu_path, gen):
+    """Steady state allocates nothing: the same output storage comes back call after call."""
+    M, k, E = 16, 2, 4
+    w13, w2 = weights(E, gen, torch.float32)
+    scratch = PermuteScratch(max_tokens=M, k=k, num_experts=E, num_local=E, device="cpu")
+    pointers = set()
+    for _ in range(3):
+        x = torch.randn(M, K, generator=gen)
+        tw, ids = routed(M, k, E, gen)
+        out = fused_experts(x, w13, w2, tw, ids, activation="silu", layout="grouped_contiguous", scratch=scratch)
+        ref = reference_moe(x, w13, w2, tw, ids, activation="silu")
+        assert rel_err(out, ref) <= TOL[torch.float32]
+        pointers.add(out.data_ptr())
+    assert len(pointers) == 1
+
+
+def test_batched_experts_rows_past_counts_untouched(cpu_path, gen):
+    L, T = 4, 9
+    counts = [0, 1, 9, 4]
+    x = torch.randn(L, T, K, generator=gen)
+    for e, c in enumerate(counts):
+        x[e, c:] = float("nan")
+    w13, w2 = weights(L, gen, torch.float32)
+    out = torch.full((L, T, K), SENTINEL)
+    batched_experts(x, torch.tensor(counts, dtype=torch.int32), w13, w2, activation="silu", out=out)
+    for e, c in enumerate(counts):
+        if c:
+            h = x[e, :c].double() @ w13[e].double().T
+            ref = activation_f64("silu", h) @ w2[e].double().T
+            assert rel_err(out[e, :c], ref) <= TOL[torch.float32]
+        assert (out[e, c:] == SENTINEL).all()
+
+
+def test_typed_errors():
+    x = torch.randn(4, K)
+    w13, w2 = torch.randn(2, 2 * N, K), torch.randn(2, K, N)
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    tw = torch.rand(4, 2)
+    with pytest.raises(NotImplementedError, match="relu2_no_mul"):
+        fused_experts(x, w13, w2, tw, ids, activation="relu2")
+    with pytest.raises(ValueError, match="w2 must have shape"):
+        fused_experts(x, w13, torch.randn(2, K, N + 1), tw, ids, activation="silu")
+    with pytest.raises(TypeError, match="topk_ids"):
+        fused_experts(x, w13, w2, tw, ids.float(), activation="silu")
+    with pytest.raises(ValueError, match="topk_weights"):
+        fused_experts(x, w13, w2, tw[:, :1], ids, activation="silu")
+    with pytest.raises(ValueError, match="grouped_masked"):
+        fused_experts(x, w13, w2, tw, ids, activation="silu", layout="grouped_masked")
+    with pytest.raises(ValueError, match="counts"):
+        batched_experts(torch.randn(2, 3, K), torch.tensor([1, 2, 3]), w13, w2, activation="silu")
+
+
+# ----- the layer ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("router", ["softmax", "softmax_renorm", "topk_softmax", "biased_sigmoid",
+                                    "biased_sqrtsoftplus"])
+def test_layer_matches_reference(cpu_path, router, gen):
+    layer = FusedMoE(8, 2, K, N, router=router, routed_scaling_factor=1.5, dtype=torch.float32)
+    layer.randomize(int(torch.randint(0, 2**31, (1,), generator=gen)), std=0.1)
+    x = torch.randn(3, 5, K, generator=gen)
+    out = layer(x)
+    assert out.shape == x.shape
+    tw, ids = layer.route(layer.gate(x.reshape(-1, K)))
+    ref = reference_moe(x.reshape(-1, K), layer.w13, layer.w2, tw, ids, activation="silu")
+    assert rel_err(out.reshape(-1, K), ref) <= TOL[torch.float32]
+
+
+def test_layer_shared_experts_and_mxfp4(cpu_path, gen):
+    shared = torch.nn.Linear(K, K, bias=False)
+    layer = FusedMoE(8, 2, K, N, weight_format="mxfp4", shared_experts=shared, dtype=torch.float32)
+    layer.randomize(int(torch.randint(0, 2**31, (1,), generator=gen)), std=0.1)
+    x = torch.randn(6, K, generator=gen)
+    tw, ids = layer.route(layer.gate(x))
+    w13, w2 = layer.expert_weights()
+    ref = reference_moe(x, dense_weights(w13), dense_weights(w2), tw, ids, activation="silu") + shared(x).double()
+    assert rel_err(layer(x), ref) <= TOL[torch.float32]
+
+
+def test_layer_rejects_bad_configuration():
+    with pytest.raises(ValueError, match="weight_format"):
+        FusedMoE(8, 2, K, N, weight_format="int4")
+    with pytest.raises(ValueError, match="router"):
+        FusedMoE(8, 2, K, N, router="random")
+    with pytest.raises(ValueError, match="top_k"):
+        FusedMoE(8, 9, K, N)
+    with pytest.raises(NotImplementedError):
+        FusedMoE(8, 2, K, N, activation="relu2")

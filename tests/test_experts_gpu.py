@@ -1,0 +1,110 @@
+"""Spec 03 on CUDA: fused_experts at model sizes, CUDA-graph capture and replay, the layer."""
+
+import pytest
+import torch
+
+from helpers import rel_err
+from padded_moe.expert_map import ExpertMap
+from padded_moe.experts import batched_experts, fused_experts
+from padded_moe.layer import FusedMoE, dense_weights
+from padded_moe.layouts import PermuteScratch
+from padded_moe.mxfp4 import quantize_mxfp4
+from padded_moe.reference.moe import activation_f64, reference_moe
+
+pytestmark = pytest.mark.gpu
+BF16_TOL = 2e-2
+
+
+def _routes(M, k, E, device="cuda"):
+    ids = torch.rand(M, E, device=device).argsort(dim=1)[:, :k].to(torch.int32)
+    w = torch.rand(M, k, device=device)
+    return w / w.sum(-1, keepdim=True), ids
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("layout", ["indexed", "grouped_contiguous"])
+def test_dsv4_like_shapes(layout, fmt):
+    M, k, E, K, N = 64, 6, 32, 1024, 512  # dsv4-flash's k, fewer experts and narrower for the oracle
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w13 = torch.randn(E, 2 * N, K, device="cuda") * 0.03
+    w2 = torch.randn(E, K, N, device="cuda") * 0.03
+    if fmt == "mxfp4":
+        w13, w2 = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    else:
+        w13, w2 = w13.bfloat16(), w2.bfloat16()
+    tw, ids = _routes(M, k, E)
+    ids[3, 2] = -1
+    ids[9, 0] = E + 5
+    out = fused_experts(x, w13, w2, tw, ids, activation="silu", layout=layout)
+    ref = reference_moe(x, dense_weights(w13), dense_weights(w2), tw, ids, activation="silu")
+    assert rel_err(out, ref) <= BF16_TOL
+
+
+@pytest.mark.parametrize("layout", ["indexed", "grouped_contiguous"])
+def test_graph_capture_and_replay_with_new_routes(layout):
+    M, k, E, K, N = 128, 4, 16, 512, 256
+    emap = ExpertMap(E, ep_rank=0, ep_size=2, device="cuda")
+    L = emap.num_local
+    w13 = (torch.randn(L, 2 * N, K, device="cuda") * 0.05).bfloat16()
+    w2 = (torch.randn(L, K, N, device="cuda") * 0.05).bfloat16()
+    scratch = PermuteScratch(max_tokens=M, k=k, num_experts=E, num_local=L, device="cuda")
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    tw, ids = _routes(M, k, E)
+    valid = torch.tensor([M], device="cuda", dtype=torch.int32)
+
+    def call():
+        return fused_experts(x, w13, w2, tw, ids, activation="silu", expert_map=emap, layout=layout,
+                             valid_tokens=valid, scratch=scratch)
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for n_valid in (M, 37, 0, 100):
+        x.copy_(torch.randn_like(x))
+        new_w, new_ids = _routes(M, k, E)
+        new_ids[n_valid:] = torch.randint(-5, E + 5, new_ids[n_valid:].shape, device="cuda", dtype=torch.int32)
+        tw.copy_(new_w)
+        ids.copy_(new_ids)
+        valid.fill_(n_valid)
+        graph.replay()
+        torch.cuda.synchronize()
+        if n_valid:
+            ref = reference_moe(x, w13, w2, tw, ids, activation="silu", expert_map=emap.map, num_experts=E,
+                                valid_tokens=n_valid)
+            assert rel_err(out[:n_valid], ref[:n_valid]) <= BF16_TOL
+
+
+def test_batched_experts_on_gpu():
+    L, T, K, N = 8, 256, 512, 256
+    counts = torch.tensor([0, 1, 255, 256, 17, 64, 128, 3], device="cuda", dtype=torch.int32)
+    x = torch.randn(L, T, K, device="cuda", dtype=torch.bfloat16)
+    for e, c in enumerate(counts.tolist()):
+        x[e, c:] = float("nan")
+    w13 = (torch.randn(L, 2 * N, K, device="cuda") * 0.05).bfloat16()
+    w2 = (torch.randn(L, K, N, device="cuda") * 0.05).bfloat16()
+    out = torch.full_like(x, -7.0)
+    batched_experts(x, counts, w13, w2, activation="silu", out=out)
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            ref = activation_f64("silu", x[e, :c].double().cpu() @ w13[e].double().cpu().T) @ w2[e].double().cpu().T
+            assert rel_err(out[e, :c], ref) <= BF16_TOL
+        assert (out[e, c:] == -7.0).all()
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "gpt-oss-120b", "kimi-k3-like"])
+def test_preset_layers(preset):
+    layer = FusedMoE.from_preset(preset, device="cuda", dtype=torch.bfloat16)
+    layer.randomize(seed=0, std=0.02)
+    x = torch.randn(32, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = layer(x)
+        tw, ids = layer.route(layer.gate(x))
+    w13, w2 = layer.expert_weights()
+    c = layer.activation_config
+    ref = reference_moe(x, dense_weights(w13), dense_weights(w2), tw, ids, activation=layer.activation.value,
+                        activation_kwargs=dict(limit=c.clamp_limit, situ_beta=c.situ_beta,
+                                               situ_lambda=c.situ_linear_beta),
+                        w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
+    assert rel_err(out, ref) <= BF16_TOL

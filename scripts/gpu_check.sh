@@ -6,12 +6,16 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT/bench"
 export PYTHONPATH=src:tests PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (transformers >= 5.24 for the HF tests)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
 summary="$OUT/summary.txt"
 : > "$summary"
 step() {  # step NAME CMD...: run, log, record status and seconds
     local name="$1"; shift
     local t0=$SECONDS
-    "$@" > "$OUT/$name.log" 2>&1
+    timeout "${STEP_TIMEOUT:-300}" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$summary"
     tail -n 25 "$OUT/$name.log"

@@ -12,6 +12,10 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Import Triton now, while the variable is set: Triton patches its language helpers for the
+    # interpreter at first import, and a torch-path test that imported it with the variable at 0
+    # would leave every later interpreted kernel broken.
+    import triton  # noqa: F401
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,288 @@
+"""Expert GEMM benchmark (spec 03 targets) on DSV4 shapes; one run also sweeps the kernel's block
+configs per regime and prints the winners for `padded_moe.kernels.gemm.TUNED`.
+
+    python benchmarks/bench_gemm.py [--out docs/] [--humming] [--no-sweep]
+    python benchmarks/bench_gemm.py --tiny          # CPU dry run under TRITON_INTERPRET=1
+
+Shapes: w13 (K=4096 -> 2N=4096) and w2 (N=2048 -> K=4096), 32 and 128 local experts, {8, 32, 128,
+512, 2048} rows per expert, GROUPED_CONTIGUOUS (the layout torch._grouped_mm also computes) plus
+our INDEXED, and GROUPED_MASKED slabs at 10% vs 100% valid. Ceilings measured in the same run:
+device copy bandwidth (read + write of 1 GiB) and a dense bf16 matmul (8192^3).
+
+Targets (H200): decode (<= 32 rows/expert, bf16) weight bytes / time >= 85% of copy bandwidth;
+prefill (>= 512 rows/expert) >= 0.9x torch._grouped_mm; masked 10% valid <= 15% of the full call;
+MXFP4 >= 1.0x humming (with --humming; its first call JIT-compiles ~2.5 min per configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if "--tiny" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+from padded_moe.backends import get_backend
+from padded_moe.gemm import expert_gemm
+from padded_moe.kernels import gemm as kg
+from padded_moe.layouts import GemmLayout, GroupedContiguousMeta, GroupedMaskedMeta, build_layout
+from padded_moe.mxfp4 import Mxfp4Tensor, quantize_mxfp4
+
+
+def timed(fn, dev) -> float:
+    """Median milliseconds per call."""
+    if dev.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def ceilings(dev, tiny: bool) -> dict:
+    n = (1 << 20) if tiny else (1 << 29)  # bf16 elements: 1 GiB on the GPU
+    src = torch.empty(n, dtype=torch.bfloat16, device=dev).normal_()
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src), dev)
+    copy_bw = 2 * n * 2 / (ms * 1e-3)
+    s = 512 if tiny else 8192
+    x = torch.randn(s, s, device=dev, dtype=torch.bfloat16)
+    y = torch.randn(s, s, device=dev, dtype=torch.bfloat16)
+    ms = timed(lambda: x @ y, dev)
+    return {"copy_bytes_per_s": copy_bw, "dense_tflops": 2 * s**3 / (ms * 1e-3) / 1e12}
+
+
+def contiguous_meta(L: int, rows: int, dev) -> GroupedContiguousMeta:
+    """Exactly `rows` rows per expert (k=1): offsets are multiples of rows."""
+    ids = (torch.arange(L * rows, device=dev, dtype=torch.int32) // rows).view(-1, 1)
+    return build_layout(GemmLayout.GROUPED_CONTIGUOUS, ids, L)
+
+
+def masked_meta(L: int, t_max: int, count: int, dev) -> GroupedMaskedMeta:
+    c = torch.full((L,), count, dtype=torch.int32, device=dev)
+    return GroupedMaskedMeta(num_tokens=L * t_max, top_k=1, num_local=L,
+                             slot_expert=torch.zeros(1, dtype=torch.int32, device=dev), activation_counts=c,
+                             counts=c, inv=torch.zeros(1, dtype=torch.int32, device=dev),
+                             overflow=torch.zeros(1, dtype=torch.int32, device=dev), max_tokens_per_expert=t_max)
+
+
+def weight_pair(L, n_out, K, dev):
+    w = (torch.randn(L, n_out, K, device=dev, dtype=torch.bfloat16) / K**0.5)
+    parts = [quantize_mxfp4(w[i:i + 8]) for i in range(0, L, 8)]
+    q = Mxfp4Tensor(torch.cat([p.blocks for p in parts]), torch.cat([p.scales for p in parts]))
+    return w, q
+
+
+def wbytes(w) -> int:
+    return w.nbytes() if isinstance(w, Mxfp4Tensor) else w.numel() * w.element_size()
+
+
+def run(args) -> dict:
+    dev = torch.device("cpu" if args.tiny else "cuda")
+    triton_be = get_backend("triton")
+    ceil = ceilings(dev, args.tiny)
+    print(f"copy bandwidth {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, dense bf16 {ceil['dense_tflops']:.0f} TFLOP/s")
+    if args.tiny:
+        stages = {"w13": (64, 64), "w2": (32, 64)}
+        experts, row_set, slab_set = [4], [8, 32], [64]
+    else:
+        stages = {"w13": (4096, 4096), "w2": (2048, 4096)}  # (K, Nout)
+        experts, row_set, slab_set = [32, 128], [8, 32, 128, 512, 2048], [512, 2048]
+    results = {"ceilings": ceil, "rows": [], "masked": [], "sweep": {}}
+    has_gmm = dev.type == "cuda" and hasattr(torch, "_grouped_mm")
+
+    for stage, (K, n_out) in stages.items():
+        for L in experts:
+            w, q = weight_pair(L, n_out, K, dev)
+            for r in row_set:
+                meta = contiguous_meta(L, r, dev)
+                a = torch.randn(L * r, K, device=dev, dtype=torch.bfloat16)
+                out = torch.empty(L * r, n_out, device=dev, dtype=torch.bfloat16)
+                ids = (torch.arange(L * r, device=dev, dtype=torch.int32) // r).view(-1, 1)
+                bm_idx = kg.pick_config(r, False, args.tiny).BM
+                imeta = build_layout(GemmLayout.INDEXED, ids, L, block_m=max(16, bm_idx))
+                row = {"stage": stage, "L": L, "rows_per_expert": r, "K": K, "N": n_out,
+                       "regime": kg.regime(r)}
+                flops = 2.0 * L * r * K * n_out
+                row["ours_bf16_ms"] = timed(lambda: expert_gemm(a, w, meta, out=out, backend="triton"), dev)
+                row["ours_bf16_indexed_ms"] = timed(lambda: expert_gemm(a, w, imeta, out=out, backend="triton"), dev)
+                row["ours_mxfp4_ms"] = timed(lambda: expert_gemm(a, q, meta, out=out, backend="triton"), dev)
+                if has_gmm:
+                    offs = meta.offsets[1:].to(torch.int32)
+                    wt = w.transpose(-2, -1)
+                    row["grouped_mm_ms"] = timed(lambda: torch._grouped_mm(a, wt, offs=offs), dev)
+                if args.humming:
+                    try:
+                        row["humming_mxfp4_ms"] = timed(lambda: expert_gemm(a, q, meta, out=out, backend="humming"), dev)
+                    except Exception as exc:  # report, keep benchmarking
+                        row["humming_error"] = repr(exc)[:200]
+                for key in [k for k in list(row) if k.endswith("_ms")]:
+                    ms = row[key]
+                    row[key.replace("_ms", "_tflops")] = flops / (ms * 1e-3) / 1e12
+                    wb = wbytes(q) if "mxfp4" in key else wbytes(w)
+                    row[key.replace("_ms", "_wbw_frac")] = wb / (ms * 1e-3) / ceil["copy_bytes_per_s"]
+                if "grouped_mm_ms" in row:
+                    row["ours_vs_grouped_mm"] = row["grouped_mm_ms"] / row["ours_bf16_ms"]
+                if "humming_mxfp4_ms" in row:
+                    row["mxfp4_vs_humming"] = row["humming_mxfp4_ms"] / row["ours_mxfp4_ms"]
+                results["rows"].append(row)
+                print_row(row)
+                if not args.no_sweep and L == experts[0]:
+                    sweep(results["sweep"], stage, L, r, a, w, q, meta, out, dev, triton_be)
+                del a, out
+            for T in slab_set:
+                am = torch.randn(L, T, K, device=dev, dtype=torch.bfloat16)
+                om = torch.empty(L, T, n_out, device=dev, dtype=torch.bfloat16)
+                m100 = masked_meta(L, T, T, dev)
+                full = timed(lambda: expert_gemm(am, w, m100, out=om), dev)
+                m10 = masked_meta(L, T, max(1, T // 10), dev)
+                part = timed(lambda: expert_gemm(am, w, m10, out=om), dev)
+                rec = {"stage": stage, "L": L, "T_max": T, "full_ms": full, "valid10_ms": part,
+                       "ratio": part / full,
+                       "config": kg.pick_config(T, False, args.tiny, kg.GROUPED_MASKED).short()}
+                if not args.tiny:  # the trade-off of the masked table's BM=64 against the 128-row tile
+                    big = kg.TUNED[("bf16", kg.regime(T))]
+                    run_big = lambda m: triton_be.gemm(am, w, m, stage=stage, bias=None, out=om, config=big)  # noqa: E731
+                    rec["bm128_full_ms"] = timed(lambda: run_big(m100), dev)
+                    rec["bm128_valid10_ms"] = timed(lambda: run_big(m10), dev)
+                    rec["bm128_config"] = big.short()
+                results["masked"].append(rec)
+                print(f"  masked {stage} L={L} T={T} [{rec['config']}]: full {full:.3f} ms, 10% valid "
+                      f"{part:.3f} ms -> {100 * part / full:.1f}% (target <= 15%)"
+                      + (f" | {rec['bm128_config']}: full {rec['bm128_full_ms']:.3f} ms, 10% "
+                         f"{rec['bm128_valid10_ms']:.3f} ms" if "bm128_config" in rec else ""))
+                del am, om
+            del w, q
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    report_sweep(results["sweep"])
+    return results
+
+
+def sweep(store, stage, L, r, a, w, q, meta, out, dev, backend):
+    reg = kg.regime(r)
+    for kind, wt in (("bf16", w), ("mxfp4", q)):
+        key = f"{kind}/{reg}"
+        cands = kg.SWEEP[reg] if not dev.type == "cpu" else [kg.INTERPRET_CONFIG]
+        for cfg in cands:
+            try:
+                ms = timed(lambda: backend.gemm(a, wt, meta, stage=stage, bias=None, out=out, config=cfg), dev)
+            except Exception as exc:  # e.g. out of shared memory for a big tile
+                print(f"    sweep {key} {cfg.short()}: failed {type(exc).__name__}")
+                continue
+            store.setdefault(key, {}).setdefault(cfg.short(), []).append(ms)
+
+
+def report_sweep(store):
+    if not store:
+        return
+    print("\nBlock-config sweep (sum of ms over the swept shapes; lower is better):")
+    winners = {}
+    for key, by_cfg in sorted(store.items()):
+        totals = {c: sum(v) for c, v in by_cfg.items()}
+        best = min(totals, key=totals.get)
+        kind, reg = key.split("/")
+        table = kg.TUNED[(kind, reg)].short()
+        t_tab = totals.get(table, float("nan"))
+        print(f"  {key:16s} winner {best} {totals[best]:.3f} ms | table {table} {t_tab:.3f} ms")
+        winners[key] = best
+    print("  -> update kernels/gemm.py TUNED with the winners above where they differ.")
+    store["winners"] = winners
+
+
+def print_row(row):
+    def f(key, fmt="{:.3f}"):
+        return fmt.format(row[key]) if key in row else "-"
+
+    print(f"{row['stage']:4s} L={row['L']:4d} rows/e={row['rows_per_expert']:5d} [{row['regime']:7s}] "
+          f"ours bf16 {f('ours_bf16_ms')} ms ({f('ours_bf16_tflops', '{:.0f}')} TF, "
+          f"wbw {f('ours_bf16_wbw_frac', '{:.0%}')}) | idx {f('ours_bf16_indexed_ms')} | "
+          f"mxfp4 {f('ours_mxfp4_ms')} ms (wbw {f('ours_mxfp4_wbw_frac', '{:.0%}')}) | "
+          f"grouped_mm {f('grouped_mm_ms')} ms ({f('grouped_mm_tflops', '{:.0f}')} TF, "
+          f"wbw {f('grouped_mm_wbw_frac', '{:.0%}')}) ours/gmm {f('ours_vs_grouped_mm', '{:.2f}x')} | "
+          f"humming {f('humming_mxfp4_ms')}")
+
+
+def plot(results, path: Path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    keys = [("ours_bf16_tflops", "ours bf16"), ("ours_bf16_indexed_tflops", "ours bf16 indexed"),
+            ("ours_mxfp4_tflops", "ours mxfp4"), ("grouped_mm_tflops", "torch._grouped_mm"),
+            ("humming_mxfp4_tflops", "humming mxfp4")]
+    for ax, stage in zip(axes, ("w13", "w2")):
+        for L in sorted({r["L"] for r in results["rows"]}):
+            rows = [r for r in results["rows"] if r["stage"] == stage and r["L"] == L]
+            for key, label in keys:
+                pts = [(r["rows_per_expert"], r[key]) for r in rows if key in r]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=f"{label} L={L}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("rows per expert")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"DSV4 {stage}")
+        ax.axhline(results["ceilings"]["dense_tflops"], color="k", ls=":", lw=0.8)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def write_markdown(results, out: Path, suffix: str) -> None:
+    """`gemm.md` for docs/benchmarks.md: one row per stage × L × rows/expert, ceilings in the notes."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _common import device_line, markdown_table
+
+    cols = [("stage", "stage"), ("L", "L"), ("rows_per_expert", "rows/expert"),
+            ("ours_bf16_ms", "ours bf16 ms"), ("ours_bf16_indexed_ms", "ours bf16 indexed ms"),
+            ("ours_mxfp4_ms", "ours mxfp4 ms"), ("grouped_mm_ms", "torch._grouped_mm ms"),
+            ("ours_vs_grouped_mm", "grouped_mm time / ours"), ("ours_bf16_wbw_frac", "ours bf16 weight BW / copy BW"),
+            ("ours_bf16_tflops", "ours bf16 TFLOP/s"), ("humming_mxfp4_ms", "humming ms")]
+    rows = [[r.get(k, "-") for k, _ in cols] for r in results["rows"]]
+    ceilings = results.get("ceilings", {})
+    masked = results.get("masked", results.get("masked_10pct", ""))
+    text = (f"## Expert GEMMs (spec 03)\n\nDevice: {device_line()}\n\nCeilings measured in this run: {ceilings}. "
+            f"Masked 10%-valid vs full slab: {masked}\n\n{markdown_table([c for _, c in cols], rows)}\n\n"
+            f"![gemm](gemm.png)\n")
+    (out / f"gemm{suffix}.md").write_text(text)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="docs/", help="directory for bench_gemm.json / bench_gemm.png")
+    p.add_argument("--humming", action="store_true", help="also time humming-kernels (JIT ~2.5 min per config)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the block-config sweep")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU under the interpreter (dry run)")
+    args = p.parse_args()
+    if not args.tiny and not torch.cuda.is_available():
+        sys.exit("bench_gemm needs a CUDA GPU (or --tiny for a CPU dry run)")
+    t0 = time.time()
+    results = run(args)
+    results["wall_s"] = time.time() - t0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = "_tiny" if args.tiny else ""
+    (out / f"bench_gemm{suffix}.json").write_text(json.dumps(results, indent=1, default=str))
+    print(f"wrote {out / f'bench_gemm{suffix}.json'} ({results['wall_s']:.0f} s)")
+    plot(results, out / f"bench_gemm{suffix}.png")
+    if (out / f"bench_gemm{suffix}.png").exists():
+        (out / f"gemm{suffix}.png").write_bytes((out / f"bench_gemm{suffix}.png").read_bytes())
+    write_markdown(results, out, suffix)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""The interface every expert-GEMM backend implements.
+
+`padded_moe.gemm.expert_gemm` validates its arguments, allocates `out`, then hands the call to
+one backend. A backend therefore receives checked inputs: `a` (2-D, or 3-D for GROUPED_MASKED),
+`w` `[L, Nout, K]` (float tensor or Mxfp4Tensor), the layout metadata, `stage`, `bias [L, Nout]`
+or None, and a preallocated `out` it must fill only at valid rows.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional, Union
+
+import torch
+
+from padded_moe.layouts import GemmLayout, LayoutMeta
+from padded_moe.mxfp4 import Mxfp4Tensor
+
+Weight = Union[torch.Tensor, Mxfp4Tensor]
+
+
+class GemmBackend(ABC):
+    name: str = "?"
+    # True for backends that quantize activations themselves (refused on the low-latency path, spec 04).
+    quantizes_inputs: bool = False
+
+    def available(self, device: torch.device) -> Optional[str]:
+        """None when usable on `device`; otherwise the reason it is not."""
+        return None
+
+    @abstractmethod
+    def supports(self, layout: GemmLayout, weight: Weight) -> bool:
+        """Whether this backend computes `layout` with this weight format."""
+
+    @abstractmethod
+    def gemm(self, a: torch.Tensor, w: Weight, meta: LayoutMeta, *, stage: str,
+             bias: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Fill `out` at the layout's valid rows; leave every other row untouched."""

@@ -1,0 +1,110 @@
+"""The `humming-kernels` package (0.1.19, optional extra `padded-moe[humming]`) as a GEMM backend.
+
+Mapping (humming 0.1.19 `compute_config={"gemm_type": ...}`):
+- INDEXED -> "indexed": `sorted_ids`, `expert_ids = block_expert`, `num_tokens_padded = num_padded`,
+  `top_k = k` for GEMM1 (A row = id // k) and 1 for GEMM2. Humming does not check that
+  `sorted_ids` was padded with its kernel's BLOCK_M; we pin the tuning to the one heuristic config
+  for this problem size and raise if its `block_shape[0]` differs from `layout_meta.block_m`.
+- GROUPED_CONTIGUOUS -> "grouped_contiguous" with `expert_layout = offsets` (`[L+1]`).
+- GROUPED_MASKED -> "grouped_masked" with `expert_layout = counts` (clamped to T_max on device),
+  A flattened to `[L*T_max, K]`.
+
+Only MXFP4 weights with bf16/fp16 activations (weight-only, no input quantization, so
+`quantizes_inputs=False`). Each weight is converted once into a transformed `HummingLayer`, cached
+by the weight's storage. The first call per kernel configuration JIT-compiles for ~2.5 minutes;
+set `HUMMING_CACHE_DIR` to a persistent directory to keep the cubins across processes.
+Verified only on a GPU (tests/test_gemm_gpu.py); nothing here runs on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+
+from padded_moe.backends.base import GemmBackend, Weight
+from padded_moe.layouts import GemmLayout, GroupedContiguousMeta, GroupedMaskedMeta, IndexedMeta
+from padded_moe.mxfp4 import Mxfp4Tensor
+
+# vLLM's padding choice for humming weights; the kernels take unpadded A and return unpadded C.
+PAD_N, PAD_K = 256, 128
+
+
+class HummingBackend(GemmBackend):
+    name = "humming"
+    quantizes_inputs = False
+
+    def __init__(self):
+        self._layers: dict[tuple, object] = {}
+
+    def available(self, device: torch.device) -> Optional[str]:
+        if device.type != "cuda":
+            return "humming-kernels runs CUDA tensors only"
+        if importlib.util.find_spec("humming") is None:
+            return "humming-kernels is not installed (pip install 'padded-moe[humming]')"
+        return None
+
+    def supports(self, layout: GemmLayout, weight: Weight) -> bool:
+        return isinstance(weight, Mxfp4Tensor)
+
+    def _layer(self, w: Mxfp4Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
+        key = (w.blocks.data_ptr(), w.scales.data_ptr(), tuple(w.shape),
+               None if bias is None else bias.data_ptr(), dtype, w.device)
+        layer = self._layers.get(key)
+        if layer is None:
+            from humming.layer import HummingLayer
+
+            L, N, K = w.shape
+            with torch.cuda.device(w.device):
+                layer = HummingLayer(shape_n=N, shape_k=K, weight_config={"quant_method": "mxfp4"},
+                                     pad_n_to_multiple=PAD_N, pad_k_to_multiple=PAD_K, num_experts=L,
+                                     has_bias=bias is not None, torch_dtype=dtype)
+                tensors = {"weight": w.blocks, "weight_scale": w.scales}
+                if bias is not None:
+                    tensors["bias"] = bias.to(dtype)
+                layer.load_from_tensors(tensors)
+                layer = layer.to(w.device)
+                layer.transform()
+            self._layers[key] = layer
+        return layer
+
+    @staticmethod
+    def _pinned_indexed_config(layer, meta: IndexedMeta, valid_m: int):
+        from humming.tune import get_heuristics_config
+
+        table = get_heuristics_config(layer.humming_config, gemm_type="indexed", device=layer.locks.device)
+        for lo, hi, cfg in table:
+            if lo < valid_m <= hi:
+                bm = cfg["block_shape"][0]
+                if bm != meta.block_m:
+                    raise ValueError(
+                        f"humming's indexed kernel for {valid_m} rows uses BLOCK_M={bm}; build the "
+                        f"layout with block_m={bm} (layout_meta.block_m is {meta.block_m})"
+                    )
+                return cfg
+        raise ValueError(f"humming has no indexed tuning bucket for {valid_m} rows")
+
+    def gemm(self, a, w, meta, *, stage, bias, out):
+        if out.dtype != a.dtype or a.dtype not in (torch.bfloat16, torch.float16):
+            raise NotImplementedError(
+                f"backend 'humming' needs bf16/fp16 activations and out of the same dtype, got a "
+                f"{a.dtype}, out {out.dtype}"
+            )
+        layer = self._layer(w, bias, a.dtype)
+        if isinstance(meta, IndexedMeta):
+            top_k = meta.top_k if stage == "w13" else 1
+            valid_m = meta.num_tokens * meta.top_k
+            cfg = self._pinned_indexed_config(layer, meta, valid_m)
+            layer(a, outputs=out, sorted_ids=meta.sorted_ids, expert_ids=meta.block_expert,
+                  num_tokens_padded=meta.num_padded, top_k=top_k, valid_shape_m=valid_m,
+                  compute_config={"gemm_type": "indexed"}, tuning_config=cfg)
+        elif isinstance(meta, GroupedContiguousMeta):
+            layer(a, outputs=out, expert_layout=meta.offsets, valid_shape_m=a.shape[0],
+                  compute_config={"gemm_type": "grouped_contiguous"})
+        elif isinstance(meta, GroupedMaskedMeta):
+            T = meta.max_tokens_per_expert
+            a2 = a.reshape(-1, a.shape[-1])
+            layer(a2, outputs=out.view(-1, out.shape[-1]), expert_layout=meta.counts.clamp(0, T),
+                  valid_shape_m=a2.shape[0], compute_config={"gemm_type": "grouped_masked"})
+        return out

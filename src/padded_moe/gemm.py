@@ -1,0 +1,159 @@
+"""Expert GEMMs for the three layouts of spec 02 (spec 03): `expert_gemm`.
+
+Per expert `e`, valid rows compute `a_row @ w[e].T (+ bias[e])`, accumulated in fp32 and rounded
+once to `out`'s dtype:
+
+- INDEXED: `a` is `[M, K]` for stage "w13" (rows gathered as `sorted_ids // k`) or `[M*k, N]` for
+  "w2" (rows `sorted_ids`); `out` is `[M*k, Nout]` in slot order. Blocks with `block_expert` -1 or
+  at/after `num_padded`, and sentinel ids, do nothing; dropped slots' rows are not written.
+- GROUPED_CONTIGUOUS: `a` is `[R, K]` (R >= M*k, normally M*k), expert `e` owns rows
+  `[offsets[e], offsets[e+1])`; `out` is `[R', Nout]` (R' >= M*k; default R), rows `>= offsets[L]`
+  untouched.
+- GROUPED_MASKED: `a` is `[L, T_max, K]`; rows `t < counts[e]` only; `out` is `[L, T_max, Nout]`.
+
+`out=None` allocates with `torch.empty`, so rows the layout does not cover hold garbage; pass a
+buffer when they must keep a value.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from padded_moe._validation import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    require_dtype,
+    require_last_dim_contiguous,
+    require_rank,
+    require_same_device,
+    require_shape,
+    require_tensor,
+)
+from padded_moe.backends import resolve_backend
+from padded_moe.layouts import GroupedContiguousMeta, GroupedMaskedMeta, IndexedMeta, LayoutMeta
+from padded_moe.mxfp4 import Mxfp4Tensor
+
+STAGES = ("w13", "w2")
+
+
+def _check_meta(meta, device: torch.device) -> None:
+    if not isinstance(meta, (IndexedMeta, GroupedContiguousMeta, GroupedMaskedMeta)):
+        raise TypeError(
+            "layout_meta must be an IndexedMeta, GroupedContiguousMeta or GroupedMaskedMeta "
+            f"(from padded_moe.layouts.build_layout), got {type(meta).__name__}"
+        )
+    if isinstance(meta, IndexedMeta):
+        fields = ("sorted_ids", "block_expert", "num_padded")
+        if meta.block_m < 1:
+            raise ValueError(f"layout_meta.block_m must be >= 1, got {meta.block_m}")
+        if meta.sorted_ids.numel() != meta.block_expert.numel() * meta.block_m:
+            raise ValueError(
+                f"layout_meta.sorted_ids must hold len(block_expert) * block_m = "
+                f"{meta.block_expert.numel()} * {meta.block_m} ids, got {meta.sorted_ids.numel()}"
+            )
+        require_shape("layout_meta.num_padded", meta.num_padded, (1,))
+    elif isinstance(meta, GroupedContiguousMeta):
+        fields = ("offsets",)
+        require_shape("layout_meta.offsets", meta.offsets, (meta.num_local + 1,))
+    else:
+        fields = ("counts",)
+        require_shape("layout_meta.counts", meta.counts, (meta.num_local,))
+    for f in fields:
+        t = require_tensor(f"layout_meta.{f}", getattr(meta, f))
+        require_dtype(f"layout_meta.{f}", t, INDEX_DTYPES)
+        if t.device != device:
+            raise ValueError(f"layout_meta.{f} must be on a's device {device}, got {t.device}")
+        if t.dim() == 1 and t.numel() > 1 and t.stride(0) != 1:
+            raise ValueError(f"layout_meta.{f} must be contiguous")
+
+
+def _check_weight(w, a: torch.Tensor, num_local: int) -> tuple[int, int]:
+    """Returns (Nout, K) after checking `w` against `a` and the metadata."""
+    if isinstance(w, Mxfp4Tensor):
+        if w.device != a.device:
+            raise ValueError(f"w must be on a's device {a.device}, got {w.device}")
+    else:
+        require_tensor("w", w)
+        require_dtype("w", w, FLOAT_DTYPES)
+        require_rank("w", w, (3,))
+        require_same_device("w", w, "a", a)
+        require_last_dim_contiguous("w", w)
+        if w.dtype != a.dtype:
+            raise TypeError(f"w must have a's dtype {a.dtype} (or be an Mxfp4Tensor), got {w.dtype}")
+    L, n_out, k = w.shape
+    if L != num_local:
+        raise ValueError(f"w must have layout_meta.num_local = {num_local} experts in dim 0, got {L}")
+    if k != a.shape[-1]:
+        raise ValueError(f"w's last dimension (K) must equal a's last dimension {a.shape[-1]}, got {k}")
+    return n_out, k
+
+
+def _expected_shapes(a: torch.Tensor, meta: LayoutMeta, stage: str, n_out: int) -> tuple[int, ...]:
+    """Check `a` for the layout/stage and return the shape `out` must have."""
+    mk = meta.num_tokens * meta.top_k
+    if isinstance(meta, IndexedMeta):
+        require_rank("a", a, (2,))
+        rows = meta.num_tokens if stage == "w13" else mk
+        if a.shape[0] != rows:
+            what = "M (tokens)" if stage == "w13" else "M*k (slots)"
+            raise ValueError(f"a must have {what} = {rows} rows for INDEXED stage {stage!r}, got {a.shape[0]}")
+        return (mk, n_out)
+    if isinstance(meta, GroupedContiguousMeta):
+        require_rank("a", a, (2,))
+        if a.shape[0] < mk:
+            raise ValueError(f"a must have at least M*k = {mk} rows for GROUPED_CONTIGUOUS, got {a.shape[0]}")
+        return (a.shape[0], n_out)
+    T = meta.max_tokens_per_expert
+    require_rank("a", a, (3,))
+    if tuple(a.shape[:2]) != (meta.num_local, T):
+        raise ValueError(f"a must be [L, T_max, K] = [{meta.num_local}, {T}, K] for GROUPED_MASKED, "
+                         f"got {tuple(a.shape)}")
+    return (meta.num_local, T, n_out)
+
+
+def expert_gemm(a: torch.Tensor, w: Union[torch.Tensor, Mxfp4Tensor], layout_meta: LayoutMeta, *,
+                stage: str = "w13", bias: Optional[torch.Tensor] = None,
+                out: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
+    """One expert GEMM over `layout_meta`'s layout; returns `out` (see the module docstring)."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    require_tensor("a", a)
+    require_dtype("a", a, FLOAT_DTYPES)
+    require_last_dim_contiguous("a", a)
+    _check_meta(layout_meta, a.device)
+    n_out, _ = _check_weight(w, a, layout_meta.num_local)
+    out_shape = _expected_shapes(a, layout_meta, stage, n_out)
+    if bias is not None:
+        require_tensor("bias", bias)
+        require_dtype("bias", bias, FLOAT_DTYPES)
+        require_shape("bias", bias, (layout_meta.num_local, n_out))
+        require_same_device("bias", bias, "a", a)
+        require_last_dim_contiguous("bias", bias)
+    if out is None:
+        out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
+    else:
+        _check_out(out, out_shape, a, layout_meta)
+    impl = resolve_backend(backend, a.device, layout_meta.layout, w)
+    if isinstance(layout_meta, GroupedContiguousMeta) and out.shape[0] != a.shape[0]:
+        # Capacity buffers of different sizes: every valid row is < offsets[L] <= M*k <= both.
+        rows = min(a.shape[0], out.shape[0])
+        impl.gemm(a[:rows], w, layout_meta, stage=stage, bias=bias, out=out[:rows])
+        return out
+    return impl.gemm(a, w, layout_meta, stage=stage, bias=bias, out=out)
+
+
+def _check_out(out, out_shape: tuple[int, ...], a: torch.Tensor, meta: LayoutMeta) -> None:
+    require_tensor("out", out)
+    require_dtype("out", out, FLOAT_DTYPES)
+    require_same_device("out", out, "a", a)
+    if isinstance(meta, GroupedContiguousMeta):
+        # Any capacity >= M*k rows (the scratch buffers may be larger than this call's a).
+        mk = meta.num_tokens * meta.top_k
+        if out.dim() != 2 or out.shape[0] < mk or out.shape[1] != out_shape[1]:
+            raise ValueError(f"out must be [R, {out_shape[1]}] with R >= M*k = {mk}, got {tuple(out.shape)}")
+    else:
+        require_shape("out", out, out_shape)
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous, got strides {tuple(out.stride())}")

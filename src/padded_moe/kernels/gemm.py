@@ -1,0 +1,312 @@
+"""Triton expert GEMM for the three layouts of spec 02: `out[row] = a[row'] @ w[e].T (+ bias[e])`.
+
+One kernel, specialised by constexprs:
+- LAYOUT 0 INDEXED: a program's rows are `sorted_ids[block]`; A row = id // A_DIV (top_k for GEMM1,
+  1 for GEMM2), C row = id. Blocks at/after `num_padded` or with `block_expert` -1 exit at once.
+- LAYOUT 1 GROUPED_CONTIGUOUS: the tile -> (expert, first row) map is an in-kernel scan over the
+  L+1 offsets (a few hundred int loads from L2 per program, no extra launch, no host sync).
+  The grid is the worst case `cdiv(R, BM) + L` m-tiles; tiles past the real ones exit at once.
+- LAYOUT 2 GROUPED_MASKED: grid `L * cdiv(T_max, BM)` m-tiles; tiles at/past `counts[e]` exit.
+
+Row masks keep every load and store inside the valid rows, so padded rows (NaN in tests) are never
+read and rows past a count/offset are never written. Weights are `[L, Nout, K]` in bf16/fp16/fp32,
+or MXFP4 (`blocks [L, Nout, K/2]`, `scales [L, Nout, K/32]`) dequantized to the activation dtype in
+registers. Accumulation is fp32; the bias is added in fp32 before the one final rounding.
+
+No TMA descriptors and no persistent grid yet: the plain pointer path runs unchanged under the
+interpreter, and the tuning table below is per regime of rows per expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+INDEXED, GROUPED_CONTIGUOUS, GROUPED_MASKED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    BM: int
+    BN: int
+    BK: int
+    GROUP_M: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def short(self) -> str:
+        return f"BM{self.BM}_BN{self.BN}_BK{self.BK}_G{self.GROUP_M}_w{self.num_warps}_s{self.num_stages}"
+
+
+# Tuned for H200 (sm_90), keyed by (weight kind, regime). Regimes by rows per expert:
+# decode <= 32 (weight-bandwidth bound: small BM, many programs), small <= 128, medium <= 512,
+# prefill > 512 (compute bound: big tiles, grouped ordering so an expert's weight tile stays in L2).
+# Update from `benchmarks/bench_gemm.py`'s sweep winners.
+TUNED: dict[tuple[str, str], GemmConfig] = {
+    ("bf16", "decode"): GemmConfig(16, 64, 128, 1, 4, 4),
+    ("bf16", "small"): GemmConfig(64, 128, 64, 4, 4, 4),
+    ("bf16", "medium"): GemmConfig(128, 128, 64, 8, 8, 3),
+    ("bf16", "prefill"): GemmConfig(128, 256, 64, 8, 8, 3),
+    ("mxfp4", "decode"): GemmConfig(16, 64, 256, 1, 4, 4),
+    ("mxfp4", "small"): GemmConfig(64, 128, 128, 4, 4, 3),
+    ("mxfp4", "medium"): GemmConfig(128, 128, 128, 8, 8, 3),
+    ("mxfp4", "prefill"): GemmConfig(128, 128, 128, 8, 8, 3),
+}
+
+# GROUPED_MASKED slabs are sized for the worst case and usually sparsely filled; a 128-row tile
+# would turn 10% valid rows of a 512-row slab into 25% of the work, so big regimes use BM=64 there.
+MASKED_LARGE: dict[str, GemmConfig] = {
+    "bf16": GemmConfig(64, 256, 64, 8, 8, 3),
+    "mxfp4": GemmConfig(64, 128, 128, 8, 4, 3),
+}
+
+# Under the interpreter every block op is a numpy call; small tiles keep CPU tests fast.
+INTERPRET_CONFIG = GemmConfig(16, 32, 32, 1, 4, 1)
+
+# Sweep candidates per regime for the benchmark (the first of each is the table entry).
+SWEEP: dict[str, list[GemmConfig]] = {
+    "decode": [GemmConfig(16, 64, 128, 1, 4, 4), GemmConfig(16, 64, 256, 1, 4, 3),
+               GemmConfig(16, 128, 128, 1, 4, 4), GemmConfig(16, 32, 256, 1, 4, 4),
+               GemmConfig(16, 128, 64, 1, 4, 5)],
+    "small": [GemmConfig(64, 128, 64, 4, 4, 4), GemmConfig(32, 128, 128, 4, 4, 4),
+              GemmConfig(64, 64, 128, 4, 4, 4), GemmConfig(64, 256, 64, 4, 8, 3)],
+    "medium": [GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 4, 4),
+               GemmConfig(64, 256, 64, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 3)],
+    "prefill": [GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4),
+                GemmConfig(256, 128, 64, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 4),
+                GemmConfig(128, 128, 128, 8, 8, 3)],
+}
+
+
+def regime(rows_per_expert: float) -> str:
+    if rows_per_expert <= 32:
+        return "decode"
+    if rows_per_expert <= 128:
+        return "small"
+    if rows_per_expert <= 512:
+        return "medium"
+    return "prefill"
+
+
+def pick_config(rows_per_expert: float, mxfp4: bool, interpreted: bool, layout: int = GROUPED_CONTIGUOUS) -> GemmConfig:
+    if interpreted:
+        return INTERPRET_CONFIG
+    kind, reg = "mxfp4" if mxfp4 else "bf16", regime(rows_per_expert)
+    if layout == GROUPED_MASKED and reg in ("medium", "prefill"):
+        return MASKED_LARGE[kind]
+    return TUNED[(kind, reg)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Device code
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Program -> (m tile, n tile), GROUP_M m-tiles sharing each sweep over n (L2 reuse of weights)."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _dequant_mxfp4(packed, scales, BN: tl.constexpr, BK: tl.constexpr):
+    """uint8 [BN, BK/2] nibble pairs + uint8 [BN, BK/32] E8M0 scales -> float32 [BN, BK].
+
+    E2M1 -> fp32 by bit assembly (exponent e+126, mantissa bit at 22; code 1 is 0.5), scale by
+    2^(s-127) built as fp32 bits (s=0 -> the subnormal 2^-127, s=255 -> NaN). Exact.
+    """
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK)).to(tl.uint32)
+    ex = (codes >> 1) & 3
+    man = codes & 1
+    mag = tl.where(ex > 0, ((ex + 126) << 23) | (man << 22), man * (126 << 23))
+    val = (mag | ((codes >> 3) << 31)).to(tl.float32, bitcast=True)
+    s = scales.to(tl.uint32)
+    sbits = tl.where(s == 0, 0x400000, tl.where(s == 255, 0x7FC00000, s << 23))
+    sf = sbits.to(tl.float32, bitcast=True)
+    val = tl.reshape(val, (BN, BK // 32, 32)) * sf[:, :, None]
+    return tl.reshape(val, (BN, BK))
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr,
+    ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr,
+    N, K, R_a, num_local, mk, T_max, num_pid_m,
+    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_cm,
+    LAYOUT: tl.constexpr, W_MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, A_DIV: tl.constexpr,
+    BLOCK_MB: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, L_POW2: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    num_pid_n = tl.cdiv(N, BN)
+    pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
+    rm = tl.arange(0, BM)
+
+    # ---- rows of this tile: A rows, C rows, validity, expert -------------------------------
+    if LAYOUT == 0:  # INDEXED
+        mb = pid_m // SUB
+        row0 = mb * BLOCK_MB + (pid_m % SUB) * BM
+        npad = tl.load(npad_ptr)
+        if row0 >= npad:
+            return
+        e = tl.load(blk_exp_ptr + mb)
+        if (e < 0) | (e >= num_local):
+            return
+        in_blk = (rm < ROWS) & (row0 + rm < npad)
+        ids = tl.load(ids_ptr + row0 + rm, mask=in_blk, other=0)
+        valid = in_blk & (ids >= 0) & (ids < mk)
+        ids = tl.where(valid, ids, 0)
+        a_rows = ids // A_DIV
+        c_rows = ids
+    elif LAYOUT == 1:  # GROUPED_CONTIGUOUS: scan the offsets for this tile's expert
+        ev = tl.arange(0, L_POW2)
+        ein = ev < num_local
+        lo = tl.load(off_ptr + ev, mask=ein, other=0).to(tl.int32)
+        hi = tl.load(off_ptr + ev + 1, mask=ein, other=0).to(tl.int32)
+        lo = tl.minimum(tl.maximum(lo, 0), R_a)
+        hi = tl.minimum(tl.maximum(hi, lo), R_a)
+        tiles = tl.where(ein, (hi - lo + BM - 1) // BM, 0)
+        tile_end = tl.cumsum(tiles, 0)
+        e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)
+        if e >= num_local:
+            return
+        mine = ev == e
+        first_tile = tl.sum(tl.where(mine, tile_end - tiles, 0), 0)
+        row_lo = tl.sum(tl.where(mine, lo, 0), 0)
+        row_hi = tl.sum(tl.where(mine, hi, 0), 0)
+        rows = row_lo + (pid_m - first_tile) * BM + rm
+        valid = rows < row_hi
+        rows = tl.where(valid, rows, 0)
+        a_rows = rows
+        c_rows = rows
+    else:  # GROUPED_MASKED
+        tiles_per_e = tl.cdiv(T_max, BM)
+        e = pid_m // tiles_per_e
+        t0 = (pid_m % tiles_per_e) * BM
+        cnt = tl.minimum(tl.maximum(tl.load(cnt_ptr + e), 0), T_max)
+        if t0 >= cnt:
+            return
+        valid = t0 + rm < cnt
+        rows = tl.where(valid, e * T_max + t0 + rm, 0)
+        a_rows = rows
+        c_rows = rows
+
+    # ---- main loop ------------------------------------------------------------------------
+    e64 = e.to(tl.int64)
+    rn = pid_n * BN + tl.arange(0, BN)
+    n_ok = rn < N
+    rk = tl.arange(0, BK)
+    a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if W_MXFP4:
+        rkb = tl.arange(0, BK // 2)
+        rks = tl.arange(0, BK // 32)
+        b_base = w_ptr + e64 * stride_we + rn.to(tl.int64)[:, None] * stride_wn
+        s_base = s_ptr + e64 * stride_se + rn.to(tl.int64)[:, None] * stride_sn
+    else:
+        w_base = w_ptr + e64 * stride_we + rn.to(tl.int64)[None, :] * stride_wn
+    for k0 in range(0, K, BK):
+        k_ok = k0 + rk < K
+        a = tl.load(a_base + (k0 + rk)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        if W_MXFP4:
+            kb_ok = k0 // 2 + rkb < K // 2
+            packed = tl.load(b_base + (k0 // 2 + rkb)[None, :], mask=n_ok[:, None] & kb_ok[None, :], other=0)
+            ks_ok = k0 // 32 + rks < K // 32
+            sc = tl.load(s_base + (k0 // 32 + rks)[None, :], mask=n_ok[:, None] & ks_ok[None, :], other=127)
+            w = tl.trans(_dequant_mxfp4(packed, sc, BN, BK).to(a.dtype))
+        else:
+            w = tl.load(w_base + (k0 + rk)[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP32_DOT:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + e64 * stride_be + rn, mask=n_ok, other=0.0)
+        acc += b.to(tl.float32)[None, :]
+    c_ptrs = c_ptr + c_rows.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host launch
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def indexed_tiling(block_m: int, bm: int) -> tuple[int, int, int]:
+    """(kernel BM, kernel tiles per metadata block, valid rows per kernel tile) for INDEXED.
+
+    A kernel tile never spans two metadata blocks (each block has one expert): a power-of-two
+    block_m >= 16 is split into tiles of min(bm, block_m); any other block_m gets one tile of the
+    next power of two >= 16 with the extra rows masked off (tl.dot needs M >= 16).
+    """
+    if _is_pow2(block_m) and block_m >= 16:
+        t = min(bm, block_m)
+        return t, block_m // t, t
+    return max(16, triton.next_power_of_2(block_m)), 1, block_m
+
+
+def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Tensor, *,
+           layout: int, num_local: int, bias: Optional[torch.Tensor] = None,
+           sorted_ids=None, block_expert=None, num_padded=None, block_m: int = 1, a_div: int = 1,
+           mk: int = 0, offsets=None, counts=None, t_max: int = 1,
+           rows_per_expert: float = 1.0, config: Optional[GemmConfig] = None) -> torch.Tensor:
+    """Launch on flattened `a2 [rows, K]` / `out2 [rows_out, N]`. `w` is the float weight or the
+    MXFP4 blocks (then `w_scales` is set). All metadata stays on the device."""
+    mx = w_scales is not None
+    N = w.shape[1]
+    K = a2.shape[1]
+    if num_local == 0 or N == 0 or out2.shape[0] == 0:
+        return out2
+    from padded_moe.kernels import INTERPRETED
+
+    cfg = config or pick_config(rows_per_expert, mx, INTERPRETED and not a2.is_cuda, layout)
+    BM, SUB, ROWS = cfg.BM, 1, cfg.BM
+    if layout == INDEXED:
+        BM, SUB, ROWS = indexed_tiling(block_m, cfg.BM)
+        num_pid_m = block_expert.numel() * SUB
+    elif layout == GROUPED_CONTIGUOUS:
+        num_pid_m = triton.cdiv(a2.shape[0], BM) + num_local
+    else:
+        num_pid_m = num_local * triton.cdiv(t_max, BM)
+    if num_pid_m == 0:
+        return out2
+    BK = cfg.BK
+    if mx:
+        BK = max(32, BK)
+    dummy = out2  # stands in for pointers a layout does not use (never dereferenced)
+    grid = (num_pid_m * triton.cdiv(N, cfg.BN),)
+    _expert_gemm_kernel[grid](
+        a2, w, w_scales if mx else dummy, bias if bias is not None else dummy, out2,
+        sorted_ids if sorted_ids is not None else dummy,
+        block_expert if block_expert is not None else dummy,
+        num_padded if num_padded is not None else dummy,
+        offsets if offsets is not None else dummy,
+        counts if counts is not None else dummy,
+        N, K, a2.shape[0], num_local, mk, t_max, num_pid_m,
+        a2.stride(0), w.stride(0), w.stride(1), w.stride(2),
+        w_scales.stride(0) if mx else 0, w_scales.stride(1) if mx else 0,
+        bias.stride(0) if bias is not None else 0, out2.stride(0),
+        LAYOUT=layout, W_MXFP4=mx, HAS_BIAS=bias is not None, A_DIV=a_div,
+        BLOCK_MB=block_m, SUB=SUB, ROWS=ROWS, L_POW2=max(2, triton.next_power_of_2(num_local)),
+        # fp32 operands: exact IEEE dot. Interpreter: triton 3.6's interpreted tl.dot returns
+        # garbage for bf16 operands, so upcast there (exact: products of bf16 fit in fp32).
+        FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda,
+        BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out2

@@ -1,0 +1,187 @@
+"""MXFP4 (OCP MX v1.0) expert weights: storage class, quantize / dequantize, checkpoint converters.
+
+Format (spec 03): FP4 E2M1 elements, two per byte along K (even K index in the low nibble),
+one E8M0 scale per 32 consecutive K elements: `w[n, k] = LUT[nib] * 2^(scale[n, k // 32] - 127)`,
+scale 255 = NaN. Activations stay bf16; the GEMM dequantizes in registers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from padded_moe._validation import FLOAT_DTYPES, require_dtype, require_rank, require_tensor
+
+GROUP = 32  # K elements sharing one E8M0 scale
+SCALE_BIAS = 127
+SCALE_NAN = 255
+
+# E2M1 magnitudes for nibble codes 0..7; codes 8..15 are the negatives.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between consecutive codes; a tie goes to the even code (round to nearest even).
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def e2m1_lut(device=None, dtype=torch.float32) -> torch.Tensor:
+    """The 16-entry nibble -> value table."""
+    pos = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+    return torch.cat([pos, -pos])
+
+
+@dataclass(frozen=True)
+class Mxfp4Tensor:
+    """Weights `[L, rows, K]` stored as `blocks uint8 [L, rows, K/2]` + `scales uint8 [L, rows, K/32]`."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    def __post_init__(self):
+        for name in ("blocks", "scales"):
+            t = require_tensor(name, getattr(self, name))
+            require_dtype(name, t, (torch.uint8,))
+            require_rank(name, t, (3,))
+        b, s = self.blocks, self.scales
+        if b.shape[:2] != s.shape[:2] or b.shape[2] * 2 != s.shape[2] * GROUP:
+            raise ValueError(
+                "Mxfp4Tensor needs blocks [L, rows, K/2] and scales [L, rows, K/32] of one K, "
+                f"got blocks {tuple(b.shape)} and scales {tuple(s.shape)}"
+            )
+        if b.device != s.device:
+            raise ValueError(f"scales must be on blocks' device {b.device}, got {s.device}")
+        if (b.shape[-1] > 1 and b.stride(-1) != 1) or (s.shape[-1] > 1 and s.stride(-1) != 1):
+            raise ValueError("Mxfp4Tensor blocks and scales must have a contiguous last dimension")
+
+    @property
+    def shape(self) -> torch.Size:
+        """Logical (dequantized) shape `[L, rows, K]`."""
+        L, rows, half_k = self.blocks.shape
+        return torch.Size((L, rows, half_k * 2))
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def num_experts(self) -> int:
+        return self.blocks.shape[0]
+
+    def dim(self) -> int:
+        return 3
+
+    def size(self, i: Optional[int] = None):
+        return self.shape if i is None else self.shape[i]
+
+    def nbytes(self) -> int:
+        return self.blocks.numel() + self.scales.numel()
+
+    def to(self, device) -> "Mxfp4Tensor":
+        return Mxfp4Tensor(self.blocks.to(device), self.scales.to(device))
+
+    def contiguous(self) -> "Mxfp4Tensor":
+        return Mxfp4Tensor(self.blocks.contiguous(), self.scales.contiguous())
+
+    def __getitem__(self, idx) -> "Mxfp4Tensor":
+        """Expert slicing (`q[2:5]`); an int keeps the expert dimension (`q[3]` is `[1, rows, K]`)."""
+        if isinstance(idx, int):
+            idx = slice(idx, idx + 1 if idx != -1 else None)
+        return Mxfp4Tensor(self.blocks[idx], self.scales[idx])
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return dequantize_mxfp4(self, dtype)
+
+
+def _round_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Nibble codes for `x` (already divided by the block scale): RNE on the E2M1 grid, saturating."""
+    mag = x.abs()
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for i, mid in enumerate(_MIDPOINTS):
+        up = mag > mid
+        if i % 2 == 1:  # the tie goes up exactly when the upper code i+1 is even
+            up |= mag == mid
+        code += up.to(torch.uint8)
+    return code | ((x < 0).to(torch.uint8) << 3)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> Mxfp4Tensor:
+    """Quantize float weights `[L, rows, K]` (K % 32 == 0) along K.
+
+    Scale exponent `floor(log2(amax)) - 2` per 32-group (clamped to [-127, 127]; all-zero groups
+    take the smallest scale), elements rounded to nearest even on the E2M1 grid and saturated at ±6.
+    """
+    require_tensor("w", w)
+    require_dtype("w", w, FLOAT_DTYPES + (torch.float64,))
+    require_rank("w", w, (3,))
+    L, rows, K = w.shape
+    if K % GROUP != 0:
+        raise ValueError(f"w's last dimension K must be a multiple of {GROUP} for MXFP4, got {K}")
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("w must be finite to quantize to MXFP4 (found NaN or Inf)")
+    g = w.double().reshape(L, rows, K // GROUP, GROUP)
+    amax = g.abs().amax(dim=-1)
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(1e-300))) - 2, torch.full_like(amax, -127.0))
+    exp = exp.clamp(-SCALE_BIAS, SCALE_BIAS)
+    scaled = g / torch.pow(2.0, exp).unsqueeze(-1)
+    codes = _round_to_e2m1_codes(scaled).reshape(L, rows, K)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    scales = (exp + SCALE_BIAS).to(torch.uint8)
+    return Mxfp4Tensor(blocks.contiguous(), scales.contiguous())
+
+
+def dequantize_mxfp4(q: Mxfp4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`[L, rows, K]` in `dtype`; computed in float32 (exact for every non-NaN code)."""
+    if not isinstance(q, Mxfp4Tensor):
+        raise TypeError(f"q must be an Mxfp4Tensor, got {type(q).__name__}")
+    if dtype not in FLOAT_DTYPES + (torch.float64,):
+        raise TypeError(f"dtype must be a float dtype, got {dtype}")
+    L, rows, K = q.shape
+    lo = (q.blocks & 0x0F).long()
+    hi = (q.blocks >> 4).long()
+    codes = torch.stack([lo, hi], dim=-1).reshape(L, rows, K)
+    vals = e2m1_lut(q.device)[codes].reshape(L, rows, K // GROUP, GROUP)
+    s = q.scales.to(torch.int32)
+    scale = torch.ldexp(torch.ones((), device=q.device), (s - SCALE_BIAS).float())
+    scale = torch.where(s == SCALE_NAN, torch.full_like(scale, float("nan")), scale)
+    return (vals * scale.unsqueeze(-1)).reshape(L, rows, K).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint converters
+# ---------------------------------------------------------------------------------------------
+
+
+def from_gpt_oss(blocks: torch.Tensor, scales: torch.Tensor) -> Mxfp4Tensor:
+    """GPT-OSS `*_blocks [E, N, K/32, 16]` + `*_scales [E, N, K/32]` -> Mxfp4Tensor `[E, N, K]`.
+
+    GPT-OSS already keeps K last with the even element in the low nibble, so this is a reshape.
+    """
+    require_tensor("blocks", blocks)
+    require_tensor("scales", scales)
+    require_dtype("blocks", blocks, (torch.uint8,))
+    require_dtype("scales", scales, (torch.uint8,))
+    if blocks.dim() != 4 or blocks.shape[-1] != GROUP // 2:
+        raise ValueError(f"blocks must be [E, N, K/32, 16], got {tuple(blocks.shape)}")
+    if tuple(scales.shape) != tuple(blocks.shape[:3]):
+        raise ValueError(f"scales must be [E, N, K/32] = {tuple(blocks.shape[:3])}, got {tuple(scales.shape)}")
+    E, N, G, _ = blocks.shape
+    return Mxfp4Tensor(blocks.reshape(E, N, G * (GROUP // 2)).contiguous(), scales.contiguous())
+
+
+def to_gpt_oss(q: Mxfp4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `from_gpt_oss`: `(blocks [E, N, K/32, 16], scales [E, N, K/32])`."""
+    if not isinstance(q, Mxfp4Tensor):
+        raise TypeError(f"q must be an Mxfp4Tensor, got {type(q).__name__}")
+    E, N, K = q.shape
+    return q.blocks.reshape(E, N, K // GROUP, GROUP // 2).contiguous(), q.scales.contiguous()
+
+
+def from_transposed(w: torch.Tensor, *, quantize: bool = False) -> Union[torch.Tensor, Mxfp4Tensor]:
+    """Weights stored `[E, in, out]` (GPT-OSS's dequantized `gate_up_proj [E, K, 2N]`, `down_proj
+    [E, N, K]`) -> our `[E, out, in]` layout, contiguous; optionally quantized to MXFP4 along `in`.
+    """
+    require_tensor("w", w)
+    require_dtype("w", w, FLOAT_DTYPES + (torch.float64,))
+    require_rank("w", w, (3,))
+    wt = w.transpose(1, 2).contiguous()
+    return quantize_mxfp4(wt) if quantize else wt

@@ -1,0 +1,525 @@
+"""expert_gemm (spec 03) on every layout, backend and weight dtype, against float64 loops.
+
+Metadata comes from `local_meta` below, written straight from the field meanings in
+docs/architecture.md (independent of `padded_moe.layouts.build_layout`, which one test also uses).
+Inputs: padded/unused rows are NaN (a load would leak), outputs are pre-filled with SENTINEL and
+rows outside the layout's valid set must keep it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import REL_TOL, SENTINEL, rel_err
+
+from padded_moe.gemm import expert_gemm
+from padded_moe.layouts import (
+    GemmLayout,
+    GroupedContiguousMeta,
+    GroupedMaskedMeta,
+    IndexedMeta,
+)
+from padded_moe.mxfp4 import Mxfp4Tensor, dequantize_mxfp4, quantize_mxfp4
+
+try:  # import the kernels now, while conftest's TRITON_INTERPRET=1 is in force (see conftest)
+    import padded_moe.kernels.gemm  # noqa: F401
+except ImportError:
+    pass
+
+BM = 16  # the interpreter's kernel block (kernels.gemm.INTERPRET_CONFIG.BM)
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata built from the documented field meanings
+# ---------------------------------------------------------------------------------------------
+
+
+def local_meta(layout: GemmLayout, topk_ids: torch.Tensor, L: int, *, block_m: int = BM,
+               t_max: int | None = None):
+    M, k = topk_ids.shape
+    mk = M * k
+    flat = topk_ids.reshape(-1).long()
+    slot_expert = torch.where((flat >= 0) & (flat < L), flat, torch.full_like(flat, L)).to(torch.int32)
+    counts = torch.bincount(slot_expert.long(), minlength=L + 1)[:L]
+    base = dict(num_tokens=M, top_k=k, num_local=L, slot_expert=slot_expert)
+    if layout == GemmLayout.INDEXED:
+        cap = mk + L * (block_m - 1)
+        cap = (cap + block_m - 1) // block_m * block_m
+        sorted_ids = torch.full((cap,), mk, dtype=torch.int32)
+        block_expert = torch.full((max(cap // block_m, 0),), -1, dtype=torch.int32)
+        pos = 0
+        for e in range(L):
+            slots = (slot_expert == e).nonzero().squeeze(1)
+            n = slots.numel()
+            padded = (n + block_m - 1) // block_m * block_m
+            sorted_ids[pos:pos + n] = slots.to(torch.int32)
+            block_expert[pos // block_m:(pos + padded) // block_m] = e
+            pos += padded
+        return IndexedMeta(**base, activation_counts=torch.tensor([mk], dtype=torch.int32),
+                           sorted_ids=sorted_ids, block_expert=block_expert,
+                           num_padded=torch.tensor([pos], dtype=torch.int32), block_m=block_m)
+    if layout == GemmLayout.GROUPED_CONTIGUOUS:
+        offsets = torch.zeros(L + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(counts, 0)
+        order = torch.argsort(slot_expert.long(), stable=True)
+        src = torch.full((mk,), mk, dtype=torch.int32)
+        n_kept = int(offsets[L])
+        src[:n_kept] = order[:n_kept].to(torch.int32)
+        inv = torch.full((mk,), mk, dtype=torch.int32)
+        inv[order[:n_kept]] = torch.arange(n_kept, dtype=torch.int32)
+        return GroupedContiguousMeta(**base, activation_counts=offsets[L:], offsets=offsets, inv=inv, src=src)
+    T = t_max if t_max is not None else M
+    clipped = counts.clamp(max=T).to(torch.int32)
+    inv = torch.full((mk,), L * T, dtype=torch.int32)
+    return GroupedMaskedMeta(**base, activation_counts=clipped, counts=clipped, inv=inv,
+                             overflow=torch.zeros(1, dtype=torch.int32), max_tokens_per_expert=T)
+
+
+def masked_meta(counts: list[int], t_max: int) -> GroupedMaskedMeta:
+    """GROUPED_MASKED metadata straight from counts (the batched receive-buffer case)."""
+    L = len(counts)
+    c = torch.tensor(counts, dtype=torch.int32)
+    return GroupedMaskedMeta(num_tokens=L * t_max, top_k=1, num_local=L,
+                             slot_expert=torch.zeros(L * t_max, dtype=torch.int32),
+                             activation_counts=c, counts=c, inv=torch.zeros(L * t_max, dtype=torch.int32),
+                             overflow=torch.zeros(1, dtype=torch.int32), max_tokens_per_expert=t_max)
+
+
+def ids_with_counts(counts: list[int], k: int, gen, extra_invalid: int = 0) -> torch.Tensor:
+    """topk_ids [M, k] whose local experts get exactly `counts`, distinct per token, with some
+    invalid ids (-1, L, huge) mixed in as dropped slots."""
+    L = len(counts)
+    slots = [e for e, c in enumerate(counts) for _ in range(c)]
+    bad = [-1, L, 2**31 - 1][: max(extra_invalid, 0)] * ((extra_invalid + 2) // 3)
+    slots += bad[:extra_invalid]
+    M = max(math.ceil(len(slots) / k), max(counts + [0]), 1)
+    # Fill column by column so no token gets one expert twice (counts[e] <= M).
+    grid = torch.full((M * k,), -1, dtype=torch.int64)
+    order = sorted(range(len(slots)), key=lambda i: (slots[i] < 0 or slots[i] >= L, slots[i]))
+    for pos, i in enumerate(order):
+        grid[(pos % M) * k + pos // M] = slots[i]
+    ids = grid.view(M, k)
+    perm = torch.randperm(M, generator=gen)
+    return ids[perm].to(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# references
+# ---------------------------------------------------------------------------------------------
+
+
+def make_weight(L, n_out, K, wdtype, gen):
+    w = torch.randn(L, n_out, K, generator=gen, dtype=torch.float64) / math.sqrt(K)
+    if wdtype == "mxfp4":
+        q = quantize_mxfp4(w)
+        return q, dequantize_mxfp4(q, torch.float64)
+    wt = w.to(wdtype)
+    return wt, wt.double()
+
+
+def act_dtype(wdtype):
+    return torch.bfloat16 if wdtype == "mxfp4" else wdtype
+
+
+def ref_rows(a64, w64, bias64, meta, stage):
+    """{out_row: float64 vector} for every row the layout must write."""
+    rows = {}
+    L = meta.num_local
+    if isinstance(meta, IndexedMeta):
+        mk = meta.num_tokens * meta.top_k
+        for b, e in enumerate(meta.block_expert.tolist()):
+            if e < 0 or b * meta.block_m >= int(meta.num_padded):
+                continue
+            for s in meta.sorted_ids[b * meta.block_m:(b + 1) * meta.block_m].tolist():
+                if s < mk:
+                    src = s // meta.top_k if stage == "w13" else s
+                    rows[s] = (e, a64[src])
+    elif isinstance(meta, GroupedContiguousMeta):
+        off = meta.offsets.tolist()
+        for e in range(L):
+            for r in range(off[e], off[e + 1]):
+                rows[r] = (e, a64[r])
+    else:
+        T = meta.max_tokens_per_expert
+        for e in range(L):
+            for t in range(int(meta.counts[e])):
+                rows[e * T + t] = (e, a64[e, t])
+    out = {}
+    for r, (e, x) in rows.items():
+        y = w64[e] @ x
+        if bias64 is not None:
+            y = y + bias64[e]
+        out[r] = y
+    return out
+
+
+def nan_unused_rows(a, meta, stage):
+    """Set every row of `a` the layout must not read to NaN."""
+    a = a.clone()
+    if isinstance(meta, IndexedMeta):
+        used = torch.zeros(a.shape[0], dtype=torch.bool)
+        mk = meta.num_tokens * meta.top_k
+        ids = meta.sorted_ids[: int(meta.num_padded)].long()
+        ids = ids[ids < mk]
+        used[ids // meta.top_k if stage == "w13" else ids] = True
+        a[~used] = float("nan")
+    elif isinstance(meta, GroupedContiguousMeta):
+        a[int(meta.offsets[-1]):] = float("nan")
+    else:
+        for e in range(meta.num_local):
+            a[e, int(meta.counts[e]):] = float("nan")
+    return a
+
+
+def run_and_check(a, w, w64, meta, stage, *, bias=None, backend="auto"):
+    n_out = w64.shape[1]
+    if isinstance(meta, GroupedMaskedMeta):
+        out_shape = (meta.num_local, meta.max_tokens_per_expert, n_out)
+    elif isinstance(meta, IndexedMeta):
+        out_shape = (meta.num_tokens * meta.top_k, n_out)
+    else:
+        out_shape = (a.shape[0], n_out)
+    out = torch.full(out_shape, SENTINEL, dtype=a.dtype)
+    res = expert_gemm(a, w, meta, stage=stage, bias=bias, out=out, backend=backend)
+    assert res is out
+    a64 = torch.nan_to_num(a.double(), nan=0.0)
+    ref = ref_rows(a64, w64, None if bias is None else bias.double(), meta, stage)
+    flat = out.reshape(-1, n_out)
+    written = torch.zeros(flat.shape[0], dtype=torch.bool)
+    if ref:
+        idx = torch.tensor(sorted(ref))
+        written[idx] = True
+        want = torch.stack([ref[i] for i in sorted(ref)])
+        err = rel_err(flat[idx], want)
+        assert err < REL_TOL[a.dtype], f"relative error {err:.3g}"
+    assert (flat[~written] == SENTINEL).all(), "rows outside the layout were written"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the matrix: path x layout x weight dtype
+# ---------------------------------------------------------------------------------------------
+
+LAYOUTS = [GemmLayout.INDEXED, GemmLayout.GROUPED_CONTIGUOUS, GemmLayout.GROUPED_MASKED]
+WDTYPES = [torch.float32, torch.bfloat16, torch.float16, "mxfp4"]
+
+# Counts around the kernel block: 0, 1, BM-1, BM, BM+1, and a larger one.
+EDGE_COUNTS = [0, 1, BM - 1, BM, BM + 1, 2 * BM + 3]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+@pytest.mark.parametrize("wdtype", WDTYPES, ids=str)
+def test_layouts_all_dtypes(cpu_path, layout, wdtype, gen):
+    K, n_out, k = 64, 40, 2  # n_out not a multiple of the kernel's BN: exercises the N mask
+    counts = EDGE_COUNTS
+    L = len(counts)
+    dt = act_dtype(wdtype)
+    w, w64 = make_weight(L, n_out, K, wdtype, gen)
+    ids = ids_with_counts(counts, k, gen, extra_invalid=3)
+    M = ids.shape[0]
+    if layout == GemmLayout.GROUPED_MASKED:
+        meta = local_meta(layout, ids, L, t_max=max(counts) + 5)
+        a = torch.randn(L, meta.max_tokens_per_expert, K, generator=gen).to(dt)
+    elif layout == GemmLayout.GROUPED_CONTIGUOUS:
+        meta = local_meta(layout, ids, L)
+        a = torch.randn(M * k, K, generator=gen).to(dt)
+    else:
+        meta = local_meta(layout, ids, L)
+        a = torch.randn(M, K, generator=gen).to(dt)
+    a = nan_unused_rows(a, meta, "w13")
+    run_and_check(a, w, w64, meta, "w13")
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, "mxfp4"], ids=str)
+def test_indexed_w2_stage_and_bias(cpu_path, wdtype, gen):
+    """GEMM2 reads slot rows (`sorted_ids`, not `// k`); bias added per expert."""
+    K, n_out, k, L = 64, 32, 3, 4
+    counts = [5, 0, BM + 1, 2]
+    dt = act_dtype(wdtype)
+    w, w64 = make_weight(L, n_out, K, wdtype, gen)
+    ids = ids_with_counts(counts, k, gen, extra_invalid=2)
+    meta = local_meta(GemmLayout.INDEXED, ids, L)
+    a = nan_unused_rows(torch.randn(ids.numel(), K, generator=gen).to(dt), meta, "w2")
+    bias = torch.randn(L, n_out, generator=gen).to(dt)
+    run_and_check(a, w, w64, meta, "w2", bias=bias)
+
+
+@pytest.mark.parametrize("layout", [GemmLayout.GROUPED_CONTIGUOUS, GemmLayout.GROUPED_MASKED], ids=lambda l: l.value)
+def test_grouped_bias_fp32(cpu_path, layout, gen):
+    K, n_out, k, L = 96, 48, 2, 3
+    counts = [3, BM, 0]
+    w, w64 = make_weight(L, n_out, K, torch.float32, gen)
+    ids = ids_with_counts(counts, k, gen)
+    meta = local_meta(layout, ids, L)
+    if layout == GemmLayout.GROUPED_MASKED:
+        a = torch.randn(L, meta.max_tokens_per_expert, K, generator=gen)
+    else:
+        a = torch.randn(ids.numel(), K, generator=gen)
+    a = nan_unused_rows(a, meta, "w13")
+    run_and_check(a, w, w64, meta, "w13", bias=torch.randn(L, n_out, generator=gen))
+
+
+@pytest.mark.parametrize("block_m", [8, 32, 48])
+def test_indexed_block_m_variants(cpu_path, block_m, gen):
+    """block_m below, above and not a power of two relative to the kernel's tile."""
+    K, n_out, k, L = 64, 32, 2, 3
+    counts = [block_m - 1, block_m + 1, 1]
+    w, w64 = make_weight(L, n_out, K, torch.bfloat16, gen)
+    ids = ids_with_counts(counts, k, gen)
+    meta = local_meta(GemmLayout.INDEXED, ids, L, block_m=block_m)
+    a = nan_unused_rows(torch.randn(ids.shape[0], K, generator=gen).to(torch.bfloat16), meta, "w13")
+    run_and_check(a, w, w64, meta, "w13")
+
+
+def test_masked_batched_counts(cpu_path, gen):
+    """Receive-buffer style slabs: counts 0, 1, BM-1, BM, BM+1, full; stale counts past T clamp."""
+    t_max = 2 * BM + 1
+    counts = [0, 1, BM - 1, BM, BM + 1, t_max]
+    L, K, n_out = len(counts), 64, 32
+    meta = masked_meta(counts, t_max)
+    w, w64 = make_weight(L, n_out, K, torch.bfloat16, gen)
+    a = nan_unused_rows(torch.randn(L, t_max, K, generator=gen).to(torch.bfloat16), meta, "w13")
+    run_and_check(a, w, w64, meta, "w13")
+
+
+def test_masked_count_above_capacity_is_clamped(cpu_path, gen):
+    t_max, L, K, n_out = BM, 2, 64, 32
+    meta = masked_meta([BM + 7, 3], t_max)  # stale garbage count > T_max
+    w, w64 = make_weight(L, n_out, K, torch.bfloat16, gen)
+    a = torch.randn(L, t_max, K, generator=gen).to(torch.bfloat16)
+    a[1, 3:] = float("nan")
+    out = torch.full((L, t_max, n_out), SENTINEL, dtype=torch.bfloat16)
+    expert_gemm(a, w, meta, out=out)
+    ref0 = a[0].double() @ w64[0].T
+    assert rel_err(out[0], ref0) < REL_TOL[torch.bfloat16]
+    assert (out[1, 3:] == SENTINEL).all()
+
+
+def test_empty_and_all_dropped(cpu_path, gen):
+    """Every slot dropped: nothing is computed, nothing written, NaN input never read."""
+    K, n_out, k, L = 64, 32, 2, 3
+    ids = torch.tensor([[-1, 3], [7, -5]], dtype=torch.int32)
+    w, w64 = make_weight(L, n_out, K, torch.bfloat16, gen)
+    for layout in LAYOUTS:
+        meta = local_meta(layout, ids, L)
+        if layout == GemmLayout.GROUPED_MASKED:
+            a = torch.full((L, meta.max_tokens_per_expert, K), float("nan"), dtype=torch.bfloat16)
+        elif layout == GemmLayout.GROUPED_CONTIGUOUS:
+            a = torch.full((4, K), float("nan"), dtype=torch.bfloat16)
+        else:
+            a = torch.full((2, K), float("nan"), dtype=torch.bfloat16)
+        run_and_check(a, w, w64, meta, "w13")
+
+
+def test_out_none_allocates(cpu_path, gen):
+    K, n_out, L = 64, 32, 2
+    meta = masked_meta([3, 5], 8)
+    w, w64 = make_weight(L, n_out, K, torch.bfloat16, gen)
+    a = torch.randn(L, 8, K, generator=gen).to(torch.bfloat16)
+    out = expert_gemm(a, w, meta)
+    assert out.shape == (L, 8, n_out) and out.dtype == torch.bfloat16
+    assert rel_err(out[1, :5], a[1, :5].double() @ w64[1].T) < REL_TOL[torch.bfloat16]
+
+
+def test_triton_and_torch_agree(monkeypatch, gen):
+    """Both backends on the same random problem (interpreter vs loop), all layouts."""
+    from padded_moe._platform import kernels_interpreted
+
+    if not kernels_interpreted():
+        pytest.skip("interpreter not in use")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    K, n_out, k, L = 64, 32, 2, 4
+    ids = torch.randint(-1, L + 1, (20, k), generator=gen, dtype=torch.int32)
+    w, _ = make_weight(L, n_out, K, torch.bfloat16, gen)
+    for layout in LAYOUTS:
+        meta = local_meta(layout, ids, L)
+        if layout == GemmLayout.GROUPED_MASKED:
+            a = torch.randn(L, meta.max_tokens_per_expert, K, generator=gen).to(torch.bfloat16)
+        elif layout == GemmLayout.GROUPED_CONTIGUOUS:
+            a = torch.randn(ids.numel(), K, generator=gen).to(torch.bfloat16)
+        else:
+            a = torch.randn(ids.shape[0], K, generator=gen).to(torch.bfloat16)
+        a = nan_unused_rows(a, meta, "w13")
+        outs = []
+        for backend in ("triton", "torch"):
+            out = torch.full((a.shape[0] * (k if layout == GemmLayout.INDEXED else 1),) + (n_out,)
+                             if layout != GemmLayout.GROUPED_MASKED else (L, a.shape[1], n_out),
+                             SENTINEL, dtype=torch.bfloat16)
+            outs.append(expert_gemm(a, w, meta, out=out, backend=backend))
+        assert rel_err(outs[0], outs[1]) < 1e-2
+
+
+def test_with_build_layout(cpu_path, gen):
+    """The shared builder's metadata drives the GEMM the same way (skips until it lands)."""
+    from padded_moe import layouts
+
+    if not hasattr(layouts, "build_layout"):
+        pytest.skip("padded_moe.layouts.build_layout not implemented yet")
+    K, n_out, k, L = 64, 32, 2, 4
+    ids = torch.randint(-2, L + 2, (12, k), generator=gen, dtype=torch.int32)
+    w, w64 = make_weight(L, n_out, K, torch.bfloat16, gen)
+    for layout in LAYOUTS:
+        try:
+            meta = layouts.build_layout(layout, ids, L, block_m=BM)
+        except NotImplementedError:
+            pytest.skip("build_layout not implemented yet")
+        if layout == GemmLayout.GROUPED_MASKED:
+            a = torch.randn(L, meta.max_tokens_per_expert, K, generator=gen).to(torch.bfloat16)
+        elif layout == GemmLayout.GROUPED_CONTIGUOUS:
+            a = torch.randn(ids.numel(), K, generator=gen).to(torch.bfloat16)
+        else:
+            a = torch.randn(ids.shape[0], K, generator=gen).to(torch.bfloat16)
+        a = nan_unused_rows(a, meta, "w13")
+        run_and_check(a, w, w64, meta, "w13")
+
+
+# ---------------------------------------------------------------------------------------------
+# validation and backend selection
+# ---------------------------------------------------------------------------------------------
+
+
+def _small(gen):
+    meta = masked_meta([2, 1], 4)
+    a = torch.randn(2, 4, 32, generator=gen).to(torch.bfloat16)
+    w = torch.randn(2, 16, 32, generator=gen).to(torch.bfloat16)
+    return a, w, meta
+
+
+def test_errors_name_the_argument(gen):
+    a, w, meta = _small(gen)
+    with pytest.raises(ValueError, match="stage"):
+        expert_gemm(a, w, meta, stage="w3")
+    with pytest.raises(TypeError, match="layout_meta"):
+        expert_gemm(a, w, object())
+    with pytest.raises(TypeError, match="^a must"):
+        expert_gemm(a.to(torch.int32), w, meta)
+    with pytest.raises(TypeError, match="^w must"):
+        expert_gemm(a, w.float(), meta)
+    with pytest.raises(ValueError, match="num_local"):
+        expert_gemm(a, w[:1], meta)
+    with pytest.raises(ValueError, match="last dimension"):
+        expert_gemm(a, w[..., :16].contiguous(), meta)
+    with pytest.raises(ValueError, match="^a must be"):
+        expert_gemm(a[:, :3], w, meta)
+    with pytest.raises(ValueError, match="^bias"):
+        expert_gemm(a, w, meta, bias=torch.zeros(2, 15, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="^out"):
+        expert_gemm(a, w, meta, out=torch.empty(2, 4, 15, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="backend"):
+        expert_gemm(a, w, meta, backend="cutlass")
+    ids = torch.tensor([[0, 1]], dtype=torch.int32)
+    imeta = local_meta(GemmLayout.INDEXED, ids, 2)
+    with pytest.raises(ValueError, match="M \\(tokens\\)"):
+        expert_gemm(torch.randn(2, 32).to(torch.bfloat16), w, imeta, stage="w13")
+    with pytest.raises(ValueError, match="M\\*k"):
+        expert_gemm(torch.randn(1, 32).to(torch.bfloat16), w, imeta, stage="w2")
+    q = quantize_mxfp4(torch.randn(2, 16, 64))
+    with pytest.raises(ValueError, match="last dimension"):
+        expert_gemm(a, q, meta)
+
+
+def test_triton_backend_refused_without_interpreter(monkeypatch, gen):
+    a, w, meta = _small(gen)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(NotImplementedError, match="'triton'"):
+        expert_gemm(a, w, meta, backend="triton")
+
+
+def test_humming_backend_refused_when_unavailable(gen):
+    a, w, meta = _small(gen)
+    q = quantize_mxfp4(torch.randn(2, 16, 32))
+    with pytest.raises(NotImplementedError, match="'humming'"):
+        expert_gemm(a, q, meta, backend="humming")  # CPU tensors: humming needs CUDA
+    with pytest.raises(NotImplementedError, match="'humming'"):
+        expert_gemm(a, w, meta, backend="humming")
+
+
+def test_auto_picks(monkeypatch):
+    from padded_moe._platform import kernels_interpreted
+    from padded_moe.backends import resolve_backend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert resolve_backend("auto", torch.device("cpu"), GemmLayout.INDEXED, None).name == "torch"
+    if kernels_interpreted():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert resolve_backend("auto", torch.device("cpu"), GemmLayout.INDEXED, None).name == "triton"
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_torch_cuda_fast_paths_run_on_cpu(with_bias, gen):
+    """The torch backend's CUDA-only paths (_grouped_mm + where, bmm + where), called directly on
+    CPU tensors so their row handling is checked here too."""
+    from padded_moe.backends import torch_backend as tb
+
+    K, n_out, k, L = 64, 32, 2, 4
+    ids = ids_with_counts([3, 0, BM + 1, 5], k, gen, extra_invalid=2)
+    w, w64 = make_weight(L, n_out, K, torch.bfloat16, gen)
+    bias = torch.randn(L, n_out, generator=gen).to(torch.bfloat16) if with_bias else None
+    for layout, fn in ((GemmLayout.GROUPED_CONTIGUOUS, tb._grouped_mm), (GemmLayout.GROUPED_MASKED, tb._masked_bmm)):
+        if layout == GemmLayout.GROUPED_CONTIGUOUS and not hasattr(torch, "_grouped_mm"):
+            continue
+        meta = local_meta(layout, ids, L)
+        if layout == GemmLayout.GROUPED_MASKED:
+            a = torch.randn(L, meta.max_tokens_per_expert, K, generator=gen).to(torch.bfloat16)
+            out = torch.full((L, meta.max_tokens_per_expert, n_out), SENTINEL, dtype=torch.bfloat16)
+        else:
+            a = torch.randn(ids.numel(), K, generator=gen).to(torch.bfloat16)
+            out = torch.full((ids.numel(), n_out), SENTINEL, dtype=torch.bfloat16)
+        a = nan_unused_rows(a, meta, "w13")
+        # Padded rows are NaN: these paths compute them and then discard them with `where`.
+        fn(a, w, meta, bias, out)
+        ref = ref_rows(torch.nan_to_num(a.double()), w64, None if bias is None else bias.double(), meta, "w13")
+        flat = out.reshape(-1, n_out)
+        idx = torch.tensor(sorted(ref))
+        assert rel_err(flat[idx], torch.stack([ref[i] for i in sorted(ref)])) < 2 * REL_TOL[torch.bfloat16]
+        rest = torch.ones(flat.shape[0], dtype=torch.bool)
+        rest[idx] = False
+        assert (flat[rest] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_randomised_shapes(cpu_path, trial):
+    """Fresh random sizes each run (seed in the failure message), including M = 0 (idle rank)."""
+    seed = int.from_bytes(__import__("os").urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=gen))]  # noqa: E731
+    L, k, K, n_out = pick([1, 3, 5]), pick([1, 2, 3]), pick([32, 64, 96]), pick([16, 40])
+    M = 0 if trial == 0 else pick([1, 7, 19, 33])
+    layout, wdtype, stage = pick(LAYOUTS), pick([torch.bfloat16, "mxfp4", torch.float16]), pick(["w13", "w2"])
+    ids = torch.randint(-2, L + 2, (M, k), generator=gen, dtype=torch.int32)
+    w, w64 = make_weight(L, n_out, K, wdtype, gen)
+    meta = local_meta(layout, ids, L, block_m=pick([8, 16, 32]))
+    dt = act_dtype(wdtype)
+    if layout == GemmLayout.GROUPED_MASKED:
+        a = torch.randn(L, meta.max_tokens_per_expert, K, generator=gen).to(dt)
+    elif layout == GemmLayout.GROUPED_CONTIGUOUS or stage == "w2":
+        a = torch.randn(M * k, K, generator=gen).to(dt)
+    else:
+        a = torch.randn(M, K, generator=gen).to(dt)
+    a = nan_unused_rows(a, meta, stage)
+    try:
+        run_and_check(a, w, w64, meta, stage)
+    except AssertionError as exc:
+        raise AssertionError(f"seed {seed}: L={L} k={k} K={K} N={n_out} M={M} {layout} {wdtype} {stage}: {exc}")
+
+
+def test_grouped_contiguous_capacity_buffers(cpu_path, gen):
+    """a and out may be capacity buffers of different sizes (both >= M*k)."""
+    K, n_out, k, L = 64, 32, 2, 3
+    ids = ids_with_counts([4, 0, BM + 2], k, gen)
+    meta = local_meta(GemmLayout.GROUPED_CONTIGUOUS, ids, L)
+    w, w64 = make_weight(L, n_out, K, torch.bfloat16, gen)
+    mk = ids.numel()
+    a = nan_unused_rows(torch.randn(mk + 5, K, generator=gen).to(torch.bfloat16), meta, "w13")
+    out = torch.full((mk + 9, n_out), SENTINEL, dtype=torch.bfloat16)
+    expert_gemm(a, w, meta, out=out)
+    off = meta.offsets.tolist()
+    for e in range(L):
+        sl = slice(off[e], off[e + 1])
+        if off[e + 1] > off[e]:
+            assert rel_err(out[sl], a[sl].double() @ w64[e].T) < REL_TOL[torch.bfloat16]
+    assert (out[off[-1]:] == SENTINEL).all()
+    with pytest.raises(ValueError, match="^out must be"):
+        expert_gemm(a, w, meta, out=torch.empty(mk - 1, n_out, dtype=torch.bfloat16))

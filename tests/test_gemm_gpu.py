@@ -1,0 +1,224 @@
+"""expert_gemm on an H200-class GPU: real model shapes, every layout, bf16 and MXFP4, CUDA graphs,
+torch._grouped_mm, and (when installed, `-m slow`) humming-kernels.
+
+References are float64 on the GPU, per expert, over the rows the layout must compute; only the
+experts that received rows are dequantized, so 256-expert weights stay affordable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+
+import pytest
+import torch
+from helpers import REL_TOL, SENTINEL, rel_err
+
+from padded_moe.gemm import expert_gemm
+from padded_moe.layouts import GemmLayout, GroupedContiguousMeta, GroupedMaskedMeta, IndexedMeta, build_layout
+from padded_moe.mxfp4 import Mxfp4Tensor, dequantize_mxfp4, quantize_mxfp4
+
+pytestmark = pytest.mark.gpu
+
+LAYOUTS = [GemmLayout.INDEXED, GemmLayout.GROUPED_CONTIGUOUS, GemmLayout.GROUPED_MASKED]
+DEV = "cuda"
+
+
+def make_weight(L, n_out, K, wdtype, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w = torch.randn(L, n_out, K, generator=g, device=DEV, dtype=torch.bfloat16) / math.sqrt(K)
+    if wdtype == "mxfp4":  # quantize in chunks: quantize_mxfp4 works in float64
+        parts = [quantize_mxfp4(w[i:i + 8]) for i in range(0, L, 8)]
+        return Mxfp4Tensor(torch.cat([p.blocks for p in parts]), torch.cat([p.scales for p in parts]))
+    return w
+
+
+def expert_w64(w, e):
+    if isinstance(w, Mxfp4Tensor):
+        return dequantize_mxfp4(w[e], torch.float64)[0]
+    return w[e].double()
+
+
+def rows_of(meta, stage, a_rows):
+    """(expert, a_row, out_row) int64 tensors for every row the layout must compute (host side)."""
+    if isinstance(meta, IndexedMeta):
+        mk = meta.num_tokens * meta.top_k
+        npad = int(meta.num_padded)
+        ids = meta.sorted_ids[:npad].long()
+        e = meta.block_expert.long().repeat_interleave(meta.block_m)[:npad]
+        keep = (ids < mk) & (e >= 0)
+        ids, e = ids[keep], e[keep]
+        return e, (ids // meta.top_k if stage == "w13" else ids), ids
+    if isinstance(meta, GroupedContiguousMeta):
+        off = meta.offsets.long()
+        pos = torch.arange(int(off[-1]), device=off.device)
+        e = torch.searchsorted(off[1:], pos, right=True)
+        return e, pos, pos
+    T = meta.max_tokens_per_expert
+    pos = torch.arange(meta.num_local * T, device=meta.counts.device)
+    keep = (pos % T) < meta.counts.long()[pos // T]
+    pos = pos[keep]
+    return pos // T, pos, pos
+
+
+def check(a, w, meta, stage, out, bias=None):
+    n_out = w.shape[1]
+    a2 = a.reshape(-1, a.shape[-1])
+    flat = out.reshape(-1, n_out)
+    e, ar, cr = rows_of(meta, stage, None)
+    written = torch.zeros(flat.shape[0], dtype=torch.bool, device=DEV)
+    written[cr] = True
+    assert (flat[~written] == SENTINEL).all(), "rows outside the layout were written"
+    num, den = 0.0, 0.0
+    for ex in torch.unique(e).tolist():
+        sel = e == ex
+        ref = a2[ar[sel]].double() @ expert_w64(w, ex).T
+        if bias is not None:
+            ref += bias[ex].double()
+        num += (flat[cr[sel]].double() - ref).norm().item() ** 2
+        den += ref.norm().item() ** 2
+        assert torch.isfinite(flat[cr[sel]]).all()
+    err = math.sqrt(num / max(den, 1e-30))
+    assert err < REL_TOL[torch.bfloat16], f"relative error {err:.3g}"
+
+
+def inputs_for(layout, meta, stage, K, M, k, seed):
+    """Fresh inputs with NaN in every row the layout must not read."""
+    g = torch.Generator(device=DEV).manual_seed(seed + 1)
+    if layout == GemmLayout.GROUPED_MASKED:
+        a = torch.randn(meta.num_local, meta.max_tokens_per_expert, K, generator=g, device=DEV).bfloat16()
+        T = meta.max_tokens_per_expert
+        a[torch.arange(T, device=DEV)[None, :] >= meta.counts[:, None].long()] = float("nan")
+        return a
+    if layout == GemmLayout.GROUPED_CONTIGUOUS:
+        a = torch.randn(M * k, K, generator=g, device=DEV).bfloat16()
+        a[torch.arange(M * k, device=DEV) >= meta.offsets[-1]] = float("nan")
+        return a
+    rows = M if stage == "w13" else M * k
+    a = torch.randn(rows, K, generator=g, device=DEV).bfloat16()
+    _, used, _ = rows_of(meta, stage, None)
+    mask = torch.ones(rows, dtype=torch.bool, device=DEV)
+    mask[used] = False
+    a[mask] = float("nan")
+    return a
+
+
+def out_for(layout, meta, a, n_out):
+    if layout == GemmLayout.GROUPED_MASKED:
+        shape = (meta.num_local, meta.max_tokens_per_expert, n_out)
+    elif layout == GemmLayout.INDEXED:
+        shape = (meta.num_tokens * meta.top_k, n_out)
+    else:
+        shape = (a.shape[0], n_out)
+    return torch.full(shape, SENTINEL, dtype=torch.bfloat16, device=DEV)
+
+
+# (name, L, K, N, k, M tokens, bias): DSV4 (E=256, K=4096, N=2048), GPT-OSS (E=128, K=N=2880),
+# and a prefill-sized case on 8 experts (>= 1024 rows per expert).
+SHAPES = [
+    ("dsv4", 256, 4096, 2048, 6, 96, False),
+    ("gpt_oss", 128, 2880, 2880, 4, 96, True),
+    ("prefill", 8, 4096, 2048, 2, 4096, False),
+]
+
+
+@pytest.fixture(scope="module")
+def weights():
+    cache = {}
+
+    def get(name, L, n_out, K, wdtype):
+        key = (name, n_out, K, wdtype)
+        if key not in cache:
+            cache[key] = make_weight(L, n_out, K, wdtype, hash(key) % 1000)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
+@pytest.mark.parametrize("wdtype", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("stage", ["w13", "w2"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+def test_real_shapes(shape, wdtype, stage, layout, weights):
+    name, L, K, N, k, M, with_bias = shape
+    n_out, k_in = (2 * N, K) if stage == "w13" else (K, N)
+    w = weights(name, L, n_out, k_in, wdtype)
+    g = torch.Generator(device=DEV).manual_seed(7)
+    ids = torch.randint(-1, L + 2, (M, k), generator=g, device=DEV, dtype=torch.int32)
+    if name == "prefill":
+        ids = torch.stack([torch.randperm(L, device=DEV)[:k] for _ in range(M)]).int()
+    meta = build_layout(layout, ids, L)
+    a = inputs_for(layout, meta, stage, k_in, M, k, 3)
+    bias = torch.randn(L, n_out, device=DEV).bfloat16() if with_bias else None
+    out = out_for(layout, meta, a, n_out)
+    expert_gemm(a, w, meta, stage=stage, bias=bias, out=out, backend="triton")
+    torch.cuda.synchronize()
+    check(a, w, meta, stage, out, bias)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+def test_torch_backend_cuda(layout):
+    """torch backend on CUDA: _grouped_mm (GROUPED_CONTIGUOUS bf16), bmm (masked), loop (indexed)."""
+    L, K, n_out, M, k = 16, 512, 256, 200, 4
+    w = make_weight(L, n_out, K, "bf16", 1)
+    ids = torch.randint(-1, L + 1, (M, k), device=DEV, dtype=torch.int32)
+    meta = build_layout(layout, ids, L)
+    a = inputs_for(layout, meta, "w13", K, M, k, 5)
+    out = out_for(layout, meta, a, n_out)
+    expert_gemm(a, w, meta, out=out, backend="torch")
+    check(a, w, meta, "w13", out)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+@pytest.mark.parametrize("wdtype", ["bf16", "mxfp4"])
+def test_cuda_graph_replay_after_ids_change(layout, wdtype):
+    L, K, n_out, M, k = 16, 512, 256, 64, 4
+    w = make_weight(L, n_out, K, wdtype, 2)
+    ids = torch.randint(0, L, (M, k), device=DEV, dtype=torch.int32)
+    meta = build_layout(layout, ids, L)
+    a = inputs_for(layout, meta, "w13", K, M, k, 9)
+    out = out_for(layout, meta, a, n_out)
+    expert_gemm(a, w, meta, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        expert_gemm(a, w, meta, out=out)
+    for trial in range(2):
+        new_ids = torch.randint(-1, L + 1, (M, k), device=DEV, dtype=torch.int32)
+        fresh = build_layout(layout, new_ids, L)
+        for f in dataclasses.fields(meta):  # same buffers, new contents
+            old, new = getattr(meta, f.name), getattr(fresh, f.name)
+            if isinstance(old, torch.Tensor):
+                old.copy_(new)
+        a.copy_(inputs_for(layout, meta, "w13", K, M, k, 20 + trial))
+        out.fill_(SENTINEL)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(a, w, meta, "w13", out)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("humming") is None, reason="humming-kernels not installed")
+@pytest.mark.parametrize("layout", [GemmLayout.GROUPED_MASKED, GemmLayout.GROUPED_CONTIGUOUS, GemmLayout.INDEXED],
+                         ids=lambda l: l.value)
+def test_humming_backend(layout):
+    """JIT-compiles ~2.5 min per configuration on first use (set HUMMING_CACHE_DIR)."""
+    L, K, N, M, k = 32, 2880, 2880, 64, 4
+    w = make_weight(L, 2 * N, K, "mxfp4", 4)
+    ids = torch.randint(-1, L + 1, (M, k), device=DEV, dtype=torch.int32)
+    meta = build_layout(layout, ids, L)
+    a = inputs_for(layout, meta, "w13", K, M, k, 11)
+    out = out_for(layout, meta, a, 2 * N)
+    try:
+        expert_gemm(a, w, meta, out=out, backend="humming")
+    except ValueError as exc:  # INDEXED: humming wants another block_m; rebuild with it
+        if layout != GemmLayout.INDEXED or "block_m=" not in str(exc):
+            raise
+        bm = int(str(exc).split("block_m=")[1].split()[0])
+        meta = build_layout(layout, ids, L, block_m=bm)
+        a = inputs_for(layout, meta, "w13", K, M, k, 11)
+        out = out_for(layout, meta, a, 2 * N)
+        expert_gemm(a, w, meta, out=out, backend="humming")
+    torch.cuda.synchronize()
+    check(a, w, meta, "w13", out)

@@ -1,0 +1,171 @@
+"""MXFP4 storage, quantization, dequantization and checkpoint converters (spec 03)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import rel_err
+
+from padded_moe.mxfp4 import (
+    Mxfp4Tensor,
+    dequantize_mxfp4,
+    from_gpt_oss,
+    from_transposed,
+    quantize_mxfp4,
+    to_gpt_oss,
+)
+
+# Independent decode table written from the OCP table (not imported from the module under test).
+E2M1 = {0: 0.0, 1: 0.5, 2: 1.0, 3: 1.5, 4: 2.0, 5: 3.0, 6: 4.0, 7: 6.0}
+
+
+def decode_slow(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Element-by-element float64 decode of one expert matrix `[rows, K/2]` / `[rows, K/32]`."""
+    rows, half = blocks.shape
+    out = torch.empty(rows, half * 2, dtype=torch.float64)
+    for r in range(rows):
+        for k in range(half * 2):
+            byte = int(blocks[r, k // 2])
+            nib = (byte >> (4 * (k % 2))) & 0xF
+            s = int(scales[r, k // 32])
+            mag = E2M1[nib & 7] * (math.nan if s == 255 else 2.0 ** (s - 127))
+            out[r, k] = -mag if nib & 8 else mag
+    return out
+
+
+def random_grid_codes(L, rows, K, gen):
+    """Codes (no -0) where every 32-group holds a magnitude-4 or -6 element, so the scale chosen by
+    floor(log2(amax)) - 2 is exactly the one used to build the values."""
+    codes = torch.randint(0, 16, (L, rows, K), generator=gen)
+    codes[codes == 8] = 0
+    g = codes.view(L, rows, K // 32, 32)
+    pos = torch.randint(0, 32, (L, rows, K // 32, 1), generator=gen)
+    top = torch.randint(6, 8, (L, rows, K // 32, 1), generator=gen) | (torch.randint(0, 2, pos.shape, generator=gen) << 3)
+    g.scatter_(-1, pos, top)
+    return codes
+
+
+def test_exact_on_grid_values(gen):
+    L, rows, K = 2, 3, 96
+    codes = random_grid_codes(L, rows, K, gen)
+    scales = torch.randint(100, 150, (L, rows, K // 32), generator=gen, dtype=torch.uint8)
+    mag = torch.tensor([E2M1[i] for i in range(8)], dtype=torch.float64)[codes & 7]
+    vals = torch.where(codes >= 8, -mag, mag)
+    w = (vals.view(L, rows, K // 32, 32) * torch.pow(2.0, scales.double() - 127).unsqueeze(-1)).view(L, rows, K)
+    q = quantize_mxfp4(w.float())
+    assert torch.equal(q.scales, scales)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    assert torch.equal(q.blocks, packed)
+    for dt in (torch.float32, torch.bfloat16, torch.float64):
+        assert torch.equal(dequantize_mxfp4(q, dt), w.to(dt))
+
+
+def test_round_to_nearest_even_and_saturation():
+    # One group with amax 7 -> exponent floor(log2 7) - 2 = 0, so x / 2^0 = x.
+    vals = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.25, -0.3, 0.2, 5.5, -6.5, 0.74, 0.76]
+    want = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -0.0, -0.5, 0.0, 6.0, -6.0, 0.5, 1.0]
+    w = torch.zeros(1, 1, 32, dtype=torch.float64)
+    w[0, 0, : len(vals)] = torch.tensor(vals, dtype=torch.float64)
+    q = quantize_mxfp4(w)
+    assert int(q.scales[0, 0, 0]) == 127
+    got = dequantize_mxfp4(q, torch.float64)[0, 0, : len(vals)]
+    assert got.tolist() == want
+
+
+def test_scale_rule_and_zero_group():
+    w = torch.zeros(1, 2, 64)
+    w[0, 0, :32] = 0.01  # amax 0.01 -> floor(log2 0.01) - 2 = -7 - 2 = -9
+    w[0, 0, 40] = 1000.0  # floor(log2 1000) - 2 = 7
+    q = quantize_mxfp4(w)
+    assert q.scales[0, 0].tolist() == [127 - 9, 127 + 7]
+    assert q.scales[0, 1].tolist() == [0, 0]  # all-zero groups: smallest scale, value 0
+    assert torch.equal(dequantize_mxfp4(q, torch.float32)[0, 1], torch.zeros(64))
+
+
+def test_random_error_bounds(gen):
+    w = torch.randn(3, 8, 128, generator=gen, dtype=torch.float64) * 3
+    q = quantize_mxfp4(w)
+    dq = dequantize_mxfp4(q, torch.float64)
+    step = torch.pow(2.0, q.scales.double() - 127).repeat_interleave(32, dim=-1)
+    # Grid spacing at the top of the range is 2 * 2^e (between 4 and 6); saturation of
+    # |x| / 2^e in (6, 8) costs at most 2 * 2^e as well.
+    assert ((dq - w).abs() <= 2 * step + 1e-12).all()
+    assert rel_err(dq, w) < 0.15
+    # Each element's code is the nearest grid point (ties aside) below saturation.
+    inside = (w.abs() / step) <= 6
+    grid = torch.tensor(sorted({v * s for v in E2M1.values() for s in (1, -1)}), dtype=torch.float64)
+    nearest = ((w / step).unsqueeze(-1) - grid).abs().min(-1).values
+    assert torch.allclose(((dq / step) - (w / step)).abs()[inside], nearest[inside], atol=1e-9)
+
+
+def test_dequantize_matches_slow_decoder(gen):
+    blocks = torch.randint(0, 256, (2, 3, 32), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(0, 256, (2, 3, 2), generator=gen, dtype=torch.uint8)
+    scales[0, 0, 0] = 0    # 2^-127: a float32 subnormal
+    scales[1, 2, 1] = 255  # NaN
+    q = Mxfp4Tensor(blocks, scales)
+    got = dequantize_mxfp4(q, torch.float32).double()
+    for e in range(2):
+        want = decode_slow(blocks[e], scales[e])
+        assert torch.equal(torch.isnan(got[e]), torch.isnan(want))
+        ok = ~torch.isnan(want)
+        assert torch.equal(got[e][ok], want[ok])
+    assert torch.isnan(got[1, 2, 32:]).all()
+
+
+def test_gpt_oss_round_trip(gen):
+    E, N, K = 2, 4, 64
+    blocks = torch.randint(0, 256, (E, N, K // 32, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(110, 140, (E, N, K // 32), generator=gen, dtype=torch.uint8)
+    q = from_gpt_oss(blocks, scales)
+    assert q.shape == (E, N, K)
+    b2, s2 = to_gpt_oss(q)
+    assert torch.equal(b2, blocks) and torch.equal(s2, scales)
+    # GPT-OSS element k of row n: byte k//2 of the flattened group blocks, low nibble for even k.
+    dq = dequantize_mxfp4(q, torch.float64)
+    flat = blocks.reshape(E, N, K // 2)
+    for e, n, k in [(0, 0, 0), (0, 1, 1), (1, 3, 33), (1, 2, 62)]:
+        nib = (int(flat[e, n, k // 2]) >> (4 * (k % 2))) & 0xF
+        mag = E2M1[nib & 7] * 2.0 ** (int(scales[e, n, k // 32]) - 127)
+        assert float(dq[e, n, k]) == (-mag if nib & 8 else mag)
+
+
+def test_from_transposed(gen):
+    w = torch.randn(2, 64, 48, generator=gen)  # [E, K, 2N] as GPT-OSS stores gate_up_proj
+    wt = from_transposed(w)
+    assert wt.shape == (2, 48, 64) and wt.is_contiguous() and torch.equal(wt, w.transpose(1, 2))
+    q = from_transposed(w, quantize=True)
+    assert isinstance(q, Mxfp4Tensor) and q.shape == (2, 48, 64)
+    assert torch.equal(dequantize_mxfp4(q, torch.float32), dequantize_mxfp4(quantize_mxfp4(wt), torch.float32))
+
+
+def test_tensor_helpers(gen):
+    q = quantize_mxfp4(torch.randn(4, 8, 64, generator=gen))
+    assert q.shape == (4, 8, 64) and q.num_experts == 4 and q.device.type == "cpu"
+    assert q.nbytes() == 4 * 8 * 32 + 4 * 8 * 2
+    sub = q[1:3]
+    assert sub.shape == (2, 8, 64) and torch.equal(sub.blocks, q.blocks[1:3])
+    one = q[2]
+    assert one.shape == (1, 8, 64) and torch.equal(one.scales, q.scales[2:3])
+    assert torch.equal(q.to("cpu").blocks, q.blocks)
+
+
+def test_validation():
+    with pytest.raises(TypeError, match="blocks"):
+        Mxfp4Tensor(torch.zeros(1, 2, 16), torch.zeros(1, 2, 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="K/32"):
+        Mxfp4Tensor(torch.zeros(1, 2, 16, dtype=torch.uint8), torch.zeros(1, 2, 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_mxfp4(torch.zeros(1, 2, 48))
+    with pytest.raises(ValueError, match="finite"):
+        quantize_mxfp4(torch.full((1, 1, 32), float("inf")))
+    with pytest.raises(TypeError, match="^w must"):
+        quantize_mxfp4(torch.zeros(1, 2, 32, dtype=torch.int32))
+    with pytest.raises(ValueError, match="16"):
+        from_gpt_oss(torch.zeros(1, 2, 2, 8, dtype=torch.uint8), torch.zeros(1, 2, 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="scales"):
+        from_gpt_oss(torch.zeros(1, 2, 2, 16, dtype=torch.uint8), torch.zeros(1, 2, 3, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="Mxfp4Tensor"):
+        dequantize_mxfp4(torch.zeros(1, 2, 16, dtype=torch.uint8))

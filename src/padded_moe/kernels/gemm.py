@@ -45,16 +45,16 @@ class GemmConfig:
 # Tuned for H200 (sm_90), keyed by (weight kind, regime). Regimes by rows per expert:
 # decode <= 32 (weight-bandwidth bound: small BM, many programs), small <= 128, medium <= 512,
 # prefill > 512 (compute bound: big tiles, grouped ordering so an expert's weight tile stays in L2).
-# Update from `benchmarks/bench_gemm.py`'s sweep winners.
+# Updated from `benchmarks/bench_gemm.py`'s sweep winners (H200, 2026-11-30, see notes.md).
 TUNED: dict[tuple[str, str], GemmConfig] = {
-    ("bf16", "decode"): GemmConfig(16, 64, 128, 1, 4, 4),
+    ("bf16", "decode"): GemmConfig(16, 128, 128, 1, 4, 4),
     ("bf16", "small"): GemmConfig(64, 128, 64, 4, 4, 4),
-    ("bf16", "medium"): GemmConfig(128, 128, 64, 8, 8, 3),
-    ("bf16", "prefill"): GemmConfig(128, 256, 64, 8, 8, 3),
-    ("mxfp4", "decode"): GemmConfig(16, 64, 256, 1, 4, 4),
-    ("mxfp4", "small"): GemmConfig(64, 128, 128, 4, 4, 3),
-    ("mxfp4", "medium"): GemmConfig(128, 128, 128, 8, 8, 3),
-    ("mxfp4", "prefill"): GemmConfig(128, 128, 128, 8, 8, 3),
+    ("bf16", "medium"): GemmConfig(128, 256, 64, 8, 8, 3),
+    ("bf16", "prefill"): GemmConfig(128, 256, 64, 8, 8, 4),
+    ("mxfp4", "decode"): GemmConfig(16, 64, 128, 1, 4, 4),
+    ("mxfp4", "small"): GemmConfig(64, 128, 64, 4, 4, 4),
+    ("mxfp4", "medium"): GemmConfig(128, 128, 64, 8, 4, 4),
+    ("mxfp4", "prefill"): GemmConfig(256, 128, 64, 8, 8, 3),
 }
 
 # GROUPED_MASKED slabs are sized for the worst case and usually sparsely filled; a 128-row tile
@@ -71,7 +71,8 @@ INTERPRET_CONFIG = GemmConfig(16, 32, 32, 1, 4, 1)
 SWEEP: dict[str, list[GemmConfig]] = {
     "decode": [GemmConfig(16, 64, 128, 1, 4, 4), GemmConfig(16, 64, 256, 1, 4, 3),
                GemmConfig(16, 128, 128, 1, 4, 4), GemmConfig(16, 32, 256, 1, 4, 4),
-               GemmConfig(16, 128, 64, 1, 4, 5)],
+               GemmConfig(16, 128, 64, 1, 4, 5), GemmConfig(32, 64, 128, 1, 4, 4),
+               GemmConfig(32, 128, 128, 1, 4, 4)],
     "small": [GemmConfig(64, 128, 64, 4, 4, 4), GemmConfig(32, 128, 128, 4, 4, 4),
               GemmConfig(64, 64, 128, 4, 4, 4), GemmConfig(64, 256, 64, 4, 8, 3)],
     "medium": [GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 4, 4),

@@ -1,0 +1,244 @@
+"""Expert-parallel dispatch + combine vs raw all_to_all_single moving the same bytes (spec 04).
+
+Run on 2 GPUs (self-spawning):      python benchmarks/bench_ep.py --out results/ep
+or under torchrun:                  torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out results/ep
+CPU smoke run (gloo):               python benchmarks/bench_ep.py --device cpu --tokens 16 --iters 3
+
+For T tokens per rank it times, per mode (flat / batched):
+- `a2a`: one all_to_all_single of `[R*T, K]` rows (the dispatch payload); dispatch + combine move
+  those bytes twice (there and back), so the reference for them is `2 × a2a`;
+- `dispatch+combine`: ExpertParallel.dispatch then combine (experts skipped: combine returns
+  the received rows), eager and (GPU, flat and batched) captured in a CUDA graph;
+- `layer`: dispatch → fused_experts / batched_experts (bf16 weights of the preset) → combine.
+Target (flat, graph): dispatch+combine ≥ 0.8 × the speed of 2 × a2a ("ratio" column).
+Writes `ep.json` and `ep.png` to --out; rank 0 prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="dsv4-flash")
+    p.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 1024], help="tokens per rank")
+    p.add_argument("--modes", nargs="+", default=["flat", "batched"])
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--no-layer", action="store_true", help="skip the end-to-end layer timing")
+    p.add_argument("--out", default="results/bench_ep")
+    return p.parse_args(argv)
+
+
+class Timer:
+    """Median wall time of `fn` in ms; CUDA events on GPU, barriers so ranks start together."""
+
+    def __init__(self, device, iters, warmup):
+        self.cuda = device.type == "cuda"
+        self.iters, self.warmup = iters, warmup
+
+    def __call__(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.iters):
+            dist.barrier()
+            if self.cuda:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        # Every rank reports the slowest rank's median: a collective is as slow as its last rank.
+        t = torch.tensor([statistics.median(times)], dtype=torch.float64,
+                         device="cuda" if self.cuda else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+
+def graphed(fn, device):
+    """Capture fn in a CUDA graph (after a warm-up on a side stream); returns replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
+        fn()
+    return g.replay
+
+
+def bench_one(preset, mode, T, device, timer, layer):
+    from padded_moe.distributed import ExpertParallel
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    E, k, K, N = preset.num_experts, preset.top_k, preset.hidden_size, preset.intermediate_size
+    gen = torch.Generator(device=device).manual_seed(1234 + rank)
+    x = torch.randn(T, K, generator=gen, device=device).to(torch.bfloat16)
+    ids = torch.rand(T, E, generator=gen, device=device).argsort(1)[:, :k].to(torch.int32)
+    w = torch.rand(T, k, generator=gen, device=device)
+    ep = ExpertParallel(None, E, k, K, T, mode=mode, dtype=torch.bfloat16, device=device)
+    rows = R * T
+    send = torch.randn(rows, K, device=device).to(torch.bfloat16)
+    recv = torch.empty_like(send)
+
+    def a2a():
+        dist.all_to_all_single(recv, send)
+
+    def dispatch_combine():  # the received rows stand in for the expert output (same shape)
+        rb, h = ep.dispatch(x, ids, w)
+        return ep.combine(rb.x, h)
+
+    res = dict(mode=mode, tokens_per_rank=T, ranks=R, bytes_per_a2a=send.numel() * send.element_size())
+    res["a2a_ms"] = timer(a2a)
+    res["dispatch_combine_ms"] = timer(dispatch_combine)
+    if device.type == "cuda":
+        res["a2a_graph_ms"] = timer(graphed(a2a, device))
+        res["dispatch_combine_graph_ms"] = timer(graphed(dispatch_combine, device))
+    if layer:
+        from padded_moe.experts import batched_experts, fused_experts
+
+        L = ep.num_local
+        wg = torch.Generator(device=device).manual_seed(99 + rank)
+        w13 = (torch.randn(L, preset.w13_rows, K, generator=wg, device=device) / K ** 0.5).to(torch.bfloat16)
+        w2 = (torch.randn(L, K, N, generator=wg, device=device) / N ** 0.5).to(torch.bfloat16)
+
+        def full_layer():
+            rb, h = ep.dispatch(x, ids, w)
+            if mode == "flat":
+                eo = fused_experts(rb.x, w13, w2, rb.topk_weights, rb.topk_ids, activation="silu",
+                                   expert_map=ep.expert_map, valid_tokens=rb.valid_tokens)
+            else:
+                eo = batched_experts(rb.x, rb.counts, w13, w2, activation="silu")
+            return ep.combine(eo, h)
+
+        res["layer_ms"] = timer(full_layer)
+        if device.type == "cuda":
+            res["layer_graph_ms"] = timer(graphed(full_layer, device))
+        del w13, w2
+    best_dc = res.get("dispatch_combine_graph_ms", res["dispatch_combine_ms"])
+    best_a2a = res.get("a2a_graph_ms", res["a2a_ms"])
+    res["ratio_vs_2x_a2a"] = 2 * best_a2a / best_dc  # ≥ 0.8 is the target
+    return res
+
+
+def main_worker(args):
+    from padded_moe.presets import get_preset
+
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" \
+        else torch.device("cpu")
+    preset = get_preset(args.preset)
+    timer = Timer(device, args.iters, args.warmup)
+    results = []
+    for mode in args.modes:
+        for T in args.tokens:
+            results.append(bench_one(preset, mode, T, device, timer, not args.no_layer))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if dist.get_rank() == 0:
+        report(args, preset, results)
+
+
+def report(args, preset, results):
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(preset=preset.name, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                torch=torch.__version__, ranks=results[0]["ranks"] if results else 0)
+    with open(os.path.join(args.out, "ep.json"), "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=2)
+    cols = ["mode", "tokens_per_rank", "a2a_ms", "a2a_graph_ms", "dispatch_combine_ms",
+            "dispatch_combine_graph_ms", "layer_ms", "layer_graph_ms", "ratio_vs_2x_a2a"]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"EP dispatch+combine, {meta['preset']}, {meta['ranks']} ranks, {meta['device']}")
+        for c in cols:
+            table.add_column(c)
+        for r in results:
+            table.add_row(*[f"{r[c]:.3f}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols])
+        Console(width=200).print(table)
+    except ImportError:  # pragma: no cover
+        print(json.dumps(results, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in args.modes:
+        rs = [r for r in results if r["mode"] == mode]
+        ts = [r["tokens_per_rank"] for r in rs]
+        ax.plot(ts, [r["ratio_vs_2x_a2a"] for r in rs], marker="o", label=f"{mode}: 2×a2a / (dispatch+combine)")
+    ax.axhline(0.8, color="gray", linestyle="--", label="target 0.8")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("speed relative to raw all_to_all_single")
+    ax.set_title(f"{meta['preset']} on {meta['ranks']} ranks ({meta['device']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "ep.png"), dpi=120)
+
+
+def _init(rank, world, port, device):
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world,
+                            init_method=f"tcp://127.0.0.1:{port}" if port else "env://",
+                            timeout=datetime.timedelta(seconds=300))
+
+
+def _spawned(rank, world, port, args):
+    _init(rank, world, port, args.device)
+    try:
+        main_worker(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        _init(rank, world, None, args.device)
+        try:
+            main_worker(args)
+        finally:
+            dist.destroy_process_group()
+        return 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_spawned, args=(args.nproc, port, args), nprocs=args.nproc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

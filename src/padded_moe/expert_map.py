@@ -1,0 +1,168 @@
+"""Expert map and the invalid-expert-ID guard (spec 02).
+
+A routed slot holding global id `g` is invalid (`g < 0` or `g >= E`), non-local (`map[g] == -1`)
+or local. Invalid and non-local slots become the sentinel `L` ("dropped"). The range check always
+happens before the map is read and before int64 ids are narrowed, so stale garbage in a graph
+buffer (`2^31-1`, `2^32+1`, `-2^31`) can never index out of bounds or wrap into range.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from padded_moe._validation import INDEX_DTYPES, require_dtype, require_rank, require_tensor
+
+PLACEMENTS = ("linear", "round_robin")
+
+
+def _require_int(name: str, value: object, minimum: int) -> int:
+    # bool is an int subclass; a True expert count is a bug, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _owned_experts(num_experts: int, ep_rank: int, ep_size: int, placement: str) -> list[int]:
+    """Global ids owned by `ep_rank`, in local-index order."""
+    if placement == "round_robin":
+        return list(range(ep_rank, num_experts, ep_size))
+    # linear: contiguous ranges; the first `rem` ranks take one extra expert each.
+    base, rem = divmod(num_experts, ep_size)
+    start = ep_rank * base + min(ep_rank, rem)
+    return list(range(start, start + base + (1 if ep_rank < rem else 0)))
+
+
+class ExpertMap:
+    """Which global experts this expert-parallel rank owns.
+
+    Attributes: `num_experts` (E), `ep_rank`, `ep_size`, `placement`, `num_local` (L),
+    `local_experts` (int64 `[L]`, global ids owned here, on `device`), `map` (int32 `[E]`, local
+    index or -1, on `device`). `map_for(device)` returns (and caches) the map on another device so
+    a CPU-built map can serve CUDA ids without a copy per call.
+    """
+
+    def __init__(self, num_experts: int, ep_rank: int = 0, ep_size: int = 1,
+                 placement: str = "linear", *, device: Union[str, torch.device, None] = None):
+        self.num_experts = _require_int("num_experts", num_experts, 1)
+        self.ep_size = _require_int("ep_size", ep_size, 1)
+        self.ep_rank = _require_int("ep_rank", ep_rank, 0)
+        if self.ep_rank >= self.ep_size:
+            raise ValueError(f"ep_rank must be in [0, ep_size={ep_size}), got {ep_rank}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        self.placement = placement
+        owned = _owned_experts(num_experts, ep_rank, ep_size, placement)
+        self.num_local = len(owned)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        table = torch.full((num_experts,), -1, dtype=torch.int32)
+        if owned:
+            table[torch.tensor(owned)] = torch.arange(len(owned), dtype=torch.int32)
+        self.local_experts = torch.tensor(owned, dtype=torch.int64, device=dev)
+        self.map = table.to(dev)
+        self._maps = {dev: self.map}
+
+    @classmethod
+    def identity(cls, num_experts: int, *, device: Union[str, torch.device, None] = None) -> "ExpertMap":
+        """No expert parallelism: every expert is local, local index = global id."""
+        return cls(num_experts, 0, 1, "linear", device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.map.device
+
+    @property
+    def is_identity(self) -> bool:
+        return self.num_local == self.num_experts
+
+    def to(self, device: Union[str, torch.device]) -> "ExpertMap":
+        """The same map with its tensors on `device`."""
+        return ExpertMap(self.num_experts, self.ep_rank, self.ep_size, self.placement, device=device)
+
+    def map_for(self, device: torch.device) -> torch.Tensor:
+        """The int32 map on `device` (copied once, then cached: call it outside graph capture first)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        cached = self._maps.get(device)
+        if cached is None:
+            cached = self.map.to(device)
+            self._maps[device] = cached
+        return cached
+
+    def __repr__(self) -> str:
+        return (f"ExpertMap(num_experts={self.num_experts}, ep_rank={self.ep_rank}, "
+                f"ep_size={self.ep_size}, placement={self.placement!r}, num_local={self.num_local})")
+
+
+Experts = Union[ExpertMap, int]
+
+
+def resolve_experts(experts: object) -> tuple[int, int, Optional[ExpertMap]]:
+    """`(E, L, map-or-None)` from an ExpertMap or an int E (no EP: all E experts local).
+
+    An identity ExpertMap is returned as None so the kernels skip the map read entirely.
+    """
+    if isinstance(experts, ExpertMap):
+        return experts.num_experts, experts.num_local, (None if experts.is_identity else experts)
+    if isinstance(experts, bool) or not isinstance(experts, int):
+        raise TypeError(f"experts must be an ExpertMap or an int number of experts, got {type(experts).__name__}")
+    if experts < 1:
+        raise ValueError(f"experts (number of experts E) must be >= 1, got {experts}")
+    return experts, experts, None
+
+
+def check_topk_ids(topk_ids: object) -> torch.Tensor:
+    require_tensor("topk_ids", topk_ids)
+    require_dtype("topk_ids", topk_ids, INDEX_DTYPES)
+    require_rank("topk_ids", topk_ids, (2,))
+    return topk_ids
+
+
+def check_valid_tokens(valid_tokens: object, ref: torch.Tensor) -> Optional[torch.Tensor]:
+    """`valid_tokens` is None or an int32/int64 `[1]` tensor on `topk_ids`' device."""
+    if valid_tokens is None:
+        return None
+    require_tensor("valid_tokens", valid_tokens)
+    require_dtype("valid_tokens", valid_tokens, INDEX_DTYPES)
+    if tuple(valid_tokens.shape) != (1,):
+        raise ValueError(f"valid_tokens must have shape (1,), got {tuple(valid_tokens.shape)}")
+    if valid_tokens.device != ref.device:
+        raise ValueError(f"valid_tokens must be on topk_ids' device {ref.device}, got {valid_tokens.device}")
+    return valid_tokens
+
+
+def sanitize_torch(topk_ids: torch.Tensor, num_experts: int, num_local: int,
+                   emap: Optional[torch.Tensor], valid_tokens: Optional[torch.Tensor]) -> torch.Tensor:
+    """Torch path of the guard: int32 local ids in [0, L], same shape as `topk_ids`.
+
+    Graph-safe (no host sync); the comparison runs in the ids' own dtype, before narrowing.
+    """
+    in_range = (topk_ids >= 0) & (topk_ids < num_experts)
+    # Out-of-range ids are replaced by 0 *before* anything indexes with them or narrows them.
+    safe = torch.where(in_range, topk_ids, torch.zeros((), dtype=topk_ids.dtype, device=topk_ids.device))
+    safe = safe.to(torch.int32)
+    local = emap[safe.long()] if emap is not None else safe
+    keep = in_range & (local >= 0)
+    if valid_tokens is not None:
+        rows = torch.arange(topk_ids.shape[0], device=topk_ids.device)
+        keep = keep & (rows < valid_tokens.to(topk_ids.device))[:, None]
+    return torch.where(keep, local, torch.full((), num_local, dtype=torch.int32, device=topk_ids.device))
+
+
+def sanitize_topk_ids(topk_ids: torch.Tensor, experts: Experts, *,
+                      valid_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Global routed ids → int32 local ids in `[0, L]`; `L` marks a dropped slot.
+
+    Dropped: `id < 0`, `id >= E`, non-local under the map, or the row is at/after `valid_tokens`
+    (an int32 `[1]` device tensor). `experts` is an ExpertMap or an int E (all experts local).
+    No host synchronisation; CUDA-graph capturable once the map is on the ids' device.
+    """
+    check_topk_ids(topk_ids)
+    num_experts, num_local, emap = resolve_experts(experts)
+    check_valid_tokens(valid_tokens, topk_ids)
+    table = emap.map_for(topk_ids.device) if emap is not None else None
+    return sanitize_torch(topk_ids, num_experts, num_local, table, valid_tokens)

@@ -1,0 +1,384 @@
+"""HF transformers plug-in: run HF MoE experts modules on padded_moe (spec 03).
+
+`register()` adds ``"padded_moe"`` to transformers' `ExpertsInterface`, so
+``AutoModelForCausalLM.from_config(cfg, experts_implementation="padded_moe")`` or
+``model.set_experts_implementation("padded_moe")`` routes every experts module through
+`padded_moe_experts_forward`. Routing stays HF's: we receive the module, its flat hidden states,
+`top_k_index` and `top_k_weights`, and replace only the expert computation.
+
+Each call is served one of two ways (see `experts_plan` and docs/transformers.md):
+
+- fused: the module's gate is one of spec 01's activations (detected from the class that defines
+  `_apply_gate` and the module's activation attributes), so `fused_experts` runs the whole thing;
+- composed: the gate is unknown (or the module has a post-expert norm), so GEMM1 and GEMM2 run on
+  our kernels and the module's own `_apply_gate` (or `act_fn`) runs in torch between them.
+
+transformers is imported only inside `register()` and the helpers it installs, so importing this
+module costs nothing when transformers is absent.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+
+IMPLEMENTATION = "padded_moe"
+
+# Fused path: the gate is spec 01's activation.  Composed path: the module's gate runs in torch.
+FUSED = "fused"
+COMPOSED = "composed"
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """How one experts module is run.
+
+    `family` names the detected model family (for logs and docs); `activation` is a spec 01 name
+    or None when the module's own gate must run in torch; `activation_config` holds the
+    `ApplyMoEActivationConfig` for it.
+    """
+
+    family: str
+    path: str
+    activation: Optional[str] = None
+    activation_config: Any = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Detecting the activation
+# ---------------------------------------------------------------------------------------------
+
+def _act_name(act_fn: Any) -> Optional[str]:
+    """Spec 01 base name of an HF activation module, or None when it is not one we implement.
+
+    Exact type checks (not isinstance) so a subclass that changes `forward` is not mistaken for
+    the function its parent computes.
+    """
+    from torch import nn
+    from transformers import activations as hf
+
+    kind = type(act_fn)
+    if kind in (hf.SiLUActivation, nn.SiLU):
+        return "silu"
+    if kind is hf.GELUActivation:
+        return "gelu"  # both its torch and python variants are the exact erf GELU
+    if kind in (hf.GELUTanh, hf.NewGELUActivation):
+        return "gelu_tanh"
+    if kind is hf.ReLUSquaredActivation:
+        return "relu2"
+    return None
+
+
+def _limit(value: Any) -> Optional[float]:
+    """An HF clamp bound as a float; None or inf mean "no clamp" to spec 01."""
+    if value is None:
+        return None
+    value = float(value)
+    return None if math.isinf(value) and value > 0 else value
+
+
+def _config(**fields) -> Any:
+    from padded_moe.activation import ApplyMoEActivationConfig
+
+    return ApplyMoEActivationConfig(**fields)
+
+
+# Each entry reads the module's own attributes (set from its config at construction), so per-layer
+# values such as Step-3.7's limits are honoured.  Returning None sends the module to the composed
+# path (e.g. a DeepSeek-V4 config whose hidden_act is not silu).
+
+def _deepseek_v4(m) -> Optional[Tuple[str, Any]]:
+    # gate.clamp(max=L), up.clamp(-L, L), act_fn(gate) * up  ==  spec 01 silu with clamp L.
+    if _act_name(m.act_fn) != "silu":
+        return None
+    return "silu", _config(clamp_limit=_limit(m.limit))
+
+
+def _gpt_oss(m) -> Optional[Tuple[str, Any]]:
+    # Interleaved gate/up, gate.clamp(max=L), up.clamp(-L, L), gate*sigmoid(alpha*gate)*(up+1).
+    return "swigluoai", _config(clamp_limit=float(m.limit), alpha=float(m.alpha), beta=1.0)
+
+
+def _minimax_m3(m) -> Optional[Tuple[str, Any]]:
+    # GPT-OSS's gate on packed (gate rows first) weights.
+    return "swigluoai_uninterleave", _config(clamp_limit=float(m.swiglu_limit),
+                                             alpha=float(m.swiglu_alpha), beta=1.0)
+
+
+def _step3p7(m) -> Optional[Tuple[str, Any]]:
+    # act_fn(gate).clamp(max=L) * up.clamp(-L, L); L = inf on layers without a limit.
+    if _act_name(m.act_fn) != "silu":
+        return None
+    limit = float(m.limit)
+    return "swiglustep", _config(clamp_limit=limit)
+
+
+# (module, class) that defines `_apply_gate` -> (family, reader).
+_KNOWN_GATES: dict = {
+    ("transformers.models.deepseek_v4.modeling_deepseek_v4", "DeepseekV4Experts"):
+        ("deepseek_v4", _deepseek_v4),
+    ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts"):
+        ("gpt_oss", _gpt_oss),
+    ("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl", "MiniMaxM3VLExperts"):
+        ("minimax_m3", _minimax_m3),
+    ("transformers.models.step3p7.modeling_step3p7", "Step3p7Experts"):
+        ("step3p7", _step3p7),
+}
+
+
+def _gate_owner(cls: type) -> Optional[type]:
+    """The class in `cls`'s MRO that defines `_apply_gate` (None when nothing does)."""
+    for klass in cls.__mro__:
+        if "_apply_gate" in vars(klass):
+            return klass
+    return None
+
+
+def _default_gate() -> Callable:
+    from transformers.integrations.moe import _default_apply_gate
+
+    return _default_apply_gate
+
+
+def _plan_default_gate(module) -> ExpertsPlan:
+    """`act_fn(gate) * up` on packed halves (Mixtral, Qwen3-MoE, OLMoE, ...)."""
+    act = _act_name(getattr(module, "act_fn", None))
+    if act is None or act == "relu2":  # gated relu2 has no kernel (spec 01)
+        return ExpertsPlan("default_gate", COMPOSED)
+    return ExpertsPlan("default_gate", FUSED, act, _config())
+
+
+def _plan_ungated(module) -> ExpertsPlan:
+    act = _act_name(getattr(module, "act_fn", None))
+    if act is None:
+        return ExpertsPlan("ungated", COMPOSED)
+    return ExpertsPlan("ungated", FUSED, act + "_no_mul", _config())
+
+
+def experts_plan(module: torch.nn.Module) -> ExpertsPlan:
+    """Decide how `module` (an HF experts module) runs; cheap enough to call every forward.
+
+    Detection is by the class that defines `_apply_gate`, never by name guessing: a subclass that
+    overrides `_apply_gate` is unknown and takes the composed path, one that inherits it keeps
+    its parent's mapping.
+    """
+    if not getattr(module, "has_gate", True):
+        plan = _plan_ungated(module)
+    else:
+        gate = getattr(type(module), "_apply_gate", None)
+        owner = _gate_owner(type(module))
+        known = _KNOWN_GATES.get((owner.__module__, owner.__qualname__)) if owner is not None else None
+        if gate is None or gate is _default_gate():
+            plan = _plan_default_gate(module)
+        elif known is not None:
+            family, reader = known
+            found = reader(module)
+            plan = ExpertsPlan(family, FUSED, *found) if found is not None else ExpertsPlan(family, COMPOSED)
+        else:
+            plan = ExpertsPlan(f"custom:{type(module).__qualname__}", COMPOSED)
+    # A norm between GEMM2 and the router weighting has no place inside fused_experts.
+    if getattr(module, "has_post_expert_norm", False) and plan.path == FUSED:
+        plan = ExpertsPlan(plan.family, COMPOSED, plan.activation, plan.activation_config)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights in our layout (`w13 [E, 2N, K]`, `w2 [E, K, N]`)
+# ---------------------------------------------------------------------------------------------
+
+def _cached(module, slot: str, source: torch.Tensor, convert: Callable[[torch.Tensor], Any]) -> Any:
+    """`convert(source)`, recomputed only when `source` changes (storage, in-place version, shape).
+
+    Transposed checkpoints (GPT-OSS) need a contiguous `[E, out, in]` copy; converting on every
+    forward would cost a full weight copy per token step.
+    """
+    cache = module.__dict__.setdefault("_padded_moe_cache", {})
+    key = (source.data_ptr(), source._version, tuple(source.shape), source.dtype, source.device)
+    hit = cache.get(slot)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    value = convert(source)
+    cache[slot] = (key, value)
+    return value
+
+
+def _mxfp4_weight(module, proj: str) -> Any:
+    """An `Mxfp4Tensor` from GPT-OSS checkpoint tensors `<proj>_blocks` / `<proj>_scales` when the
+    module holds them (they are already `[E, out, in]`, so no transpose), else None."""
+    blocks = getattr(module, f"{proj}_blocks", None)
+    scales = getattr(module, f"{proj}_scales", None)
+    if not (isinstance(blocks, torch.Tensor) and isinstance(scales, torch.Tensor)):
+        return None
+    from padded_moe.mxfp4 import from_gpt_oss
+
+    return _cached(module, f"{proj}_mxfp4", blocks, lambda b: from_gpt_oss(b, scales))
+
+
+def _weight(module, proj: str) -> Any:
+    mx = _mxfp4_weight(module, proj)
+    if mx is not None:
+        return mx
+    w = getattr(module, proj)
+    if getattr(module, "is_transposed", False):
+        return _cached(module, proj, w, lambda t: t.detach().transpose(1, 2).contiguous())
+    return w
+
+
+def expert_weights(module: torch.nn.Module):
+    """`(w13, w2, w13_bias, w2_bias)` of an HF experts module in padded_moe's layout."""
+    has_gate = getattr(module, "has_gate", True)
+    w13 = _weight(module, "gate_up_proj" if has_gate else "up_proj")
+    w2 = _weight(module, "down_proj")
+    b13 = b2 = None
+    if getattr(module, "has_bias", False):
+        b13 = getattr(module, "gate_up_proj_bias" if has_gate else "up_proj_bias")
+        b2 = module.down_proj_bias
+    return w13, w2, b13, b2
+
+
+# ---------------------------------------------------------------------------------------------
+# The experts forward
+# ---------------------------------------------------------------------------------------------
+
+def _composed(module, plan: ExpertsPlan, hidden: torch.Tensor, w13, w2, b13, b2,
+              weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """GEMM1 and GEMM2 on our kernels, the module's own gate in torch between them."""
+    from padded_moe.activation import apply_moe_activation
+    from padded_moe.gemm import expert_gemm
+    from padded_moe.layouts import build_layout, permute, select_gemm_layout, unpermute
+
+    layout = select_gemm_layout(expert_parallel=False, batched_format=False)
+    meta = build_layout(layout, ids, w13.shape[0])
+    a = permute(hidden, meta)  # INDEXED: `hidden` itself (GEMM1 gathers rows on load)
+    h = expert_gemm(a, w13, meta, stage="w13", bias=b13)
+    if plan.activation is not None:
+        width = h.shape[-1] if plan.activation.endswith("_no_mul") else h.shape[-1] // 2
+        g = h.new_empty(*h.shape[:-1], width)
+        apply_moe_activation(plan.activation, g, h, activation_config=plan.activation_config,
+                             valid_token_counts=meta.activation_counts)
+    elif getattr(module, "has_gate", True):
+        # Rows the layout leaves unwritten hold garbage; the gate is row-wise, so it cannot leak.
+        g = module._apply_gate(h)
+    else:
+        g = module.act_fn(h)
+    y = expert_gemm(g.contiguous(), w2, meta, stage="w2", bias=b2)
+    if getattr(module, "has_post_expert_norm", False):
+        y = module.post_expert_norm(y)
+    out = torch.empty_like(hidden)  # unpermute writes every row (zeros where all slots dropped)
+    unpermute(out, y, weights, meta)
+    return out
+
+
+def padded_moe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
+                               top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The `ExpertsInterface` entry: same contract as transformers' `grouped_mm_experts_forward`.
+
+    `hidden_states [T, H]`, `top_k_index [T, k]` (ids outside `[0, num_experts)` — expert-parallel
+    sentinels — contribute nothing), `top_k_weights [T, k]`; returns `[T, H]` in the hidden dtype.
+    The GEMM layout follows `PADDED_MOE_GEMM_LAYOUT` (spec 02) when set.
+    """
+    from padded_moe.experts import fused_experts
+
+    shape = hidden_states.shape
+    hidden = hidden_states.reshape(-1, shape[-1])
+    ids = top_k_index.reshape(-1, top_k_index.shape[-1])
+    # Spec 03 takes fp32 router weights; HF routers may hand them over in the model dtype.
+    weights = top_k_weights.reshape(ids.shape).to(torch.float32)
+    plan = experts_plan(self)
+    w13, w2, b13, b2 = expert_weights(self)
+    if plan.path == FUSED:
+        out = fused_experts(hidden, w13, w2, weights, ids, activation=plan.activation,
+                            activation_config=plan.activation_config, w13_bias=b13, w2_bias=b2)
+    else:
+        out = _composed(self, plan, hidden, w13, w2, b13, b2, weights, ids)
+    return out.to(hidden_states.dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration
+# ---------------------------------------------------------------------------------------------
+
+# HF experts classes that follow the `ExpertsInterface` contract (gate_up_proj / down_proj /
+# _apply_gate) but are not decorated with `@use_experts_implementation` in transformers 5.24, so
+# `experts_implementation=` never reaches them.  `register()` lets them dispatch to us.
+_UNDECORATED = (
+    ("transformers.models.step3p7.modeling_step3p7", "Step3p7Experts"),
+)
+
+
+def _install_dispatch(cls: type) -> None:
+    """Make an undecorated experts class run `padded_moe_experts_forward` when its config asks for
+    "padded_moe", and its original forward otherwise (so the class behaves as before for every
+    other implementation name, including HF's default)."""
+    if vars(cls).get("_padded_moe_dispatch", False):
+        return
+    original_init, original_forward = cls.__init__, cls.forward
+
+    @functools.wraps(original_init)
+    def __init__(self, config, *args, **kwargs):
+        original_init(self, config, *args, **kwargs)
+        self._padded_moe_config = config
+
+    @functools.wraps(original_forward)
+    def forward(self, *args, **kwargs):
+        config = getattr(self, "config", None)
+        if config is None:
+            config = getattr(self, "_padded_moe_config", None)
+        if getattr(config, "_experts_implementation", None) == IMPLEMENTATION:
+            return padded_moe_experts_forward(self, *args, **kwargs)
+        return original_forward(self, *args, **kwargs)
+
+    cls.__init__, cls.forward = __init__, forward
+    cls._padded_moe_dispatch = True
+
+
+def _allow_set_experts_implementation(module) -> None:
+    """`PreTrainedModel.set_experts_implementation` skips models whose source lacks the decorator;
+    mark the classes of a module we made dispatchable as settable."""
+    from transformers import PreTrainedModel
+
+    for value in vars(module).values():
+        ours = isinstance(value, type) and value.__module__ == module.__name__
+        if ours and issubclass(value, PreTrainedModel):
+            value._can_set_experts_implementation_cached_value = True
+
+
+def register() -> None:
+    """Add "padded_moe" to transformers' experts implementations. Idempotent.
+
+    Raises ImportError when transformers (>= 5, with `ExpertsInterface`) is not installed.
+    """
+    import importlib
+
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("padded_moe.integrations.transformers needs transformers >= 5 "
+                          "(transformers.integrations.moe.ExpertsInterface)") from err
+    ExpertsInterface.register(IMPLEMENTATION, padded_moe_experts_forward)
+    for module_name, class_name in _UNDECORATED:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # an older transformers without this model
+            continue
+        cls = getattr(module, class_name, None)
+        if cls is not None:
+            _install_dispatch(cls)
+            _allow_set_experts_implementation(module)
+
+
+def is_registered() -> bool:
+    """Whether `register()` has run in this process."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError:
+        return False
+    return ExpertsInterface._global_mapping.get(IMPLEMENTATION) is padded_moe_experts_forward
+
+
+__all__ = ["IMPLEMENTATION", "ExpertsPlan", "experts_plan", "expert_weights",
+           "padded_moe_experts_forward", "register", "is_registered"]

@@ -1,0 +1,581 @@
+"""Expert layouts (spec 02): metadata objects, builders, permute / unpermute, layout selection.
+
+The metadata dataclasses below are the interface shared with `padded_moe.gemm` and
+`padded_moe.experts`; see docs/architecture.md for the meaning of every field.
+
+Every builder is graph-safe on CUDA: no host reads, shapes depend only on `M`, `k`, `L`, `block_m`
+and `T_max`, and with a `PermuteScratch` nothing is allocated in steady state.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from padded_moe._platform import program_cap, use_triton
+from padded_moe._validation import require_rank, require_tensor
+from padded_moe.expert_map import (Experts, ExpertMap, check_topk_ids, check_valid_tokens,
+                                   resolve_experts)
+
+
+class GemmLayout(enum.Enum):
+    INDEXED = "indexed"
+    GROUPED_CONTIGUOUS = "grouped_contiguous"
+    GROUPED_MASKED = "grouped_masked"
+
+
+@dataclass(frozen=True)
+class _LayoutMetaBase:
+    num_tokens: int
+    top_k: int
+    num_local: int
+    slot_expert: torch.Tensor
+    activation_counts: torch.Tensor
+
+
+# `valid_tokens` and `scratch` were added after the shared fields (see docs/architecture.md):
+# unpermute needs the former, and permute takes its output buffer from the latter.
+@dataclass(frozen=True)
+class IndexedMeta(_LayoutMetaBase):
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    num_padded: torch.Tensor
+    block_m: int
+    layout: GemmLayout = GemmLayout.INDEXED
+    valid_tokens: Optional[torch.Tensor] = None
+    scratch: Optional["PermuteScratch"] = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class GroupedContiguousMeta(_LayoutMetaBase):
+    offsets: torch.Tensor
+    inv: torch.Tensor
+    src: torch.Tensor
+    layout: GemmLayout = GemmLayout.GROUPED_CONTIGUOUS
+    valid_tokens: Optional[torch.Tensor] = None
+    scratch: Optional["PermuteScratch"] = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class GroupedMaskedMeta(_LayoutMetaBase):
+    counts: torch.Tensor
+    inv: torch.Tensor
+    overflow: torch.Tensor
+    max_tokens_per_expert: int
+    layout: GemmLayout = GemmLayout.GROUPED_MASKED
+    valid_tokens: Optional[torch.Tensor] = None
+    scratch: Optional["PermuteScratch"] = field(default=None, repr=False, compare=False)
+
+
+LayoutMeta = Union[IndexedMeta, GroupedContiguousMeta, GroupedMaskedMeta]
+
+# ----------------------------------------------------------------------------------------------
+# Layout selection
+# ----------------------------------------------------------------------------------------------
+
+LAYOUT_ENV = "PADDED_MOE_GEMM_LAYOUT"
+_NAMES = {
+    "auto": None,
+    "indexed": GemmLayout.INDEXED,
+    "grouped_contiguous": GemmLayout.GROUPED_CONTIGUOUS,
+    "grouped": GemmLayout.GROUPED_CONTIGUOUS,
+    "grouped_masked": GemmLayout.GROUPED_MASKED,
+    "batched": GemmLayout.GROUPED_MASKED,
+}
+_CHOICES = "auto, indexed, grouped_contiguous (alias grouped), grouped_masked (alias batched)"
+
+
+def _parse_layout(value: object, source: str, fmt: str) -> Optional[GemmLayout]:
+    """A GemmLayout, or None for auto; ValueError naming the value, the format and the choices."""
+    if isinstance(value, GemmLayout):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{source} must be a str or GemmLayout, got {type(value).__name__}")
+    key = value.strip().lower()
+    if key not in _NAMES:
+        raise ValueError(f"{source}={value!r} is not a GEMM layout (format: {fmt}); choose one of {_CHOICES}")
+    return _NAMES[key]
+
+
+def select_gemm_layout(*, expert_parallel: bool, batched_format: bool,
+                       override: Union[str, GemmLayout, None] = None) -> GemmLayout:
+    """The GEMM layout for a call: batched → GROUPED_MASKED; standard → INDEXED, or
+    GROUPED_CONTIGUOUS with expert parallelism. `override` (else env PADDED_MOE_GEMM_LAYOUT; unset or
+    empty means auto) forces a layout; an illegal one for the format is a ValueError, never a fallback."""
+    for name, flag in (("expert_parallel", expert_parallel), ("batched_format", batched_format)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    fmt = "batched" if batched_format else "standard"
+    if override is not None:
+        chosen = _parse_layout(override, "override", fmt)
+    else:
+        env = os.environ.get(LAYOUT_ENV, "")
+        chosen = _parse_layout(env, LAYOUT_ENV, fmt) if env.strip() else None
+        override = env
+    if chosen is None:
+        if batched_format:
+            return GemmLayout.GROUPED_MASKED
+        return GemmLayout.GROUPED_CONTIGUOUS if expert_parallel else GemmLayout.INDEXED
+    legal = (GemmLayout.GROUPED_MASKED,) if batched_format else (GemmLayout.INDEXED, GemmLayout.GROUPED_CONTIGUOUS)
+    if chosen not in legal:
+        names = ", ".join(["auto"] + [g.value for g in legal])
+        raise ValueError(f"GEMM layout {override!r} is not legal for the {fmt} format; legal choices: {names}")
+    return chosen
+
+
+# ----------------------------------------------------------------------------------------------
+# Buffer sizes (shared by the fresh path and PermuteScratch)
+# ----------------------------------------------------------------------------------------------
+
+_KIND = {GemmLayout.INDEXED: "indexed", GemmLayout.GROUPED_CONTIGUOUS: "contiguous",
+         GemmLayout.GROUPED_MASKED: "masked"}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _chunk(num_slots: int) -> int:
+    # Slots per counting program: bigger chunks keep the single-program scan short at large M*k.
+    return 128 if num_slots <= 16384 else 256
+
+
+def _num_chunks(num_slots: int) -> int:
+    return _cdiv(num_slots, _chunk(num_slots))
+
+
+def _max_chunks(max_slots: int) -> int:
+    return max(_cdiv(min(max_slots, 16384), 128), _cdiv(max_slots, 256))
+
+
+def indexed_capacity(num_slots: int, num_local: int, block_m: int) -> int:
+    """Length of `sorted_ids`: every expert may waste up to block_m-1 padding rows."""
+    return _cdiv(num_slots + num_local * (block_m - 1), block_m) * block_m
+
+
+def default_block_m(num_slots: int, num_local: int) -> int:
+    """INDEXED row block when the caller gives none: the smallest of 16/32/64 covering the mean rows per expert."""
+    mean = num_slots / max(num_local, 1)
+    return 16 if mean <= 16 else 32 if mean <= 32 else 64
+
+
+# int32 buffers: name -> size as a function of (S, L, cap, nblocks, nchunks)
+_I32_BUFFERS = (
+    ("slot_expert", lambda S, L, cap, nb, nc: S),
+    ("rank", lambda S, L, cap, nb, nc: S),
+    ("inv", lambda S, L, cap, nb, nc: S),
+    ("src", lambda S, L, cap, nb, nc: S),
+    ("chunk_cnt", lambda S, L, cap, nb, nc: nc * L),
+    ("chunk_base", lambda S, L, cap, nb, nc: nc * L),
+    ("counts", lambda S, L, cap, nb, nc: L),
+    ("offs32", lambda S, L, cap, nb, nc: L + 1),
+    ("sorted_ids", lambda S, L, cap, nb, nc: cap),
+    ("block_expert", lambda S, L, cap, nb, nc: nb),
+    ("num_padded", lambda S, L, cap, nb, nc: 1),
+    ("act_count", lambda S, L, cap, nb, nc: 1),
+    ("overflow", lambda S, L, cap, nb, nc: 1),
+)
+
+
+def _carve(i32: torch.Tensor, i64: torch.Tensor, S: int, L: int, cap: int, nb: int, nc: int) -> dict:
+    """Views of the int32 arena (and the int64 offsets) sized for one call; each view is contiguous."""
+    bufs, at = {}, 0
+    for name, size in _I32_BUFFERS:
+        n = size(S, L, cap, nb, nc)
+        bufs[name] = i32[at:at + n]
+        at += n
+    bufs["offsets"] = i64[:L + 1]
+    return bufs
+
+
+def _arena_size(S: int, L: int, cap: int, nb: int, nc: int) -> int:
+    return sum(size(S, L, cap, nb, nc) for _, size in _I32_BUFFERS)
+
+
+class PermuteScratch:
+    """Every buffer `build_layout` / `permute` needs for up to `max_tokens` tokens, allocated once.
+
+    Metadata returned with a scratch are views of its buffers: the next `build_layout` with the same
+    scratch overwrites them (as does the next `permute` for the permuted activations). The permuted
+    activation buffer is allocated on the first `permute` for a (layout, K, dtype), or up front when
+    `hidden_size` and `dtype` are given.
+    """
+
+    def __init__(self, max_tokens: int, k: int, num_experts: int, num_local: int,
+                 device: Union[str, torch.device], *, block_m: Optional[int] = None,
+                 max_tokens_per_expert: Optional[int] = None, hidden_size: Optional[int] = None,
+                 dtype: Optional[torch.dtype] = None):
+        self.max_tokens = _require_int("max_tokens", max_tokens, 0)
+        self.top_k = _require_int("k", k, 1)
+        self.num_experts = _require_int("num_experts", num_experts, 1)
+        self.num_local = _require_int("num_local", num_local, 0)
+        if num_local > num_experts:
+            raise ValueError(f"num_local must be <= num_experts={num_experts}, got {num_local}")
+        self.device = torch.device(device)
+        S = self.max_tokens * self.top_k
+        self.block_m = _check_block_m(block_m) if block_m is not None else default_block_m(S, num_local)
+        self.max_tokens_per_expert = (_require_int("max_tokens_per_expert", max_tokens_per_expert, 0)
+                                      if max_tokens_per_expert is not None else self.max_tokens)
+        self.max_slots = S
+        self.capacity = indexed_capacity(S, num_local, self.block_m)
+        self.max_chunks = _max_chunks(S)
+        n = _arena_size(S, num_local, self.capacity, self.capacity // self.block_m, self.max_chunks)
+        self._i32 = torch.empty(n, dtype=torch.int32, device=self.device)
+        self._i64 = torch.empty(num_local + 1, dtype=torch.int64, device=self.device)
+        # "cuda" and "cuda:0" name one device but compare unequal: keep the resolved one.
+        self.device = self._i32.device
+        self._views: dict = {}
+        self._act: dict = {}
+        if hidden_size is not None or dtype is not None:
+            if hidden_size is None or dtype is None:
+                raise ValueError("hidden_size and dtype must be given together to preallocate the permuted buffer")
+            for layout in (GemmLayout.GROUPED_CONTIGUOUS, GemmLayout.GROUPED_MASKED):
+                self.permute_buffer(layout, _require_int("hidden_size", hidden_size, 1), dtype)
+
+    def buffers(self, M: int, k: int, num_experts: int, num_local: int, block_m: int, device) -> dict:
+        """Views for one call (cached per shape), after checking the call fits."""
+        if device != self.device:
+            raise ValueError(f"scratch is on {self.device} but topk_ids is on {device}")
+        if (k, num_experts, num_local) != (self.top_k, self.num_experts, self.num_local):
+            raise ValueError(
+                f"scratch was made for k={self.top_k}, num_experts={self.num_experts}, num_local={self.num_local}; "
+                f"got k={k}, num_experts={num_experts}, num_local={num_local}")
+        if M > self.max_tokens:
+            raise ValueError(f"scratch reserves {self.max_tokens} tokens ({self.max_slots} rows at k={k}) "
+                             f"but topk_ids has {M} tokens ({M * k} rows)")
+        S = M * k
+        cap = indexed_capacity(S, num_local, block_m)
+        if cap > self.capacity:
+            raise ValueError(f"scratch reserves {self.capacity} INDEXED rows (block_m={self.block_m}) but "
+                             f"block_m={block_m} with {S} rows needs {cap}")
+        key = (S, cap, block_m)
+        views = self._views.get(key)
+        if views is None:
+            views = _carve(self._i32, self._i64, S, num_local, cap, cap // block_m, _num_chunks(S))
+            self._views[key] = views
+        return views
+
+    def permute_buffer(self, layout: GemmLayout, hidden_size: int, dtype: torch.dtype,
+                       max_tokens_per_expert: Optional[int] = None) -> torch.Tensor:
+        """The permuted activation buffer: `[max_tokens*k, K]` (contiguous) or `[L, T_max, K]` (masked)."""
+        T = self.max_tokens_per_expert if max_tokens_per_expert is None else max_tokens_per_expert
+        if layout == GemmLayout.GROUPED_MASKED:
+            if T > self.max_tokens_per_expert:
+                raise ValueError(f"scratch reserves max_tokens_per_expert={self.max_tokens_per_expert}, "
+                                 f"asked for {T}")
+            numel = self.num_local * self.max_tokens_per_expert * hidden_size
+        else:
+            numel = self.max_slots * hidden_size
+        key = (layout == GemmLayout.GROUPED_MASKED, hidden_size, dtype)
+        buf = self._act.get(key)
+        if buf is None:
+            buf = torch.empty(numel, dtype=dtype, device=self.device)
+            self._act[key] = buf
+        return buf
+
+    def __repr__(self) -> str:
+        return (f"PermuteScratch(max_tokens={self.max_tokens}, k={self.top_k}, num_experts={self.num_experts}, "
+                f"num_local={self.num_local}, device={self.device}, block_m={self.block_m}, "
+                f"max_tokens_per_expert={self.max_tokens_per_expert})")
+
+
+def _require_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_block_m(block_m: object) -> int:
+    _require_int("block_m", block_m, 1)
+    if block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    return block_m
+
+
+# ----------------------------------------------------------------------------------------------
+# build_layout
+# ----------------------------------------------------------------------------------------------
+
+def _as_layout(layout: object) -> GemmLayout:
+    if isinstance(layout, GemmLayout):
+        return layout
+    if isinstance(layout, str):
+        parsed = _parse_layout(layout, "layout", "any")
+        if parsed is not None:
+            return parsed
+    raise TypeError(f"layout must be a GemmLayout (or one of its names), got {layout!r}")
+
+
+def build_layout(layout: Union[GemmLayout, str], topk_ids: torch.Tensor, experts: Experts, *,
+                 block_m: Optional[int] = None, max_tokens_per_expert: Optional[int] = None,
+                 valid_tokens: Optional[torch.Tensor] = None,
+                 scratch: Optional[PermuteScratch] = None) -> LayoutMeta:
+    """Sanitize `topk_ids [M, k]` (int32/int64, global ids) and build `layout`'s metadata.
+
+    `experts`: ExpertMap or int E. `block_m` (INDEXED; power of two, default `scratch.block_m` or
+    `default_block_m`), `max_tokens_per_expert` (GROUPED_MASKED `T_max`, default
+    `scratch.max_tokens_per_expert` or `M`) are ignored by the other layouts. `valid_tokens`: int32
+    `[1]` device tensor; rows at/after it are dropped whatever their ids. Slots keep increasing slot
+    order within an expert on every path (bitwise-identical metadata on torch and Triton).
+    """
+    kind = _KIND[_as_layout(layout)]
+    check_topk_ids(topk_ids)
+    num_experts, num_local, emap = resolve_experts(experts)
+    check_valid_tokens(valid_tokens, topk_ids)
+    if scratch is not None and not isinstance(scratch, PermuteScratch):
+        raise TypeError(f"scratch must be a PermuteScratch, got {type(scratch).__name__}")
+    M, k = topk_ids.shape
+    S, L = M * k, num_local
+    if block_m is not None:
+        bm = _check_block_m(block_m)
+    else:
+        bm = scratch.block_m if scratch is not None else default_block_m(S, L)
+    if max_tokens_per_expert is not None:
+        t_max = _require_int("max_tokens_per_expert", max_tokens_per_expert, 0)
+    else:
+        t_max = scratch.max_tokens_per_expert if scratch is not None else M
+    cap = indexed_capacity(S, L, bm)
+    if scratch is not None:
+        bufs = scratch.buffers(M, k, num_experts, num_local, bm, topk_ids.device)
+    else:
+        nc = _num_chunks(S)
+        i32 = torch.empty(_arena_size(S, L, cap, cap // bm, nc), dtype=torch.int32, device=topk_ids.device)
+        i64 = torch.empty(L + 1, dtype=torch.int64, device=topk_ids.device)
+        bufs = _carve(i32, i64, S, L, cap, cap // bm, nc)
+    table = emap.map_for(topk_ids.device) if emap is not None else None
+    if use_triton(topk_ids.device):
+        _build_triton(kind, topk_ids, num_experts, L, table, valid_tokens, bufs, block_m=bm, t_max=t_max)
+    else:
+        from padded_moe.reference.layouts import build_torch
+
+        build_torch(kind, topk_ids, num_experts, L, table, valid_tokens, bufs, block_m=bm, t_max=t_max)
+    return _make_meta(kind, bufs, M, k, L, bm, t_max, valid_tokens, scratch)
+
+
+def _make_meta(kind, bufs, M, k, L, bm, t_max, valid_tokens, scratch) -> LayoutMeta:
+    common = dict(num_tokens=M, top_k=k, num_local=L, slot_expert=bufs["slot_expert"],
+                  valid_tokens=valid_tokens, scratch=scratch)
+    if kind == "indexed":
+        return IndexedMeta(**common, activation_counts=bufs["act_count"], sorted_ids=bufs["sorted_ids"],
+                           block_expert=bufs["block_expert"], num_padded=bufs["num_padded"], block_m=bm)
+    if kind == "contiguous":
+        return GroupedContiguousMeta(**common, activation_counts=bufs["offsets"][L:], offsets=bufs["offsets"],
+                                     inv=bufs["inv"], src=bufs["src"])
+    return GroupedMaskedMeta(**common, activation_counts=bufs["counts"], counts=bufs["counts"], inv=bufs["inv"],
+                             overflow=bufs["overflow"], max_tokens_per_expert=t_max)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _build_triton(kind, topk_ids, num_experts, L, table, valid_tokens, bufs, *, block_m, t_max) -> None:
+    from padded_moe.kernels import layouts as K
+
+    M, k = topk_ids.shape
+    S = M * k
+    code = {"indexed": K.LAYOUT_INDEXED, "contiguous": K.LAYOUT_CONTIGUOUS, "masked": K.LAYOUT_MASKED}[kind]
+    chunk, nc = _chunk(S), _num_chunks(S)
+    l_pad = _next_pow2(max(L, 1))
+    has_vt = valid_tokens is not None
+    vt = valid_tokens if has_vt else bufs["act_count"]  # any valid pointer; never read when HAS_VT=False
+    ids_map = table if table is not None else bufs["counts"]  # likewise, when HAS_MAP=False
+    if nc > 0:
+        K._count_kernel[(nc,)](
+            topk_ids, topk_ids.stride(0), topk_ids.stride(1), ids_map, vt,
+            bufs["slot_expert"], bufs["rank"], bufs["chunk_cnt"], S, num_experts, L,
+            TOP_K=k, HAS_MAP=table is not None, HAS_VT=has_vt, CHUNK=chunk, L_PAD=l_pad,
+            BIN_TILE=min(l_pad, 8192 // chunk),
+            num_warps=8 if chunk > 128 else 4)
+    nb_tile = max(1, min(_next_pow2(max(nc, 1)), 8192 // l_pad))
+    K._scan_kernel[(1,)](
+        bufs["chunk_cnt"], bufs["chunk_base"], bufs["counts"], bufs["offs32"], bufs["offsets"],
+        bufs["num_padded"], bufs["act_count"], bufs["overflow"], vt, nc, L, M, t_max,
+        LAYOUT=code, BLOCK_M=block_m, TOP_K=k, HAS_VT=has_vt, L_PAD=l_pad, NB_TILE=nb_tile, num_warps=8)
+    pblk = 1024
+    cap = bufs["sorted_ids"].numel()
+    n_pos = {"indexed": _cdiv(cap, pblk), "contiguous": _cdiv(S, pblk), "masked": 0}[kind]
+    if nc + n_pos > 0:
+        K._place_kernel[(nc + n_pos,)](
+            bufs["slot_expert"], bufs["rank"], bufs["chunk_base"], bufs["counts"], bufs["offs32"],
+            bufs["inv"], bufs["src"], bufs["sorted_ids"], bufs["block_expert"], S, L, nc, t_max, cap,
+            LAYOUT=code, BLOCK_M=block_m, CHUNK=max(chunk, 1), PBLK=pblk,
+            SEARCH_STEPS=max(1, l_pad.bit_length()), num_warps=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# permute / unpermute
+# ----------------------------------------------------------------------------------------------
+
+def _check_meta(meta: object) -> LayoutMeta:
+    if not isinstance(meta, (IndexedMeta, GroupedContiguousMeta, GroupedMaskedMeta)):
+        raise TypeError(f"layout_meta must come from build_layout, got {type(meta).__name__}")
+    return meta
+
+
+def _check_rows(name: str, t: object, rows: int, meta: LayoutMeta) -> torch.Tensor:
+    require_tensor(name, t)
+    require_rank(name, t, (2,))
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if t.shape[0] != rows:
+        raise ValueError(f"{name} must have {rows} rows for this layout_meta, got shape {tuple(t.shape)}")
+    if t.device != meta.slot_expert.device:
+        raise ValueError(f"{name} must be on layout_meta's device {meta.slot_expert.device}, got {t.device}")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
+    return t
+
+
+def _masked_shape(meta: GroupedMaskedMeta, K: int) -> tuple[int, int, int]:
+    return (meta.num_local, meta.max_tokens_per_expert, K)
+
+
+def _check_masked(name: str, t: object, meta: GroupedMaskedMeta, K: int) -> torch.Tensor:
+    require_tensor(name, t)
+    want = _masked_shape(meta, K)
+    if tuple(t.shape) != want:
+        raise ValueError(f"{name} must have shape {want} (L, T_max, K), got {tuple(t.shape)}")
+    if t.device != meta.slot_expert.device:
+        raise ValueError(f"{name} must be on layout_meta's device {meta.slot_expert.device}, got {t.device}")
+    if K > 1 and t.stride(2) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
+    return t
+
+
+def _block_k(K: int, elem_size: int) -> tuple[int, int]:
+    # 16 KB of registers per tile at most (8 KB for bf16 K=4096 in one tile); 8 warps for wide rows.
+    block = min(_next_pow2(max(K, 1)), 8192 // max(elem_size, 1))
+    return block, (8 if block >= 2048 else 4)
+
+
+def permute(hidden: torch.Tensor, layout_meta: LayoutMeta, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """GEMM1's input for the layout: INDEXED → `hidden` itself (GEMM1 gathers on load);
+    GROUPED_CONTIGUOUS → `[M*k, K]` with slot `s`'s token row at `inv[s]` (rows `>= offsets[L]`
+    untouched); GROUPED_MASKED → `[L, T_max, K]` (rows past each count untouched).
+    `out` (or the metadata's scratch buffer) receives the rows; otherwise a new tensor is returned."""
+    meta = _check_meta(layout_meta)
+    M, k = meta.num_tokens, meta.top_k
+    _check_rows("hidden", hidden, M, meta)
+    if isinstance(meta, IndexedMeta):
+        return hidden
+    K = hidden.shape[1]
+    masked = isinstance(meta, GroupedMaskedMeta)
+    shape = _masked_shape(meta, K) if masked else (M * k, K)
+    if out is None:
+        if meta.scratch is not None:
+            flat = meta.scratch.permute_buffer(meta.layout, K, hidden.dtype, meta.max_tokens_per_expert if masked else None)
+            out = flat[: shape[0] * shape[1] * shape[2] if masked else shape[0] * K].view(shape)
+        else:
+            out = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
+    elif masked:
+        _check_masked("out", out, meta, K)
+    else:
+        _check_rows("out", out, M * k, meta)
+    if out.dtype != hidden.dtype or out.shape[-1] != K:
+        raise ValueError(f"out must have dtype {hidden.dtype} and {K} columns, got {out.dtype} with shape {tuple(out.shape)}")
+    row_limit = meta.num_local * meta.max_tokens_per_expert if masked else M * k
+    if M == 0 or row_limit == 0 or K == 0:
+        return out
+    if use_triton(hidden.device):
+        _permute_triton(hidden, out, meta, masked, row_limit)
+    else:
+        from padded_moe.reference.layouts import permute_torch
+
+        rows = out.view(-1, K) if out.is_contiguous() else None
+        if rows is None:
+            raise ValueError("out must be contiguous on the CPU path")
+        permute_torch(hidden, meta.inv, k, rows, row_limit)
+    return out
+
+
+def _permute_triton(hidden, out, meta, masked: bool, row_limit: int) -> None:
+    from padded_moe.kernels.layouts import _permute_kernel
+
+    M, k, K = meta.num_tokens, meta.top_k, hidden.shape[1]
+    if masked:
+        slab_rows, s0, s1 = max(meta.max_tokens_per_expert, 1), out.stride(0), out.stride(1)
+    else:
+        slab_rows, s0, s1 = row_limit, 0, out.stride(0)
+    block_k, warps = _block_k(K, hidden.element_size())
+    grid = (min(M, program_cap(hidden.device)),)
+    _permute_kernel[grid](hidden, hidden.stride(0), out, s0, s1, meta.inv, M, K, row_limit, slab_rows,
+                          TOP_K=k, K_PAD=_next_pow2(k), BLOCK_K=block_k, num_warps=warps)
+
+
+def unpermute(out: torch.Tensor, expert_out: torch.Tensor, topk_weights: torch.Tensor,
+              layout_meta: LayoutMeta) -> torch.Tensor:
+    """`out[t] = Σ_j w[t,j] · Y[row(t,j)]` over kept slots, fp32 accumulation, for `t < valid_tokens`.
+
+    `expert_out`: `[M*k, K]` (INDEXED: slot order; GROUPED_CONTIGUOUS: permuted rows) or
+    `[L, T_max, K]` (GROUPED_MASKED). Dropped rows are never read (they may hold NaN); a token whose
+    slots are all dropped gets zeros; rows of `out` at/after `valid_tokens` are not written. Returns `out`.
+    """
+    meta = _check_meta(layout_meta)
+    M, k, L = meta.num_tokens, meta.top_k, meta.num_local
+    _check_rows("out", out, M, meta)
+    K = out.shape[1]
+    masked = isinstance(meta, GroupedMaskedMeta)
+    if masked:
+        _check_masked("expert_out", expert_out, meta, K)
+    else:
+        _check_rows("expert_out", expert_out, M * k, meta)
+        if expert_out.shape[1] != K:
+            raise ValueError(f"expert_out must have {K} columns like out, got shape {tuple(expert_out.shape)}")
+    require_tensor("topk_weights", topk_weights)
+    if tuple(topk_weights.shape) != (M, k) or not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights must be a float tensor of shape {(M, k)}, got {topk_weights.dtype} {tuple(topk_weights.shape)}")
+    if topk_weights.device != out.device:
+        raise ValueError(f"topk_weights must be on {out.device}, got {topk_weights.device}")
+    if M == 0 or K == 0:
+        return out
+    if isinstance(meta, IndexedMeta):
+        rows, row_limit = None, M * k
+    elif masked:
+        rows, row_limit = meta.inv, L * meta.max_tokens_per_expert
+    else:
+        rows, row_limit = meta.inv, M * k
+    if use_triton(out.device):
+        _unpermute_triton(out, expert_out, topk_weights, meta, rows, row_limit, masked)
+    else:
+        from padded_moe.reference.layouts import unpermute_torch
+
+        if rows is None:
+            rows2 = torch.arange(M * k, device=out.device).view(M, k)
+            kept = (meta.slot_expert < L).view(M, k)
+        else:
+            rows2 = rows.view(M, k)
+            kept = rows2 < row_limit
+        unpermute_torch(out, expert_out.reshape(-1, K), topk_weights, rows2, kept, meta.valid_tokens)
+    return out
+
+
+def _unpermute_triton(out, expert_out, weights, meta, rows, row_limit: int, masked: bool) -> None:
+    from padded_moe.kernels.layouts import _unpermute_kernel
+
+    M, k, K = meta.num_tokens, meta.top_k, out.shape[1]
+    if masked:
+        slab_rows, s0, s1 = max(meta.max_tokens_per_expert, 1), expert_out.stride(0), expert_out.stride(1)
+    else:
+        slab_rows, s0, s1 = M * k, 0, expert_out.stride(0)
+    vt = meta.valid_tokens
+    block_k, warps = _block_k(K, 4)
+    grid = (min(M, program_cap(out.device)),)
+    _unpermute_kernel[grid](
+        expert_out, s0, s1, slab_rows, weights, weights.stride(0), weights.stride(1), out, out.stride(0),
+        rows if rows is not None else meta.slot_expert, meta.slot_expert, vt if vt is not None else meta.slot_expert,
+        M, K, meta.num_local, row_limit,
+        TOP_K=k, HAS_ROWS=rows is not None, HAS_VT=vt is not None, BLOCK_K=block_k, num_warps=warps)
+
+
+__all__ = [
+    "GemmLayout", "IndexedMeta", "GroupedContiguousMeta", "GroupedMaskedMeta", "LayoutMeta",
+    "ExpertMap", "PermuteScratch", "build_layout", "permute", "unpermute", "select_gemm_layout",
+    "default_block_m", "indexed_capacity", "LAYOUT_ENV",
+]

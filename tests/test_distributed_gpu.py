@@ -1,0 +1,177 @@
+"""Expert parallelism on two GPUs over NCCL (spec 04). Run by the lead on the 2×H200 machine:
+
+    .venv/bin/pytest -q tests/test_distributed_gpu.py -rA
+
+Each test spawns two ranks (one GPU each) through the harness of tests/test_distributed.py, which
+sets NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 in every child.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+import torch
+
+from helpers import REL_TOL, rel_err
+from test_distributed import spawn_group
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
+
+# dsv4-flash topology (spec 03): E=256, k=6, K=4096, N=2048, MXFP4 weights, bf16 activations.
+E, TOPK, K, N = 256, 6, 4096, 2048
+SEED = int.from_bytes(os.urandom(4), "little")
+
+
+def expert_weights(g: int, seed: int, device):
+    """bf16 (w13 [2N, K], w2 [K, N]) of global expert g, the same on every rank."""
+    gen = torch.Generator(device=device).manual_seed(seed * 1000 + g)
+    w13 = torch.randn(2 * N, K, generator=gen, device=device) / K ** 0.5
+    w2 = torch.randn(K, N, generator=gen, device=device) / N ** 0.5
+    return w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+
+
+def local_mxfp4(experts, seed, device):
+    """MXFP4 weights of the given global experts, quantized one expert at a time (bounded memory)."""
+    from padded_moe.mxfp4 import Mxfp4Tensor, quantize_mxfp4
+
+    q13, q2 = [], []
+    for g in experts:
+        w13, w2 = expert_weights(int(g), seed, device)
+        q13.append(quantize_mxfp4(w13[None]))
+        q2.append(quantize_mxfp4(w2[None]))
+    cat = lambda qs: Mxfp4Tensor(torch.cat([q.blocks for q in qs]), torch.cat([q.scales for q in qs]))  # noqa: E731
+    return cat(q13), cat(q2)
+
+
+def dequantized_reference(x, ids, weights, seed):
+    """float32 on one GPU: Σ_j w·(silu(g)·u) W2ᵀ with the dequantized bf16 weights of the used experts."""
+    from padded_moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    out = torch.zeros(x.shape[0], K, dtype=torch.float32, device=x.device)
+    for g in ids.unique().tolist():
+        w13, w2 = expert_weights(g, seed, x.device)
+        w13 = dequantize_mxfp4(quantize_mxfp4(w13[None]), torch.float32)[0]
+        w2 = dequantize_mxfp4(quantize_mxfp4(w2[None]), torch.float32)[0]
+        tok, slot = (ids == g).nonzero(as_tuple=True)
+        h = x[tok].float() @ w13.T
+        y = (torch.nn.functional.silu(h[:, :N]) * h[:, N:]).to(torch.bfloat16).float() @ w2.T
+        out.index_add_(0, tok, weights[tok, slot, None] * y)
+    return out
+
+
+def _dsv4_worker(rank, world, payload):
+    from padded_moe.distributed import ExpertParallel
+    from padded_moe.experts import batched_experts, fused_experts
+    from padded_moe.planner import plan
+
+    try:
+        dev = torch.device("cuda", rank)
+        seed, mode, ms = payload["seed"], payload["mode"], payload["ms"]
+        T = max(ms)
+        ep = ExpertParallel(None, E, TOPK, K, T, mode=mode, dtype=torch.bfloat16)
+        w13, w2 = local_mxfp4(ep.expert_map.local_experts.tolist(), seed, dev)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        calls = []
+        for call in range(3):  # repeated calls, new tokens and routes each time
+            gen = torch.Generator(device=dev).manual_seed(seed + 7919 * call + rank)
+            m = ms[rank]
+            x = torch.randn(m, K, generator=gen, device=dev).to(torch.bfloat16)
+            ids = torch.rand(m, E, generator=gen, device=dev).argsort(1)[:, :TOPK].to(torch.int32)
+            w = torch.rand(m, TOPK, generator=gen, device=dev) + 0.1
+            rb, h = ep.dispatch(x, ids, w)
+            if mode == "flat":
+                eo = fused_experts(rb.x, w13, w2, rb.topk_weights, rb.topk_ids, activation="silu",
+                                   expert_map=ep.expert_map, valid_tokens=rb.valid_tokens)
+            else:
+                eo = batched_experts(rb.x, rb.counts, w13, w2, activation="silu")
+            out = ep.combine(eo, h)
+            assert out.shape == (m, K)
+            calls.append((x, ids, w, out.clone()))
+        peak = torch.cuda.max_memory_allocated() - base  # before the reference's own allocations
+        errs = [rel_err(out, dequantized_reference(x, ids, w, seed)) if x.shape[0] else 0.0
+                for x, ids, w, out in calls]
+        pl = plan("dsv4-flash", world, T, 139.0, mode=mode)
+        planned = pl.bytes_of("ep") + pl.bytes_of("experts") + pl.bytes_of("combine")
+        return dict(errs=errs, peak=peak, planned=planned)
+    except Exception:
+        return dict(error=traceback.format_exc())
+
+
+@pytest.mark.parametrize("mode", ["flat", "batched"])
+def test_dsv4_flash_two_gpus_rank1_idle(mode):
+    """Tokens per rank (8, 0), 3 calls: equals the one-GPU dequantized reference (bf16 tolerance);
+    the memory the path really uses stays within the planner's figure."""
+    results = spawn_group(2, _dsv4_worker, dict(seed=SEED, mode=mode, ms=(8, 0)), backend="nccl",
+                          timeout=540)
+    for rank, r in enumerate(results):
+        assert "error" not in r, f"seed {SEED}, rank {rank}:\n{r.get('error')}"
+        assert max(r["errs"]) <= REL_TOL[torch.bfloat16], f"seed {SEED}, rank {rank}: {r['errs']}"
+        # Planned covers the worst case; measured peak includes small index temporaries.
+        assert r["peak"] <= 1.1 * r["planned"] + (16 << 20), (r["peak"], r["planned"])
+
+
+def _graph_worker(rank, world, payload):
+    from padded_moe.distributed import ExpertParallel
+    from padded_moe.experts import fused_experts
+    from padded_moe.layouts import PermuteScratch
+    from padded_moe.reference.moe import reference_moe
+
+    try:
+        dev = torch.device("cuda", rank)
+        e, k, hid, n, T = 32, 4, 512, 256, 16
+        gen = torch.Generator(device=dev).manual_seed(payload["seed"])  # same weights on both ranks
+        W13 = (torch.randn(e, 2 * n, hid, generator=gen, device=dev) / hid ** 0.5).to(torch.bfloat16)
+        W2 = (torch.randn(e, hid, n, generator=gen, device=dev) / n ** 0.5).to(torch.bfloat16)
+        ep = ExpertParallel(None, e, k, hid, T, mode="flat", dtype=torch.bfloat16)
+        own = ep.expert_map.local_experts
+        w13, w2 = W13[own].contiguous(), W2[own].contiguous()
+        scratch = PermuteScratch(world * T, k, e, ep.num_local, dev)
+        m = (T, 5)[rank]
+        sx = torch.empty(m, hid, dtype=torch.bfloat16, device=dev)
+        sids = torch.empty(m, k, dtype=torch.int32, device=dev)
+        sw = torch.empty(m, k, dtype=torch.float32, device=dev)
+
+        def refill(call):
+            g = torch.Generator(device=dev).manual_seed(payload["seed"] + 101 * call + rank)
+            sx.copy_(torch.randn(m, hid, generator=g, device=dev))
+            sids.copy_(torch.rand(m, e, generator=g, device=dev).argsort(1)[:, :k])
+            sw.copy_(torch.rand(m, k, generator=g, device=dev) + 0.1)
+
+        def step():
+            rb, h = ep.dispatch(sx, sids, sw)
+            eo = fused_experts(rb.x, w13, w2, rb.topk_weights, rb.topk_ids, activation="silu",
+                               expert_map=ep.expert_map, valid_tokens=rb.valid_tokens, scratch=scratch)
+            return ep.combine(eo, h)
+
+        refill(0)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()  # warm-up: NCCL communicators, Triton compilation
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = step()
+        errs = []
+        for call in range(1, 4):  # replays with new tokens and routes
+            refill(call)
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = reference_moe(sx, W13, W2, sw, sids, activation="silu")
+            errs.append(rel_err(out, ref))
+        return dict(errs=errs)
+    except Exception:
+        return dict(error=traceback.format_exc())
+
+
+def test_flat_mode_cuda_graph_replay_two_gpus():
+    results = spawn_group(2, _graph_worker, dict(seed=SEED), backend="nccl", timeout=540)
+    for rank, r in enumerate(results):
+        assert "error" not in r, f"seed {SEED}, rank {rank}:\n{r.get('error')}"
+        assert max(r["errs"]) <= REL_TOL[torch.bfloat16], f"seed {SEED}, rank {rank}: {r['errs']}"

@@ -34,6 +34,8 @@ for stage in "$@"; do
         gemm)
             step test-gemm python3 -m pytest -q -m gpu tests/test_gemm_gpu.py
             step bench-gemm python3 benchmarks/bench_gemm.py --out "$OUT/bench" ;;
+        routing)
+            step test-routing python3 -m pytest -q -m gpu tests/test_routing.py ;;
         experts)
             step test-experts python3 -m pytest -q -m gpu tests/test_experts_gpu.py ;;
         layer)

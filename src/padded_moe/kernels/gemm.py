@@ -47,11 +47,11 @@ class GemmConfig:
 # prefill > 512 (compute bound: big tiles, grouped ordering so an expert's weight tile stays in L2).
 # Updated from `benchmarks/bench_gemm.py`'s sweep winners (H200, 2026-11-30, see notes.md).
 TUNED: dict[tuple[str, str], GemmConfig] = {
-    ("bf16", "decode"): GemmConfig(16, 128, 128, 1, 4, 4),
+    ("bf16", "decode"): GemmConfig(32, 64, 128, 1, 4, 4),
     ("bf16", "small"): GemmConfig(64, 128, 64, 4, 4, 4),
     ("bf16", "medium"): GemmConfig(128, 256, 64, 8, 8, 3),
     ("bf16", "prefill"): GemmConfig(128, 256, 64, 8, 8, 4),
-    ("mxfp4", "decode"): GemmConfig(16, 64, 128, 1, 4, 4),
+    ("mxfp4", "decode"): GemmConfig(32, 64, 128, 1, 4, 4),
     ("mxfp4", "small"): GemmConfig(64, 128, 64, 4, 4, 4),
     ("mxfp4", "medium"): GemmConfig(128, 128, 64, 8, 4, 4),
     ("mxfp4", "prefill"): GemmConfig(256, 128, 64, 8, 8, 3),

@@ -52,3 +52,12 @@ def require_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
 def require_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def require_int(name: str, value: object, minimum: int = 1) -> int:
+    """A plain int >= minimum (bool is an int subclass; a True expert count is a bug, not 1)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
+
+from padded_moe._validation import require_int, require_int
 import torch.distributed as dist
 
 from padded_moe._validation import (
@@ -91,14 +93,6 @@ class DispatchHandle:
     # graph_safe=False: exact per-peer row counts (host ints).
     send_counts: Optional[list] = None
     recv_counts: Optional[list] = None
-
-
-def _require_positive_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _backend_quantizes_inputs(backend: object) -> bool:
@@ -173,10 +167,10 @@ class ExpertParallel:
         if dispatch_dtype not in (None, dtype, *FP8_WIRE_DTYPES):
             raise ValueError(
                 f"dispatch_dtype must be None, dtype ({dtype}) or one of {FP8_WIRE_DTYPES}, got {dispatch_dtype}")
-        self.num_experts = _require_positive_int("num_experts", num_experts)
-        self.top_k = _require_positive_int("top_k", top_k)
-        self.hidden_size = _require_positive_int("hidden_size", hidden_size)
-        self.max_tokens_per_rank = _require_positive_int("max_tokens_per_rank", max_tokens_per_rank)
+        self.num_experts = require_int("num_experts", num_experts)
+        self.top_k = require_int("top_k", top_k)
+        self.hidden_size = require_int("hidden_size", hidden_size)
+        self.max_tokens_per_rank = require_int("max_tokens_per_rank", max_tokens_per_rank)
         if not dist.is_initialized():
             raise RuntimeError("ExpertParallel needs torch.distributed to be initialized "
                                "(dist.init_process_group) before construction")

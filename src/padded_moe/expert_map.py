@@ -12,18 +12,9 @@ from typing import Optional, Union
 
 import torch
 
-from padded_moe._validation import INDEX_DTYPES, require_dtype, require_rank, require_tensor
+from padded_moe._validation import INDEX_DTYPES, require_dtype, require_rank, require_tensor, require_int
 
 PLACEMENTS = ("linear", "round_robin")
-
-
-def _require_int(name: str, value: object, minimum: int) -> int:
-    # bool is an int subclass; a True expert count is a bug, not 1.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _owned_experts(num_experts: int, ep_rank: int, ep_size: int, placement: str) -> list[int]:
@@ -47,9 +38,9 @@ class ExpertMap:
 
     def __init__(self, num_experts: int, ep_rank: int = 0, ep_size: int = 1,
                  placement: str = "linear", *, device: Union[str, torch.device, None] = None):
-        self.num_experts = _require_int("num_experts", num_experts, 1)
-        self.ep_size = _require_int("ep_size", ep_size, 1)
-        self.ep_rank = _require_int("ep_rank", ep_rank, 0)
+        self.num_experts = require_int("num_experts", num_experts, 1)
+        self.ep_size = require_int("ep_size", ep_size, 1)
+        self.ep_rank = require_int("ep_rank", ep_rank, 0)
         if self.ep_rank >= self.ep_size:
             raise ValueError(f"ep_rank must be in [0, ep_size={ep_size}), got {ep_rank}")
         if placement not in PLACEMENTS:

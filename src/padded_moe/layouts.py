@@ -17,7 +17,7 @@ from typing import Optional, Union
 import torch
 
 from padded_moe._platform import program_cap, use_triton
-from padded_moe._validation import require_rank, require_tensor
+from padded_moe._validation import require_rank, require_tensor, require_int
 from padded_moe.expert_map import (Experts, ExpertMap, check_topk_ids, check_valid_tokens,
                                    resolve_experts)
 
@@ -209,16 +209,16 @@ class PermuteScratch:
                  device: Union[str, torch.device], *, block_m: Optional[int] = None,
                  max_tokens_per_expert: Optional[int] = None, hidden_size: Optional[int] = None,
                  dtype: Optional[torch.dtype] = None):
-        self.max_tokens = _require_int("max_tokens", max_tokens, 0)
-        self.top_k = _require_int("k", k, 1)
-        self.num_experts = _require_int("num_experts", num_experts, 1)
-        self.num_local = _require_int("num_local", num_local, 0)
+        self.max_tokens = require_int("max_tokens", max_tokens, 0)
+        self.top_k = require_int("k", k, 1)
+        self.num_experts = require_int("num_experts", num_experts, 1)
+        self.num_local = require_int("num_local", num_local, 0)
         if num_local > num_experts:
             raise ValueError(f"num_local must be <= num_experts={num_experts}, got {num_local}")
         self.device = torch.device(device)
         S = self.max_tokens * self.top_k
         self.block_m = _check_block_m(block_m) if block_m is not None else default_block_m(S, num_local)
-        self.max_tokens_per_expert = (_require_int("max_tokens_per_expert", max_tokens_per_expert, 0)
+        self.max_tokens_per_expert = (require_int("max_tokens_per_expert", max_tokens_per_expert, 0)
                                       if max_tokens_per_expert is not None else self.max_tokens)
         self.max_slots = S
         self.capacity = indexed_capacity(S, num_local, self.block_m)
@@ -234,7 +234,7 @@ class PermuteScratch:
             if hidden_size is None or dtype is None:
                 raise ValueError("hidden_size and dtype must be given together to preallocate the permuted buffer")
             for layout in (GemmLayout.GROUPED_CONTIGUOUS, GemmLayout.GROUPED_MASKED):
-                self.permute_buffer(layout, _require_int("hidden_size", hidden_size, 1), dtype)
+                self.permute_buffer(layout, require_int("hidden_size", hidden_size, 1), dtype)
 
     def buffers(self, M: int, k: int, num_experts: int, num_local: int, block_m: int, device) -> dict:
         """Views for one call (cached per shape), after checking the call fits."""
@@ -283,16 +283,8 @@ class PermuteScratch:
                 f"max_tokens_per_expert={self.max_tokens_per_expert})")
 
 
-def _require_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def _check_block_m(block_m: object) -> int:
-    _require_int("block_m", block_m, 1)
+    require_int("block_m", block_m, 1)
     if block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     return block_m
@@ -337,7 +329,7 @@ def build_layout(layout: Union[GemmLayout, str], topk_ids: torch.Tensor, experts
     else:
         bm = scratch.block_m if scratch is not None else default_block_m(S, L)
     if max_tokens_per_expert is not None:
-        t_max = _require_int("max_tokens_per_expert", max_tokens_per_expert, 0)
+        t_max = require_int("max_tokens_per_expert", max_tokens_per_expert, 0)
     else:
         t_max = scratch.max_tokens_per_expert if scratch is not None else M
     cap = indexed_capacity(S, L, bm)

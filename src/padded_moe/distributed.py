@@ -35,14 +35,13 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-
-from padded_moe._validation import require_int, require_int
 import torch.distributed as dist
 
 from padded_moe._validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     require_dtype,
+    require_int,
     require_rank,
     require_same_device,
     require_shape,

@@ -57,12 +57,10 @@ TUNED: dict[tuple[str, str], GemmConfig] = {
     ("mxfp4", "prefill"): GemmConfig(256, 128, 64, 8, 8, 3),
 }
 
-# GROUPED_MASKED slabs are sized for the worst case and usually sparsely filled; a 128-row tile
-# would turn 10% valid rows of a 512-row slab into 25% of the work, so big regimes use BM=64 there.
-MASKED_LARGE: dict[str, GemmConfig] = {
-    "bf16": GemmConfig(64, 256, 64, 8, 8, 3),
-    "mxfp4": GemmConfig(64, 128, 128, 8, 4, 3),
-}
+# GROUPED_MASKED uses the same table: on the H200 a 64-row tile (tried so that a 10%-valid slab
+# wastes less of its last tile) made the full slab 1.4x slower and the 10%-valid call no faster
+# than 128-row tiles (bench_gemm, 2026-11-30), and at T_max=512 both are bound by reading every
+# expert's weights once.
 
 # Under the interpreter every block op is a numpy call; small tiles keep CPU tests fast.
 INTERPRET_CONFIG = GemmConfig(16, 32, 32, 1, 4, 1)
@@ -97,8 +95,6 @@ def pick_config(rows_per_expert: float, mxfp4: bool, interpreted: bool, layout: 
     if interpreted:
         return INTERPRET_CONFIG
     kind, reg = "mxfp4" if mxfp4 else "bf16", regime(rows_per_expert)
-    if layout == GROUPED_MASKED and reg in ("medium", "prefill"):
-        return MASKED_LARGE[kind]
     return TUNED[(kind, reg)]
 
 

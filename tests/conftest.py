@@ -4,6 +4,7 @@
 compiler at decoration time), so this file sets it before padded_moe's kernels are imported.
 """
 
+import datetime
 import os
 
 import pytest
@@ -53,3 +54,16 @@ def gen():
     seed = int(os.environ.get("PADDED_MOE_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"generator seed: {seed}")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A world of one (gloo, in-memory store) for argument checks and the trivial EP."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()

@@ -301,15 +301,6 @@ def test_ep_with_fused_experts_two_ranks():
 
 
 # ---------------------------------------------------------------------------- single process
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """A world of one (gloo, in-memory store) for argument checks and the trivial EP."""
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
 
 
 class _QuantizingBackend:

@@ -46,14 +46,6 @@ def test_ep_buffers_match_what_expert_parallel_allocates(world):
         assert pl.bytes_of("ep") == r["buffer_bytes"], case["name"]
 
 
-@pytest.fixture(scope="module")
-def one_rank_group():
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("mode", ["flat", "batched"])

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from padded_moe import planner
 

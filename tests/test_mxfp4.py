@@ -108,7 +108,8 @@ def test_dequantize_matches_slow_decoder(gen):
     q = Mxfp4Tensor(blocks, scales)
     got = dequantize_mxfp4(q, torch.float32).double()
     for e in range(2):
-        want = decode_slow(blocks[e], scales[e])
+        # The float32 output of a float64-exact decode: scale 254 times 6 overflows to inf there.
+        want = decode_slow(blocks[e], scales[e]).float().double()
         assert torch.equal(torch.isnan(got[e]), torch.isnan(want))
         ok = ~torch.isnan(want)
         assert torch.equal(got[e][ok], want[ok])

@@ -96,6 +96,14 @@ def run(args) -> dict:
     else:
         stages = {"w13": (4096, 4096), "w2": (2048, 4096)}  # (K, Nout)
         experts, row_set, slab_set = [32, 128], [8, 32, 128, 512, 2048], [512, 2048]
+        if args.stages:
+            stages = {k: v for k, v in stages.items() if k in args.stages.split(",")}
+        if args.experts:
+            experts = [int(x) for x in args.experts.split(",")]
+        if args.rows:
+            row_set = [int(x) for x in args.rows.split(",")]
+        if args.no_masked:
+            slab_set = []
     results = {"ceilings": ceil, "rows": [], "masked": [], "sweep": {}}
     has_gmm = dev.type == "cuda" and hasattr(torch, "_grouped_mm")
 
@@ -171,7 +179,8 @@ def sweep(store, stage, L, r, a, w, q, meta, out, dev, backend):
     reg = kg.regime(r)
     for kind, wt in (("bf16", w), ("mxfp4", q)):
         key = f"{kind}/{reg}"
-        cands = kg.SWEEP[reg] if not dev.type == "cpu" else [kg.INTERPRET_CONFIG]
+        table = kg.SWEEP_MXFP4 if kind == "mxfp4" else kg.SWEEP
+        cands = table[reg] if not dev.type == "cpu" else [kg.INTERPRET_CONFIG]
         for cfg in cands:
             try:
                 ms = timed(lambda: backend.gemm(a, wt, meta, stage=stage, bias=None, out=out, config=cfg), dev)
@@ -267,6 +276,10 @@ def main():
     p.add_argument("--humming", action="store_true", help="also time humming-kernels (JIT ~2.5 min per config)")
     p.add_argument("--no-sweep", action="store_true", help="skip the block-config sweep")
     p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU under the interpreter (dry run)")
+    p.add_argument("--stages", help="subset of w13,w2 (default both)")
+    p.add_argument("--experts", help="comma list of local expert counts (default 32,128)")
+    p.add_argument("--rows", help="comma list of rows per expert (default 8,32,128,512,2048)")
+    p.add_argument("--no-masked", action="store_true", help="skip the grouped_masked 10%%-valid slabs")
     args = p.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("bench_gemm needs a CUDA GPU (or --tiny for a CPU dry run)")

@@ -40,6 +40,12 @@ for stage in "$@"; do
             step test-experts python3 -m pytest -q -m gpu tests/test_experts_gpu.py ;;
         layer)
             step bench-layer python3 benchmarks/bench_layer.py --out "$OUT/bench" ;;
+        profile)
+            step profile-layer python3 benchmarks/profile_layer.py --tokens 16 1024 8192 ;;
+        humming)  # MXFP4 vs humming-kernels on two shapes (its JIT takes minutes per config)
+            step bench-humming env HUMMING_CACHE_DIR=/tmp/humming-cache python3 benchmarks/bench_gemm.py \
+                --humming --stages w13,w2 --experts 32 --rows "${HUMMING_ROWS:-8,512}" --no-sweep --no-masked \
+                --out "$OUT/bench-humming" ;;
         hf)
             step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py ;;
         ep)

@@ -15,7 +15,9 @@ import pytest
 import torch
 from helpers import REL_TOL, SENTINEL, rel_err
 
+from padded_moe.backends import get_backend
 from padded_moe.gemm import expert_gemm
+from padded_moe.kernels.gemm import GemmConfig
 from padded_moe.layouts import GemmLayout, GroupedContiguousMeta, GroupedMaskedMeta, IndexedMeta, build_layout
 from padded_moe.mxfp4 import Mxfp4Tensor, dequantize_mxfp4, quantize_mxfp4
 
@@ -155,6 +157,31 @@ def test_real_shapes(shape, wdtype, stage, layout, weights):
     expert_gemm(a, w, meta, stage=stage, bias=bias, out=out, backend="triton")
     torch.cuda.synchronize()
     check(a, w, meta, stage, out, bias)
+
+
+# Every code path of the compiled kernel, whatever the tuned table picks today: TMA descriptors
+# (small and big tiles), MXFP4 through the bit-assembly dequantization instead of dot_scaled, and
+# dot_scaled with the operands swapped.
+FORCED_CONFIGS = [GemmConfig(32, 64, 128, 1, 4, 4, tma=True), GemmConfig(128, 256, 64, 8, 8, 3, tma=True),
+                  GemmConfig(64, 128, 64, 4, 4, 4, mx_native=False), GemmConfig(32, 128, 128, 1, 4, 4, swap_ab=True),
+                  GemmConfig(64, 128, 128, 4, 8, 3, swap_ab=True)]
+
+
+@pytest.mark.parametrize("cfg", FORCED_CONFIGS, ids=lambda c: c.short())
+@pytest.mark.parametrize("wdtype", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+def test_forced_kernel_paths(cfg, wdtype, layout, weights):
+    name, L, K, N, k, M, _ = SHAPES[2]  # prefill-sized: full and partial tiles per expert
+    w = weights(name, L, 2 * N, K, wdtype)
+    g = torch.Generator(device=DEV).manual_seed(13)
+    ids = torch.stack([torch.randperm(L, device=DEV, generator=g)[:k] for _ in range(M // 3)]).int()
+    ids[::7, 0] = -1  # dropped slots make counts that are not multiples of any tile
+    meta = build_layout(layout, ids, L)
+    a = inputs_for(layout, meta, "w13", K, ids.shape[0], k, 17)
+    out = out_for(layout, meta, a, 2 * N)
+    get_backend("triton").gemm(a, w, meta, stage="w13", bias=None, out=out, config=cfg)
+    torch.cuda.synchronize()
+    check(a, w, meta, "w13", out)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)

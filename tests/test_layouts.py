@@ -338,6 +338,21 @@ def test_scratch_reuses_its_buffers(cpu_path, layout, gen):
             ptrs = now
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+@pytest.mark.parametrize("with_scratch", [False, True])
+def test_metadata_tensors_are_16_byte_aligned(layout, with_scratch, gen):
+    """Other backends read metadata with vector loads (humming's INDEXED kernel faulted on a
+    misaligned `sorted_ids` view of the arena)."""
+    for M, L in ((7, 5), (33, 3), (1, 9)):  # odd sizes shift every later view of the arena
+        ids = torch.randint(-1, L + 1, (M, 3), generator=gen, dtype=torch.int32)
+        scratch = PermuteScratch(40, 3, L, L, "cpu", block_m=16) if with_scratch else None
+        meta = build_layout(layout, ids, L, scratch=scratch)
+        for name, t in vars(meta).items():
+            # GROUPED_CONTIGUOUS's activation count is by definition the view offsets[L:].
+            if isinstance(t, torch.Tensor) and not (name == "activation_counts" and layout == GemmLayout.GROUPED_CONTIGUOUS):
+                assert t.data_ptr() % 16 == 0, f"{name} starts at {t.data_ptr() % 16} mod 16"
+
+
 def test_scratch_too_small_names_the_numbers():
     s = PermuteScratch(4, 2, 8, 8, "cpu", block_m=16)
     with pytest.raises(ValueError, match=r"4 tokens \(8 rows.*5 tokens \(10 rows"):

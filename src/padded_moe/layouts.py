@@ -181,19 +181,29 @@ _I32_BUFFERS = (
 )
 
 
+# Every view starts on a 16-byte boundary: other backends (humming's INDEXED kernel) read the
+# metadata with vector loads, which fault on a misaligned address.
+_ALIGN_I32 = 4
+
+
+def _aligned(n: int) -> int:
+    return _cdiv(n, _ALIGN_I32) * _ALIGN_I32
+
+
 def _carve(i32: torch.Tensor, i64: torch.Tensor, S: int, L: int, cap: int, nb: int, nc: int) -> dict:
-    """Views of the int32 arena (and the int64 offsets) sized for one call; each view is contiguous."""
+    """Views of the int32 arena (and the int64 offsets) sized for one call; each view is contiguous
+    and 16-byte aligned."""
     bufs, at = {}, 0
     for name, size in _I32_BUFFERS:
         n = size(S, L, cap, nb, nc)
         bufs[name] = i32[at:at + n]
-        at += n
+        at += _aligned(n)
     bufs["offsets"] = i64[:L + 1]
     return bufs
 
 
 def _arena_size(S: int, L: int, cap: int, nb: int, nc: int) -> int:
-    return sum(size(S, L, cap, nb, nc) for _, size in _I32_BUFFERS)
+    return sum(_aligned(size(S, L, cap, nb, nc)) for _, size in _I32_BUFFERS)
 
 
 class PermuteScratch:

@@ -13,8 +13,15 @@ read and rows past a count/offset are never written. Weights are `[L, Nout, K]` 
 or MXFP4 (`blocks [L, Nout, K/2]`, `scales [L, Nout, K/32]`) dequantized to the activation dtype in
 registers. Accumulation is fp32; the bias is added in fp32 before the one final rounding.
 
-No TMA descriptors and no persistent grid yet: the plain pointer path runs unchanged under the
-interpreter, and the tuning table below is per regime of rows per expert.
+Hopper paths, chosen per config (both GPU-verified against the same references):
+- `tma`: in the grouped layouts A rows are contiguous per tile and each expert's weight is a
+  contiguous `[Nout, K]` block, so both are read through TMA descriptors (hardware address
+  generation and bounds, async copies). Rows of a tile past its expert's last row (and columns
+  past `Nout`) are loaded but never stored: a GEMM output row depends only on its own A row. INDEXED
+  gathers A rows, so it keeps pointer loads for A and reads only the weights through TMA.
+- MXFP4 on a GPU goes through `tl.dot_scaled(..., "e2m1")`, whose Hopper lowering upcasts with a
+  byte-permute lookup instead of our bit assembly. The interpreter has no `dot_scaled`, so CPU tests
+  run `_dequant_mxfp4` (the same math, checked against the float64 reference on both sides).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 INDEXED, GROUPED_CONTIGUOUS, GROUPED_MASKED = 0, 1, 2
 
@@ -37,9 +45,15 @@ class GemmConfig:
     GROUP_M: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False  # TMA descriptors for A (grouped layouts) and bf16 weights
+    mx_native: bool = True  # MXFP4 through tl.dot_scaled (compiled only); False: _dequant_mxfp4
+    # MXFP4 + dot_scaled only: compute out^T = W a^T, so the upcast weight tile is the MMA's
+    # left operand (it can stay in registers) and the few token rows are its narrow N side.
+    swap_ab: bool = False
 
     def short(self) -> str:
-        return f"BM{self.BM}_BN{self.BN}_BK{self.BK}_G{self.GROUP_M}_w{self.num_warps}_s{self.num_stages}"
+        tag = ("_tma" if self.tma else "") + ("" if self.mx_native else "_bitdq") + ("_swap" if self.swap_ab else "")
+        return f"BM{self.BM}_BN{self.BN}_BK{self.BK}_G{self.GROUP_M}_w{self.num_warps}_s{self.num_stages}{tag}"
 
 
 # Tuned for H200 (sm_90), keyed by (weight kind, regime). Regimes by rows per expert:
@@ -48,12 +62,12 @@ class GemmConfig:
 # Updated from `benchmarks/bench_gemm.py`'s sweep winners (H200, 2026-11-30, see notes.md).
 TUNED: dict[tuple[str, str], GemmConfig] = {
     ("bf16", "decode"): GemmConfig(32, 64, 128, 1, 4, 4),
-    ("bf16", "small"): GemmConfig(64, 128, 64, 4, 4, 4),
-    ("bf16", "medium"): GemmConfig(128, 256, 64, 8, 8, 3),
-    ("bf16", "prefill"): GemmConfig(128, 256, 64, 8, 8, 4),
+    ("bf16", "small"): GemmConfig(64, 128, 64, 4, 4, 4, tma=True),
+    ("bf16", "medium"): GemmConfig(128, 256, 64, 8, 8, 4, tma=True),
+    ("bf16", "prefill"): GemmConfig(128, 256, 64, 8, 8, 4, tma=True),
     ("mxfp4", "decode"): GemmConfig(32, 64, 128, 1, 4, 4),
-    ("mxfp4", "small"): GemmConfig(64, 128, 64, 4, 4, 4),
-    ("mxfp4", "medium"): GemmConfig(128, 128, 64, 8, 4, 4),
+    ("mxfp4", "small"): GemmConfig(64, 128, 128, 4, 4, 3),
+    ("mxfp4", "medium"): GemmConfig(128, 128, 128, 8, 8, 3),
     ("mxfp4", "prefill"): GemmConfig(256, 128, 64, 8, 8, 3),
 }
 
@@ -67,17 +81,34 @@ INTERPRET_CONFIG = GemmConfig(16, 32, 32, 1, 4, 1)
 
 # Sweep candidates per regime for the benchmark (the first of each is the table entry).
 SWEEP: dict[str, list[GemmConfig]] = {
-    "decode": [GemmConfig(16, 64, 128, 1, 4, 4), GemmConfig(16, 64, 256, 1, 4, 3),
-               GemmConfig(16, 128, 128, 1, 4, 4), GemmConfig(16, 32, 256, 1, 4, 4),
-               GemmConfig(16, 128, 64, 1, 4, 5), GemmConfig(32, 64, 128, 1, 4, 4),
-               GemmConfig(32, 128, 128, 1, 4, 4)],
-    "small": [GemmConfig(64, 128, 64, 4, 4, 4), GemmConfig(32, 128, 128, 4, 4, 4),
-              GemmConfig(64, 64, 128, 4, 4, 4), GemmConfig(64, 256, 64, 4, 8, 3)],
-    "medium": [GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 4, 4),
-               GemmConfig(64, 256, 64, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 3)],
-    "prefill": [GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 4),
-                GemmConfig(256, 128, 64, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 4),
-                GemmConfig(128, 128, 128, 8, 8, 3)],
+    "decode": [GemmConfig(32, 64, 128, 1, 4, 4), GemmConfig(32, 64, 256, 1, 4, 3, True),
+               GemmConfig(32, 128, 128, 1, 4, 4), GemmConfig(16, 64, 128, 1, 4, 4, True)],
+    "small": [GemmConfig(64, 128, 64, 4, 4, 4, True), GemmConfig(64, 256, 64, 4, 8, 3, True),
+              GemmConfig(64, 128, 64, 4, 4, 4), GemmConfig(64, 128, 128, 4, 4, 3, True)],
+    "medium": [GemmConfig(128, 256, 64, 8, 8, 4, True), GemmConfig(128, 256, 64, 8, 8, 3, True),
+               GemmConfig(128, 128, 64, 8, 4, 4, True), GemmConfig(128, 256, 64, 8, 8, 3),
+               GemmConfig(256, 128, 64, 8, 8, 3, True), GemmConfig(128, 256, 64, 16, 8, 4, True)],
+    "prefill": [GemmConfig(128, 256, 64, 8, 8, 4, True), GemmConfig(128, 256, 64, 16, 8, 4, True),
+                GemmConfig(256, 128, 64, 8, 8, 3, True), GemmConfig(128, 256, 64, 8, 8, 3, True),
+                GemmConfig(256, 128, 64, 8, 8, 4, True), GemmConfig(128, 256, 64, 8, 8, 4)],
+}
+# MXFP4 candidates: the bf16 ones (through tl.dot_scaled) plus the table entry with the
+# bit-assembly dequantization, to keep measuring what dot_scaled buys.
+SWEEP_MXFP4: dict[str, list[GemmConfig]] = {
+    "decode": [GemmConfig(32, 64, 128, 1, 4, 4), GemmConfig(16, 64, 128, 1, 4, 4),
+               GemmConfig(32, 64, 128, 1, 4, 4, mx_native=False),
+               GemmConfig(32, 64, 128, 1, 4, 4, swap_ab=True), GemmConfig(32, 128, 128, 1, 4, 4, swap_ab=True),
+               GemmConfig(16, 128, 128, 1, 4, 4, swap_ab=True), GemmConfig(32, 128, 256, 1, 4, 3, swap_ab=True),
+               GemmConfig(32, 128, 128, 1, 8, 4, swap_ab=True), GemmConfig(32, 64, 256, 1, 4, 4, swap_ab=True)],
+    "small": [GemmConfig(64, 128, 128, 4, 4, 3), GemmConfig(64, 128, 64, 4, 4, 4),
+              GemmConfig(64, 128, 64, 4, 4, 4, mx_native=False),
+              GemmConfig(64, 128, 128, 4, 4, 3, swap_ab=True), GemmConfig(64, 128, 128, 4, 8, 3, swap_ab=True),
+              GemmConfig(32, 128, 128, 4, 4, 4, swap_ab=True)],
+    "medium": [GemmConfig(128, 128, 128, 8, 8, 3), GemmConfig(128, 128, 64, 8, 4, 4),
+               GemmConfig(128, 128, 64, 8, 4, 4, mx_native=False), GemmConfig(64, 128, 128, 8, 4, 3, swap_ab=True),
+               GemmConfig(128, 128, 128, 8, 8, 3, swap_ab=True)],
+    "prefill": [GemmConfig(256, 128, 64, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 3),
+                GemmConfig(128, 256, 128, 8, 8, 3), GemmConfig(256, 128, 64, 8, 8, 3, mx_native=False)],
 }
 
 
@@ -142,7 +173,9 @@ def _expert_gemm_kernel(
     stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_cm,
     LAYOUT: tl.constexpr, W_MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, A_DIV: tl.constexpr,
     BLOCK_MB: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, L_POW2: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    FP32_DOT: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, MX_NATIVE: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    A_FMT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     num_pid_n = tl.cdiv(N, BN)
@@ -181,7 +214,8 @@ def _expert_gemm_kernel(
         first_tile = tl.sum(tl.where(mine, tile_end - tiles, 0), 0)
         row_lo = tl.sum(tl.where(mine, lo, 0), 0)
         row_hi = tl.sum(tl.where(mine, hi, 0), 0)
-        rows = row_lo + (pid_m - first_tile) * BM + rm
+        row_start = row_lo + (pid_m - first_tile) * BM
+        rows = row_start + rm
         valid = rows < row_hi
         rows = tl.where(valid, rows, 0)
         a_rows = rows
@@ -194,7 +228,8 @@ def _expert_gemm_kernel(
         if t0 >= cnt:
             return
         valid = t0 + rm < cnt
-        rows = tl.where(valid, e * T_max + t0 + rm, 0)
+        row_start = e * T_max + t0
+        rows = tl.where(valid, row_start + rm, 0)
         a_rows = rows
         c_rows = rows
 
@@ -203,31 +238,55 @@ def _expert_gemm_kernel(
     rn = pid_n * BN + tl.arange(0, BN)
     n_ok = rn < N
     rk = tl.arange(0, BK)
-    a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if not A_DESC:
+        a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
+    if SWAP_AB:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     if W_MXFP4:
         rkb = tl.arange(0, BK // 2)
         rks = tl.arange(0, BK // 32)
         b_base = w_ptr + e64 * stride_we + rn.to(tl.int64)[:, None] * stride_wn
         s_base = s_ptr + e64 * stride_se + rn.to(tl.int64)[:, None] * stride_sn
-    else:
+    elif not W_DESC:
         w_base = w_ptr + e64 * stride_we + rn.to(tl.int64)[None, :] * stride_wn
     for k0 in range(0, K, BK):
         k_ok = k0 + rk < K
-        a = tl.load(a_base + (k0 + rk)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        if A_DESC:
+            # Grouped layouts: the tile's rows are contiguous from `row_start`; rows past the
+            # expert's end are read (zeros past the buffer) but their outputs are never stored.
+            a = a_ptr.load([row_start, k0])
+        else:
+            a = tl.load(a_base + (k0 + rk)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         if W_MXFP4:
             kb_ok = k0 // 2 + rkb < K // 2
             packed = tl.load(b_base + (k0 // 2 + rkb)[None, :], mask=n_ok[:, None] & kb_ok[None, :], other=0)
             ks_ok = k0 // 32 + rks < K // 32
             sc = tl.load(s_base + (k0 // 32 + rks)[None, :], mask=n_ok[:, None] & ks_ok[None, :], other=127)
-            w = tl.trans(_dequant_mxfp4(packed, sc, BN, BK).to(a.dtype))
+            if SWAP_AB:  # lhs [BN, BK/2] packed along K with its scales [BN, BK/32], as stored
+                acc = tl.dot_scaled(packed, sc, "e2m1", tl.trans(a), None, A_FMT, acc)
+            elif MX_NATIVE:
+                # rhs [BK/2, BN] packed along K, scales [BN, BK/32] (not transposed).
+                acc = tl.dot_scaled(a, None, A_FMT, tl.trans(packed), sc, "e2m1", acc)
+            else:
+                w = tl.trans(_dequant_mxfp4(packed, sc, BN, BK).to(a.dtype))
+                if FP32_DOT:
+                    acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, w, acc)
         else:
-            w = tl.load(w_base + (k0 + rk)[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FP32_DOT:
-            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
+            if W_DESC:  # weights viewed as [L*Nout, K]; columns past Nout are never stored
+                w = tl.trans(w_ptr.load([(e64 * N + pid_n * BN).to(tl.int32), k0]))
+            else:
+                w = tl.load(w_base + (k0 + rk)[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if FP32_DOT:
+                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
 
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if HAS_BIAS:
         b = tl.load(bias_ptr + e64 * stride_be + rn, mask=n_ok, other=0.0)
         acc += b.to(tl.float32)[None, :]
@@ -255,6 +314,14 @@ def indexed_tiling(block_m: int, bm: int) -> tuple[int, int, int]:
         t = min(bm, block_m)
         return t, block_m // t, t
     return max(16, triton.next_power_of_2(block_m)), 1, block_m
+
+
+def _tma_ok(t: torch.Tensor, rows: int, bk: int) -> bool:
+    """A TMA descriptor over `t` viewed as `[rows, K]`: 16-byte aligned base and row stride,
+    contiguous last dim, at least 16 bytes per block row."""
+    es = t.element_size()
+    return (rows > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(-2) * es) % 16 == 0 and bk * es >= 16)
 
 
 def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Tensor, *,
@@ -287,8 +354,15 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         BK = max(32, BK)
     dummy = out2  # stands in for pointers a layout does not use (never dereferenced)
     grid = (num_pid_m * triton.cdiv(N, cfg.BN),)
+    a_desc = cfg.tma and layout != INDEXED and _tma_ok(a2, a2.shape[0], BK)
+    w_desc = cfg.tma and not mx and w.dtype == a2.dtype and w.stride(0) == N * w.stride(1) \
+        and _tma_ok(w, w.shape[0] * N, BK)
+    a_arg = TensorDescriptor(a2, [a2.shape[0], K], [a2.stride(0), 1], [BM, BK]) if a_desc else a2
+    w_arg = TensorDescriptor(w, [w.shape[0] * N, K], [w.stride(1), 1], [cfg.BN, BK]) if w_desc else w
+    # tl.dot_scaled: compiled 16-bit activations only (the interpreter has no dot_scaled).
+    mx_native = cfg.mx_native and mx and a2.is_cuda and a2.dtype in (torch.bfloat16, torch.float16)
     _expert_gemm_kernel[grid](
-        a2, w, w_scales if mx else dummy, bias if bias is not None else dummy, out2,
+        a_arg, w_arg, w_scales if mx else dummy, bias if bias is not None else dummy, out2,
         sorted_ids if sorted_ids is not None else dummy,
         block_expert if block_expert is not None else dummy,
         num_padded if num_padded is not None else dummy,
@@ -303,6 +377,8 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         # fp32 operands: exact IEEE dot. Interpreter: triton 3.6's interpreted tl.dot returns
         # garbage for bf16 operands, so upcast there (exact: products of bf16 fit in fp32).
         FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda,
+        A_DESC=a_desc, W_DESC=w_desc, MX_NATIVE=mx_native, SWAP_AB=mx_native and cfg.swap_ab,
+        A_FMT="fp16" if a2.dtype == torch.float16 else "bf16",
         BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -1,0 +1,56 @@
+"""Where a FusedMoE forward spends its GPU time: per-kernel totals from torch.profiler.
+
+    python benchmarks/profile_layer.py --preset dsv4-flash --weights bf16 --tokens 1024 8192
+
+Prints, per token count, each kernel's share of the device time of one forward (averaged over a
+few calls after warm-up) — the input for deciding which stage to speed up next. Not a benchmark
+of record: the timings in docs/benchmarks.md come from bench_layer.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from padded_moe.layer import FusedMoE
+
+
+def kernel_times(fn, calls: int) -> dict:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            totals[ev.name[:90]] += ev.device_time / calls
+    return totals
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--preset", default="dsv4-flash")
+    p.add_argument("--weights", default="bf16")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
+    p.add_argument("--calls", type=int, default=5)
+    args = p.parse_args()
+    layer = FusedMoE.from_preset(args.preset, weight_format=args.weights, device="cuda", dtype=torch.bfloat16)
+    layer.randomize(seed=0, std=0.02)
+    layer.expert_weights()
+    for m in args.tokens:
+        x = torch.randn(m, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+        fn = torch.no_grad()(lambda: layer(x))
+        for _ in range(3):
+            fn()
+        totals = kernel_times(fn, args.calls)
+        total = sum(totals.values())
+        print(f"\n{args.preset} {args.weights} tokens={m}: {total:.0f} µs of kernels per forward")
+        for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:15]:
+            print(f"  {us:9.1f} µs {100 * us / total:5.1f}%  {name}")
+
+
+if __name__ == "__main__":
+    main()

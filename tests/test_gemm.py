@@ -568,3 +568,18 @@ def test_tma_descriptor_path(monkeypatch, layout, wdtype, gen):
     assert (flat[~written] == SENTINEL).all(), "rows outside the layout were written"
     err = rel_err(flat[idx], torch.stack([ref[i] for i in sorted(ref)]))
     assert err < REL_TOL[wdtype], f"relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("layout", [GemmLayout.INDEXED, GemmLayout.GROUPED_CONTIGUOUS], ids=lambda l: l.value)
+@pytest.mark.parametrize("M,k,L", [(1, 2, 64), (3, 4, 40), (9, 2, 3)])
+def test_grid_bound_few_rows_many_experts(cpu_path, layout, M, k, L, gen):
+    """The grid holds cdiv(rows, tile) + min(L, rows) m-tiles, not one per expert: the decode case
+    (few rows over many experts, some experts with several tiles) must still cover every row."""
+    K, n_out = 32, 24
+    w, w64 = make_weight(L, n_out, K, torch.float32, gen)
+    ids = torch.stack([torch.randperm(L, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
+    if L < M * k:  # few experts: most rows pile onto expert 0, which then spans several tiles
+        ids[:, 0] = 0
+    meta = local_meta(layout, ids, L)
+    a = torch.randn(M if layout == GemmLayout.INDEXED else M * k, K, generator=gen)
+    run_and_check(nan_unused_rows(a, meta, "w13"), w, w64, meta, "w13")

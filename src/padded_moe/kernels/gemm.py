@@ -338,11 +338,15 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
 
     cfg = config or pick_config(rows_per_expert, mx, INTERPRETED and not a2.is_cuda, layout)
     BM, SUB, ROWS = cfg.BM, 1, cfg.BM
+    # Grids are sized from shapes only (graph-safe), but tightly: experts hold at most
+    # cdiv(rows, tile) + min(L, rows) tiles in all, so a decode call on 256 experts launches a few
+    # programs per n-tile instead of one per expert that would exit at once.
     if layout == INDEXED:
         BM, SUB, ROWS = indexed_tiling(block_m, cfg.BM)
-        num_pid_m = block_expert.numel() * SUB
+        num_blocks = min(block_expert.numel(), triton.cdiv(mk, block_m) + min(num_local, mk))
+        num_pid_m = num_blocks * SUB
     elif layout == GROUPED_CONTIGUOUS:
-        num_pid_m = triton.cdiv(a2.shape[0], BM) + num_local
+        num_pid_m = triton.cdiv(a2.shape[0], BM) + min(num_local, a2.shape[0])
     else:
         num_pid_m = num_local * triton.cdiv(t_max, BM)
     if num_pid_m == 0:

@@ -2,13 +2,18 @@
 
 Run on 2 GPUs (self-spawning):      python benchmarks/bench_ep.py --out results/ep
 or under torchrun:                  torchrun --nproc-per-node 2 benchmarks/bench_ep.py --out results/ep
-CPU smoke run (gloo):               python benchmarks/bench_ep.py --device cpu --tokens 16 --iters 3
+CPU smoke run (gloo):               python benchmarks/bench_ep.py --device cpu --tokens 16 --iters 3 --no-layer
+(the layer timing allocates the preset's bf16 weights on every rank: tens of GB on CPU; prefix
+TRITON_INTERPRET=1 to run the interpreted kernels instead of the torch path)
 
 For T tokens per rank it times, per mode (flat / batched):
 - `a2a`: one all_to_all_single of `[R*T, K]` rows (the dispatch payload); dispatch + combine move
   those bytes twice (there and back), so the reference for them is `2 × a2a`;
 - `dispatch+combine`: ExpertParallel.dispatch then combine (experts skipped: combine returns
-  the received rows), eager and (GPU, flat and batched) captured in a CUDA graph;
+  the received rows), eager and (GPU, flat and batched) captured in a CUDA graph. On GPU this is
+  the Triton path of `padded_moe.kernels.ep`: per direction one all_to_all of `[R*T, row_bytes]`
+  wire rows (x + in-band ids / weights / count, ~1% more bytes than the raw a2a) and two kernels;
+  the table title says which path ran ("triton" or "torch");
 - `layer`: dispatch → fused_experts / batched_experts (bf16 weights of the preset) → combine.
 Target (flat, graph): dispatch+combine ≥ 0.8 × the speed of 2 × a2a ("ratio" column).
 Writes `ep.json` and `ep.png` to --out; rank 0 prints a table.
@@ -161,13 +166,15 @@ def main_worker(args):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if dist.get_rank() == 0:
-        report(args, preset, results)
+        from padded_moe._platform import use_triton
+
+        report(args, preset, results, "triton" if use_triton(device) else "torch")
 
 
-def report(args, preset, results):
+def report(args, preset, results, path="torch"):
     os.makedirs(args.out, exist_ok=True)
     meta = dict(preset=preset.name, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                torch=torch.__version__, ranks=results[0]["ranks"] if results else 0)
+                torch=torch.__version__, ranks=results[0]["ranks"] if results else 0, ep_path=path)
     with open(os.path.join(args.out, "ep.json"), "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=2)
     cols = ["mode", "tokens_per_rank", "a2a_ms", "a2a_graph_ms", "dispatch_combine_ms",
@@ -176,7 +183,8 @@ def report(args, preset, results):
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"EP dispatch+combine, {meta['preset']}, {meta['ranks']} ranks, {meta['device']}")
+        table = Table(title=f"EP dispatch+combine, {meta['preset']}, {meta['ranks']} ranks, {meta['device']}, "
+                            f"{path} path")
         for c in cols:
             table.add_column(c)
         for r in results:

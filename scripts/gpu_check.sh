@@ -49,6 +49,8 @@ for stage in "$@"; do
         hf)
             step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py ;;
         ep)
+            step test-ep-kernels python3 -m pytest -q -m gpu tests/test_ep_kernels.py
+            step sanitizer-ep compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_ep_kernels.py -k cuda_equals
             step test-ep python3 -m pytest -q -m gpu tests/test_distributed_gpu.py
             step bench-ep python3 benchmarks/bench_ep.py --out "$OUT/bench" ;;
         cpu-suite)

@@ -41,9 +41,10 @@ def free_port() -> int:
 def _entry(rank, world, port, backend, target, payload, outdir):
     """Child process: join the group, run `target(rank, world, payload)`, save its result."""
     os.environ.update(CHILD_ENV)
-    # CPU children run the library's torch path: the interpreted Triton kernels are tested
-    # elsewhere and would cost minutes here.
-    os.environ["TRITON_INTERPRET"] = "0"
+    # CPU children run the library's torch path unless the payload asks for the interpreted Triton
+    # kernels (one 2-rank run exercises them end to end; every scenario that way would cost minutes).
+    interpret = isinstance(payload, dict) and payload.get("triton_interpret", False)
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -300,6 +301,33 @@ def test_ep_with_fused_experts_two_ranks():
             assert r["identical_exact"] and all(r["checks"].values()), (case["name"], r["checks"])
 
 
+def test_ep_triton_kernels_interpreted_two_ranks(monkeypatch):
+    """Every 2-rank scenario (both modes; graph-safe and exact splits; fp8 wire; garbage, repeated
+    ids; idle ranks) through the Triton kernels of padded_moe.kernels.ep, interpreted on CPU, end
+    to end over gloo (the other multi-process tests run the torch path)."""
+    from padded_moe._platform import triton_available
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    # Children inherit the variable from the start, so Triton is imported in interpreter mode there.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cases = cases_for(2)
+    results = spawn_group(2, _worker, dict(cases=cases, seed=SEED, impl="reference", triton_interpret=True))
+    for case in cases:
+        # The interpreter truncates float32 -> bfloat16 (the GPU rounds): with three such conversions
+        # in a bf16 round trip the error roughly doubles, hence the looser bound there.
+        tol = _tol(case) if case["dtype"] == torch.float32 else 2.5e-2
+        for rank, res in enumerate(results):
+            r = res[case["name"]]
+            assert "error" not in r, f"seed {SEED}, {case['name']}, rank {rank}:\n{r.get('error')}"
+            assert r["shape_ok"], (case["name"], rank)
+            err = rel_err(r["out"], r["ref"])
+            assert err <= tol, f"seed {SEED}, {case['name']}, rank {rank}: rel err {err:.3g}"
+            assert r["identical_exact"], f"seed {SEED}, {case['name']}, rank {rank}: graph_safe=False differs"
+            bad = [k for k, ok in r["checks"].items() if not ok]
+            assert not bad, f"seed {SEED}, {case['name']}, rank {rank}: padding checks failed: {bad}"
+
+
 # ---------------------------------------------------------------------------- single process
 
 
@@ -378,3 +406,63 @@ def test_one_rank_flat_and_batched(one_rank_group, gen):
             assert out.shape == (m, K)
             if m:
                 assert rel_err(out, ref) <= REL_TOL[torch.float32]
+
+
+def test_one_collective_each_way_and_two_kernels(one_rank_group, monkeypatch):
+    """Graph-safe, Triton path (interpreted here): dispatch = pack kernel, one all_to_all, receive
+    kernel; combine = combine kernel, one all_to_all, reduce kernel; no other torch op computes
+    anything (only views and the output allocation)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from padded_moe._platform import kernels_interpreted
+
+    if not kernels_interpreted():
+        pytest.skip("Triton kernels were compiled for a GPU; the interpreter is not in use")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import padded_moe.kernels.ep as kernels
+    from padded_moe.distributed import ExpertParallel
+
+    calls, inside = [], [False]
+
+    class Counting:
+        def __init__(self, name, fn):
+            self.name, self.fn = name, fn
+
+        def __getitem__(self, grid):
+            launch = self.fn[grid]
+
+            def run(*args, **kwargs):
+                calls.append(self.name)
+                inside[0] = True  # the interpreter's own tensor traffic is not ours
+                try:
+                    return launch(*args, **kwargs)
+                finally:
+                    inside[0] = False
+            return run
+
+    for name in [n for n in dir(kernels) if n.endswith("_kernel")]:
+        monkeypatch.setattr(kernels, name, Counting(name, getattr(kernels, name)))
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside[0]:
+                calls.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    host_only = {"empty", "slice", "view", "detach", "alias", "as_strided"}
+    for mode in ("flat", "batched"):
+        ep = ExpertParallel(None, E, TOPK, K, 6, mode=mode, dtype=torch.float32)
+        x, ids, w = torch.randn(5, K), torch.randint(-2, E + 2, (5, TOPK)), torch.rand(5, TOPK)
+        for step in ("dispatch", "combine"):
+            calls.clear()
+            with Ops():
+                if step == "dispatch":
+                    rb, h = ep.dispatch(x, ids, w)
+                else:
+                    ep.combine(rb.x, h)
+            work = [c for c in calls if c not in host_only]
+            want = {("dispatch", "flat"): ["_pack_kernel", "alltoall_base_", "_recv_flat_kernel"],
+                    ("dispatch", "batched"): ["_pack_kernel", "alltoall_base_", "_recv_batched_kernel"],
+                    ("combine", "flat"): ["_combine_flat_kernel", "alltoall_base_", "_reduce_kernel"],
+                    ("combine", "batched"): ["_combine_batched_kernel", "alltoall_base_", "_reduce_kernel"]}
+            assert work == want[(step, mode)], (mode, step, calls)

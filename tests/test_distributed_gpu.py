@@ -114,64 +114,92 @@ def test_dsv4_flash_two_gpus_rank1_idle(mode):
         assert r["peak"] <= 1.1 * r["planned"] + (16 << 20), (r["peak"], r["planned"])
 
 
+GRAPH_VARIANTS = [("flat", False), ("batched", False), ("flat", True), ("batched", True)]  # (mode, fp8 wire)
+
+
 def _graph_worker(rank, world, payload):
-    from padded_moe.distributed import ExpertParallel
-    from padded_moe.experts import fused_experts
+    """Every variant: capture dispatch → experts → combine once, replay with new tokens and routes;
+    compare with the float64 reference and with graph_safe=False run eagerly (must be identical)."""
+    from padded_moe.distributed import ExpertParallel, _dequantize_fp8, _quantize_fp8
+    from padded_moe.experts import batched_experts, fused_experts
     from padded_moe.layouts import PermuteScratch
     from padded_moe.reference.moe import reference_moe
 
-    try:
-        dev = torch.device("cuda", rank)
-        e, k, hid, n, T = 32, 4, 512, 256, 16
-        gen = torch.Generator(device=dev).manual_seed(payload["seed"])  # same weights on both ranks
-        W13 = (torch.randn(e, 2 * n, hid, generator=gen, device=dev) / hid ** 0.5).to(torch.bfloat16)
-        W2 = (torch.randn(e, hid, n, generator=gen, device=dev) / n ** 0.5).to(torch.bfloat16)
-        ep = ExpertParallel(None, e, k, hid, T, mode="flat", dtype=torch.bfloat16)
-        own = ep.expert_map.local_experts
-        w13, w2 = W13[own].contiguous(), W2[own].contiguous()
-        scratch = PermuteScratch(world * T, k, e, ep.num_local, dev)
-        m = (T, 5)[rank]
-        sx = torch.empty(m, hid, dtype=torch.bfloat16, device=dev)
-        sids = torch.empty(m, k, dtype=torch.int32, device=dev)
-        sw = torch.empty(m, k, dtype=torch.float32, device=dev)
+    results = {}
+    dev = torch.device("cuda", rank)
+    e, k, hid, n, T = 32, 4, 512, 256, 16
+    gen = torch.Generator(device=dev).manual_seed(payload["seed"])  # same weights on both ranks
+    W13 = (torch.randn(e, 2 * n, hid, generator=gen, device=dev) / hid ** 0.5).to(torch.bfloat16)
+    W2 = (torch.randn(e, hid, n, generator=gen, device=dev) / n ** 0.5).to(torch.bfloat16)
+    for mode, fp8 in GRAPH_VARIANTS:
+        name = f"{mode}{'-fp8' if fp8 else ''}"
+        try:
+            kw = dict(mode=mode, dtype=torch.bfloat16, dispatch_dtype=torch.float8_e4m3fn if fp8 else None)
+            ep = ExpertParallel(None, e, k, hid, T, **kw)
+            ep_exact = ExpertParallel(None, e, k, hid, T, graph_safe=False, **kw)
+            own = ep.expert_map.local_experts
+            w13, w2 = W13[own].contiguous(), W2[own].contiguous()
+            scratch = PermuteScratch(world * T, k, e, ep.num_local, dev)
+            m = (T, 5)[rank]
+            sx = torch.empty(m, hid, dtype=torch.bfloat16, device=dev)
+            sids = torch.empty(m, k, dtype=torch.int32, device=dev)
+            sw = torch.empty(m, k, dtype=torch.float32, device=dev)
 
-        def refill(call):
-            g = torch.Generator(device=dev).manual_seed(payload["seed"] + 101 * call + rank)
-            sx.copy_(torch.randn(m, hid, generator=g, device=dev))
-            sids.copy_(torch.rand(m, e, generator=g, device=dev).argsort(1)[:, :k])
-            sw.copy_(torch.rand(m, k, generator=g, device=dev) + 0.1)
+            def refill(call):
+                g = torch.Generator(device=dev).manual_seed(payload["seed"] + 101 * call + rank)
+                sx.copy_(torch.randn(m, hid, generator=g, device=dev))
+                ids = torch.rand(m, e, generator=g, device=dev).argsort(1)[:, :k]
+                if call == 2:
+                    ids[:, 1] = ids[:, 0]  # repeated ids within a token
+                sids.copy_(ids)
+                sw.copy_(torch.rand(m, k, generator=g, device=dev) + 0.1)
 
-        def step():
-            rb, h = ep.dispatch(sx, sids, sw)
-            eo = fused_experts(rb.x, w13, w2, rb.topk_weights, rb.topk_ids, activation="silu",
-                               expert_map=ep.expert_map, valid_tokens=rb.valid_tokens, scratch=scratch)
-            return ep.combine(eo, h)
+            def step(ep_, scratch_):
+                rb, h = ep_.dispatch(sx, sids, sw)
+                if mode == "flat":
+                    eo = fused_experts(rb.x, w13, w2, rb.topk_weights, rb.topk_ids, activation="silu",
+                                       expert_map=ep_.expert_map, valid_tokens=rb.valid_tokens, scratch=scratch_)
+                else:
+                    eo = batched_experts(rb.x, rb.counts, w13, w2, activation="silu")
+                return ep_.combine(eo, h)
 
-        refill(0)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()  # warm-up: NCCL communicators, Triton compilation
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = step()
-        errs = []
-        for call in range(1, 4):  # replays with new tokens and routes
-            refill(call)
-            graph.replay()
+            refill(0)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    step(ep, scratch)  # warm-up: NCCL communicators, Triton compilation
+            torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
-            ref = reference_moe(sx, W13, W2, sw, sids, activation="silu")
-            errs.append(rel_err(out, ref))
-        return dict(errs=errs)
-    except Exception:
-        return dict(error=traceback.format_exc())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = step(ep, scratch)
+            errs, same = [], []
+            for call in range(1, 4):  # replays with new tokens and routes
+                refill(call)
+                graph.replay()
+                torch.cuda.synchronize()
+                x_ref = sx
+                if fp8:
+                    q, s = _quantize_fp8(sx)
+                    x_ref = _dequantize_fp8(q, s, torch.bfloat16)
+                ref = reference_moe(x_ref, W13, W2, sw, sids, activation="silu")
+                errs.append(rel_err(out, ref))
+                same.append(bool(torch.equal(out, step(ep_exact, None))))
+            results[name] = dict(errs=errs, same=same)
+        except Exception:
+            results[name] = dict(error=traceback.format_exc())
+    return results
 
 
-def test_flat_mode_cuda_graph_replay_two_gpus():
+def test_cuda_graph_replay_two_gpus():
+    """Flat and batched, bf16 and fp8 wire: graph replays equal the reference, and graph_safe=False
+    gives identical results."""
     results = spawn_group(2, _graph_worker, dict(seed=SEED), backend="nccl", timeout=540)
-    for rank, r in enumerate(results):
-        assert "error" not in r, f"seed {SEED}, rank {rank}:\n{r.get('error')}"
-        assert max(r["errs"]) <= REL_TOL[torch.bfloat16], f"seed {SEED}, rank {rank}: {r['errs']}"
+    for mode, fp8 in GRAPH_VARIANTS:
+        name = f"{mode}{'-fp8' if fp8 else ''}"
+        for rank, res in enumerate(results):
+            r = res[name]
+            assert "error" not in r, f"seed {SEED}, {name}, rank {rank}:\n{r.get('error')}"
+            assert max(r["errs"]) <= REL_TOL[torch.bfloat16], f"seed {SEED}, {name}, rank {rank}: {r['errs']}"
+            assert all(r["same"]), f"seed {SEED}, {name}, rank {rank}: graph_safe=False differs {r['same']}"

@@ -1,32 +1,55 @@
 """Expert parallelism over torch.distributed (spec 04): dispatch → local experts → combine.
 
-Transport: `all_to_all_single` only (NCCL on GPUs, gloo on CPU; gloo supports it, even and
-uneven splits, in the torch versions we support). Every rank reserves, per peer, a chunk of
-`T = max_tokens_per_rank` rows. A token goes to peer `d` once if at least one of its slots lives
-on `d`; its row in chunk `d` carries the hidden state plus a small int32 "meta" row: the k global
-ids (-1 for slots owned elsewhere), the k router weights (bit-cast to int32) and, for fp8 wire
-format, the per-block scales. Valid rows are compacted to the front of each chunk, so a row is
-padding exactly when all of its ids are -1.
+Transport: `all_to_all_single` only (NCCL on GPUs, gloo on CPU), **one collective per direction**.
+Every rank reserves, per peer, a chunk of `T = max_tokens_per_rank` rows of one raw uint8 buffer
+`[R*T, row_bytes]`. A token goes to peer `d` once if at least one of its slots lives on `d`; its
+row in chunk `d` carries, in-band, the hidden state (`K` elements of the wire dtype) followed by
+int32 "meta" columns: the k global ids (-1 for slots owned elsewhere), the k router weights
+(float32 bit-cast to int32), the chunk's valid-row count (column `2k`, written on the chunk's
+first row even when the chunk is empty) and, for an fp8 wire, the per-128-channel float32 scales.
+`row_bytes` is a multiple of 64 (`WireFormat`); the code works on strided views of the same bytes
+(`x = buf[:, :K*es].view(wire dtype)`, `meta = buf[:, x_bytes:].view(int32 / float32)`). Valid rows
+are compacted to the front of each chunk; the receiver trusts the count, never the padding rows.
+
+Combine sends expert outputs back in `dtype` through `[R*T, K]` views that alias the dispatch
+buffers' storage (each buffer holds `R*T * max(row_bytes, K*dtype size)` bytes): the send buffer is
+free once the dispatch all_to_all has run, and the receive buffer is only overwritten by the
+combine all_to_all, after every combine kernel has read what it needs from it (router weights in
+batched mode). What combine needs later lives in small persistent buffers: `token_rows [R, T]`
+(sender side: the combine-receive row of token t's partial from peer r, or the pad value `R*T`),
+`chunk_counts [R]` (receiver side: valid rows per source rank) and, batched, `slot_rows [R*T, k]`.
 
 Modes (both with fixed shapes for a fixed `T`, so dispatch → experts → combine captures in one
 CUDA graph):
 
 - flat: the receiver compacts the `R` chunks into `x [R*T, K]` whose rows `[0, valid_tokens)`
-  are real (a device prefix sum + index gather, no host sync). The experts run with
-  `fused_experts(..., expert_map=ep.expert_map, valid_tokens=rb.valid_tokens)`, whose guard
-  drops the -1 slots and whose layout counts stop at `valid_tokens`, so no padding row is computed.
-  `combine` gathers the expert output back into chunk order, returns it with one all_to_all, and
-  the sender adds its `R` partial sums per token in float32.
+  are real; ids of rows `[valid_tokens, R*T)` are -1 and their weights 0. The experts run with
+  `fused_experts(..., expert_map=ep.expert_map, valid_tokens=rb.valid_tokens)`, whose guard drops
+  the -1 slots and whose layout counts stop at `valid_tokens`, so no padding row is computed.
+  `combine` copies the expert output back into chunk order, returns it with one all_to_all, and
+  the sender adds its `R` partial rows per token in float32.
 - batched: the receiver scatters each (row, local expert) pair into per-expert slabs
   `x [L, R*T, K]` with `counts [L]` (a token routed twice to one expert occupies one row; both
-  router weights are applied to it). Router weights are applied by `combine`.
+  router weights are applied to it). Router weights are applied by `combine`, on the receiver,
+  before the rows travel back.
 
-`graph_safe=False` first exchanges the per-peer counts (one host sync) and moves only real rows
-(uneven splits); received rows are then already a prefix in source-rank order, which is exactly
-the order the graph-safe compaction produces, so the results are identical.
+Where it runs: on CUDA (and on CPU with `TRITON_INTERPRET=1`) the Triton kernels of
+`padded_moe.kernels.ep`; otherwise the torch functions below (the CPU/gloo path and the tests'
+reference). Launches per call, graph-safe:
+
+- dispatch: `_pack_kernel` (owner, position in the chunk, row copy / fp8 quantization, meta,
+  count, `token_rows`; zeroes the batched counts), one all_to_all, then `_recv_flat_kernel` or
+  `_recv_batched_kernel`;
+- combine: `_combine_flat_kernel` or `_combine_batched_kernel`, one all_to_all, `_reduce_kernel`.
+
+`graph_safe=False` first exchanges the per-peer counts (one host sync, one more small collective)
+and moves only real rows (uneven splits, chunks back to back); received rows are then already a
+prefix in source-rank order, which is exactly the order the graph-safe compaction produces, and
+both variants run the same kernels, so the results are identical.
 
 Buffers are reserved once at construction (`ExpertParallel.buffers()` lists them; the planner
-sizes the same set). A `ReceiveBuffer` aliases them: it is valid until the next `dispatch`.
+sizes the same set). A `ReceiveBuffer` and a `DispatchHandle` alias them: they are valid until the
+next `dispatch`.
 """
 
 from __future__ import annotations
@@ -37,6 +60,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from padded_moe._platform import num_sms, use_triton
 from padded_moe._validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -53,6 +77,7 @@ MODES = ("flat", "batched")
 FP8_WIRE_DTYPES = (torch.float8_e4m3fn,)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_BLOCK = 128  # elements per fp8 scale (DeepEP's per-128-channel scaling)
+ROW_ALIGN = 64   # wire row bytes: every view's row stride stays a multiple of 16 elements
 
 
 @dataclass
@@ -74,21 +99,14 @@ class ReceiveBuffer:
 
 @dataclass
 class DispatchHandle:
-    """What `combine` needs to route partial outputs back; small index tensors, fresh per call."""
+    """What `combine` needs to route partial outputs back (views of persistent buffers)."""
 
     owner: "ExpertParallel"
     mode: str
     num_tokens: int
-    # Sender side: row of the combine receive buffer holding peer d's partial sum for token t,
-    # or the zero pad row `R*T` when token t sent nothing to d. int64 [R, m].
+    # Sender side: row of the combine receive buffer holding peer r's partial sum for token t,
+    # or the pad value `R*T` when token t sent nothing to r. int32 [R, T] (columns [0, m) used).
     token_rows: torch.Tensor
-    # Receiver side, flat + graph-safe: for each chunk-order row, its compacted row (0 for padding).
-    uncompact: Optional[torch.Tensor] = None
-    # Receiver side, batched: slab row (e*R*T + pos) of every received slot, or L*R*T when the
-    # slot is not local; `slot_keep` marks the local ones; `weights` their router weights.
-    slot_rows: Optional[torch.Tensor] = None
-    slot_keep: Optional[torch.Tensor] = None
-    weights: Optional[torch.Tensor] = None
     # graph_safe=False: exact per-peer row counts (host ints).
     send_counts: Optional[list] = None
     recv_counts: Optional[list] = None
@@ -119,14 +137,463 @@ def _default_device(group) -> torch.device:
     return torch.device("cpu")
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def fp8_scale_columns(hidden_size: int) -> int:
     """int32 meta columns holding fp8 scales: one per 128 channels (one per row if K % 128)."""
     return hidden_size // FP8_BLOCK if hidden_size % FP8_BLOCK == 0 else 1
 
 
 def meta_columns(top_k: int, hidden_size: int, fp8_wire: bool) -> int:
-    """int32 columns of a meta row: k ids, k weights (bit-cast), fp8 scales when quantizing."""
-    return 2 * top_k + (fp8_scale_columns(hidden_size) if fp8_wire else 0)
+    """int32 columns a meta row uses: k ids, k weights (bit-cast), the chunk count, fp8 scales."""
+    return 2 * top_k + 1 + (fp8_scale_columns(hidden_size) if fp8_wire else 0)
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """Byte layout of one wire row: `x` (`hidden_size` elements of the wire dtype, padded to 16
+    bytes), then int32 meta columns (`ids [0, k)`, `weights [k, 2k)`, count at `2k`, fp8 scales
+    from `2k+1`), padded so `row_bytes` is a multiple of 64."""
+
+    hidden_size: int
+    top_k: int
+    dtype: torch.dtype
+    fp8: bool = False
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.fp8 else self.dtype
+
+    @property
+    def x_bytes(self) -> int:
+        return _round_up(self.hidden_size * _itemsize(self.wire_dtype), 16)
+
+    @property
+    def row_bytes(self) -> int:
+        return _round_up(self.x_bytes + 4 * meta_columns(self.top_k, self.hidden_size, self.fp8), ROW_ALIGN)
+
+    @property
+    def buffer_row_bytes(self) -> int:
+        """Bytes per row of a transport buffer: a wire row, or a combine row in `dtype`."""
+        return max(self.row_bytes, self.hidden_size * _itemsize(self.dtype))
+
+    @property
+    def count_col(self) -> int:
+        return 2 * self.top_k
+
+    @property
+    def scale_col(self) -> int:
+        return 2 * self.top_k + 1
+
+    @property
+    def scale_group(self) -> int:
+        """Channels per fp8 scale (K when there is one scale per row)."""
+        return FP8_BLOCK if self.hidden_size % FP8_BLOCK == 0 else self.hidden_size
+
+    def wire_rows(self, buf: torch.Tensor, rows: int) -> torch.Tensor:
+        """The first `rows` wire rows `[rows, row_bytes]` uint8 of a transport buffer."""
+        return buf.view(-1)[: rows * self.row_bytes].view(rows, self.row_bytes)
+
+    def combine_rows(self, buf: torch.Tensor, rows: int) -> torch.Tensor:
+        """`[rows, K]` in `dtype` over the same storage (contiguous)."""
+        n = rows * self.hidden_size * _itemsize(self.dtype)
+        return buf.view(-1)[:n].view(self.dtype).view(rows, self.hidden_size)
+
+    def views(self, wire: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x in the wire dtype, meta as int32, meta as float32): strided views of `wire`."""
+        K, es = self.hidden_size, _itemsize(self.wire_dtype)
+        x = wire[:, : K * es].view(self.wire_dtype)
+        meta = wire[:, self.x_bytes:]
+        return x, meta.view(torch.int32), meta.view(torch.float32)
+
+    def x_bytes_view(self, wire: torch.Tensor) -> torch.Tensor:
+        """The x region as raw bytes (fp8 rows are moved as uint8 on the torch path)."""
+        return wire[:, : self.hidden_size * _itemsize(self.wire_dtype)]
+
+
+@dataclass(frozen=True)
+class EPGeometry:
+    """Sizes shared by every stage: `R` ranks, `T` rows per chunk, `E` global experts, the wire."""
+
+    ep_size: int
+    max_tokens: int
+    num_experts: int
+    wire: WireFormat
+
+    @property
+    def rows(self) -> int:
+        return self.ep_size * self.max_tokens
+
+
+# ============================================================================================
+# Stages. Each has a torch implementation (CPU/gloo path, reference of the tests) and a Triton
+# one (CUDA, or CPU under the interpreter); `ExpertParallel` calls the dispatcher functions.
+# ============================================================================================
+
+def _row_tile(device: torch.device) -> int:
+    """Rows per program of the row-copy kernels (the interpreter prefers few, large programs)."""
+    return 8 if device.type == "cuda" else 16
+
+
+def _k_tiles(device: torch.device, K: int, elem_size: int, row_programs: int, *,
+             group: int = 0, split: bool = True) -> tuple[int, int, int]:
+    """(BK, K_PER_PROG, KS): columns per inner step, per program, programs along K.
+
+    On CUDA, K is split across programs until the grid has ~4 programs per SM (small T still
+    spreads its bytes over the machine); fp8 slices are one scale block (`group`) wide.
+    """
+    if group:
+        bk = group
+    else:
+        bk = min(_next_pow2(max(K, 1)), (1024 // elem_size) if device.type == "cuda" else 256)
+    if not split or device.type != "cuda":
+        return bk, _cdiv(K, bk) * bk, 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ks = max(1, min(_cdiv(K, bk), (4 * num_sms(idx)) // max(row_programs, 1)))
+    kpp = _cdiv(_cdiv(K, ks), bk) * bk
+    return bk, kpp, _cdiv(K, kpp)
+
+
+def _fp8_tiles(geo: EPGeometry, device, row_programs, elem_size, split=True):
+    """K tiling for a kernel that reads or writes an fp8 wire (a slice never straddles a scale)."""
+    w = geo.wire
+    if not w.fp8:
+        return _k_tiles(device, w.hidden_size, elem_size, row_programs, split=split)
+    if w.scale_group == w.hidden_size:  # one scale per row: the kernel loops over all of K itself
+        return _k_tiles(device, w.hidden_size, 1, row_programs, split=False)
+    return _k_tiles(device, w.hidden_size, 1, row_programs, group=FP8_BLOCK, split=split)
+
+
+def _unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when its rows have unit stride (the kernels' assumption), else a contiguous copy."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _slot_owner_torch(topk_ids: torch.Tensor, owner: torch.Tensor, E: int, R: int) -> torch.Tensor:
+    """Owning rank of each slot (int64); R for invalid ids. Range check before the table read."""
+    in_range = (topk_ids >= 0) & (topk_ids < E)
+    safe = torch.where(in_range, topk_ids, torch.zeros((), dtype=topk_ids.dtype, device=topk_ids.device))
+    own = owner[safe.long()].long()
+    return torch.where(in_range, own, torch.full_like(own, R))
+
+
+def peer_counts(topk_ids: torch.Tensor, owner: torch.Tensor, geo: EPGeometry) -> torch.Tensor:
+    """int64 [R]: how many tokens go to each peer (graph_safe=False sizes its splits with it)."""
+    R = geo.ep_size
+    own = _slot_owner_torch(topk_ids, owner, geo.num_experts, R)
+    peers = torch.arange(R, device=topk_ids.device).view(R, 1, 1)
+    return (own.unsqueeze(0) == peers).any(-1).sum(1)
+
+
+# ---------------------------------------------------------------------------------------- pack
+def pack_rows(hidden, topk_ids, topk_weights, owner, geo: EPGeometry, send_wire, token_rows,
+              send_base: Optional[torch.Tensor] = None, zero_counts: Optional[torch.Tensor] = None) -> None:
+    """Fill the send rows: chunk r holds the tokens with a slot on peer r, compacted, with their
+    peer-masked ids, weights (, fp8 scales) and (graph-safe: `send_base` None) the count column of
+    row r*T; `token_rows[r, t]` = send row of (t, r) or R*T. With `send_base` ([R] int32) chunks start
+    at `send_base[r]` (exact splits) and no count is written. `zero_counts` (Triton path only): the
+    batched counts, zeroed here so the receive kernel can count with atomics."""
+    if use_triton(hidden.device):
+        _pack_triton(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base, zero_counts)
+    else:
+        _pack_torch(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base)
+
+
+def _pack_torch(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base) -> None:
+    R, T, k, rows, w = geo.ep_size, geo.max_tokens, geo.wire.top_k, geo.rows, geo.wire
+    dev = hidden.device
+    m = hidden.shape[0]
+    x, meta_i, meta_f = w.views(send_wire)
+    own = _slot_owner_torch(topk_ids, owner, geo.num_experts, R)               # [m, k] in [0, R]
+    to_peer = (own.unsqueeze(0) == torch.arange(R, device=dev).view(R, 1, 1)).any(-1)   # [R, m]
+    pos = torch.cumsum(to_peer, dim=1) - 1                                       # row inside the chunk
+    base = send_base.long() if send_base is not None else torch.arange(R, device=dev) * T
+    tr = torch.where(to_peer, base.view(R, 1) + pos, torch.full_like(pos, rows))  # [R, m]
+    token_rows[:, :m] = tr.to(torch.int32)
+    if send_base is None:  # the chunk's count, in-band on its first row (also when it is 0)
+        meta_i[torch.arange(R, device=dev) * T, w.count_col] = to_peer.sum(1).to(torch.int32)
+    if m == 0:
+        return
+    # Invert token_rows: which token (and for which peer) fills each send row; unsent pairs land
+    # on the dump slot `rows`. Rows no token fills are written too (never read by the receiver).
+    flat = tr.reshape(-1)
+    src_tok = torch.zeros(rows + 1, dtype=torch.int64, device=dev)
+    src_tok.scatter_(0, flat, torch.arange(m, device=dev).repeat(R))
+    row_peer = torch.full((rows + 1,), -1, dtype=torch.int64, device=dev)
+    row_peer.scatter_(0, flat, torch.arange(R, device=dev).repeat_interleave(m))
+    src_tok, row_peer = src_tok[:rows], row_peer[:rows]
+    keep = own.index_select(0, src_tok) == row_peer.unsqueeze(1)                # [rows, k]
+    ids = topk_ids.index_select(0, src_tok)
+    # ids kept are in [0, E): narrowing to int32 after the mask is safe.
+    meta_i[:, :k] = torch.where(keep, ids, torch.full_like(ids, -1)).to(torch.int32)
+    wts = topk_weights.index_select(0, src_tok).to(torch.float32)
+    meta_f[:, k:2 * k] = torch.where(keep, wts, torch.zeros_like(wts))
+    rows_x = hidden.index_select(0, src_tok)
+    if w.fp8:
+        q, scales = _quantize_fp8(rows_x)
+        w.x_bytes_view(send_wire).copy_(q)
+        meta_f[:, w.scale_col:w.scale_col + scales.shape[1]] = scales
+    else:
+        x.copy_(rows_x)
+
+
+def _pack_triton(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base, zero_counts):
+    from padded_moe.kernels.ep import _pack_kernel
+
+    R, T, w, dev = geo.ep_size, geo.max_tokens, geo.wire, hidden.device
+    m, K, k = hidden.shape[0], w.hidden_size, w.top_k
+    hidden = _unit_stride_rows(hidden)
+    x, meta_i, meta_f = w.views(send_wire)
+    bt = _row_tile(dev)
+    nb = max(1, _cdiv(m, bt))
+    bk, kpp, ks = _fp8_tiles(geo, dev, R * nb, hidden.element_size())
+    zero = zero_counts if zero_counts is not None else token_rows  # any valid pointer when unused
+    base = send_base if send_base is not None else token_rows
+    _pack_kernel[(R * nb, ks)](
+        hidden, hidden.stride(0), topk_ids, topk_ids.stride(0), topk_ids.stride(1),
+        topk_weights, topk_weights.stride(0), topk_weights.stride(1), owner,
+        x, x.stride(0), meta_i, meta_f, meta_i.stride(0), token_rows, base,
+        zero, zero_counts.numel() if zero_counts is not None else 0,
+        m, T, geo.num_experts, K, kpp, nb,
+        R=R, TOP_K=k, KP=_next_pow2(k), BT=bt, BK=bk, CNT_TILE=512 if dev.type == "cuda" else 64,
+        COUNT_COL=w.count_col, SCALE_COL=w.scale_col, HAS_BASE=send_base is not None, FP8=w.fp8,
+        ROW_SCALE=w.fp8 and w.scale_group == K, ZERO=zero_counts is not None, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------- receive
+def _received_counts_torch(geo, meta_i, chunk_counts, in_band: bool) -> torch.Tensor:
+    """int64 [R] valid rows per source chunk, clamped to [0, T]; in-band ones are stored too."""
+    R, T = geo.ep_size, geo.max_tokens
+    if in_band:
+        cnt = meta_i[torch.arange(R, device=meta_i.device) * T, geo.wire.count_col].long().clamp(0, T)
+        chunk_counts.copy_(cnt.to(torch.int32))
+    else:
+        cnt = chunk_counts.long().clamp(0, T)
+    return cnt
+
+
+def _valid_recv_rows_torch(geo, cnt, graph_safe: bool) -> torch.Tensor:
+    """bool [R*T]: which rows of the receive buffer hold a real token."""
+    T = geo.max_tokens
+    i = torch.arange(geo.rows, device=cnt.device)
+    if graph_safe:
+        return (i % T) < cnt[i // T]
+    return i < cnt.sum()
+
+
+def _decode_rows_torch(geo, wire, src) -> torch.Tensor:
+    """Received rows `src` in `dtype` (dequantized when the wire is fp8)."""
+    w = geo.wire
+    if w.fp8:
+        q = w.x_bytes_view(wire).index_select(0, src)
+        _, _, meta_f = w.views(wire)
+        scales = meta_f[:, w.scale_col:w.scale_col + fp8_scale_columns(w.hidden_size)].index_select(0, src)
+        return _dequantize_fp8(q, scales, w.dtype)
+    x, _, _ = w.views(wire)
+    return x.index_select(0, src)
+
+
+def receive_flat(geo: EPGeometry, recv_wire, chunk_counts, in_band: bool, rb_x, rb_ids, rb_w, rb_valid) -> None:
+    """Compact the R received chunks: rows `[0, valid)` of rb_x / rb_ids / rb_w are the real rows in
+    source-rank order; ids -1 and weights 0 on rows `[valid, R*T)` (their x is not written).
+    Counts: the in-band column (`in_band`, stored into `chunk_counts`) or `chunk_counts` (exact
+    splits: chunks back to back)."""
+    if use_triton(recv_wire.device):
+        _receive_flat_triton(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid)
+    else:
+        _receive_flat_torch(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid)
+
+
+def _receive_flat_torch(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid) -> None:
+    R, T, k, rows = geo.ep_size, geo.max_tokens, geo.wire.top_k, geo.rows
+    _, meta_i, meta_f = geo.wire.views(recv_wire)
+    cnt = _received_counts_torch(geo, meta_i, chunk_counts, in_band)
+    incl = torch.cumsum(cnt, 0)
+    pre, total = incl - cnt, incl[-1]
+    d = torch.arange(rows, device=cnt.device)
+    r_of = torch.searchsorted(incl, d, right=True).clamp(max=R - 1)             # chunk of compacted row d
+    base = torch.arange(R, device=cnt.device) * T if in_band else pre
+    valid = d < total
+    src = torch.where(valid, base[r_of] + d - pre[r_of], torch.zeros_like(d))
+    v = valid.unsqueeze(1)
+    rb_x.copy_(torch.where(v, _decode_rows_torch(geo, recv_wire, src), rb_x))
+    ids = meta_i[:, :k].index_select(0, src)
+    rb_ids.copy_(torch.where(v, ids, torch.full_like(ids, -1)))
+    wts = meta_f[:, k:2 * k].index_select(0, src)
+    rb_w.copy_(torch.where(v, wts, torch.zeros_like(wts)))
+    rb_valid.copy_(total.view(1).to(torch.int32))
+
+
+def _receive_flat_triton(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid) -> None:
+    from padded_moe.kernels.ep import _recv_flat_kernel
+
+    R, T, w, dev = geo.ep_size, geo.max_tokens, geo.wire, recv_wire.device
+    x, meta_i, meta_f = w.views(recv_wire)
+    bt = _row_tile(dev)
+    nb = _cdiv(T, bt)
+    bk, kpp, ks = _fp8_tiles(geo, dev, R * nb, rb_x.element_size())
+    _recv_flat_kernel[(R * nb, ks)](
+        x, x.stride(0), meta_i, meta_f, meta_i.stride(0), chunk_counts,
+        rb_x, rb_x.stride(0), rb_ids, rb_ids.stride(0), rb_w, rb_w.stride(0), rb_valid,
+        T, w.hidden_size, kpp, nb,
+        R=R, RP=_next_pow2(R), TOP_K=w.top_k, KP=_next_pow2(w.top_k), BT=bt, BK=bk,
+        COUNT_COL=w.count_col, SCALE_COL=w.scale_col, IN_BAND=in_band, FP8=w.fp8,
+        ROW_SCALE=w.fp8 and w.scale_group == w.hidden_size, GROUP=w.scale_group if w.fp8 else 1,
+        num_warps=4)
+
+
+def receive_batched(geo: EPGeometry, recv_wire, chunk_counts, in_band: bool, expert_table, num_local: int,
+                    slab, counts, slot_rows) -> None:
+    """Scatter every (received row, local expert) pair into the expert's slab (`slab` rows
+    `e*R*T + pos`, `counts[e]` rows used; one row per (token, expert) even when ids repeat) and
+    record each slot's slab row in `slot_rows` (-1 for non-local slots; rows of padding untouched).
+    Triton path: `counts` must be zero on entry (the pack kernel zeroes it)."""
+    if use_triton(recv_wire.device):
+        _receive_batched_triton(geo, recv_wire, chunk_counts, in_band, expert_table, slab, counts, slot_rows)
+    else:
+        _receive_batched_torch(geo, recv_wire, chunk_counts, in_band, expert_table, num_local, slab, counts,
+                               slot_rows)
+
+
+def _receive_batched_torch(geo, recv_wire, chunk_counts, in_band, expert_table, L, slab, counts, slot_rows):
+    k, rows, dev = geo.wire.top_k, geo.rows, recv_wire.device
+    _, meta_i, _ = geo.wire.views(recv_wire)
+    cnt = _received_counts_torch(geo, meta_i, chunk_counts, in_band)
+    valid = _valid_recv_rows_torch(geo, cnt, in_band)
+    ids = torch.where(valid.unsqueeze(1), meta_i[:, :k], torch.full_like(meta_i[:, :k], -1))
+    local = sanitize_torch(ids, geo.num_experts, L, expert_table, None).long()  # [rows, k], L = dropped
+    if L == 0:
+        slot_rows.fill_(-1)
+        return
+    present = torch.zeros(rows, L + 1, dtype=torch.int32, device=dev)
+    present.scatter_(1, local, 1)       # one row per (token, expert) even if ids repeat
+    present = present[:, :L]
+    pos = torch.cumsum(present, 0, dtype=torch.int32) - 1                      # [rows, L]
+    counts.copy_(present.sum(0, dtype=torch.int32))
+    keep = local < L
+    slot_pos = pos.gather(1, local.clamp(max=L - 1)).long()
+    srow = torch.where(keep, local * rows + slot_pos, torch.full_like(local, -1))
+    slot_rows.copy_(srow.to(torch.int32))
+    x_rows = _decode_rows_torch(geo, recv_wire, torch.arange(rows, device=dev))
+    dump = L * rows
+    for j in range(k):  # k row copies; non-local slots land on the dump row
+        slab.index_copy_(0, torch.where(keep[:, j], srow[:, j], dump), x_rows)
+
+
+def _receive_batched_triton(geo, recv_wire, chunk_counts, in_band, expert_table, slab, counts, slot_rows):
+    from padded_moe.kernels.ep import _recv_batched_kernel
+
+    R, T, w, dev = geo.ep_size, geo.max_tokens, geo.wire, recv_wire.device
+    x, meta_i, meta_f = w.views(recv_wire)
+    bt = 2 if dev.type == "cuda" else 16  # no split along K (positions come from atomics)
+    nb = _cdiv(T, bt)
+    bk, _, _ = _fp8_tiles(geo, dev, R * nb, slab.element_size(), split=False)
+    _recv_batched_kernel[(R * nb,)](
+        x, x.stride(0), meta_i, meta_f, meta_i.stride(0), chunk_counts, expert_table,
+        slab, slab.stride(0), counts, slot_rows, slot_rows.stride(0),
+        T, geo.num_experts, w.hidden_size, nb, geo.rows,
+        R=R, RP=_next_pow2(R), TOP_K=w.top_k, KP=_next_pow2(w.top_k), BT=bt, BK=bk,
+        COUNT_COL=w.count_col, SCALE_COL=w.scale_col, IN_BAND=in_band, FP8=w.fp8,
+        ROW_SCALE=w.fp8 and w.scale_group == w.hidden_size, GROUP=w.scale_group if w.fp8 else 1,
+        num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------- combine
+def combine_flat_rows(geo: EPGeometry, chunk_counts, expert_out, comb_send) -> None:
+    """Graph-safe flat combine: `comb_send[r*T + p] = expert_out[start_r + p]` for `p < count_r`
+    (compacted rows back into chunk order; other rows untouched)."""
+    if use_triton(expert_out.device):
+        from padded_moe.kernels.ep import _combine_flat_kernel
+
+        expert_out = _unit_stride_rows(expert_out)
+
+        R, T, K, dev = geo.ep_size, geo.max_tokens, geo.wire.hidden_size, expert_out.device
+        bt = _row_tile(dev)
+        nb = _cdiv(T, bt)
+        bk, kpp, ks = _k_tiles(dev, K, expert_out.element_size(), R * nb)
+        _combine_flat_kernel[(R * nb, ks)](
+            expert_out, expert_out.stride(0), chunk_counts, comb_send, comb_send.stride(0),
+            T, K, kpp, nb, R=R, RP=_next_pow2(R), BT=bt, BK=bk, num_warps=4)
+        return
+    R, T = geo.ep_size, geo.max_tokens
+    cnt = chunk_counts.long().clamp(0, T)
+    pre = torch.cumsum(cnt, 0) - cnt
+    i = torch.arange(geo.rows, device=cnt.device)
+    r, p = i // T, i % T
+    valid = p < cnt[r]
+    src = torch.where(valid, pre[r] + p, torch.zeros_like(p))
+    comb_send.copy_(torch.where(valid.unsqueeze(1), expert_out.index_select(0, src), comb_send))
+
+
+def combine_batched_rows(geo: EPGeometry, recv_wire, chunk_counts, graph_safe: bool, slot_rows,
+                         expert_out, comb_send) -> None:
+    """Batched combine, receiver side: `comb_send[i] = Σ_j w[i,j] · Y[slot_rows[i,j]]` over the
+    local slots of every valid received row `i` (fp32, weights from the received meta)."""
+    if use_triton(expert_out.device):
+        from padded_moe.kernels.ep import _combine_batched_kernel
+
+        expert_out = _unit_stride_rows(expert_out)
+
+        R, T, w, dev = geo.ep_size, geo.max_tokens, geo.wire, expert_out.device
+        _, _, meta_f = w.views(recv_wire)
+        bt = _row_tile(dev)
+        nb = _cdiv(T, bt)
+        bk, kpp, ks = _k_tiles(dev, w.hidden_size, expert_out.element_size(), R * nb)
+        _combine_batched_kernel[(R * nb, ks)](
+            expert_out, expert_out.stride(0), expert_out.stride(1), expert_out.shape[1], meta_f,
+            meta_f.stride(0), chunk_counts, slot_rows, slot_rows.stride(0), comb_send, comb_send.stride(0),
+            T, w.hidden_size, kpp, nb,
+            R=R, RP=_next_pow2(R), TOP_K=w.top_k, BT=bt, BK=bk, GRAPH_SAFE=graph_safe, num_warps=4)
+        return
+    k, K, rows = geo.wire.top_k, geo.wire.hidden_size, geo.rows
+    _, _, meta_f = geo.wire.views(recv_wire)
+    cnt = chunk_counts.long().clamp(0, geo.max_tokens)
+    valid = _valid_recv_rows_torch(geo, cnt, graph_safe)
+    flat = expert_out.reshape(-1, K)
+    acc = torch.zeros(rows, K, dtype=torch.float32, device=expert_out.device)
+    if flat.shape[0]:
+        for j in range(k):
+            sr = slot_rows[:, j].long()
+            keep = (valid & (sr >= 0)).unsqueeze(1)
+            y = flat.index_select(0, sr.clamp(min=0)).float() * meta_f[:, k + j:k + j + 1]
+            # where, not a multiply by 0: rows past a count may hold NaN and must not leak.
+            acc += torch.where(keep, y, torch.zeros((), device=acc.device))
+    comb_send.copy_(torch.where(valid.unsqueeze(1), acc.to(comb_send.dtype), comb_send))
+
+
+def reduce_partials(geo: EPGeometry, comb_recv, token_rows, m: int, out) -> None:
+    """Sender side: `out[t] = Σ_r comb_recv[token_rows[r, t]]` over peers that got token t (fp32)."""
+    R, rows, K = geo.ep_size, geo.rows, geo.wire.hidden_size
+    if m == 0:
+        return
+    if use_triton(out.device):
+        from padded_moe.kernels.ep import _reduce_kernel
+
+        dev = out.device
+        bt = _row_tile(dev)
+        nb = _cdiv(m, bt)
+        bk, kpp, ks = _k_tiles(dev, K, out.element_size(), nb)
+        _reduce_kernel[(nb, ks)](comb_recv, comb_recv.stride(0), token_rows, token_rows.stride(0),
+                                 out, out.stride(0), m, K, kpp, rows, R=R, BT=bt, BK=bk, num_warps=4)
+        return
+    tr = token_rows[:, :m].long()
+    keep = (tr >= 0) & (tr < rows)
+    parts = comb_recv.index_select(0, torch.where(keep, tr, torch.zeros_like(tr)).reshape(-1)).view(R, m, K)
+    out.copy_(torch.where(keep.unsqueeze(-1), parts.float(), torch.zeros((), device=out.device)).sum(0))
 
 
 class ExpertParallel:
@@ -185,6 +652,8 @@ class ExpertParallel:
         # flat mode + a quantizing backend: deferred quantization, so the wire keeps `dtype`.
         self.fp8_wire = fp8_requested and not (mode == "flat" and quantizing_backend)
         self.wire_dtype = torch.float8_e4m3fn if self.fp8_wire else dtype
+        self.wire = WireFormat(self.hidden_size, self.top_k, dtype, self.fp8_wire)
+        self.geometry = EPGeometry(self.ep_size, self.max_tokens_per_rank, num_experts, self.wire)
 
         self.expert_map = ExpertMap(num_experts, self.ep_rank, self.ep_size, placement, device=self.device)
         self.num_local = self.expert_map.num_local
@@ -195,8 +664,8 @@ class ExpertParallel:
     # ------------------------------------------------------------------ setup
     @staticmethod
     def _owner_table(num_experts: int, ep_size: int, placement: str) -> torch.Tensor:
-        """int64 [E]: the rank owning each global expert (every rank builds the same table)."""
-        owner = torch.full((num_experts,), -1, dtype=torch.int64)
+        """int32 [E]: the rank owning each global expert (every rank builds the same table)."""
+        owner = torch.full((num_experts,), -1, dtype=torch.int32)
         for r in range(ep_size):
             owned = ExpertMap(num_experts, r, ep_size, placement).map >= 0
             owner[owned] = r
@@ -207,8 +676,6 @@ class ExpertParallel:
     def _alloc_buffers(self) -> None:
         R, T, K, k = self.ep_size, self.max_tokens_per_rank, self.hidden_size, self.top_k
         L, dev, rows = self.num_local, self.device, self.ep_size * self.max_tokens_per_rank
-        wire = torch.uint8 if self.fp8_wire else self.dtype  # fp8 travels as bytes (gloo/NCCL)
-        cols = meta_columns(k, K, self.fp8_wire)
         self._bufs: dict[str, torch.Tensor] = {}
 
         def buf(name, shape, dtype, fill=None):
@@ -217,30 +684,27 @@ class ExpertParallel:
             self._bufs[name] = t
             return t
 
-        self._send_x = buf("send_x", (rows, K), wire)
-        # One extra "pad" row: padding rows of the compacted receive buffer copy it, and combine's
-        # sender reads it (zero) for peers a token was not sent to.
-        self._recv_x = buf("recv_x", (rows + 1, K), wire, fill=0)
-        self._send_meta = buf("send_meta", (rows, cols), torch.int32)
-        self._recv_meta = buf("recv_meta", (rows + 1, cols), torch.int32, fill=0)
-        self._recv_meta[rows, :k] = -1
-        if self.fp8_wire:
-            # Expert outputs travel back in `dtype`, so combine needs its own pair of buffers.
-            self._comb_send = buf("combine_send", (rows, K), self.dtype)
-            self._comb_recv = buf("combine_recv", (rows + 1, K), self.dtype, fill=0)
-        else:
-            self._comb_send, self._comb_recv = self._send_x, self._recv_x  # free after dispatch
+        # One raw buffer per direction: wire rows (x + in-band meta) for dispatch, [rows, K] `dtype`
+        # rows for combine over the same storage (free again once the dispatch all_to_all ran).
+        tb = self.wire.buffer_row_bytes
+        self._send = buf("send", (rows, tb), torch.uint8)
+        self._recv = buf("recv", (rows, tb), torch.uint8)
+        self._send_wire = self.wire.wire_rows(self._send, rows)
+        self._recv_wire = self.wire.wire_rows(self._recv, rows)
+        self._comb_send = self.wire.combine_rows(self._send, rows)
+        self._comb_recv = self.wire.combine_rows(self._recv, rows)
+        self._token_rows = buf("token_rows", (R, T), torch.int32, fill=rows)
+        self._chunk_counts = buf("chunk_counts", (R,), torch.int32, fill=0)
         if self.mode == "flat":
             self._rb_x = buf("rb_x", (rows, K), self.dtype)
-            self._rb_ids = buf("rb_topk_ids", (rows, k), torch.int32)
-            self._rb_w = buf("rb_topk_weights", (rows, k), torch.float32)
+            self._rb_ids = buf("rb_topk_ids", (rows, k), torch.int32, fill=-1)
+            self._rb_w = buf("rb_topk_weights", (rows, k), torch.float32, fill=0)
             self._rb_valid = buf("rb_valid_tokens", (1,), torch.int32, fill=0)
         else:
-            # Slabs plus one dump row that absorbs writes of non-local slots.
+            # Slabs plus one dump row that absorbs the torch path's writes of non-local slots.
             self._slab = buf("rb_x", (L * rows + 1, K), self.dtype)
             self._counts = buf("rb_counts", (L,), torch.int32, fill=0)
-            if self.fp8_wire:
-                self._staging = buf("dequant_staging", (rows, K), self.dtype)
+            self._slot_rows = buf("slot_rows", (rows, k), torch.int32, fill=-1)
 
     def buffers(self) -> dict:
         """Every persistent buffer this object reserved, by name (the planner sizes the same set)."""
@@ -288,188 +752,69 @@ class ExpertParallel:
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> tuple[ReceiveBuffer, DispatchHandle]:
-        """Send every token to the ranks owning its experts; collective (every rank calls it)."""
+        """Send every token to the ranks owning their experts; collective (every rank calls it)."""
         m = self._check_dispatch(hidden, topk_ids, topk_weights)
-        R, T = self.ep_size, self.max_tokens_per_rank
-        owner = self._slot_owner(topk_ids)                                        # [m, k] in [0, R]
-        sends = owner.unsqueeze(0) == torch.arange(R, device=self.device).view(R, 1, 1)  # [R, m, k]
-        to_peer = sends.any(-1)                                                   # [R, m]
-        pos = torch.cumsum(to_peer, dim=1) - 1                                    # row inside the chunk
-        send_counts = recv_counts = None
-        if self.graph_safe:
-            base = torch.arange(R, device=self.device) * T
-        else:
-            send_counts, recv_counts = self._exchange_counts(to_peer.sum(1))
-            base = torch.tensor(_exclusive_cumsum(send_counts), device=self.device)
-        pad = R * T
-        token_rows = torch.where(to_peer, base.view(R, 1) + pos, torch.full_like(pos, pad))  # [R, m]
-        self._pack(hidden, topk_ids, topk_weights, owner, token_rows, m)
-        self._exchange(self._send_x, self._recv_x, self._send_meta, self._recv_meta,
-                       send_counts, recv_counts)
-        handle = DispatchHandle(self, self.mode, m, token_rows,
+        geo = self.geometry
+        send_counts = recv_counts = send_base = None
+        if not self.graph_safe:
+            send_counts, recv_counts = self._exchange_counts(peer_counts(topk_ids, self._owner, geo))
+            send_base = torch.tensor(_exclusive_cumsum(send_counts), dtype=torch.int32, device=self.device)
+        batched = self.mode == "batched"
+        pack_rows(hidden, topk_ids, topk_weights, self._owner, geo, self._send_wire, self._token_rows,
+                  send_base, zero_counts=self._counts if batched else None)
+        self._all_to_all(self._recv_wire, self._send_wire, send_counts, recv_counts)
+        handle = DispatchHandle(self, self.mode, m, self._token_rows,
                                 send_counts=send_counts, recv_counts=recv_counts)
-        if self.mode == "flat":
-            rb = self._receive_flat(handle)
-        else:
-            rb = self._receive_batched(handle)
-        return rb, handle
-
-    def _slot_owner(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Owning rank of each slot; R for invalid ids. Range check before the table read."""
-        E, R = self.num_experts, self.ep_size
-        in_range = (topk_ids >= 0) & (topk_ids < E)
-        safe = torch.where(in_range, topk_ids, torch.zeros((), dtype=topk_ids.dtype, device=topk_ids.device))
-        owner = self._owner[safe.long()]
-        return torch.where(in_range, owner, torch.full_like(owner, R))
+        if not batched:
+            receive_flat(geo, self._recv_wire, self._chunk_counts, self.graph_safe,
+                         self._rb_x, self._rb_ids, self._rb_w, self._rb_valid)
+            return ReceiveBuffer("flat", self._rb_x, topk_ids=self._rb_ids, topk_weights=self._rb_w,
+                                 valid_tokens=self._rb_valid), handle
+        receive_batched(geo, self._recv_wire, self._chunk_counts, self.graph_safe, self._map, self.num_local,
+                        self._slab, self._counts, self._slot_rows)
+        x = self._slab[: self.num_local * geo.rows].view(self.num_local, geo.rows, self.hidden_size)
+        return ReceiveBuffer("batched", x, counts=self._counts), handle
 
     def _exchange_counts(self, counts: torch.Tensor) -> tuple[list, list]:
-        """graph_safe=False: per-peer row counts both ways (the one host synchronisation)."""
+        """graph_safe=False: per-peer row counts both ways (the one host synchronisation); the
+        received counts also land in `chunk_counts` for the receive and combine steps."""
         counts = counts.to(torch.int64).contiguous()
         recv = torch.empty_like(counts)
         dist.all_to_all_single(recv, counts, group=self.group)
+        self._chunk_counts.copy_(recv.to(torch.int32))
         both = torch.cat([counts, recv]).tolist()
         return both[: self.ep_size], both[self.ep_size:]
 
-    def _pack(self, hidden, topk_ids, topk_weights, owner, token_rows, m) -> None:
-        """Fill the send buffers: chunk rows hold a token, its peer-masked ids, weights (, scales)."""
-        R, T, k = self.ep_size, self.max_tokens_per_rank, self.top_k
-        rows, dev = R * T, self.device
-        meta = self._send_meta
-        if m == 0:  # nothing to send: every row is padding (ids -1); x rows are never read
-            meta[:, :k].fill_(-1)
-            meta[:, k:].fill_(0)
-            return
-        # Invert token_rows: which token (and for which peer) fills each send row.
-        flat_rows = token_rows.reshape(-1)
-        src_tok = torch.zeros(rows + 1, dtype=torch.int64, device=dev)
-        src_tok.scatter_(0, flat_rows, torch.arange(m, device=dev).repeat(R))
-        row_peer = torch.full((rows + 1,), -1, dtype=torch.int64, device=dev)
-        row_peer.scatter_(0, flat_rows, torch.arange(R, device=dev).repeat_interleave(m))
-        src_tok, row_peer = src_tok[:rows], row_peer[:rows]  # drop the dump slot
-        keep = owner.index_select(0, src_tok) == row_peer.unsqueeze(1)          # [rows, k]
-        ids = topk_ids.index_select(0, src_tok)
-        # ids kept are in [0, E): narrowing to int32 after the mask is safe.
-        meta[:, :k] = torch.where(keep, ids, torch.full_like(ids, -1)).to(torch.int32)
-        w = topk_weights.index_select(0, src_tok).to(torch.float32)
-        meta[:, k:2 * k] = torch.where(keep, w, torch.zeros_like(w)).view(torch.int32)
-        if self.fp8_wire:
-            q, scales = _quantize_fp8(hidden.index_select(0, src_tok))
-            self._send_x.copy_(q)
-            meta[:, 2 * k:] = scales.view(torch.int32)
-        else:
-            torch.index_select(hidden, 0, src_tok, out=self._send_x)
-
-    def _exchange(self, send_x, recv_x, send_meta, recv_meta, send_counts, recv_counts) -> None:
-        """all_to_all of the row chunks (x and meta): fixed chunks, or exact splits."""
-        rows, g = self.ep_size * self.max_tokens_per_rank, self.group
+    def _all_to_all(self, recv: torch.Tensor, send: torch.Tensor, send_counts, recv_counts) -> None:
+        """One all_to_all of row chunks: fixed `T`-row chunks, or the exact splits."""
         if send_counts is None:
-            dist.all_to_all_single(recv_x[:rows], send_x[:rows], group=g)
-            if send_meta is not None:
-                dist.all_to_all_single(recv_meta[:rows], send_meta[:rows], group=g)
+            dist.all_to_all_single(recv, send, group=self.group)
             return
-        n_send, n_recv = sum(send_counts), sum(recv_counts)
-        dist.all_to_all_single(recv_x[:n_recv], send_x[:n_send], recv_counts, send_counts, group=g)
-        if send_meta is not None:
-            dist.all_to_all_single(recv_meta[:n_recv], send_meta[:n_send], recv_counts, send_counts, group=g)
-            # Rows past what arrived are padding: make their ids -1 so the receive code below
-            # treats them exactly like the padding of graph-safe chunks.
-            recv_meta[n_recv:rows, : self.top_k].fill_(-1)
-
-    def _decode_rows(self, src: torch.Tensor, out: torch.Tensor) -> None:
-        """out[i] = received row src[i] in `dtype` (dequantized when the wire is fp8)."""
-        if self.fp8_wire:
-            k = self.top_k
-            q = self._recv_x.index_select(0, src)
-            scales = self._recv_meta[:, 2 * k:].index_select(0, src).view(torch.float32)
-            out.copy_(_dequantize_fp8(q, scales, self.dtype))
-        else:
-            torch.index_select(self._recv_x, 0, src, out=out)
-
-    def _receive_flat(self, handle: DispatchHandle) -> ReceiveBuffer:
-        """Compact the R received chunks so real rows form the prefix [0, valid_tokens)."""
-        rows, k, dev = self.ep_size * self.max_tokens_per_rank, self.top_k, self.device
-        ids = self._recv_meta[:rows, :k]
-        valid = (ids >= 0).any(1)                                                  # [rows]
-        dest = torch.cumsum(valid, 0) - 1
-        src = torch.full((rows + 1,), rows, dtype=torch.int64, device=dev)     # default: pad row
-        src.scatter_(0, torch.where(valid, dest, torch.full_like(dest, rows)),
-                     torch.arange(rows, device=dev))
-        src = src[:rows]
-        self._decode_rows(src, self._rb_x)
-        torch.index_select(self._recv_meta[:, :k], 0, src, out=self._rb_ids)
-        torch.index_select(self._recv_meta[:, k:2 * k].view(torch.float32), 0, src, out=self._rb_w)
-        self._rb_valid.copy_(valid.sum().view(1))
-        handle.uncompact = torch.where(valid, dest, torch.zeros_like(dest))
-        return ReceiveBuffer("flat", self._rb_x, topk_ids=self._rb_ids, topk_weights=self._rb_w,
-                             valid_tokens=self._rb_valid)
-
-    def _receive_batched(self, handle: DispatchHandle) -> ReceiveBuffer:
-        """Scatter every (row, local expert) pair into that expert's slab; counts per expert."""
-        R, T, k, L = self.ep_size, self.max_tokens_per_rank, self.top_k, self.num_local
-        rows, dev = R * T, self.device
-        ids = self._recv_meta[:rows, :k]
-        local = sanitize_torch(ids, self.num_experts, L, self._map, None).long()  # [rows, k], L = dropped
-        present = torch.zeros(rows, L + 1, dtype=torch.int32, device=dev)
-        present.scatter_(1, local, 1)       # one row per (token, expert) even if ids repeat
-        present = present[:, :L]
-        pos = torch.cumsum(present, 0, dtype=torch.int32) - 1                      # [rows, L]
-        self._counts.copy_(present.sum(0, dtype=torch.int32))
-        keep = local < L
-        slot_pos = pos.gather(1, local.clamp(max=max(L - 1, 0))).long()
-        dump = L * rows
-        slot_rows = torch.where(keep, local * rows + slot_pos, torch.full_like(local, dump))
-        if self.fp8_wire:
-            self._decode_rows(torch.arange(rows, device=dev), self._staging)
-            x_rows = self._staging
-        else:
-            x_rows = self._recv_x[:rows]
-        for j in range(k):  # k row copies; non-local slots land on the dump row
-            self._slab.index_copy_(0, slot_rows[:, j], x_rows)
-        handle.slot_rows, handle.slot_keep = slot_rows, keep
-        handle.weights = self._recv_meta[:rows, k:2 * k].view(torch.float32).clone()
-        x = self._slab[:dump].view(L, rows, self.hidden_size)
-        return ReceiveBuffer("batched", x, counts=self._counts)
+        dist.all_to_all_single(recv[: sum(recv_counts)], send[: sum(send_counts)], recv_counts, send_counts,
+                               group=self.group)
 
     # ------------------------------------------------------------------ combine
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Return each rank's partial outputs to the token owners and sum them: `[m, K]`."""
         self._check_combine(expert_out, handle)
-        R, T, K = self.ep_size, self.max_tokens_per_rank, self.hidden_size
-        rows = R * T
+        geo = self.geometry
         exact = handle.send_counts is not None
-        n_back = sum(handle.recv_counts) if exact else rows  # rows this rank returns
         if self.mode == "flat":
             if exact:  # received rows were already the prefix: return them as they are
-                send = expert_out[:n_back]
+                send = expert_out[: sum(handle.recv_counts)].contiguous()
             else:
-                send = torch.index_select(expert_out, 0, handle.uncompact, out=self._comb_send)
+                combine_flat_rows(geo, self._chunk_counts, expert_out, self._comb_send)
+                send = self._comb_send
         else:
-            send = self._comb_send[:n_back]
-            send.copy_(self._weighted_partials(expert_out, handle, n_back))
-        if exact:
-            n_recv = sum(handle.send_counts)
-            dist.all_to_all_single(self._comb_recv[:n_recv], send, handle.send_counts,
-                                   handle.recv_counts, group=self.group)
-        else:
-            dist.all_to_all_single(self._comb_recv[:rows], send, group=self.group)
+            combine_batched_rows(geo, self._recv_wire, self._chunk_counts, not exact, self._slot_rows,
+                                 expert_out, self._comb_send)
+            send = self._comb_send
+        # The sender's combine rows mirror its dispatch rows, so the splits swap.
+        self._all_to_all(self._comb_recv, send, handle.recv_counts, handle.send_counts)
         m = handle.num_tokens
-        if m == 0:
-            return torch.empty(0, K, dtype=self.dtype, device=self.device)
-        # Peers a token skipped point at the zero pad row; sum the R partials in float32.
-        parts = self._comb_recv.index_select(0, handle.token_rows.reshape(-1)).view(R, m, K)
-        return parts.sum(0, dtype=torch.float32).to(self.dtype)
-
-    def _weighted_partials(self, expert_out, handle, n) -> torch.Tensor:
-        """Batched mode: Σ_j w[r,j]·Y[slot(r,j)] over local slots, fp32, for received rows [0, n)."""
-        flat = expert_out.reshape(-1, self.hidden_size)
-        last = flat.shape[0] - 1
-        acc = torch.zeros(n, self.hidden_size, dtype=torch.float32, device=self.device)
-        for j in range(self.top_k):
-            rows_j = handle.slot_rows[:n, j].clamp(max=max(last, 0))
-            y = flat.index_select(0, rows_j).float() * handle.weights[:n, j:j + 1]
-            # where, not a multiply by 0: rows past a count may hold NaN and must not leak.
-            acc += torch.where(handle.slot_keep[:n, j:j + 1], y, torch.zeros((), device=self.device))
-        return acc
+        out = torch.empty(m, self.hidden_size, dtype=self.dtype, device=self.device)
+        reduce_partials(geo, self._comb_recv, handle.token_rows, m, out)
+        return out
 
 
 def _exclusive_cumsum(values: list) -> list:

@@ -2,7 +2,7 @@
 
 Sizes every buffer one rank needs for one MoE layer under `ExpertParallel` — the EP transport and
 receive buffers exactly as `padded_moe.distributed` reserves them, the expert workspace exactly as
-`fused_experts` (flat) / `batched_experts` (batched) allocates it, combine's transients — plus the
+`fused_experts` (flat) / `batched_experts` (batched) allocates it, combine's output — plus the
 layer's local weights, and says whether that fits the memory given. Worst case on one rank: flat
 mode receives `R*T` tokens, so the GEMM buffers hold `R*T*k` rows (sizing them from `T*k`
 under-sizes by a factor R); batched mode reserves `R*T` rows for *each* local expert.
@@ -19,7 +19,7 @@ from typing import Optional, Union
 
 import torch
 
-from padded_moe.distributed import fp8_scale_columns, meta_columns
+from padded_moe.distributed import WireFormat
 from padded_moe.presets import PRESETS, MoEPreset, get_preset
 
 GIB = 1 << 30
@@ -113,16 +113,13 @@ def _weights(p: MoEPreset, L: int, weight_format: str, dtype: torch.dtype) -> li
 def _ep_buffers(R: int, T: int, K: int, k: int, L: int, mode: str, dtype, fp8: bool) -> list:
     """Mirror of ExpertParallel._alloc_buffers (the CPU test holds the two equal)."""
     rows = R * T
-    wire = torch.uint8 if fp8 else dtype
-    cols = meta_columns(k, K, fp8)
-    out = [Buffer("dispatch send x", (rows, K), wire, "ep", "reused by combine" if not fp8 else ""),
-           Buffer("dispatch recv x (+pad row)", (rows + 1, K), wire, "ep", "reused by combine" if not fp8 else ""),
-           Buffer("dispatch send meta (ids, weights%s)" % (", fp8 scales" if fp8 else ""), (rows, cols),
-                  torch.int32, "ep"),
-           Buffer("dispatch recv meta (+pad row)", (rows + 1, cols), torch.int32, "ep")]
-    if fp8:
-        out += [Buffer("combine send", (rows, K), dtype, "ep"),
-                Buffer("combine recv (+pad row)", (rows + 1, K), dtype, "ep")]
+    wire = WireFormat(K, k, dtype, fp8)
+    tb = wire.buffer_row_bytes
+    note = f"{wire.row_bytes} B wire rows; combine reuses it"
+    out = [Buffer("dispatch send (x + meta in-band)", (rows, tb), torch.uint8, "ep", note),
+           Buffer("dispatch recv (x + meta in-band)", (rows, tb), torch.uint8, "ep", note),
+           Buffer("combine token rows", (R, T), torch.int32, "ep"),
+           Buffer("received chunk counts", (R,), torch.int32, "ep")]
     if mode == "flat":
         out += [Buffer("receive x", (rows, K), dtype, "ep"),
                 Buffer("receive topk_ids", (rows, k), torch.int32, "ep"),
@@ -130,9 +127,8 @@ def _ep_buffers(R: int, T: int, K: int, k: int, L: int, mode: str, dtype, fp8: b
                 Buffer("receive valid_tokens", (1,), torch.int32, "ep")]
     else:
         out += [Buffer("receive x slabs (+dump row)", (L * rows + 1, K), dtype, "ep", "L x R*T rows"),
-                Buffer("receive counts", (L,), torch.int32, "ep")]
-        if fp8:
-            out.append(Buffer("fp8 dequant staging", (rows, K), dtype, "ep"))
+                Buffer("receive counts", (L,), torch.int32, "ep"),
+                Buffer("combine slot rows", (rows, k), torch.int32, "ep")]
     return out
 
 
@@ -161,15 +157,9 @@ def _expert_buffers(p: MoEPreset, R: int, T: int, L: int, mode: str, dtype) -> l
 
 
 def _combine_buffers(R: int, T: int, K: int, mode: str, dtype) -> list:
-    rows = R * T
-    out = []
-    if mode == "batched":  # receiver-side weighted sum over k slots (fp32 accumulator + one slot)
-        out += [Buffer("combine weighted partials (fp32)", (rows, K), torch.float32, "combine", "transient"),
-                Buffer("combine per-slot rows (fp32)", (2, rows, K), torch.float32, "combine", "transient")]
-    out += [Buffer("combine gathered partials", (R * T, K), dtype, "combine", "transient"),
-            Buffer("combine fp32 sum", (T, K), torch.float32, "combine", "transient"),
-            Buffer("combine output", (T, K), dtype, "combine")]
-    return out
+    # The partial sums travel in the EP buffers and are reduced in registers (CUDA path): only the
+    # output is allocated. (The torch path's gathered partials are CPU-only transients.)
+    return [Buffer("combine output", (T, K), dtype, "combine")]
 
 
 def _buffers(p, R, T, mode, dtype, fp8, weight_format) -> tuple[list, int]:

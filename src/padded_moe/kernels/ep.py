@@ -1,0 +1,388 @@
+"""Triton kernels for expert-parallel dispatch / combine (spec 04). Host logic: `padded_moe.distributed`.
+
+Wire format (see `padded_moe.distributed.WireFormat`): one uint8 row of `row_bytes` per (token, peer),
+`x` in the wire dtype first, then int32 "meta" columns: `TOP_K` global ids (-1 for slots owned by
+another rank), `TOP_K` router weights (float32 bits), the chunk's valid-row count at column
+`COUNT_COL` (meaningful on a chunk's first row only) and, for an fp8 wire, float32 scales from
+`SCALE_COL`. Kernels get three strided views of the same bytes: `x` (wire dtype), meta as int32 and
+meta as float32.
+
+Chunks: sender rank r's chunk for peer d holds the rows of the tokens with at least one slot on d,
+compacted to the front. Graph-safe mode puts chunk d at rows `[d*T, d*T + T)` and the count in-band;
+exact mode (graph_safe=False) packs chunks back to back from `base[d]` (counts exchanged earlier).
+
+Kernels (every program's rows are independent; no grid-wide synchronisation):
+
+- `_pack_kernel` grid (R * NB, KS): peer r, token block b, K slice kz. Range-checks the ids, finds
+  each slot's owner, the token's position inside chunk r (an in-block `tl.cumsum` plus the count of
+  the earlier blocks, recomputed in-program), copies (or fp8-quantizes) the row slice, and (kz == 0)
+  writes the meta, `token_rows[r, t]` and the chunk count; optionally zeroes the batched counts.
+- `_recv_flat_kernel` grid (R * NB, KS): compacts the R received chunks into `rb_x/ids/weights`
+  rows `[0, valid)`, writes -1 / 0 meta into rows `[valid, R*T)`, `valid_tokens` and the counts.
+- `_recv_batched_kernel` grid (R * NB,): scatters every (received row, local expert) pair into the
+  expert's slab (atomic position; a repeated id of one token shares the first one's row) and
+  records each slot's slab row for combine.
+- `_combine_flat_kernel` grid (R * NB, KS): compacted expert output rows back into chunk order.
+- `_combine_batched_kernel` grid (R * NB, KS): Σ_j w_j · Y[slot_row_j] (fp32, a select, not a
+  multiply by 0: rows past a count may hold NaN) per received row, into chunk order.
+- `_reduce_kernel` grid (cdiv(m, BT), KS): each token's R partial rows (pad row skipped), fp32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+# ---------------------------------------------------------------------------------------- helpers
+@triton.jit
+def _round_to_e4m3(v):
+    """Round float32 `v` (|v| <= ~448) to the nearest float8_e4m3fn value, ties to even.
+
+    Done with integer arithmetic so the later cast is exact everywhere (Triton's interpreter does
+    not round fp32 -> fp8 to nearest). With the IEEE divisions (`div_rn`) around it, the bytes equal
+    torch's `(x / scale).to(float8_e4m3fn)` on every path. Normal range: keep 3 mantissa bits;
+    below 2^-6 the grid is the subnormal spacing 2^-9 (adding 2^14 makes float32's own rounding
+    land on it).
+    """
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+    normal = bits.to(tl.float32, bitcast=True)
+    tiny = (a + 16384.0) - 16384.0
+    r = tl.minimum(tl.where(a < 0.015625, tiny, normal), 448.0)
+    # Copy the sign bit (keeps -0.0, which `-r` would not: Triton negates as 0 - r).
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _chunk_geometry(meta_ptr, stride_m, cc_ptr, r, T,
+                    R: tl.constexpr, RP: tl.constexpr, COUNT_COL: tl.constexpr, IN_BAND: tl.constexpr):
+    """Counts of the R received chunks (in-band column, or `cc_ptr`), clamped to [0, T]; returns
+    (count of chunk r, compacted start of chunk r, total valid rows)."""
+    rr = tl.arange(0, RP)
+    rm = rr < R
+    if IN_BAND:
+        cnt = tl.load(meta_ptr + (rr * T).to(tl.int64) * stride_m + COUNT_COL, mask=rm, other=0)
+    else:
+        cnt = tl.load(cc_ptr + rr, mask=rm, other=0)
+    cnt = tl.minimum(tl.maximum(cnt, 0), T)
+    excl = tl.cumsum(cnt, axis=0) - cnt
+    cnt_r = tl.sum(tl.where(rr == r, cnt, 0), axis=0)
+    pre_r = tl.sum(tl.where(rr == r, excl, 0), axis=0)
+    total = tl.sum(cnt, axis=0)
+    return cnt_r, pre_r, total
+
+
+@triton.jit
+def _slots_for_peer(ids_ptr, stride_im, stride_ik, owner_ptr, t, tmask, r, E, jj, jm):
+    """ids [BT, KP] of tokens `t` and which slots peer r owns. Ids are range-checked in their own
+    dtype before the owner table is read; the table load is masked, so garbage never forms an address."""
+    msk = tmask[:, None] & jm[None, :]
+    g = tl.load(ids_ptr + t.to(tl.int64)[:, None] * stride_im + jj[None, :] * stride_ik, mask=msk, other=-1)
+    ok = msk & (g >= 0) & (g < E)
+    own = tl.load(owner_ptr + tl.where(ok, g, 0), mask=ok, other=-1)
+    return g, ok & (own == r)
+
+
+@triton.jit
+def _load_wire_row_slice(rx_ptr, src64, stride_rx, rmf_ptr, stride_rm, cols, msk, k0,
+                         SCALE_COL: tl.constexpr, FP8: tl.constexpr, ROW_SCALE: tl.constexpr,
+                         GROUP: tl.constexpr):
+    """x[src, cols] as float32 (dequantized for an fp8 wire: value · its block's scale)."""
+    x = tl.load(rx_ptr + src64[:, None] * stride_rx + cols[None, :], mask=msk, other=0.0).to(tl.float32)
+    if FP8:
+        if ROW_SCALE:
+            s = tl.load(rmf_ptr + src64 * stride_rm + SCALE_COL, mask=tl.max(msk.to(tl.int32), axis=1) > 0,
+                        other=0.0)
+            x = x * s[:, None]
+        else:
+            # One scale per GROUP columns; a slice [k0, k0 + BK) with BK == GROUP is one group.
+            s = tl.load(rmf_ptr + src64 * stride_rm + SCALE_COL + k0 // GROUP,
+                        mask=tl.max(msk.to(tl.int32), axis=1) > 0, other=0.0)
+            x = x * s[:, None]
+    return x
+
+
+# ---------------------------------------------------------------------------------------- dispatch
+@triton.jit
+def _pack_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr, stride_wm, stride_wk, owner_ptr,
+                 sx_ptr, stride_sx, smi_ptr, smf_ptr, stride_sm, token_rows_ptr, base_ptr,
+                 zero_ptr, n_zero,
+                 m, T, E, K, K_PER_PROG, NB,
+                 R: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+                 BK: tl.constexpr, CNT_TILE: tl.constexpr, COUNT_COL: tl.constexpr,
+                 SCALE_COL: tl.constexpr, HAS_BASE: tl.constexpr, FP8: tl.constexpr,
+                 ROW_SCALE: tl.constexpr, ZERO: tl.constexpr):
+    pid = tl.program_id(0)
+    kz = tl.program_id(1)
+    r = pid // NB
+    b = pid % NB
+    jj = tl.arange(0, KP)
+    jm = jj < TOP_K
+    # Rows taken in chunk r by the tokens of the earlier blocks (recomputed: m is at most T).
+    earlier = tl.full([], 0, tl.int32)
+    for c0 in range(0, b * BT, CNT_TILE):
+        tt = c0 + tl.arange(0, CNT_TILE)
+        _, mine_e = _slots_for_peer(ids_ptr, stride_im, stride_ik, owner_ptr, tt, tt < b * BT, r, E, jj, jm)
+        earlier += tl.sum(tl.max(mine_e.to(tl.int32), axis=1), axis=0)
+
+    t = b * BT + tl.arange(0, BT)
+    tm = t < m
+    g, mine = _slots_for_peer(ids_ptr, stride_im, stride_ik, owner_ptr, t, tm, r, E, jj, jm)
+    sent = tl.max(mine.to(tl.int32), axis=1)            # [BT] 1 when token t goes to peer r
+    pos = earlier + tl.cumsum(sent, axis=0) - 1
+    if HAS_BASE:
+        base = tl.load(base_ptr + r)
+    else:
+        base = r * T
+    row = base + pos
+    to_peer = sent > 0
+    row64 = row.to(tl.int64)
+    t64 = t.to(tl.int64)
+
+    if kz == 0:
+        tl.store(token_rows_ptr + r * T + t, tl.where(to_peer, row, R * T), mask=tm)
+        mm = to_peer[:, None] & jm[None, :]
+        # Kept ids are in [0, E): narrowing to int32 after the mask is safe.
+        tl.store(smi_ptr + row64[:, None] * stride_sm + jj[None, :], tl.where(mine, g, -1).to(tl.int32), mask=mm)
+        w = tl.load(w_ptr + t64[:, None] * stride_wm + jj[None, :] * stride_wk, mask=mm, other=0.0)
+        tl.store(smf_ptr + row64[:, None] * stride_sm + TOP_K + jj[None, :],
+                 tl.where(mine, w.to(tl.float32), 0.0), mask=mm)
+        if not HAS_BASE:
+            # The chunk's valid-row count, always written (also for 0 rows and m == 0).
+            total = earlier + tl.sum(sent, axis=0)
+            tl.store(smi_ptr + (r * T).to(tl.int64) * stride_sm + COUNT_COL, total, mask=b == NB - 1)
+        if ZERO:
+            if pid == 0:
+                for z0 in range(0, n_zero, 1024):
+                    zz = z0 + tl.arange(0, 1024)
+                    tl.store(zero_ptr + zz, tl.zeros([1024], dtype=tl.int32), mask=zz < n_zero)
+
+    src = h_ptr + t64[:, None] * stride_h
+    dst = sx_ptr + row64[:, None] * stride_sx
+    if FP8:
+        if ROW_SCALE:  # one scale per row (K % 128 != 0): amax pass, then quantize (KS == 1)
+            amax = tl.zeros([BT], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                cols = k0 + tl.arange(0, BK)
+                msk = to_peer[:, None] & (cols < K)[None, :]
+                x = tl.load(src + cols[None, :], mask=msk, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+            scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+            tl.store(smf_ptr + row64 * stride_sm + SCALE_COL, scale, mask=to_peer)
+            for k0 in range(0, K, BK):
+                cols = k0 + tl.arange(0, BK)
+                msk = to_peer[:, None] & (cols < K)[None, :]
+                x = tl.load(src + cols[None, :], mask=msk, other=0.0).to(tl.float32)
+                q = _round_to_e4m3(tl.math.div_rn(x, scale[:, None]))
+                tl.store(dst + cols[None, :], q.to(sx_ptr.dtype.element_ty), mask=msk)
+        else:  # BK == 128: every slice is one scale block
+            k_lo = kz * K_PER_PROG
+            k_hi = tl.minimum(k_lo + K_PER_PROG, K)
+            for k0 in range(k_lo, k_hi, BK):
+                cols = k0 + tl.arange(0, BK)
+                msk = to_peer[:, None] & (cols < k_hi)[None, :]
+                x = tl.load(src + cols[None, :], mask=msk, other=0.0).to(tl.float32)
+                scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 448.0)
+                tl.store(smf_ptr + row64 * stride_sm + SCALE_COL + k0 // BK, scale, mask=to_peer)
+                q = _round_to_e4m3(tl.math.div_rn(x, scale[:, None]))
+                tl.store(dst + cols[None, :], q.to(sx_ptr.dtype.element_ty), mask=msk)
+    else:
+        k_lo = kz * K_PER_PROG
+        k_hi = tl.minimum(k_lo + K_PER_PROG, K)
+        for k0 in range(k_lo, k_hi, BK):
+            cols = k0 + tl.arange(0, BK)
+            msk = to_peer[:, None] & (cols < k_hi)[None, :]
+            tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=msk), mask=msk)
+
+
+@triton.jit
+def _recv_flat_kernel(rx_ptr, stride_rx, rmi_ptr, rmf_ptr, stride_rm, cc_ptr,
+                      ox_ptr, stride_ox, oid_ptr, stride_oid, ow_ptr, stride_ow, ovalid_ptr,
+                      T, K, K_PER_PROG, NB,
+                      R: tl.constexpr, RP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+                      BT: tl.constexpr, BK: tl.constexpr, COUNT_COL: tl.constexpr, SCALE_COL: tl.constexpr,
+                      IN_BAND: tl.constexpr, FP8: tl.constexpr, ROW_SCALE: tl.constexpr, GROUP: tl.constexpr):
+    pid = tl.program_id(0)
+    kz = tl.program_id(1)
+    r = pid // NB
+    b = pid % NB
+    cnt_r, pre_r, total = _chunk_geometry(rmi_ptr, stride_rm, cc_ptr, r, T, R, RP, COUNT_COL, IN_BAND)
+    if IN_BAND:
+        base = r * T
+    else:
+        base = pre_r
+    p = b * BT + tl.arange(0, BT)
+    pm = p < T
+    valid = p < cnt_r
+    src64 = (base + p).to(tl.int64)
+    # Valid rows go to the compact prefix; the invalid positions of chunk r map one to one onto
+    # the padding rows [total, R*T) (chunk r's share starts after the earlier chunks' shares).
+    dst64 = tl.where(valid, pre_r + p, total + (r * T - pre_r) + (p - cnt_r)).to(tl.int64)
+    if kz == 0:
+        jj = tl.arange(0, KP)
+        jm = jj < TOP_K
+        vm = valid[:, None] & jm[None, :]
+        om = pm[:, None] & jm[None, :]
+        ids = tl.load(rmi_ptr + src64[:, None] * stride_rm + jj[None, :], mask=vm, other=-1)
+        w = tl.load(rmf_ptr + src64[:, None] * stride_rm + TOP_K + jj[None, :], mask=vm, other=0.0)
+        tl.store(oid_ptr + dst64[:, None] * stride_oid + jj[None, :], ids, mask=om)
+        tl.store(ow_ptr + dst64[:, None] * stride_ow + jj[None, :], w, mask=om)
+        if IN_BAND:
+            tl.store(cc_ptr + r, cnt_r, mask=b == 0)
+        tl.store(ovalid_ptr, total, mask=pid == 0)
+    k_lo = kz * K_PER_PROG
+    k_hi = tl.minimum(k_lo + K_PER_PROG, K)
+    for k0 in range(k_lo, k_hi, BK):
+        cols = k0 + tl.arange(0, BK)
+        msk = valid[:, None] & (cols < k_hi)[None, :]
+        if FP8:
+            x = _load_wire_row_slice(rx_ptr, src64, stride_rx, rmf_ptr, stride_rm, cols, msk, k0,
+                                     SCALE_COL, FP8, ROW_SCALE, GROUP)
+        else:
+            x = tl.load(rx_ptr + src64[:, None] * stride_rx + cols[None, :], mask=msk)
+        tl.store(ox_ptr + dst64[:, None] * stride_ox + cols[None, :], x.to(ox_ptr.dtype.element_ty), mask=msk)
+
+
+@triton.jit
+def _recv_batched_kernel(rx_ptr, stride_rx, rmi_ptr, rmf_ptr, stride_rm, cc_ptr, map_ptr,
+                         slab_ptr, stride_slab, counts_ptr, slot_rows_ptr, stride_sr,
+                         T, E, K, NB, SLAB_ROWS,
+                         R: tl.constexpr, RP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+                         BT: tl.constexpr, BK: tl.constexpr, COUNT_COL: tl.constexpr, SCALE_COL: tl.constexpr,
+                         IN_BAND: tl.constexpr, FP8: tl.constexpr, ROW_SCALE: tl.constexpr,
+                         GROUP: tl.constexpr):
+    pid = tl.program_id(0)
+    r = pid // NB
+    b = pid % NB
+    cnt_r, pre_r, total = _chunk_geometry(rmi_ptr, stride_rm, cc_ptr, r, T, R, RP, COUNT_COL, IN_BAND)
+    if IN_BAND:
+        base = r * T
+        tl.store(cc_ptr + r, cnt_r, mask=b == 0)
+    else:
+        base = pre_r
+    p = b * BT + tl.arange(0, BT)
+    valid = p < cnt_r
+    src64 = (base + p).to(tl.int64)
+    jj = tl.arange(0, KP)
+    jm = jj < TOP_K
+    vm = valid[:, None] & jm[None, :]
+    g = tl.load(rmi_ptr + src64[:, None] * stride_rm + jj[None, :], mask=vm, other=-1)
+    ok = vm & (g >= 0) & (g < E)
+    loc = tl.load(map_ptr + tl.where(ok, g, 0), mask=ok, other=-1)
+    local = ok & (loc >= 0)
+    e = tl.where(local, loc, -1)
+    # same[b, j, j']: slot j' of the token is local with the same expert as slot j.
+    same = (e[:, :, None] == e[:, None, :]) & local[:, None, :]
+    j_row = jj[None, :, None]
+    j_col = jj[None, None, :]
+    first = local & (tl.max((same & (j_col < j_row)).to(tl.int32), axis=2) == 0)
+    # One slab row per (token, expert); the order inside a slab does not change any row's result.
+    pos = tl.atomic_add(counts_ptr + tl.where(first, e, 0), 1, mask=first, sem="relaxed")
+    row = tl.where(first, e * SLAB_ROWS + pos, 0)
+    # A repeated id takes the row of its first occurrence (both router weights apply at combine).
+    fidx = tl.min(tl.where(same & (j_col <= j_row), j_col, KP), axis=2)
+    srow = tl.sum(tl.where(j_col == fidx[:, :, None], row[:, None, :], 0), axis=2)
+    tl.store(slot_rows_ptr + src64[:, None] * stride_sr + jj[None, :], tl.where(local, srow, -1), mask=vm)
+    any_first = tl.max(first.to(tl.int32), axis=1) > 0
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        cm = cols < K
+        msk = any_first[:, None] & cm[None, :]
+        if FP8:
+            x = _load_wire_row_slice(rx_ptr, src64, stride_rx, rmf_ptr, stride_rm, cols, msk, k0,
+                                     SCALE_COL, FP8, ROW_SCALE, GROUP)
+        else:
+            x = tl.load(rx_ptr + src64[:, None] * stride_rx + cols[None, :], mask=msk)
+        x = x.to(slab_ptr.dtype.element_ty)
+        for j in tl.static_range(TOP_K):
+            sel = jj[None, :] == j
+            fj = tl.max(tl.where(sel & first, 1, 0), axis=1) > 0
+            rj = tl.sum(tl.where(sel, row, 0), axis=1).to(tl.int64)
+            tl.store(slab_ptr + rj[:, None] * stride_slab + cols[None, :], x, mask=fj[:, None] & cm[None, :])
+
+
+# ---------------------------------------------------------------------------------------- combine
+@triton.jit
+def _combine_flat_kernel(y_ptr, stride_y, cc_ptr, cs_ptr, stride_cs,
+                         T, K, K_PER_PROG, NB,
+                         R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    pid = tl.program_id(0)
+    kz = tl.program_id(1)
+    r = pid // NB
+    b = pid % NB
+    cnt_r, pre_r, total = _chunk_geometry(cc_ptr, 0, cc_ptr, r, T, R, RP, 0, False)
+    p = b * BT + tl.arange(0, BT)
+    valid = p < cnt_r
+    src64 = (pre_r + p).to(tl.int64)
+    dst64 = (r * T + p).to(tl.int64)
+    k_lo = kz * K_PER_PROG
+    k_hi = tl.minimum(k_lo + K_PER_PROG, K)
+    for k0 in range(k_lo, k_hi, BK):
+        cols = k0 + tl.arange(0, BK)
+        msk = valid[:, None] & (cols < k_hi)[None, :]
+        x = tl.load(y_ptr + src64[:, None] * stride_y + cols[None, :], mask=msk)
+        tl.store(cs_ptr + dst64[:, None] * stride_cs + cols[None, :], x, mask=msk)
+
+
+@triton.jit
+def _combine_batched_kernel(y_ptr, stride_y0, stride_y1, SLAB_ROWS, rmf_ptr, stride_rm, cc_ptr,
+                            slot_rows_ptr, stride_sr, cs_ptr, stride_cs,
+                            T, K, K_PER_PROG, NB,
+                            R: tl.constexpr, RP: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr,
+                            BK: tl.constexpr, GRAPH_SAFE: tl.constexpr):
+    pid = tl.program_id(0)
+    kz = tl.program_id(1)
+    r = pid // NB
+    b = pid % NB
+    cnt_r, pre_r, total = _chunk_geometry(cc_ptr, 0, cc_ptr, r, T, R, RP, 0, False)
+    if GRAPH_SAFE:
+        base = r * T
+    else:
+        base = pre_r
+    p = b * BT + tl.arange(0, BT)
+    valid = p < cnt_r
+    src64 = (base + p).to(tl.int64)
+    k_lo = kz * K_PER_PROG
+    k_hi = tl.minimum(k_lo + K_PER_PROG, K)
+    for k0 in range(k_lo, k_hi, BK):
+        cols = k0 + tl.arange(0, BK)
+        cm = cols < k_hi
+        acc = tl.zeros([BT, BK], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            sr = tl.load(slot_rows_ptr + src64 * stride_sr + j, mask=valid, other=-1)
+            keep = valid & (sr >= 0)
+            w = tl.load(rmf_ptr + src64 * stride_rm + TOP_K + j, mask=keep, other=0.0)
+            srk = tl.where(keep, sr, 0)
+            yrow = (srk // SLAB_ROWS).to(tl.int64) * stride_y0 + (srk % SLAB_ROWS).to(tl.int64) * stride_y1
+            y = tl.load(y_ptr + yrow[:, None] + cols[None, :], mask=keep[:, None] & cm[None, :], other=0.0)
+            # Select, never multiply by zero: rows past a count may hold NaN.
+            acc += tl.where(keep[:, None], y.to(tl.float32) * w[:, None], 0.0)
+        tl.store(cs_ptr + src64[:, None] * stride_cs + cols[None, :], acc.to(cs_ptr.dtype.element_ty),
+                 mask=valid[:, None] & cm[None, :])
+
+
+@triton.jit
+def _reduce_kernel(cr_ptr, stride_cr, tr_ptr, stride_tr, out_ptr, stride_o,
+                   m, K, K_PER_PROG, PAD,
+                   R: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    b = tl.program_id(0)
+    kz = tl.program_id(1)
+    t = b * BT + tl.arange(0, BT)
+    tm = t < m
+    k_lo = kz * K_PER_PROG
+    k_hi = tl.minimum(k_lo + K_PER_PROG, K)
+    for k0 in range(k_lo, k_hi, BK):
+        cols = k0 + tl.arange(0, BK)
+        cm = cols < k_hi
+        acc = tl.zeros([BT, BK], dtype=tl.float32)
+        for r in tl.static_range(R):
+            row = tl.load(tr_ptr + r * stride_tr + t, mask=tm, other=PAD)
+            keep = tm & (row >= 0) & (row < PAD)
+            y = tl.load(cr_ptr + tl.where(keep, row, 0).to(tl.int64)[:, None] * stride_cr + cols[None, :],
+                        mask=keep[:, None] & cm[None, :], other=0.0)
+            acc += y.to(tl.float32)
+        tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=tm[:, None] & cm[None, :])

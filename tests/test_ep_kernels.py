@@ -1,0 +1,537 @@
+"""The expert-parallel stages of `padded_moe.distributed` (spec 04) on one process, without a group.
+
+Each stage runs on the torch path and on the Triton kernels of `padded_moe.kernels.ep` (interpreted
+on CPU) and is checked against an independent reference built with Python loops: pack, flat and
+batched receive, both combine kernels, the reduction, and a simulated R-rank round trip (the
+all_to_all done by copying chunks) for both modes, graph-safe and exact splits, fp8 wire.
+Inputs: NaN in padding rows, poisoned outputs, garbage ids (-1, E, 2^31-1, 2^32+1, -2^31),
+idle ranks, all tokens to one peer, repeated ids within a token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from padded_moe import distributed as D
+from padded_moe.expert_map import ExpertMap
+
+BAD_IDS = (-1, 2**31 - 1, 2**32 + 1, -2**31)  # plus E, added per test
+
+
+def _interp_or_skip():
+    from padded_moe._platform import kernels_interpreted
+
+    if not kernels_interpreted():
+        pytest.skip("Triton kernels were compiled for a GPU; the interpreter is not in use")
+
+
+@pytest.fixture
+def triton_on(monkeypatch):
+    """Run the stage functions' Triton implementations (interpreted on CPU)."""
+    _interp_or_skip()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def geometry(R, T, E, K, k, dtype=torch.float32, fp8=False):
+    return D.EPGeometry(R, T, E, D.WireFormat(K, k, dtype, fp8))
+
+
+def owner_table(E, R, placement="linear"):
+    return D.ExpertParallel._owner_table(E, R, placement)
+
+
+def random_ids(gen, m, E, k, ids_dtype=torch.int64, *, garbage=0.3, dup=False, only=None):
+    """[m, k] distinct valid ids with a fraction replaced by garbage; `only`: draw from these ids."""
+    if only is not None:
+        ids = only[torch.randint(0, only.numel(), (m, k), generator=gen)]
+    else:
+        ids = torch.rand(m, E, generator=gen).argsort(1)[:, :k]
+    if dup and k > 1:
+        ids[:, 1] = ids[:, 0]
+    bad = torch.tensor(BAD_IDS + (E,), dtype=torch.int64)
+    if ids_dtype == torch.int32:
+        bad = bad[(bad >= -2**31) & (bad < 2**31)]
+    hit = torch.rand(m, k, generator=gen) < garbage
+    ids = torch.where(hit, bad[torch.randint(0, bad.numel(), (m, k), generator=gen)], ids)
+    return ids.to(ids_dtype)
+
+
+def poisoned_wire(geo, fill=0xFF, device="cpu"):
+    return torch.full((geo.rows, geo.wire.buffer_row_bytes), fill, dtype=torch.uint8, device=device)
+
+
+def owner_of(g, owner, E):
+    return int(owner[g]) if 0 <= g < E else -1
+
+
+def expected_chunks(hidden, ids, weights, owner, geo):
+    """Python-loop reference of pack: per peer, the list of (token, ids row, weights row)."""
+    E, k = geo.num_experts, geo.wire.top_k
+    chunks = []
+    for r in range(geo.ep_size):
+        rows = []
+        for t in range(hidden.shape[0]):
+            mine = [owner_of(int(ids[t, j]), owner, E) == r for j in range(k)]
+            if any(mine):
+                rows.append((t, [int(ids[t, j]) if mine[j] else -1 for j in range(k)],
+                             [float(weights[t, j]) if mine[j] else 0.0 for j in range(k)]))
+        chunks.append(rows)
+    return chunks
+
+
+def fp8_reference(x):
+    """Per-block (128 or whole row) amax/448 scales and e4m3 values (torch's rounding)."""
+    q, scales = D._quantize_fp8(x)
+    return q, scales
+
+
+# ---------------------------------------------------------------------------------------- pack
+@pytest.mark.parametrize("fp8", [False, True], ids=["wire_f32", "wire_fp8"])
+@pytest.mark.parametrize("exact", [False, True], ids=["graph_safe", "exact"])
+@pytest.mark.parametrize("case", ["random", "idle", "one_peer", "duplicates", "int32_ids", "many_blocks"])
+def test_pack_matches_reference(cpu_path, gen, case, exact, fp8):
+    R, E, k = 3, 11, 3
+    T = 160 if case == "many_blocks" else 21  # many_blocks: the in-program count of earlier blocks loops
+    K = 256 if fp8 else 40  # fp8: two 128-channel scale blocks
+    geo = geometry(R, T, E, K, k, torch.float32, fp8)
+    owner = owner_table(E, R)
+    m = {"idle": 0, "random": 19, "many_blocks": 150}.get(case, T)
+    only = torch.nonzero(owner == 1).flatten() if case == "one_peer" else None
+    ids = random_ids(gen, m, E, k, torch.int32 if case == "int32_ids" else torch.int64,
+                     dup=case == "duplicates", only=only)
+    hidden = torch.randn(m, K, generator=gen) * 3
+    weights = torch.rand(m, k, generator=gen, dtype=torch.float32) + 0.1
+    wire = poisoned_wire(geo)
+    send = geo.wire.wire_rows(wire, geo.rows)
+    token_rows = torch.full((R, T), -7, dtype=torch.int32)
+    chunks = expected_chunks(hidden, ids, weights, owner, geo)
+    counts = [len(c) for c in chunks]
+    base = [sum(counts[:r]) for r in range(R)] if exact else [r * T for r in range(R)]
+    send_base = torch.tensor(base, dtype=torch.int32) if exact else None
+    zero = torch.full((5,), 9, dtype=torch.int32)
+    D.pack_rows(hidden, ids, weights, owner, geo, send, token_rows, send_base,
+                zero_counts=zero if cpu_path == "triton_interpret" else None)
+    x, mi, mf = geo.wire.views(send)
+    if fp8:
+        q_ref, s_ref = fp8_reference(hidden)
+    for r in range(R):
+        if not exact:
+            assert int(mi[r * T, geo.wire.count_col]) == counts[r], f"count of chunk {r}"
+        for pos, (t, row_ids, row_w) in enumerate(chunks[r]):
+            row = base[r] + pos
+            assert int(token_rows[r, t]) == row
+            assert mi[row, :k].tolist() == row_ids
+            assert torch.equal(mf[row, k:2 * k], torch.tensor(row_w, dtype=torch.float32))
+            if fp8:
+                assert torch.equal(geo.wire.x_bytes_view(send)[row], q_ref[t]), f"fp8 bytes of token {t}"
+                S = s_ref.shape[1]
+                assert torch.equal(mf[row, geo.wire.scale_col:geo.wire.scale_col + S], s_ref[t])
+            else:
+                assert torch.equal(x[row], hidden[t])
+        sent = {t for t, _, _ in chunks[r]}
+        for t in range(m):
+            if t not in sent:
+                assert int(token_rows[r, t]) == R * T, "unsent token must point at the pad value"
+    assert (token_rows[:, m:] == -7).all(), "columns past m are not written"
+    if cpu_path == "triton_interpret":
+        assert (zero == 0).all()
+
+
+def test_pack_fp8_rounding_is_torchs(triton_on, gen):
+    """The kernel's e4m3 rounding (integer arithmetic; the interpreter's cast would not round to
+    nearest) equals torch's on values spread over the whole fp8 range, ties and subnormals included."""
+    R, T, E, k, K = 1, 16, 4, 1, 384
+    geo = geometry(R, T, E, K, k, torch.float32, fp8=True)
+    hidden = torch.randn(T, K, generator=gen) * torch.logspace(-9, 2, K)[None, :]
+    hidden[:, 0] = 448.0 * torch.where(torch.rand(T, generator=gen) < 0.5, -1.0, 1.0)  # scale = amax/448 → ±448
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)]
+    mid = (grid.sort().values[1:] + grid.sort().values[:-1]) / 2  # exact ties between neighbours
+    hidden[0, 1:1 + min(mid.numel(), 127)] = mid[:127]
+    hidden[0, 0] = 448.0
+    ids = torch.zeros(T, k, dtype=torch.int64)
+    w = torch.ones(T, k)
+    wire = poisoned_wire(geo)
+    send = geo.wire.wire_rows(wire, geo.rows)
+    D.pack_rows(hidden, ids, w, owner_table(E, R), geo, send, torch.empty(R, T, dtype=torch.int32))
+    q_ref, s_ref = fp8_reference(hidden)
+    _, _, mf = geo.wire.views(send)
+    assert torch.equal(mf[:, geo.wire.scale_col:geo.wire.scale_col + 3], s_ref)
+    got = geo.wire.x_bytes_view(send)
+    assert torch.equal(got, q_ref), int((got != q_ref).sum())
+
+
+# ---------------------------------------------------------------------------------------- receive
+def received_wire(gen, geo, counts, *, local_ids, exact=False, with_garbage=True, dup=False, dtype=None):
+    """A receive buffer as the all_to_all leaves it: chunk r holds counts[r] valid rows (graph-safe:
+    at r*T, count in-band; exact: back to back), NaN x / garbage meta everywhere else."""
+    R, T, k, K = geo.ep_size, geo.max_tokens, geo.wire.top_k, geo.wire.hidden_size
+    wire = geo.wire.wire_rows(poisoned_wire(geo, 0xFF), geo.rows)
+    x, mi, mf = geo.wire.views(wire)
+    mi[:, :2 * k] = 2**31 - 1  # garbage ids on padding rows must never be read
+    rows = []
+    start = 0
+    for r in range(R):
+        base = start if exact else r * T
+        if not exact:
+            mi[r * T, geo.wire.count_col] = counts[r]
+        for p in range(counts[r]):
+            row = base + p
+            ids = local_ids[torch.randint(0, local_ids.numel(), (k,), generator=gen)].clone()
+            drop = torch.rand(k, generator=gen) < 0.4
+            ids[drop] = -1
+            if with_garbage and p % 3 == 1:  # the receiver range-checks what arrives, too
+                ids[0] = (-1, geo.num_experts, 2**31 - 1, -2**31)[p % 4]
+            if dup and k > 1:
+                ids[1] = ids[0]
+            if not (ids >= 0).any():
+                ids[k - 1] = local_ids[0]
+            mi[row, :k] = ids.to(torch.int32)
+            mf[row, k:2 * k] = torch.rand(k, generator=gen) + 0.1
+            vals = torch.randn(K, generator=gen)
+            if geo.wire.fp8:
+                q, s = D._quantize_fp8(vals.view(1, K))
+                geo.wire.x_bytes_view(wire)[row] = q[0]
+                mf[row, geo.wire.scale_col:geo.wire.scale_col + s.shape[1]] = s[0]
+            else:
+                x[row] = vals.to(x.dtype)
+            rows.append(row)
+        start += counts[r]
+    return wire, rows
+
+
+def decoded(geo, wire, row):
+    return D._decode_rows_torch(geo, wire, torch.tensor([row]))[0]
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["graph_safe", "exact"])
+@pytest.mark.parametrize("counts", [(5, 0, 7), (0, 0, 0), (8, 8, 8), (0, 8, 1), (33, 0, 40)], ids=str)
+@pytest.mark.parametrize("fp8", [False, True], ids=["wire_f32", "wire_fp8"])
+def test_receive_flat_compacts_valid_rows(cpu_path, gen, counts, exact, fp8):
+    R, E, k = 3, 12, 3
+    T = max(8, *counts)  # (33, 0, 40): several row blocks per chunk
+    K = 128 if fp8 else 24
+    geo = geometry(R, T, E, K, k, torch.float32, fp8)
+    local = ExpertMap(E, 1, R).local_experts
+    wire, rows = received_wire(gen, geo, counts, local_ids=local, exact=exact)
+    cc = torch.tensor(counts, dtype=torch.int32) if exact else torch.full((R,), -5, dtype=torch.int32)
+    rb_x = torch.full((geo.rows, K), float("nan"))
+    rb_ids = torch.full((geo.rows, k), 77, dtype=torch.int32)
+    rb_w = torch.full((geo.rows, k), float("nan"))
+    rb_valid = torch.full((1,), -3, dtype=torch.int32)
+    D.receive_flat(geo, wire, cc, not exact, rb_x, rb_ids, rb_w, rb_valid)
+    _, mi, mf = geo.wire.views(wire)
+    V = sum(counts)
+    assert int(rb_valid) == V
+    assert cc.tolist() == list(counts)
+    for d, row in enumerate(rows):
+        assert torch.equal(rb_ids[d], mi[row, :k]), d
+        assert torch.equal(rb_w[d], mf[row, k:2 * k]), d
+        assert torch.equal(rb_x[d], decoded(geo, wire, row)), d
+    assert (rb_ids[V:] == -1).all() and (rb_w[V:] == 0).all()
+    assert torch.isnan(rb_x[V:]).all(), "padding rows of x are not written"
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["graph_safe", "exact"])
+@pytest.mark.parametrize("counts", [(5, 0, 7), (0, 0, 0), (8, 8, 8), (21, 3, 40)], ids=str)
+@pytest.mark.parametrize("fp8", [False, True], ids=["wire_f32", "wire_fp8"])
+@pytest.mark.parametrize("dup", [False, True], ids=["distinct", "repeated_ids"])
+def test_receive_batched_scatters_pairs(cpu_path, gen, counts, exact, fp8, dup):
+    R, E, k = 3, 12, 3
+    T = max(8, *counts)
+    K = 128 if fp8 else 24
+    geo = geometry(R, T, E, K, k, torch.float32, fp8)
+    emap = ExpertMap(E, 2, R)
+    L = emap.num_local
+    wire, rows = received_wire(gen, geo, counts, local_ids=torch.arange(E), exact=exact, dup=dup)
+    cc = torch.tensor(counts, dtype=torch.int32) if exact else torch.full((R,), -5, dtype=torch.int32)
+    slab = torch.full((L * geo.rows + 1, K), float("nan"))
+    cnt = torch.zeros(L, dtype=torch.int32)  # the pack step zeroes it on the Triton path
+    slot_rows = torch.full((geo.rows, k), 55, dtype=torch.int32)
+    D.receive_batched(geo, wire, cc, not exact, emap.map, L, slab, cnt, slot_rows)
+    _, mi, _ = geo.wire.views(wire)
+    expect_cnt = [0] * L
+    used = set()
+    for row in rows:
+        seen = {}
+        for j in range(k):
+            g = int(mi[row, j])
+            e = int(emap.map[g]) if 0 <= g < E else -1
+            s = int(slot_rows[row, j])
+            if e < 0:
+                assert s == -1, (row, j, g)
+                continue
+            assert s // geo.rows == e, (row, j)
+            if e in seen:
+                assert s == seen[e], "a repeated id shares its first occurrence's row"
+                continue
+            seen[e] = s
+            expect_cnt[e] += 1
+            assert s not in used
+            used.add(s)
+            assert torch.equal(slab[s], decoded(geo, wire, row))
+    assert cnt.tolist() == expect_cnt
+    for s in used:
+        assert s % geo.rows < expect_cnt[s // geo.rows]
+    written = {s for s in used}
+    untouched = [i for i in range(L * geo.rows) if i not in written]
+    assert torch.isnan(slab[untouched]).all() if untouched else True
+    valid_rows = set(rows)
+    for i in range(geo.rows):
+        if i not in valid_rows and cpu_path == "triton_interpret":
+            assert (slot_rows[i] == 55).all(), "padding rows are not written"
+
+
+# ---------------------------------------------------------------------------------------- combine
+@pytest.mark.parametrize("counts", [(3, 0, 8), (0, 0, 0), (8, 8, 8)], ids=str)
+def test_combine_flat_rows(cpu_path, gen, counts):
+    R, T, E, k, K = 3, 8, 9, 2, 40
+    geo = geometry(R, T, E, K, k)
+    V = sum(counts)
+    y = torch.randn(geo.rows, K, generator=gen)
+    y[V:] = float("nan")
+    out = torch.full((geo.rows, K), -3.0)
+    D.combine_flat_rows(geo, torch.tensor(counts, dtype=torch.int32), y, out)
+    d = 0
+    for r in range(R):
+        for p in range(T):
+            if p < counts[r]:
+                assert torch.equal(out[r * T + p], y[d])
+                d += 1
+            else:
+                assert (out[r * T + p] == -3.0).all()
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["graph_safe", "exact"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_batched_rows(cpu_path, gen, exact, dtype):
+    R, T, E, k, K = 2, 8, 10, 3, 48
+    geo = geometry(R, T, E, K, k, dtype)
+    emap = ExpertMap(E, 0, R)
+    L = emap.num_local
+    counts = (6, 3)
+    wire, rows = received_wire(gen, geo, counts, local_ids=torch.arange(E), exact=exact, dup=True)
+    cc = torch.tensor(counts, dtype=torch.int32)
+    slab = torch.full((L * geo.rows + 1, K), float("nan"), dtype=dtype)
+    cnt = torch.zeros(L, dtype=torch.int32)
+    slot_rows = torch.full((geo.rows, k), -1, dtype=torch.int32)
+    D._receive_batched_torch(geo, wire, cc.clone(), not exact, emap.map, L, slab, cnt, slot_rows)
+    y = torch.full((L, geo.rows, K), float("nan"), dtype=dtype)  # rows past a count: NaN
+    for e in range(L):
+        y[e, : int(cnt[e])] = torch.randn(int(cnt[e]), K, generator=gen).to(dtype)
+    out = torch.full((geo.rows, K), -9.0, dtype=dtype)
+    D.combine_batched_rows(geo, wire, cc, not exact, slot_rows, y, out)
+    _, _, mf = geo.wire.views(wire)
+    flat = y.reshape(-1, K)
+    for row in rows:
+        ref = torch.zeros(K, dtype=torch.float64)
+        for j in range(k):
+            s = int(slot_rows[row, j])
+            if s >= 0:
+                ref += float(mf[row, k + j]) * flat[s].double()
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        assert torch.allclose(out[row].double(), ref, rtol=tol, atol=tol), row
+    others = [i for i in range(geo.rows) if i not in set(rows)]
+    assert (out[others] == -9.0).all(), "rows of padding are not written"
+
+
+@pytest.mark.parametrize("m", [0, 1, 13])
+def test_reduce_partials(cpu_path, gen, m):
+    R, T, E, k, K = 3, 13, 9, 2, 33
+    geo = geometry(R, T, E, K, k)
+    comb_recv = torch.randn(geo.rows, K, generator=gen)
+    token_rows = torch.full((R, T), geo.rows, dtype=torch.int32)
+    referenced = set()
+    for r in range(R):
+        for t in range(m):
+            if torch.rand((), generator=gen) < 0.6:
+                token_rows[r, t] = r * T + t
+                referenced.add(r * T + t)
+    unref = [i for i in range(geo.rows) if i not in referenced]
+    comb_recv[unref] = float("nan")  # pad / unsent rows must never be read
+    out = torch.full((m, K), -1.0)
+    D.reduce_partials(geo, comb_recv, token_rows, m, out)
+    for t in range(m):
+        ref = torch.zeros(K, dtype=torch.float64)
+        for r in range(R):
+            if int(token_rows[r, t]) < geo.rows:
+                ref += comb_recv[int(token_rows[r, t])].double()
+        assert torch.allclose(out[t].double(), ref, atol=1e-6), t
+
+
+# ---------------------------------------------------------------------------------------- round trip
+def simulate(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, scale):
+    """R ranks on one process: pack, all_to_all by chunk copies, receive, experts (expert e
+    multiplies its rows by scale[e]; rows past counts / valid NaN), combine, reduce. Runs on the
+    inputs' device."""
+    R, T, E, K, k = geo.ep_size, geo.max_tokens, geo.num_experts, geo.wire.hidden_size, geo.wire.top_k
+    dtype, rows, dev = geo.wire.dtype, geo.rows, hiddens[0].device
+    owner, scale = owner.to(dev), scale.to(dev)
+    send = [poisoned_wire(geo, device=dev) for _ in range(R)]
+    recv = [poisoned_wire(geo, device=dev) for _ in range(R)]
+    wires_s = [geo.wire.wire_rows(b, rows) for b in send]
+    wires_r = [geo.wire.wire_rows(b, rows) for b in recv]
+    token_rows = [torch.full((R, T), -2, dtype=torch.int32, device=dev) for _ in range(R)]
+    cc = [torch.full((R,), -4, dtype=torch.int32, device=dev) for _ in range(R)]
+    maps = [ExpertMap(E, r, R, placement, device=dev) for r in range(R)]
+    counts_l = [torch.full((maps[r].num_local,), 99, dtype=torch.int32, device=dev) for r in range(R)]
+    send_counts = [D.peer_counts(ids[s], owner, geo).tolist() for s in range(R)]
+    for s in range(R):
+        base = None
+        if not graph_safe:
+            base = torch.tensor([sum(send_counts[s][:r]) for r in range(R)], dtype=torch.int32, device=dev)
+            cc[s].copy_(torch.tensor([send_counts[q][s] for q in range(R)], dtype=torch.int32))
+        D.pack_rows(hiddens[s], ids[s], weights[s], owner, geo, wires_s[s], token_rows[s], base,
+                    zero_counts=counts_l[s] if mode == "batched" else None)
+
+    def all_to_all(src, dst, sizes):
+        """sizes[s][r]: rows rank s sends to rank r (graph-safe: fixed T-row chunks, garbage too)."""
+        for r in range(R):
+            off = 0
+            for s in range(R):
+                if graph_safe:
+                    dst[r][s * T:(s + 1) * T] = src[s][r * T:(r + 1) * T]
+                else:
+                    n, start = sizes[s][r], sum(sizes[s][:r])
+                    dst[r][off:off + n] = src[s][start:start + n]
+                    off += n
+
+    full = [[T] * R for _ in range(R)]
+    all_to_all(wires_s, wires_r, full if graph_safe else send_counts)
+    outs = []
+    comb_send = [geo.wire.combine_rows(b, rows) for b in send]
+    comb_recv = [geo.wire.combine_rows(b, rows) for b in recv]
+    for r in range(R):
+        L = maps[r].num_local
+        sc = scale[maps[r].local_experts]
+        if mode == "flat":
+            rb_x = torch.full((rows, K), float("nan"), dtype=dtype, device=dev)
+            rb_ids = torch.full((rows, k), 5, dtype=torch.int32, device=dev)
+            rb_w = torch.full((rows, k), float("nan"), device=dev)
+            rb_v = torch.zeros(1, dtype=torch.int32, device=dev)
+            D.receive_flat(geo, wires_r[r], cc[r], graph_safe, rb_x, rb_ids, rb_w, rb_v)
+            v = int(rb_v)
+            y = torch.full((rows, K), float("nan"), dtype=dtype, device=dev)
+            g = rb_ids[:v].long()
+            keep = g >= 0
+            f = torch.where(keep, rb_w[:v].double() * scale[g.clamp(min=0)],
+                            torch.zeros((), dtype=torch.float64, device=dev))
+            y[:v] = (rb_x[:v].double() * f.sum(1, keepdim=True)).to(dtype)
+            if graph_safe:
+                D.combine_flat_rows(geo, cc[r], y, comb_send[r])
+            else:
+                comb_send[r][:v] = y[:v]
+        else:
+            slab = torch.full((L * rows + 1, K), float("nan"), dtype=dtype, device=dev)
+            slot_rows = torch.full((rows, k), 3, dtype=torch.int32, device=dev)
+            D.receive_batched(geo, wires_r[r], cc[r], graph_safe, maps[r].map, L, slab, counts_l[r], slot_rows)
+            y = torch.full((L, rows, K), float("nan"), dtype=dtype, device=dev)
+            for e in range(L):
+                c = int(counts_l[r][e])
+                y[e, :c] = (slab[e * rows:e * rows + c].double() * float(sc[e])).to(dtype)
+            D.combine_batched_rows(geo, wires_r[r], cc[r], graph_safe, slot_rows, y, comb_send[r])
+    back = full if graph_safe else [[send_counts[s][r] for s in range(R)] for r in range(R)]
+    all_to_all(comb_send, comb_recv, back)
+    for s in range(R):
+        m = hiddens[s].shape[0]
+        out = torch.full((m, K), -1.0, dtype=dtype, device=dev)
+        D.reduce_partials(geo, comb_recv[s], token_rows[s], m, out)
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("mode", ["flat", "batched"])
+@pytest.mark.parametrize("graph_safe", [True, False], ids=["graph_safe", "exact"])
+@pytest.mark.parametrize("wire,ms,routing", [("f32", (5, 0, 7), "random"), ("bf16", (6, 6, 6), "last_rank"),
+                                             ("fp8", (4, 6, 2), "duplicate"), ("bf16", (0, 0, 0), "random")],
+                         ids=str)
+def test_round_trip_matches_reference(cpu_path, gen, mode, graph_safe, wire, ms, routing):
+    R, T, E, k = 3, 7, 10, 3
+    K = 256 if wire == "fp8" else 40
+    dtype = torch.bfloat16 if wire in ("bf16", "fp8") else torch.float32
+    placement = "round_robin" if routing == "duplicate" else "linear"
+    geo = geometry(R, T, E, K, k, dtype, wire == "fp8")
+    owner = owner_table(E, R, placement)
+    only = ExpertMap(E, R - 1, R, placement).local_experts if routing == "last_rank" else None
+    hiddens = [torch.randn(m, K, generator=gen).to(dtype) for m in ms]
+    ids = [random_ids(gen, m, E, k, dup=routing == "duplicate", only=only) for m in ms]
+    weights = [torch.rand(m, k, generator=gen) + 0.1 for m in ms]
+    scale = torch.rand(E, generator=gen, dtype=torch.float64) + 0.5
+    outs = simulate(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, scale)
+    for s, m in enumerate(ms):
+        x = hiddens[s].float()
+        if wire == "fp8":
+            q, sc = D._quantize_fp8(x)
+            x = D._dequantize_fp8(q, sc, torch.float32)
+        g = ids[s]
+        ok = (g >= 0) & (g < E)
+        f = torch.where(ok, weights[s].double() * scale[g.clamp(0, E - 1)], torch.zeros((), dtype=torch.float64))
+        ref = x.double() * f.sum(1, keepdim=True)
+        assert outs[s].shape == (m, K)
+        if m:
+            err = ((outs[s].double() - ref).norm() / ref.norm()).item()
+            tol = 1e-6 if dtype == torch.float32 else 2e-2
+            assert err <= tol, (s, err)
+
+
+def test_wire_format_alignment():
+    """Every view's row stride is a multiple of 16 elements (vector loads), meta starts 16-aligned."""
+    for K, k, dtype, fp8 in [(4096, 6, torch.bfloat16, False), (4096, 6, torch.bfloat16, True),
+                             (33, 3, torch.float32, False), (7, 1, torch.float16, False), (200, 8, torch.bfloat16, True)]:
+        w = D.WireFormat(K, k, dtype, fp8)
+        assert w.row_bytes % 64 == 0 and w.x_bytes % 16 == 0
+        assert w.row_bytes >= w.x_bytes + 4 * D.meta_columns(k, K, fp8)
+        buf = torch.zeros(4, w.buffer_row_bytes, dtype=torch.uint8)
+        x, mi, mf = w.views(w.wire_rows(buf, 4))
+        assert x.shape == (4, K) and x.dtype == w.wire_dtype and mi.shape[1] >= 2 * k + 1
+        assert w.combine_rows(buf, 4).shape == (4, K) and w.combine_rows(buf, 4).is_contiguous()
+
+
+# ---------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["flat", "batched"])
+@pytest.mark.parametrize("graph_safe", [True, False], ids=["graph_safe", "exact"])
+@pytest.mark.parametrize("wire,K", [("f32", 4096), ("bf16", 4096), ("fp8", 4096), ("fp8", 200),
+                                    ("bf16", 200)])
+def test_round_trip_cuda_equals_torch_path(monkeypatch, mode, graph_safe, wire, K):
+    """dsv4-like routing (E=256, k=6) on one GPU through the compiled kernels equals the CPU torch
+    path (to float32 / one bf16 rounding: the GPU may fuse multiply-adds)."""
+    R, T, E, k = 2, 40, 256, 6
+    dtype = torch.float32 if wire == "f32" else torch.bfloat16
+    geo = geometry(R, T, E, K, k, dtype, wire == "fp8")
+    gen = torch.Generator().manual_seed(K + T)
+    owner = owner_table(E, R)
+    ms = (T, 17)
+    hiddens = [torch.randn(m, K, generator=gen).to(dtype) for m in ms]
+    ids = [random_ids(gen, m, E, k, garbage=0.05, dup=(i == 1)) for i, m in enumerate(ms)]
+    weights = [torch.rand(m, k, generator=gen) + 0.1 for m in ms]
+    scale = torch.rand(E, generator=gen, dtype=torch.float64) + 0.5
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cpu = simulate(geo, owner, "linear", mode, graph_safe, hiddens, ids, weights, scale)
+    cuda = lambda ts: [t.cuda() for t in ts]  # noqa: E731
+    gpu = simulate(geo, owner, "linear", mode, graph_safe, cuda(hiddens), cuda(ids), cuda(weights), scale)
+    for a, b in zip(cpu, gpu):
+        b = b.cpu()
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol), (a - b).abs().max()
+
+
+@pytest.mark.gpu
+def test_pack_fp8_bytes_on_cuda_equal_torch():
+    """The compiled fp8 quantization (IEEE divisions + integer rounding) gives torch's bytes."""
+    R, T, E, k, K = 2, 64, 8, 2, 4096
+    geo = geometry(R, T, E, K, k, torch.bfloat16, fp8=True)
+    gen = torch.Generator().manual_seed(3)
+    hidden = (torch.randn(T, K, generator=gen) * torch.logspace(-6, 2, K)[None, :]).to(torch.bfloat16)
+    ids = torch.zeros(T, k, dtype=torch.int64)  # every token to rank 0
+    w = torch.ones(T, k)
+    wire = poisoned_wire(geo, device="cuda")
+    send = geo.wire.wire_rows(wire, geo.rows)
+    D.pack_rows(hidden.cuda(), ids.cuda(), w.cuda(), owner_table(E, R).cuda(), geo, send,
+                torch.empty(R, T, dtype=torch.int32, device="cuda"))
+    q_ref, s_ref = fp8_reference(hidden)
+    _, _, mf = geo.wire.views(send)
+    S = s_ref.shape[1]
+    assert torch.equal(mf[:T, geo.wire.scale_col:geo.wire.scale_col + S].cpu(), s_ref)
+    assert torch.equal(geo.wire.x_bytes_view(send)[:T].cpu(), q_ref)

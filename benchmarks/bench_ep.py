@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-layer", action="store_true", help="skip the end-to-end layer timing")
+    p.add_argument("--profile", action="store_true",
+                   help="rank 0 prints the per-kernel device time of dispatch+combine (torch.profiler)")
     p.add_argument("--out", default="results/bench_ep")
     return p.parse_args(argv)
 
@@ -98,7 +100,23 @@ def graphed(fn, device):
     return g.replay
 
 
-def bench_one(preset, mode, T, device, timer, layer):
+def print_kernel_breakdown(fn, mode, T, calls=5):
+    """Every rank runs `fn` (it holds collectives); rank 0 profiles and prints per-kernel µs."""
+    if dist.get_rank() != 0:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from profile_layer import kernel_times
+
+    totals = kernel_times(fn, calls)
+    print(f"\ndispatch+combine {mode} T={T}: {sum(totals.values()):.0f} µs of kernels per call")
+    for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"  {us:8.1f} µs  {name}")
+
+
+def bench_one(preset, mode, T, device, timer, layer, profile=False):
     from padded_moe.distributed import ExpertParallel
 
     R, rank = dist.get_world_size(), dist.get_rank()
@@ -125,6 +143,8 @@ def bench_one(preset, mode, T, device, timer, layer):
     if device.type == "cuda":
         res["a2a_graph_ms"] = timer(graphed(a2a, device))
         res["dispatch_combine_graph_ms"] = timer(graphed(dispatch_combine, device))
+        if profile:
+            print_kernel_breakdown(dispatch_combine, mode, T)
     if layer:
         from padded_moe.experts import batched_experts, fused_experts
 
@@ -162,7 +182,7 @@ def main_worker(args):
     results = []
     for mode in args.modes:
         for T in args.tokens:
-            results.append(bench_one(preset, mode, T, device, timer, not args.no_layer))
+            results.append(bench_one(preset, mode, T, device, timer, not args.no_layer, args.profile))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if dist.get_rank() == 0:

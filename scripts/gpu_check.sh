@@ -34,6 +34,8 @@ for stage in "$@"; do
         gemm)
             step test-gemm python3 -m pytest -q -m gpu tests/test_gemm_gpu.py
             step bench-gemm python3 benchmarks/bench_gemm.py --out "$OUT/bench" ;;
+        gemm-tests)
+            step test-gemm python3 -m pytest -q -m gpu tests/test_gemm_gpu.py ;;
         routing)
             step test-routing python3 -m pytest -q -m gpu tests/test_routing.py ;;
         experts)
@@ -51,8 +53,8 @@ for stage in "$@"; do
         ep)
             step test-ep-kernels python3 -m pytest -q -m gpu tests/test_ep_kernels.py
             step sanitizer-ep compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_ep_kernels.py -k cuda_equals
-            step test-ep python3 -m pytest -q -m gpu tests/test_distributed_gpu.py
-            step bench-ep python3 benchmarks/bench_ep.py --out "$OUT/bench" ;;
+            step test-ep python3 -m pytest -q -rA -m gpu tests/test_distributed_gpu.py
+            step bench-ep python3 benchmarks/bench_ep.py --profile --out "$OUT/bench" ;;
         cpu-suite)
             step test-all-gpu python3 -m pytest -q -x tests ;;
         *) echo "unknown stage $stage" | tee -a "$summary" ;;

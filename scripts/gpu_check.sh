@@ -55,6 +55,8 @@ for stage in "$@"; do
             step sanitizer-ep compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_ep_kernels.py -k cuda_equals
             step test-ep python3 -m pytest -q -rA -m gpu tests/test_distributed_gpu.py
             step bench-ep python3 benchmarks/bench_ep.py --profile --out "$OUT/bench" ;;
+        ep-kernels)  # one GPU: sweep of the EP kernels' launch shapes
+            step bench-ep-kernels python3 benchmarks/bench_ep_kernels.py --out "$OUT/bench" ;;
         cpu-suite)
             step test-all-gpu python3 -m pytest -q -x tests ;;
         *) echo "unknown stage $stage" | tee -a "$summary" ;;

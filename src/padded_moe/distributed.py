@@ -244,13 +244,29 @@ class EPGeometry:
 # one (CUDA, or CPU under the interpreter); `ExpertParallel` calls the dispatcher functions.
 # ============================================================================================
 
-def _row_tile(device: torch.device) -> int:
-    """Rows per program of the row-copy kernels (the interpreter prefers few, large programs)."""
-    return 8 if device.type == "cuda" else 16
+@dataclass(frozen=True)
+class EPTile:
+    """Launch shape of one EP kernel on CUDA: rows per program, warps, and the programs per SM the
+    K split aims for (more programs put more bytes in flight when T is small)."""
+    rows: int
+    num_warps: int = 4
+    per_sm: int = 4
+
+
+# Per stage, for the H200 (benchmarks/bench_ep_kernels.py sweeps alternatives; edit from its output).
+EP_TILES: dict = {
+    "pack": EPTile(8), "recv_flat": EPTile(8), "recv_batched": EPTile(2),
+    "combine_flat": EPTile(8), "combine_batched": EPTile(8), "reduce": EPTile(8),
+}
+INTERPRET_TILE = EPTile(16)  # the interpreter prefers few, large programs
+
+
+def _tile(stage: str, device: torch.device) -> EPTile:
+    return EP_TILES[stage] if device.type == "cuda" else INTERPRET_TILE
 
 
 def _k_tiles(device: torch.device, K: int, elem_size: int, row_programs: int, *,
-             group: int = 0, split: bool = True) -> tuple[int, int, int]:
+             group: int = 0, split: bool = True, per_sm: int = 4) -> tuple[int, int, int]:
     """(BK, K_PER_PROG, KS): columns per inner step, per program, programs along K.
 
     On CUDA, K is split across programs until the grid has ~4 programs per SM (small T still
@@ -263,19 +279,19 @@ def _k_tiles(device: torch.device, K: int, elem_size: int, row_programs: int, *,
     if not split or device.type != "cuda":
         return bk, _cdiv(K, bk) * bk, 1
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    ks = max(1, min(_cdiv(K, bk), (4 * num_sms(idx)) // max(row_programs, 1)))
+    ks = max(1, min(_cdiv(K, bk), (per_sm * num_sms(idx)) // max(row_programs, 1)))
     kpp = _cdiv(_cdiv(K, ks), bk) * bk
     return bk, kpp, _cdiv(K, kpp)
 
 
-def _fp8_tiles(geo: EPGeometry, device, row_programs, elem_size, split=True):
+def _fp8_tiles(geo: EPGeometry, device, row_programs, elem_size, split=True, per_sm=4):
     """K tiling for a kernel that reads or writes an fp8 wire (a slice never straddles a scale)."""
     w = geo.wire
     if not w.fp8:
-        return _k_tiles(device, w.hidden_size, elem_size, row_programs, split=split)
+        return _k_tiles(device, w.hidden_size, elem_size, row_programs, split=split, per_sm=per_sm)
     if w.scale_group == w.hidden_size:  # one scale per row: the kernel loops over all of K itself
         return _k_tiles(device, w.hidden_size, 1, row_programs, split=False)
-    return _k_tiles(device, w.hidden_size, 1, row_programs, group=FP8_BLOCK, split=split)
+    return _k_tiles(device, w.hidden_size, 1, row_programs, group=FP8_BLOCK, split=split, per_sm=per_sm)
 
 
 def _unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
@@ -358,9 +374,10 @@ def _pack_triton(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_ro
     m, K, k = hidden.shape[0], w.hidden_size, w.top_k
     hidden = _unit_stride_rows(hidden)
     x, meta_i, meta_f = w.views(send_wire)
-    bt = _row_tile(dev)
+    tile = _tile("pack", dev)
+    bt = tile.rows
     nb = max(1, _cdiv(m, bt))
-    bk, kpp, ks = _fp8_tiles(geo, dev, R * nb, hidden.element_size())
+    bk, kpp, ks = _fp8_tiles(geo, dev, R * nb, hidden.element_size(), per_sm=tile.per_sm)
     zero = zero_counts if zero_counts is not None else token_rows  # any valid pointer when unused
     base = send_base if send_base is not None else token_rows
     _pack_kernel[(R * nb, ks)](
@@ -371,7 +388,7 @@ def _pack_triton(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_ro
         m, T, geo.num_experts, K, kpp, nb,
         R=R, TOP_K=k, KP=_next_pow2(k), BT=bt, BK=bk, CNT_TILE=512 if dev.type == "cuda" else 64,
         COUNT_COL=w.count_col, SCALE_COL=w.scale_col, HAS_BASE=send_base is not None, FP8=w.fp8,
-        ROW_SCALE=w.fp8 and w.scale_group == K, ZERO=zero_counts is not None, num_warps=4)
+        ROW_SCALE=w.fp8 and w.scale_group == K, ZERO=zero_counts is not None, num_warps=tile.num_warps)
 
 
 # ---------------------------------------------------------------------------------------- receive
@@ -443,9 +460,10 @@ def _receive_flat_triton(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb
 
     R, T, w, dev = geo.ep_size, geo.max_tokens, geo.wire, recv_wire.device
     x, meta_i, meta_f = w.views(recv_wire)
-    bt = _row_tile(dev)
+    tile = _tile("recv_flat", dev)
+    bt = tile.rows
     nb = _cdiv(T, bt)
-    bk, kpp, ks = _fp8_tiles(geo, dev, R * nb, rb_x.element_size())
+    bk, kpp, ks = _fp8_tiles(geo, dev, R * nb, rb_x.element_size(), per_sm=tile.per_sm)
     _recv_flat_kernel[(R * nb, ks)](
         x, x.stride(0), meta_i, meta_f, meta_i.stride(0), chunk_counts,
         rb_x, rb_x.stride(0), rb_ids, rb_ids.stride(0), rb_w, rb_w.stride(0), rb_valid,
@@ -453,7 +471,7 @@ def _receive_flat_triton(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb
         R=R, RP=_next_pow2(R), TOP_K=w.top_k, KP=_next_pow2(w.top_k), BT=bt, BK=bk,
         COUNT_COL=w.count_col, SCALE_COL=w.scale_col, IN_BAND=in_band, FP8=w.fp8,
         ROW_SCALE=w.fp8 and w.scale_group == w.hidden_size, GROUP=w.scale_group if w.fp8 else 1,
-        num_warps=4)
+        num_warps=tile.num_warps)
 
 
 def receive_batched(geo: EPGeometry, recv_wire, chunk_counts, in_band: bool, expert_table, num_local: int,
@@ -499,7 +517,8 @@ def _receive_batched_triton(geo, recv_wire, chunk_counts, in_band, expert_table,
 
     R, T, w, dev = geo.ep_size, geo.max_tokens, geo.wire, recv_wire.device
     x, meta_i, meta_f = w.views(recv_wire)
-    bt = 2 if dev.type == "cuda" else 16  # no split along K (positions come from atomics)
+    tile = _tile("recv_batched", dev)  # no split along K (positions come from atomics)
+    bt = tile.rows
     nb = _cdiv(T, bt)
     bk, _, _ = _fp8_tiles(geo, dev, R * nb, slab.element_size(), split=False)
     _recv_batched_kernel[(R * nb,)](
@@ -509,7 +528,7 @@ def _receive_batched_triton(geo, recv_wire, chunk_counts, in_band, expert_table,
         R=R, RP=_next_pow2(R), TOP_K=w.top_k, KP=_next_pow2(w.top_k), BT=bt, BK=bk,
         COUNT_COL=w.count_col, SCALE_COL=w.scale_col, IN_BAND=in_band, FP8=w.fp8,
         ROW_SCALE=w.fp8 and w.scale_group == w.hidden_size, GROUP=w.scale_group if w.fp8 else 1,
-        num_warps=4)
+        num_warps=tile.num_warps)
 
 
 # ---------------------------------------------------------------------------------------- combine
@@ -522,12 +541,13 @@ def combine_flat_rows(geo: EPGeometry, chunk_counts, expert_out, comb_send) -> N
         expert_out = _unit_stride_rows(expert_out)
 
         R, T, K, dev = geo.ep_size, geo.max_tokens, geo.wire.hidden_size, expert_out.device
-        bt = _row_tile(dev)
+        tile = _tile("combine_flat", dev)
+        bt = tile.rows
         nb = _cdiv(T, bt)
-        bk, kpp, ks = _k_tiles(dev, K, expert_out.element_size(), R * nb)
+        bk, kpp, ks = _k_tiles(dev, K, expert_out.element_size(), R * nb, per_sm=tile.per_sm)
         _combine_flat_kernel[(R * nb, ks)](
             expert_out, expert_out.stride(0), chunk_counts, comb_send, comb_send.stride(0),
-            T, K, kpp, nb, R=R, RP=_next_pow2(R), BT=bt, BK=bk, num_warps=4)
+            T, K, kpp, nb, R=R, RP=_next_pow2(R), BT=bt, BK=bk, num_warps=tile.num_warps)
         return
     R, T = geo.ep_size, geo.max_tokens
     cnt = chunk_counts.long().clamp(0, T)
@@ -550,14 +570,16 @@ def combine_batched_rows(geo: EPGeometry, recv_wire, chunk_counts, graph_safe: b
 
         R, T, w, dev = geo.ep_size, geo.max_tokens, geo.wire, expert_out.device
         _, _, meta_f = w.views(recv_wire)
-        bt = _row_tile(dev)
+        tile = _tile("combine_batched", dev)
+        bt = tile.rows
         nb = _cdiv(T, bt)
-        bk, kpp, ks = _k_tiles(dev, w.hidden_size, expert_out.element_size(), R * nb)
+        bk, kpp, ks = _k_tiles(dev, w.hidden_size, expert_out.element_size(), R * nb, per_sm=tile.per_sm)
         _combine_batched_kernel[(R * nb, ks)](
             expert_out, expert_out.stride(0), expert_out.stride(1), expert_out.shape[1], meta_f,
             meta_f.stride(0), chunk_counts, slot_rows, slot_rows.stride(0), comb_send, comb_send.stride(0),
             T, w.hidden_size, kpp, nb,
-            R=R, RP=_next_pow2(R), TOP_K=w.top_k, BT=bt, BK=bk, GRAPH_SAFE=graph_safe, num_warps=4)
+            R=R, RP=_next_pow2(R), TOP_K=w.top_k, BT=bt, BK=bk, GRAPH_SAFE=graph_safe,
+            num_warps=tile.num_warps)
         return
     k, K, rows = geo.wire.top_k, geo.wire.hidden_size, geo.rows
     _, _, meta_f = geo.wire.views(recv_wire)
@@ -584,11 +606,13 @@ def reduce_partials(geo: EPGeometry, comb_recv, token_rows, m: int, out) -> None
         from padded_moe.kernels.ep import _reduce_kernel
 
         dev = out.device
-        bt = _row_tile(dev)
+        tile = _tile("reduce", dev)
+        bt = tile.rows
         nb = _cdiv(m, bt)
-        bk, kpp, ks = _k_tiles(dev, K, out.element_size(), nb)
+        bk, kpp, ks = _k_tiles(dev, K, out.element_size(), nb, per_sm=tile.per_sm)
         _reduce_kernel[(nb, ks)](comb_recv, comb_recv.stride(0), token_rows, token_rows.stride(0),
-                                 out, out.stride(0), m, K, kpp, rows, R=R, BT=bt, BK=bk, num_warps=4)
+                                 out, out.stride(0), m, K, kpp, rows, R=R, BT=bt, BK=bk,
+                                 num_warps=tile.num_warps)
         return
     tr = token_rows[:, :m].long()
     keep = (tr >= 0) & (tr < rows)

@@ -136,9 +136,13 @@ def main() -> None:
                     times[tile] = us(fn)
                 except Exception as exc:  # report and go on (e.g. too many registers)
                     print(f"  {stage} {tile}: failed {type(exc).__name__}: {exc}"[:200])
+            # The first timing of a stage can run before the clocks ramp up: time the table's tile
+            # again last and keep its faster measurement.
             D.EP_TILES[stage] = table[stage]
+            times[table[stage]] = min(times[table[stage]], us(fn))
             best = min(times, key=times.get)
-            rec = dict(T=T, stage=stage, table=str(table[stage]), table_us=times[table[stage]], best=str(best),
+            rec = dict(T=T, stage=stage, all_us={str(t): v for t, v in times.items()},
+                       table=str(table[stage]), table_us=times[table[stage]], best=str(best),
                        best_us=times[best], gb_per_s_best=nbytes / (times[best] * 1e-6) / 1e9)
             results.append(rec)
             print(f"T={T:5d} {stage:16s} table {table[stage]} {times[table[stage]]:7.1f} µs | best {best} "

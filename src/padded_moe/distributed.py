@@ -254,9 +254,11 @@ class EPTile:
 
 
 # Per stage, for the H200 (benchmarks/bench_ep_kernels.py sweeps alternatives; edit from its output).
+# combine_batched: 4 rows and 8 programs per SM took 31.7 µs at T=1024 in the sweep, where the
+# 8-row tile had taken 50.9 µs in the profile of bench_ep (2026-11-30).
 EP_TILES: dict = {
     "pack": EPTile(8), "recv_flat": EPTile(8), "recv_batched": EPTile(2),
-    "combine_flat": EPTile(8), "combine_batched": EPTile(8), "reduce": EPTile(8),
+    "combine_flat": EPTile(8), "combine_batched": EPTile(4, 4, 8), "reduce": EPTile(8),
 }
 INTERPRET_TILE = EPTile(16)  # the interpreter prefers few, large programs
 

@@ -210,26 +210,30 @@ WDTYPES = [torch.float32, torch.bfloat16, torch.float16, "mxfp4"]
 EDGE_COUNTS = [0, 1, BM - 1, BM, BM + 1, 2 * BM + 3]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
-@pytest.mark.parametrize("wdtype", WDTYPES, ids=str)
-def test_layouts_all_dtypes(cpu_path, layout, wdtype, gen):
-    K, n_out, k = 64, 40, 2  # n_out not a multiple of the kernel's BN: exercises the N mask
+def edge_count_case(layout, wdtype, gen, extra_invalid):
+    """(a, w, w64, meta) for GEMM1 over the EDGE_COUNTS experts: K=64, Nout=40 (not a multiple
+    of the kernel's BN, so the N mask is exercised), k=2, invalid ids mixed in, NaN in every row
+    the layout must not read."""
+    K, n_out, k = 64, 40, 2
     counts = EDGE_COUNTS
     L = len(counts)
     dt = act_dtype(wdtype)
     w, w64 = make_weight(L, n_out, K, wdtype, gen)
-    ids = ids_with_counts(counts, k, gen, extra_invalid=3)
+    ids = ids_with_counts(counts, k, gen, extra_invalid=extra_invalid)
     M = ids.shape[0]
     if layout == GemmLayout.GROUPED_MASKED:
         meta = local_meta(layout, ids, L, t_max=max(counts) + 5)
         a = torch.randn(L, meta.max_tokens_per_expert, K, generator=gen).to(dt)
-    elif layout == GemmLayout.GROUPED_CONTIGUOUS:
-        meta = local_meta(layout, ids, L)
-        a = torch.randn(M * k, K, generator=gen).to(dt)
     else:
         meta = local_meta(layout, ids, L)
-        a = torch.randn(M, K, generator=gen).to(dt)
-    a = nan_unused_rows(a, meta, "w13")
+        a = torch.randn(M * k if layout == GemmLayout.GROUPED_CONTIGUOUS else M, K, generator=gen).to(dt)
+    return nan_unused_rows(a, meta, "w13"), w, w64, meta
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+@pytest.mark.parametrize("wdtype", WDTYPES, ids=str)
+def test_layouts_all_dtypes(cpu_path, layout, wdtype, gen):
+    a, w, w64, meta = edge_count_case(layout, wdtype, gen, extra_invalid=3)
     run_and_check(a, w, w64, meta, "w13")
 
 
@@ -539,25 +543,11 @@ def test_tma_descriptor_path(monkeypatch, layout, wdtype, gen):
     if not kernels_interpreted():
         pytest.skip("interpreter-only check; the GPU tests cover the compiled TMA path")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    K, n_out, k = 64, 40, 2  # n_out not a multiple of BN: the descriptor over-reads, stores mask
-    counts = EDGE_COUNTS
-    L = len(counts)
-    w, w64 = make_weight(L, n_out, K, wdtype, gen)
-    ids = ids_with_counts(counts, k, gen, extra_invalid=2)
-    M = ids.shape[0]
-    if layout == GemmLayout.GROUPED_MASKED:
-        meta = local_meta(layout, ids, L, t_max=max(counts) + 5)
-        a = torch.randn(L, meta.max_tokens_per_expert, K, generator=gen).to(wdtype)
-        out = torch.full((L, meta.max_tokens_per_expert, n_out), SENTINEL, dtype=wdtype)
-    elif layout == GemmLayout.GROUPED_CONTIGUOUS:
-        meta = local_meta(layout, ids, L)
-        a = torch.randn(M * k, K, generator=gen).to(wdtype)
-        out = torch.full((M * k, n_out), SENTINEL, dtype=wdtype)
-    else:
-        meta = local_meta(layout, ids, L)
-        a = torch.randn(M, K, generator=gen).to(wdtype)
-        out = torch.full((M * k, n_out), SENTINEL, dtype=wdtype)
-    a = nan_unused_rows(a, meta, "w13")
+    # Nout=40 is not a multiple of BN: the descriptor over-reads columns, the store masks them.
+    a, w, w64, meta = edge_count_case(layout, wdtype, gen, extra_invalid=2)
+    n_out = w64.shape[1]
+    rows = a.shape[:-1] if layout == GemmLayout.GROUPED_MASKED else (meta.num_tokens * meta.top_k,)
+    out = torch.full((*rows, n_out), SENTINEL, dtype=wdtype)
     cfg = dataclasses.replace(kg.INTERPRET_CONFIG, tma=True)
     get_backend("triton").gemm(a, w, meta, stage="w13", bias=None, out=out, config=cfg)
     ref = ref_rows(torch.nan_to_num(a.double(), nan=0.0), w64, None, meta, "w13")

@@ -461,9 +461,8 @@ def test_one_collective_each_way_and_two_kernels(one_rank_group, monkeypatch):
                 else:
                     ep.combine(rb.x, h)
             work = [c for c in calls if c not in host_only]
-            want = {("dispatch", "flat"): ["_route_kernel", "_pack_kernel", "alltoall_base_", "_recv_flat_kernel"],
-                    ("dispatch", "batched"): ["_route_kernel", "_pack_kernel", "alltoall_base_",
-                                              "_recv_batched_kernel"],
+            want = {("dispatch", "flat"): ["_pack_kernel", "alltoall_base_", "_recv_flat_kernel"],
+                    ("dispatch", "batched"): ["_pack_kernel", "alltoall_base_", "_recv_batched_kernel"],
                     ("combine", "flat"): ["_combine_flat_kernel", "alltoall_base_", "_reduce_kernel"],
                     ("combine", "batched"): ["_combine_batched_kernel", "alltoall_base_", "_reduce_kernel"]}
             assert work == want[(step, mode)], (mode, step, calls)

@@ -37,9 +37,8 @@ Where it runs: on CUDA (and on CPU with `TRITON_INTERPRET=1`) the Triton kernels
 `padded_moe.kernels.ep`; otherwise the torch functions below (the CPU/gloo path and the tests'
 reference). Launches per call, graph-safe:
 
-- dispatch: `_route_kernel` (one program per peer: each token's row in the chunk by a running
-  prefix count, `token_rows`, the chunk count; zeroes the batched counts), `_pack_kernel` (row copy
-  / fp8 quantization and meta, in parallel), one all_to_all, then `_recv_flat_kernel` or
+- dispatch: `_pack_kernel` (owner, position in the chunk, row copy / fp8 quantization, meta,
+  count, `token_rows`; zeroes the batched counts), one all_to_all, then `_recv_flat_kernel` or
   `_recv_batched_kernel`;
 - combine: `_combine_flat_kernel` or `_combine_batched_kernel`, one all_to_all, `_reduce_kernel`.
 
@@ -371,7 +370,7 @@ def _pack_torch(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_row
 
 
 def _pack_triton(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base, zero_counts):
-    from padded_moe.kernels.ep import _pack_kernel, _route_kernel
+    from padded_moe.kernels.ep import _pack_kernel
 
     R, T, w, dev = geo.ep_size, geo.max_tokens, geo.wire, hidden.device
     m, K, k = hidden.shape[0], w.hidden_size, w.top_k
@@ -383,23 +382,15 @@ def _pack_triton(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_ro
     bk, kpp, ks = _fp8_tiles(geo, dev, R * nb, hidden.element_size(), per_sm=tile.per_sm)
     zero = zero_counts if zero_counts is not None else token_rows  # any valid pointer when unused
     base = send_base if send_base is not None else token_rows
-    # Rows first (one program per peer: a running prefix count), then the parallel copies.
-    _route_kernel[(R,)](
-        topk_ids, topk_ids.stride(0), topk_ids.stride(1), owner, token_rows, base,
-        meta_i, meta_i.stride(0), zero, zero_counts.numel() if zero_counts is not None else 0,
-        m, T, geo.num_experts,
-        R=R, TOP_K=k, KP=_next_pow2(k), CNT_TILE=512 if dev.type == "cuda" else 64,
-        COUNT_COL=w.count_col, HAS_BASE=send_base is not None, ZERO=zero_counts is not None,
-        num_warps=4)
-    if m == 0:
-        return
     _pack_kernel[(R * nb, ks)](
         hidden, hidden.stride(0), topk_ids, topk_ids.stride(0), topk_ids.stride(1),
         topk_weights, topk_weights.stride(0), topk_weights.stride(1), owner,
-        x, x.stride(0), meta_i, meta_f, meta_i.stride(0), token_rows,
+        x, x.stride(0), meta_i, meta_f, meta_i.stride(0), token_rows, base,
+        zero, zero_counts.numel() if zero_counts is not None else 0,
         m, T, geo.num_experts, K, kpp, nb,
-        R=R, TOP_K=k, KP=_next_pow2(k), BT=bt, BK=bk,
-        SCALE_COL=w.scale_col, FP8=w.fp8, ROW_SCALE=w.fp8 and w.scale_group == K, num_warps=tile.num_warps)
+        R=R, TOP_K=k, KP=_next_pow2(k), BT=bt, BK=bk, CNT_TILE=512 if dev.type == "cuda" else 64,
+        COUNT_COL=w.count_col, SCALE_COL=w.scale_col, HAS_BASE=send_base is not None, FP8=w.fp8,
+        ROW_SCALE=w.fp8 and w.scale_group == K, ZERO=zero_counts is not None, num_warps=tile.num_warps)
 
 
 # ---------------------------------------------------------------------------------------- receive

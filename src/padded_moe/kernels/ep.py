@@ -107,68 +107,58 @@ def _load_wire_row_slice(rx_ptr, src64, stride_rx, rmf_ptr, stride_rm, cols, msk
 
 # ---------------------------------------------------------------------------------------- dispatch
 @triton.jit
-def _route_kernel(ids_ptr, stride_im, stride_ik, owner_ptr, token_rows_ptr, base_ptr,
-                  smi_ptr, stride_sm, zero_ptr, n_zero, m, T, E,
-                  R: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, CNT_TILE: tl.constexpr,
-                  COUNT_COL: tl.constexpr, HAS_BASE: tl.constexpr, ZERO: tl.constexpr):
-    """One program per peer r: each token's row in chunk r (a running prefix count over token
-    tiles) into `token_rows[r, t]` (R*T when the token sends nothing to r), and the chunk's count
-    on its first row (graph-safe). A separate launch so the row copies need no recount."""
-    r = tl.program_id(0)
-    jj = tl.arange(0, KP)
-    jm = jj < TOP_K
-    if HAS_BASE:
-        base = tl.load(base_ptr + r)
-    else:
-        base = r * T
-    carry = tl.full([], 0, tl.int32)
-    for c0 in range(0, m, CNT_TILE):
-        t = c0 + tl.arange(0, CNT_TILE)
-        tm = t < m
-        _, mine = _slots_for_peer(ids_ptr, stride_im, stride_ik, owner_ptr, t, tm, r, E, jj, jm)
-        sent = tl.max(mine.to(tl.int32), axis=1)
-        pos = carry + tl.cumsum(sent, axis=0) - 1
-        tl.store(token_rows_ptr + r * T + t, tl.where(sent > 0, base + pos, R * T), mask=tm)
-        carry += tl.sum(sent, axis=0)
-    if not HAS_BASE:
-        # The chunk's valid-row count, always written (also for 0 rows and m == 0).
-        tl.store(smi_ptr + (r * T).to(tl.int64) * stride_sm + COUNT_COL, carry)
-    if ZERO:
-        if r == 0:
-            for z0 in range(0, n_zero, 1024):
-                zz = z0 + tl.arange(0, 1024)
-                tl.store(zero_ptr + zz, tl.zeros([1024], dtype=tl.int32), mask=zz < n_zero)
-
-
-@triton.jit
 def _pack_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr, stride_wm, stride_wk, owner_ptr,
-                 sx_ptr, stride_sx, smi_ptr, smf_ptr, stride_sm, token_rows_ptr,
+                 sx_ptr, stride_sx, smi_ptr, smf_ptr, stride_sm, token_rows_ptr, base_ptr,
+                 zero_ptr, n_zero,
                  m, T, E, K, K_PER_PROG, NB,
                  R: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
-                 BK: tl.constexpr, SCALE_COL: tl.constexpr, FP8: tl.constexpr, ROW_SCALE: tl.constexpr):
-    """Rows of BT tokens for peer r, after `_route_kernel`: the hidden row (or its fp8 quantization)
-    and the meta (ids masked to r's slots, weights) at the row `token_rows[r, t]`."""
+                 BK: tl.constexpr, CNT_TILE: tl.constexpr, COUNT_COL: tl.constexpr,
+                 SCALE_COL: tl.constexpr, HAS_BASE: tl.constexpr, FP8: tl.constexpr,
+                 ROW_SCALE: tl.constexpr, ZERO: tl.constexpr):
     pid = tl.program_id(0)
     kz = tl.program_id(1)
     r = pid // NB
     b = pid % NB
     jj = tl.arange(0, KP)
     jm = jj < TOP_K
+    # Rows taken in chunk r by the tokens of the earlier blocks (recomputed: m is at most T).
+    earlier = tl.full([], 0, tl.int32)
+    for c0 in range(0, b * BT, CNT_TILE):
+        tt = c0 + tl.arange(0, CNT_TILE)
+        _, mine_e = _slots_for_peer(ids_ptr, stride_im, stride_ik, owner_ptr, tt, tt < b * BT, r, E, jj, jm)
+        earlier += tl.sum(tl.max(mine_e.to(tl.int32), axis=1), axis=0)
+
     t = b * BT + tl.arange(0, BT)
     tm = t < m
-    row = tl.load(token_rows_ptr + r * T + t, mask=tm, other=R * T)
-    to_peer = tm & (row >= 0) & (row < R * T)
-    row64 = tl.where(to_peer, row, 0).to(tl.int64)
+    g, mine = _slots_for_peer(ids_ptr, stride_im, stride_ik, owner_ptr, t, tm, r, E, jj, jm)
+    sent = tl.max(mine.to(tl.int32), axis=1)            # [BT] 1 when token t goes to peer r
+    pos = earlier + tl.cumsum(sent, axis=0) - 1
+    if HAS_BASE:
+        base = tl.load(base_ptr + r)
+    else:
+        base = r * T
+    row = base + pos
+    to_peer = sent > 0
+    row64 = row.to(tl.int64)
     t64 = t.to(tl.int64)
 
     if kz == 0:
-        g, mine = _slots_for_peer(ids_ptr, stride_im, stride_ik, owner_ptr, t, to_peer, r, E, jj, jm)
+        tl.store(token_rows_ptr + r * T + t, tl.where(to_peer, row, R * T), mask=tm)
         mm = to_peer[:, None] & jm[None, :]
         # Kept ids are in [0, E): narrowing to int32 after the mask is safe.
         tl.store(smi_ptr + row64[:, None] * stride_sm + jj[None, :], tl.where(mine, g, -1).to(tl.int32), mask=mm)
         w = tl.load(w_ptr + t64[:, None] * stride_wm + jj[None, :] * stride_wk, mask=mm, other=0.0)
         tl.store(smf_ptr + row64[:, None] * stride_sm + TOP_K + jj[None, :],
                  tl.where(mine, w.to(tl.float32), 0.0), mask=mm)
+        if not HAS_BASE:
+            # The chunk's valid-row count, always written (also for 0 rows and m == 0).
+            total = earlier + tl.sum(sent, axis=0)
+            tl.store(smi_ptr + (r * T).to(tl.int64) * stride_sm + COUNT_COL, total, mask=b == NB - 1)
+        if ZERO:
+            if pid == 0:
+                for z0 in range(0, n_zero, 1024):
+                    zz = z0 + tl.arange(0, 1024)
+                    tl.store(zero_ptr + zz, tl.zeros([1024], dtype=tl.int32), mask=zz < n_zero)
 
     src = h_ptr + t64[:, None] * stride_h
     dst = sx_ptr + row64[:, None] * stride_sx

@@ -10,7 +10,8 @@ For T tokens per rank it times, per mode (flat / batched):
 - `a2a`: one all_to_all_single of `[R*T, K]` rows (the dispatch payload); dispatch + combine move
   those bytes twice (there and back), so the reference for them is `2 × a2a`;
 - `dispatch+combine`: ExpertParallel.dispatch then combine (experts skipped: combine returns
-  the received rows), eager and (GPU, flat and batched) captured in a CUDA graph. On GPU this is
+  the received rows), eager and (GPU, flat and batched) captured in a CUDA graph; the two graph
+  replays (raw a2a and dispatch+combine) are timed in alternation, iteration by iteration. On GPU this is
   the Triton path of `padded_moe.kernels.ep`: per direction one all_to_all of `[R*T, row_bytes]`
   wire rows (x + in-band ids / weights / count, ~1% more bytes than the raw a2a) and two kernels;
   the table title says which path ran ("triton" or "torch");
@@ -60,29 +61,43 @@ class Timer:
         self.cuda = device.type == "cuda"
         self.iters, self.warmup = iters, warmup
 
-    def __call__(self, fn) -> float:
-        for _ in range(self.warmup):
+    def _once(self, fn) -> float:
+        dist.barrier()
+        if self.cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             fn()
-        times = []
-        for _ in range(self.iters):
-            dist.barrier()
-            if self.cuda:
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    def _slowest_median(self, times) -> float:
         # Every rank reports the slowest rank's median: a collective is as slow as its last rank.
         t = torch.tensor([statistics.median(times)], dtype=torch.float64,
                          device="cuda" if self.cuda else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
+
+    def __call__(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        return self._slowest_median([self._once(fn) for _ in range(self.iters)])
+
+    def pair(self, fn_a, fn_b) -> tuple[float, float]:
+        """Both timed in alternation, so a ratio of the two compares the same conditions (the raw
+        all_to_all's time drifts between moments of one run and between runs)."""
+        for _ in range(self.warmup):
+            fn_a()
+            fn_b()
+        ta, tb = [], []
+        for _ in range(self.iters):
+            ta.append(self._once(fn_a))
+            tb.append(self._once(fn_b))
+        return self._slowest_median(ta), self._slowest_median(tb)
 
 
 def graphed(fn, device):
@@ -141,8 +156,8 @@ def bench_one(preset, mode, T, device, timer, layer, profile=False):
     res["a2a_ms"] = timer(a2a)
     res["dispatch_combine_ms"] = timer(dispatch_combine)
     if device.type == "cuda":
-        res["a2a_graph_ms"] = timer(graphed(a2a, device))
-        res["dispatch_combine_graph_ms"] = timer(graphed(dispatch_combine, device))
+        res["a2a_graph_ms"], res["dispatch_combine_graph_ms"] = timer.pair(
+            graphed(a2a, device), graphed(dispatch_combine, device))
         if profile:
             print_kernel_breakdown(dispatch_combine, mode, T)
     if layer:

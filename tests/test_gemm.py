@@ -174,6 +174,17 @@ def nan_unused_rows(a, meta, stage):
     return a
 
 
+def layout_activations(layout, meta, num_tokens, k, K, gen, dtype, stage="w13"):
+    """Random GEMM input in the layout's shape ([L, T_max, K] slabs; [M*k, K] permuted or slot
+    rows; [M, K] token rows for INDEXED GEMM1) with NaN in every row the layout must not read."""
+    if layout == GemmLayout.GROUPED_MASKED:
+        a = torch.randn(meta.num_local, meta.max_tokens_per_expert, K, generator=gen)
+    else:
+        slot_rows = layout == GemmLayout.GROUPED_CONTIGUOUS or stage == "w2"
+        a = torch.randn(num_tokens * k if slot_rows else num_tokens, K, generator=gen)
+    return nan_unused_rows(a.to(dtype), meta, stage)
+
+
 def run_and_check(a, w, w64, meta, stage, *, bias=None, backend="auto"):
     n_out = w64.shape[1]
     if isinstance(meta, GroupedMaskedMeta):
@@ -221,13 +232,9 @@ def edge_count_case(layout, wdtype, gen, extra_invalid):
     w, w64 = make_weight(L, n_out, K, wdtype, gen)
     ids = ids_with_counts(counts, k, gen, extra_invalid=extra_invalid)
     M = ids.shape[0]
-    if layout == GemmLayout.GROUPED_MASKED:
-        meta = local_meta(layout, ids, L, t_max=max(counts) + 5)
-        a = torch.randn(L, meta.max_tokens_per_expert, K, generator=gen).to(dt)
-    else:
-        meta = local_meta(layout, ids, L)
-        a = torch.randn(M * k if layout == GemmLayout.GROUPED_CONTIGUOUS else M, K, generator=gen).to(dt)
-    return nan_unused_rows(a, meta, "w13"), w, w64, meta
+    t_max = max(counts) + 5 if layout == GemmLayout.GROUPED_MASKED else None
+    meta = local_meta(layout, ids, L, t_max=t_max)
+    return layout_activations(layout, meta, M, k, K, gen, dt), w, w64, meta
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
@@ -258,11 +265,7 @@ def test_grouped_bias_fp32(cpu_path, layout, gen):
     w, w64 = make_weight(L, n_out, K, torch.float32, gen)
     ids = ids_with_counts(counts, k, gen)
     meta = local_meta(layout, ids, L)
-    if layout == GemmLayout.GROUPED_MASKED:
-        a = torch.randn(L, meta.max_tokens_per_expert, K, generator=gen)
-    else:
-        a = torch.randn(ids.numel(), K, generator=gen)
-    a = nan_unused_rows(a, meta, "w13")
+    a = layout_activations(layout, meta, ids.shape[0], k, K, gen, torch.float32)
     run_and_check(a, w, w64, meta, "w13", bias=torch.randn(L, n_out, generator=gen))
 
 
@@ -340,13 +343,7 @@ def test_triton_and_torch_agree(monkeypatch, gen):
     w, _ = make_weight(L, n_out, K, torch.bfloat16, gen)
     for layout in LAYOUTS:
         meta = local_meta(layout, ids, L)
-        if layout == GemmLayout.GROUPED_MASKED:
-            a = torch.randn(L, meta.max_tokens_per_expert, K, generator=gen).to(torch.bfloat16)
-        elif layout == GemmLayout.GROUPED_CONTIGUOUS:
-            a = torch.randn(ids.numel(), K, generator=gen).to(torch.bfloat16)
-        else:
-            a = torch.randn(ids.shape[0], K, generator=gen).to(torch.bfloat16)
-        a = nan_unused_rows(a, meta, "w13")
+        a = layout_activations(layout, meta, ids.shape[0], k, K, gen, torch.bfloat16)
         outs = []
         for backend in ("triton", "torch"):
             out = torch.full((a.shape[0] * (k if layout == GemmLayout.INDEXED else 1),) + (n_out,)
@@ -370,13 +367,7 @@ def test_with_build_layout(cpu_path, gen):
             meta = layouts.build_layout(layout, ids, L, block_m=BM)
         except NotImplementedError:
             pytest.skip("build_layout not implemented yet")
-        if layout == GemmLayout.GROUPED_MASKED:
-            a = torch.randn(L, meta.max_tokens_per_expert, K, generator=gen).to(torch.bfloat16)
-        elif layout == GemmLayout.GROUPED_CONTIGUOUS:
-            a = torch.randn(ids.numel(), K, generator=gen).to(torch.bfloat16)
-        else:
-            a = torch.randn(ids.shape[0], K, generator=gen).to(torch.bfloat16)
-        a = nan_unused_rows(a, meta, "w13")
+        a = layout_activations(layout, meta, ids.shape[0], k, K, gen, torch.bfloat16)
         run_and_check(a, w, w64, meta, "w13")
 
 
@@ -466,13 +457,8 @@ def test_torch_cuda_fast_paths_run_on_cpu(with_bias, gen):
         if layout == GemmLayout.GROUPED_CONTIGUOUS and not hasattr(torch, "_grouped_mm"):
             continue
         meta = local_meta(layout, ids, L)
-        if layout == GemmLayout.GROUPED_MASKED:
-            a = torch.randn(L, meta.max_tokens_per_expert, K, generator=gen).to(torch.bfloat16)
-            out = torch.full((L, meta.max_tokens_per_expert, n_out), SENTINEL, dtype=torch.bfloat16)
-        else:
-            a = torch.randn(ids.numel(), K, generator=gen).to(torch.bfloat16)
-            out = torch.full((ids.numel(), n_out), SENTINEL, dtype=torch.bfloat16)
-        a = nan_unused_rows(a, meta, "w13")
+        a = layout_activations(layout, meta, ids.shape[0], k, K, gen, torch.bfloat16)
+        out = torch.full((*a.shape[:-1], n_out), SENTINEL, dtype=torch.bfloat16)
         # Padded rows are NaN: these paths compute them and then discard them with `where`.
         fn(a, w, meta, bias, out)
         ref = ref_rows(torch.nan_to_num(a.double()), w64, None if bias is None else bias.double(), meta, "w13")
@@ -497,13 +483,7 @@ def test_randomised_shapes(cpu_path, trial):
     w, w64 = make_weight(L, n_out, K, wdtype, gen)
     meta = local_meta(layout, ids, L, block_m=pick([8, 16, 32]))
     dt = act_dtype(wdtype)
-    if layout == GemmLayout.GROUPED_MASKED:
-        a = torch.randn(L, meta.max_tokens_per_expert, K, generator=gen).to(dt)
-    elif layout == GemmLayout.GROUPED_CONTIGUOUS or stage == "w2":
-        a = torch.randn(M * k, K, generator=gen).to(dt)
-    else:
-        a = torch.randn(M, K, generator=gen).to(dt)
-    a = nan_unused_rows(a, meta, stage)
+    a = layout_activations(layout, meta, M, k, K, gen, dt, stage)
     try:
         run_and_check(a, w, w64, meta, stage)
     except AssertionError as exc:

@@ -13,10 +13,15 @@ For T tokens per rank it times, per mode (flat / batched):
   the received rows), eager and (GPU, flat and batched) captured in a CUDA graph; the two graph
   replays (raw a2a and dispatch+combine) are timed in alternation, iteration by iteration. On GPU this is
   the Triton path of `padded_moe.kernels.ep`: per direction one all_to_all of `[R*T, row_bytes]`
-  wire rows (x + in-band ids / weights / count, ~1% more bytes than the raw a2a) and two kernels;
+  wire rows (x + in-band ids / weights / count, ~1% more bytes than the raw a2a) and 2-4 kernels;
   the table title says which path ran ("triton" or "torch");
 - `layer`: dispatch → fused_experts / batched_experts (bf16 weights of the preset) → combine.
-Target (flat, graph): dispatch+combine ≥ 0.8 × the speed of 2 × a2a ("ratio" column).
+Target (graph): dispatch+combine ≥ 0.8 × the speed of 2 × a2a ("ratio" column).
+
+A timed sample is `--chain` calls back to back (default 10: the steady state; 1: one call, whose
+time for a collective includes the ranks' launch skew). `--timeline` prints each kernel's start
+and duration in a steady-state graph replay; `--tile STAGE=ROWS,WARPS,PER_SM`, `--free-sms` and
+`--overlap-min-tokens` override the EP launch settings for one run (probes).
 Writes `ep.json` and `ep.png` to --out; rank 0 prints a table.
 """
 
@@ -47,19 +52,46 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--chain", type=int, default=10,
+                   help="calls back to back per timed sample (1: one call, launch skew between ranks included)")
     p.add_argument("--no-layer", action="store_true", help="skip the end-to-end layer timing")
+    p.add_argument("--timeline", action="store_true",
+                   help="rank 0 prints the kernel timeline (start gaps, durations) of chained graph replays")
     p.add_argument("--profile", action="store_true",
                    help="rank 0 prints the per-kernel device time of dispatch+combine (torch.profiler)")
+    p.add_argument("--tile", action="append", default=[], metavar="STAGE=ROWS,WARPS,PER_SM",
+                   help="override one entry of padded_moe.distributed.EP_TILES for this run (repeatable)")
+    p.add_argument("--free-sms", type=int, default=None,
+                   help="override padded_moe.distributed.EP_FREE_SMS (SMs the overlapped kernels leave to NCCL)")
+    p.add_argument("--overlap-min-tokens", type=int, default=None,
+                   help="override padded_moe.distributed.EP_OVERLAP_MIN_TOKENS (batched own-chunk overlap)")
     p.add_argument("--out", default="results/bench_ep")
     return p.parse_args(argv)
 
 
-class Timer:
-    """Median wall time of `fn` in ms; CUDA events on GPU, barriers so ranks start together."""
+def apply_tiles(overrides) -> None:
+    """--tile recv_batched=4,8,4 → EP_TILES["recv_batched"] = EPTile(4, 8, 4)."""
+    from padded_moe import distributed as D
 
-    def __init__(self, device, iters, warmup):
+    for item in overrides:
+        stage, _, nums = item.partition("=")
+        if stage not in D.EP_TILES:
+            raise SystemExit(f"--tile: unknown stage {stage!r}; stages: {sorted(D.EP_TILES)}")
+        D.EP_TILES[stage] = D.EPTile(*(int(v) for v in nums.split(",")))
+
+
+class Timer:
+    """Median wall time of one `fn` call in ms; CUDA events on GPU, barriers so ranks start together.
+
+    A sample times `chain` calls back to back and divides: the steady state of layer after layer.
+    With chain=1 a collective's sample mostly measures how far apart the ranks launched it (tens
+    of µs of host skew against a 30-100 µs transfer), which made the raw all_to_all's time jump
+    between runs; the first call of a chain absorbs that skew.
+    """
+
+    def __init__(self, device, iters, warmup, chain=1):
         self.cuda = device.type == "cuda"
-        self.iters, self.warmup = iters, warmup
+        self.iters, self.warmup, self.chain = iters, warmup, max(1, chain)
 
     def _once(self, fn) -> float:
         dist.barrier()
@@ -67,13 +99,15 @@ class Timer:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(self.chain):
+                fn()
             end.record()
             end.synchronize()
-            return start.elapsed_time(end)
+            return start.elapsed_time(end) / self.chain
         t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
+        for _ in range(self.chain):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / self.chain
 
     def _slowest_median(self, times) -> float:
         # Every rank reports the slowest rank's median: a collective is as slow as its last rank.
@@ -87,17 +121,23 @@ class Timer:
             fn()
         return self._slowest_median([self._once(fn) for _ in range(self.iters)])
 
-    def pair(self, fn_a, fn_b) -> tuple[float, float]:
-        """Both timed in alternation, so a ratio of the two compares the same conditions (the raw
-        all_to_all's time drifts between moments of one run and between runs)."""
+    def round_robin(self, fns: dict) -> dict:
+        """Every function timed in turn, iteration by iteration, so ratios between them compare the
+        same conditions (the raw all_to_all's time drifts between moments of one run and between
+        runs)."""
         for _ in range(self.warmup):
-            fn_a()
-            fn_b()
-        ta, tb = [], []
+            for fn in fns.values():
+                fn()
+        times = {name: [] for name in fns}
         for _ in range(self.iters):
-            ta.append(self._once(fn_a))
-            tb.append(self._once(fn_b))
-        return self._slowest_median(ta), self._slowest_median(tb)
+            for name, fn in fns.items():
+                times[name].append(self._once(fn))
+        return {name: self._slowest_median(t) for name, t in times.items()}
+
+    def pair(self, fn_a, fn_b) -> tuple[float, float]:
+        """Both timed in alternation (see `round_robin`)."""
+        t = self.round_robin({"a": fn_a, "b": fn_b})
+        return t["a"], t["b"]
 
 
 def graphed(fn, device):
@@ -131,7 +171,42 @@ def print_kernel_breakdown(fn, mode, T, calls=5):
         print(f"  {us:8.1f} µs  {name}")
 
 
-def bench_one(preset, mode, T, device, timer, layer, profile=False):
+def print_timeline(replays: dict, T, mode, chain=4):
+    """Every rank replays each graph `chain` times back to back; rank 0 records a CUDA trace and
+    prints, for the last replay of each, every kernel's start (µs after the previous kernel on
+    the GPU ended; negative = overlapping) and duration: where the time between kernels goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, replay in replays.items():
+        dist.barrier()
+        torch.cuda.synchronize()
+        if dist.get_rank() != 0:
+            for _ in range(chain):
+                replay()
+            torch.cuda.synchronize()
+            continue
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(chain):
+                replay()
+            torch.cuda.synchronize()
+        evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+        if not evs:
+            print(f"timeline {name}: no CUDA events recorded")
+            continue
+        per = max(1, len(evs) // chain)
+        last = evs[-per:]
+        span = last[-1].time_range.end - last[0].time_range.start
+        period = (evs[-1].time_range.end - evs[0].time_range.start) / chain
+        print(f"\ntimeline {mode} T={T} {name}: last replay {span:.1f} µs first kernel start to last end; "
+              f"{period:.1f} µs per replay over {chain}")
+        prev_end = evs[-per - 1].time_range.end if len(evs) > per else last[0].time_range.start
+        for e in last:
+            print(f"  +{e.time_range.start - prev_end:7.1f}  {e.time_range.end - e.time_range.start:7.1f} µs  {e.name[:60]}")
+            prev_end = max(prev_end, e.time_range.end)
+
+
+def bench_one(preset, mode, T, device, timer, layer, profile=False, timeline=False):
     from padded_moe.distributed import ExpertParallel
 
     R, rank = dist.get_world_size(), dist.get_rank()
@@ -156,8 +231,10 @@ def bench_one(preset, mode, T, device, timer, layer, profile=False):
     res["a2a_ms"] = timer(a2a)
     res["dispatch_combine_ms"] = timer(dispatch_combine)
     if device.type == "cuda":
-        res["a2a_graph_ms"], res["dispatch_combine_graph_ms"] = timer.pair(
-            graphed(a2a, device), graphed(dispatch_combine, device))
+        g_a2a, g_dc = graphed(a2a, device), graphed(dispatch_combine, device)
+        res["a2a_graph_ms"], res["dispatch_combine_graph_ms"] = timer.pair(g_a2a, g_dc)
+        if timeline:
+            print_timeline({"raw a2a": g_a2a, "dispatch+combine": g_dc}, T, mode)
         if profile:
             print_kernel_breakdown(dispatch_combine, mode, T)
     if layer:
@@ -193,11 +270,21 @@ def main_worker(args):
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" \
         else torch.device("cpu")
     preset = get_preset(args.preset)
-    timer = Timer(device, args.iters, args.warmup)
+    apply_tiles(args.tile)
+    if args.free_sms is not None:
+        from padded_moe import distributed as D
+
+        D.EP_FREE_SMS = args.free_sms
+    if args.overlap_min_tokens is not None:
+        from padded_moe import distributed as D
+
+        D.EP_OVERLAP_MIN_TOKENS = args.overlap_min_tokens
+    timer = Timer(device, args.iters, args.warmup, args.chain)
     results = []
     for mode in args.modes:
         for T in args.tokens:
-            results.append(bench_one(preset, mode, T, device, timer, not args.no_layer, args.profile))
+            results.append(bench_one(preset, mode, T, device, timer, not args.no_layer, args.profile,
+                                     args.timeline))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if dist.get_rank() == 0:
@@ -207,9 +294,13 @@ def main_worker(args):
 
 
 def report(args, preset, results, path="torch"):
+    from padded_moe.distributed import EP_FREE_SMS, EP_OVERLAP_MIN_TOKENS, EP_TILES
+
     os.makedirs(args.out, exist_ok=True)
     meta = dict(preset=preset.name, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                torch=torch.__version__, ranks=results[0]["ranks"] if results else 0, ep_path=path)
+                torch=torch.__version__, ranks=results[0]["ranks"] if results else 0, ep_path=path, chain=args.chain,
+                ep_tiles={k: [v.rows, v.num_warps, v.per_sm] for k, v in EP_TILES.items()},
+                ep_free_sms=EP_FREE_SMS, ep_overlap_min_tokens=EP_OVERLAP_MIN_TOKENS)
     with open(os.path.join(args.out, "ep.json"), "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=2)
     cols = ["mode", "tokens_per_rank", "a2a_ms", "a2a_graph_ms", "dispatch_combine_ms",
@@ -258,29 +349,34 @@ def _init(rank, world, port, device):
                             timeout=datetime.timedelta(seconds=300))
 
 
-def _spawned(rank, world, port, args):
-    _init(rank, world, port, args.device)
+def _spawned(rank, world, port, worker, args):
+    _init(rank, world, port, getattr(args, "device", "cuda"))
     try:
-        main_worker(args)
+        worker(args)
     finally:
         dist.destroy_process_group()
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def _spawned_generic(worker, args) -> int:
+    """Run `worker(args)` on every rank: under torchrun as it is, else in `args.nproc` spawned
+    processes on a free local port."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        _init(rank, world, None, args.device)
+        _init(rank, world, None, getattr(args, "device", "cuda"))
         try:
-            main_worker(args)
+            worker(args)
         finally:
             dist.destroy_process_group()
         return 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_spawned, args=(args.nproc, port, args), nprocs=args.nproc)
+    torch.multiprocessing.spawn(_spawned, args=(args.nproc, port, worker, args), nprocs=args.nproc)
     return 0
+
+
+def main(argv=None):
+    return _spawned_generic(main_worker, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ def build(T: int, K=4096, k=6, E=256, R=2):
              slab=torch.empty(L * rows + 1, K, dtype=torch.bfloat16, device=dev),
              counts=torch.zeros(L, dtype=torch.int32, device=dev),
              slot_rows=torch.full((rows, k), -1, dtype=torch.int32, device=dev),
+             slot_weights=torch.zeros(rows, k, dtype=torch.float32, device=dev),
              comb_send=torch.empty(rows, K, dtype=torch.bfloat16, device=dev),
              comb_recv=torch.randn(rows, K, device=dev).to(torch.bfloat16),
              out=torch.empty(T, K, dtype=torch.bfloat16, device=dev))
@@ -88,7 +89,7 @@ def stages(s) -> dict:
     D.receive_flat(geo, s["recv_wire"], s["chunk_counts"], True, s["rb_x"], s["rb_ids"], s["rb_w"], s["rb_valid"])
     s["counts"].zero_()
     D.receive_batched(geo, s["recv_wire"], s["chunk_counts"], True, s["table"], s["L"], s["slab"], s["counts"],
-                      s["slot_rows"])
+                      s["slot_rows"], s["slot_weights"])
     valid = int(s["rb_valid"])
     pairs = int(s["counts"].sum())
     slab3 = s["slab"][: s["L"] * rows].view(s["L"], rows, K)
@@ -96,7 +97,7 @@ def stages(s) -> dict:
     def recv_batched():
         s["counts"].zero_()
         D.receive_batched(geo, s["recv_wire"], s["chunk_counts"], True, s["table"], s["L"], s["slab"],
-                          s["counts"], s["slot_rows"])
+                          s["counts"], s["slot_rows"], s["slot_weights"])
 
     return {
         "pack": (lambda: D.pack_rows(r0["x"], r0["ids"], r0["w"], s["owner"], geo, send_wire, r0["token_rows"], None),
@@ -106,8 +107,8 @@ def stages(s) -> dict:
         "recv_batched": (recv_batched, (valid + pairs) * row_b),
         "combine_flat": (lambda: D.combine_flat_rows(geo, s["chunk_counts"], s["rb_x"], s["comb_send"]),
                          2 * valid * row_b),
-        "combine_batched": (lambda: D.combine_batched_rows(geo, s["recv_wire"], s["chunk_counts"], True,
-                                                           s["slot_rows"], slab3, s["comb_send"]),
+        "combine_batched": (lambda: D.combine_batched_rows(geo, s["chunk_counts"], True, s["slot_rows"],
+                                                           s["slot_weights"], slab3, s["comb_send"]),
                             (valid + pairs) * row_b),
         "reduce": (lambda: D.reduce_partials(geo, s["comb_recv"], r0["token_rows"], geo.max_tokens, s["out"]),
                    (sent + geo.max_tokens) * row_b),

@@ -54,7 +54,10 @@ for stage in "$@"; do
             step test-ep-kernels python3 -m pytest -q -m gpu tests/test_ep_kernels.py
             step sanitizer-ep compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_ep_kernels.py -k cuda_equals
             step test-ep python3 -m pytest -q -rA -m gpu tests/test_distributed_gpu.py
-            step bench-ep python3 benchmarks/bench_ep.py --profile --out "$OUT/bench" ;;
+            step bench-ep python3 benchmarks/bench_ep.py --profile --out "$OUT/bench"
+            step bench-ep-single-call python3 benchmarks/bench_ep.py --no-layer --chain 1 --iters 40 --out "$OUT/bench-single" ;;
+        ep-timeline)  # kernel timeline of chained graph replays (gaps, overlap with NCCL)
+            step ep-timeline python3 benchmarks/bench_ep.py --no-layer --timeline --tokens 16 1024 --iters 20 --out "$OUT/timeline" ;;
         ep-kernels)  # one GPU: sweep of the EP kernels' launch shapes
             step bench-ep-kernels python3 benchmarks/bench_ep_kernels.py --out "$OUT/bench" ;;
         cpu-suite)

@@ -222,7 +222,7 @@ def run_one(case, rank, world, seed, graph_safe, impl):
     else:
         ref = reference_moe(x_ref, w13, w2, weights[sl], ids[sl], activation="silu", num_experts=E)
     return dict(out=out, ref=ref, checks=checks, shape_ok=tuple(out.shape) == (case["ms"][rank], K),
-                buffer_bytes=ep.buffer_bytes())
+                buffer_bytes=ep.buffer_bytes(), kept_own=ep._keeps_own_chunk)
 
 
 def _worker(rank, world, payload):
@@ -301,7 +301,8 @@ def test_ep_with_fused_experts_two_ranks():
             assert r["identical_exact"] and all(r["checks"].values()), (case["name"], r["checks"])
 
 
-def test_ep_triton_kernels_interpreted_two_ranks(monkeypatch):
+@pytest.mark.parametrize("overlap", ["own_chunk_kept", "plain"])
+def test_ep_triton_kernels_interpreted_two_ranks(monkeypatch, overlap):
     """Every 2-rank scenario (both modes; graph-safe and exact splits; fp8 wire; garbage, repeated
     ids; idle ranks) through the Triton kernels of padded_moe.kernels.ep, interpreted on CPU, end
     to end over gloo (the other multi-process tests run the torch path)."""
@@ -309,8 +310,11 @@ def test_ep_triton_kernels_interpreted_two_ranks(monkeypatch):
 
     if not triton_available():
         pytest.skip("triton is not installed")
-    # Children inherit the variable from the start, so Triton is imported in interpreter mode there.
+    # Children inherit the variables from the start, so Triton is imported in interpreter mode there.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # Batched graph-safe mode: this rank's chunk kept out of the all_to_all (local_batched, overlap
+    # sequence), or the plain sequence; the small T here is below the default threshold.
+    monkeypatch.setenv("PADDED_MOE_EP_OVERLAP_MIN_TOKENS", "0" if overlap == "own_chunk_kept" else "1000000")
     cases = cases_for(2)
     results = spawn_group(2, _worker, dict(cases=cases, seed=SEED, impl="reference", triton_interpret=True))
     for case in cases:
@@ -326,6 +330,7 @@ def test_ep_triton_kernels_interpreted_two_ranks(monkeypatch):
             assert r["identical_exact"], f"seed {SEED}, {case['name']}, rank {rank}: graph_safe=False differs"
             bad = [k for k, ok in r["checks"].items() if not ok]
             assert not bad, f"seed {SEED}, {case['name']}, rank {rank}: padding checks failed: {bad}"
+            assert r["kept_own"] == (case["mode"] == "batched" and overlap == "own_chunk_kept"), case["name"]
 
 
 # ---------------------------------------------------------------------------- single process
@@ -409,9 +414,11 @@ def test_one_rank_flat_and_batched(one_rank_group, gen):
 
 
 def test_one_collective_each_way_and_two_kernels(one_rank_group, monkeypatch):
-    """Graph-safe, Triton path (interpreted here): dispatch = pack kernel, one all_to_all, receive
-    kernel; combine = combine kernel, one all_to_all, reduce kernel; no other torch op computes
-    anything (only views and the output allocation)."""
+    """Graph-safe, Triton path (interpreted here), one rank, 5 tokens: dispatch = pack kernel (one
+    block: no route-count kernel below PACK_ONE_BLOCK_TOKENS), one all_to_all, receive kernel;
+    combine = combine kernel, one all_to_all, reduce kernel; no other torch op computes anything
+    (only views and the output allocation). (With one rank, batched mode has no peer to overlap
+    with, so it takes this plain sequence too.)"""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from padded_moe._platform import kernels_interpreted

@@ -190,16 +190,22 @@ def _graph_worker(rank, world, payload):
                     x_ref = _dequantize_fp8(q, s, torch.bfloat16)
                 ref = reference_moe(x_ref, W13, W2, sw, sids, activation="silu")
                 errs.append(rel_err(out, ref))
-                same.append(bool(torch.equal(out, step(ep_exact, None))))
-            results[name] = dict(errs=errs, same=same)
+                exact = step(ep_exact, None)
+                same.append(bool(torch.equal(out, exact)))
+            # The same graph-safe object called eagerly (side stream and events run for real).
+            same.append(bool(torch.equal(step(ep, scratch), exact)))
+            results[name] = dict(errs=errs, same=same, kept_own=ep._keeps_own_chunk)
         except Exception:
             results[name] = dict(error=traceback.format_exc())
     return results
 
 
-def test_cuda_graph_replay_two_gpus():
+@pytest.mark.parametrize("overlap", ["own_chunk_kept", "plain"])
+def test_cuda_graph_replay_two_gpus(monkeypatch, overlap):
     """Flat and batched, bf16 and fp8 wire: graph replays equal the reference, and graph_safe=False
-    gives identical results."""
+    gives identical results. Batched graph-safe runs both sequences: own chunk kept out of the
+    all_to_all and overlapped (side stream, capped grids), and the plain one."""
+    monkeypatch.setenv("PADDED_MOE_EP_OVERLAP_MIN_TOKENS", "0" if overlap == "own_chunk_kept" else "1000000")
     results = spawn_group(2, _graph_worker, dict(seed=SEED), backend="nccl", timeout=540)
     for mode, fp8 in GRAPH_VARIANTS:
         name = f"{mode}{'-fp8' if fp8 else ''}"
@@ -209,3 +215,4 @@ def test_cuda_graph_replay_two_gpus():
             print(f"{name} rank {rank}: rel errs {r['errs']}")
             assert max(r["errs"]) <= PIPELINE_TOL, f"seed {SEED}, {name}, rank {rank}: {r['errs']}"
             assert all(r["same"]), f"seed {SEED}, {name}, rank {rank}: graph_safe=False differs {r['same']}"
+            assert r["kept_own"] == (mode == "batched" and overlap == "own_chunk_kept"), (name, overlap)

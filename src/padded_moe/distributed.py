@@ -14,10 +14,10 @@ are compacted to the front of each chunk; the receiver trusts the count, never t
 Combine sends expert outputs back in `dtype` through `[R*T, K]` views that alias the dispatch
 buffers' storage (each buffer holds `R*T * max(row_bytes, K*dtype size)` bytes): the send buffer is
 free once the dispatch all_to_all has run, and the receive buffer is only overwritten by the
-combine all_to_all, after every combine kernel has read what it needs from it (router weights in
-batched mode). What combine needs later lives in small persistent buffers: `token_rows [R, T]`
-(sender side: the combine-receive row of token t's partial from peer r, or the pad value `R*T`),
-`chunk_counts [R]` (receiver side: valid rows per source rank) and, batched, `slot_rows [R*T, k]`.
+combine all_to_all (no combine kernel reads it). What combine needs later lives in small persistent
+buffers: `token_rows [R, T]` (sender side: the combine-receive row of token t's partial from peer
+r, or the pad value `R*T`), `chunk_counts [R]` (receiver side: valid rows per source rank) and,
+batched, `slot_rows` / `slot_weights [R*T, k]` (each slot's slab row and router weight).
 
 Modes (both with fixed shapes for a fixed `T`, so dispatch → experts → combine captures in one
 CUDA graph):
@@ -37,10 +37,21 @@ Where it runs: on CUDA (and on CPU with `TRITON_INTERPRET=1`) the Triton kernels
 `padded_moe.kernels.ep`; otherwise the torch functions below (the CPU/gloo path and the tests'
 reference). Launches per call, graph-safe:
 
-- dispatch: `_pack_kernel` (owner, position in the chunk, row copy / fp8 quantization, meta,
-  count, `token_rows`; zeroes the batched counts), one all_to_all, then `_recv_flat_kernel` or
+- dispatch: `_route_count_kernel` (per token block and peer, only above PACK_ONE_BLOCK_TOKENS
+  tokens), `_pack_kernel` (owner, position in the chunk, row copy / fp8 quantization, meta, count,
+  `token_rows`; zeroes the batched counts), one all_to_all, then `_recv_flat_kernel` or
   `_recv_batched_kernel`;
 - combine: `_combine_flat_kernel` or `_combine_batched_kernel`, one all_to_all, `_reduce_kernel`.
+
+Batched mode, graph-safe, on the kernels' path with peers and `T >= EP_OVERLAP_MIN_TOKENS`: this
+rank's own chunk never enters the all_to_all. The pack skips it; NCCL gets per-peer views with an
+empty own chunk, issued from a side stream; meanwhile `_local_batched_kernel` puts the own tokens
+into the slabs straight from `hidden` (as received rows `me*T + t`, fp8 rounding applied all the
+same). In combine, the peers' rows are weighed first, and while they travel the own chunk's rows
+are weighed into the combine send buffer's own chunk, where the reduction reads them. The
+overlapped kernels run on a grid that leaves `EP_FREE_SMS` SMs idle (else NCCL's CTAs wait for
+them to drain). Slab row order then puts own tokens first; every row's result is unchanged (and
+on CUDA the order already follows the atomics).
 
 `graph_safe=False` first exchanges the per-peer counts (one host sync, one more small collective)
 and moves only real rows (uneven splits, chunks back to back); received rows are then already a
@@ -54,6 +65,7 @@ next `dispatch`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -247,18 +259,38 @@ class EPGeometry:
 @dataclass(frozen=True)
 class EPTile:
     """Launch shape of one EP kernel on CUDA: rows per program, warps, and the programs per SM the
-    K split aims for (more programs put more bytes in flight when T is small)."""
+    K split aims for (more programs put more bytes in flight when T is small); for the kernels
+    that overlap a collective, the most programs per SM the grid may have."""
     rows: int
     num_warps: int = 4
     per_sm: int = 4
 
 
-# Per stage, for the H200 (benchmarks/bench_ep_kernels.py sweeps alternatives; edit from its output).
+# Per stage, for the H200 (benchmarks/bench_ep_kernels.py sweeps alternatives on one GPU;
+# `bench_ep.py --tile STAGE=R,W,S --profile` times one in the two-GPU run).
 # combine_batched: 4 rows and 8 programs per SM took 31.7 µs at T=1024 in the sweep, where the
-# 8-row tile had taken 50.9 µs in the profile of bench_ep (2026-11-30).
+# 8-row tile had taken 50.9 µs in the profile of bench_ep (2026-11-30). reduce: 4 rows, 8 per
+# SM 6.2 µs vs 7.3-7.6 for 8 rows / 4 per SM (bench_ep --profile, T=1024, third session); in the same
+# probe no other candidate beat the table (recv_batched 1/2/4 rows, 4/8 warps: 13.7-15.0 µs).
+# local_batched and combine_own (the own chunk's combine) run while the all_to_all is in flight.
+# With a full-machine grid they took every SM first and NCCL's kernel only started as they drained
+# (bench_ep --timeline: no overlap); one program per SM on every SM did not help either (NCCL's
+# CTAs did not share an SM with ours). So their grid leaves EP_FREE_SMS SMs idle for NCCL's CTAs
+# and loops over the row blocks.
+EP_FREE_SMS = 66
+# The pack packs up to this many tokens in one block per peer (no route-count kernel).
+PACK_ONE_BLOCK_TOKENS = 32
+# Batched mode keeps its own chunk out of the all_to_all (and overlaps it) from this many
+# max_tokens_per_rank on; below, the plain sequence (fewer launches) is faster: steady-state
+# graph replays at T=16 / 128 took 39-40 / 59 µs both ways but the plain one's ratio to the raw
+# all_to_all was higher (0.75 vs 0.64, 0.87 vs 0.81), at T=1024 the overlap saved 14 µs (168 vs
+# 182 µs). 512 sits between the measured sizes (not measured itself). The environment variable
+# PADDED_MOE_EP_OVERLAP_MIN_TOKENS overrides it at construction.
+EP_OVERLAP_MIN_TOKENS = 512
 EP_TILES: dict = {
     "pack": EPTile(8), "recv_flat": EPTile(8), "recv_batched": EPTile(2),
-    "combine_flat": EPTile(8), "combine_batched": EPTile(4, 4, 8), "reduce": EPTile(8),
+    "combine_flat": EPTile(8), "combine_batched": EPTile(4, 4, 8), "reduce": EPTile(4, 4, 8),
+    "local_batched": EPTile(8, 16, 1), "combine_own": EPTile(16, 16, 1),
 }
 INTERPRET_TILE = EPTile(16)  # the interpreter prefers few, large programs
 
@@ -284,6 +316,27 @@ def _k_tiles(device: torch.device, K: int, elem_size: int, row_programs: int, *,
     ks = max(1, min(_cdiv(K, bk), (per_sm * num_sms(idx)) // max(row_programs, 1)))
     kpp = _cdiv(_cdiv(K, ks), bk) * bk
     return bk, kpp, _cdiv(K, kpp)
+
+
+def _overlap_min_tokens() -> int:
+    """EP_OVERLAP_MIN_TOKENS, or the PADDED_MOE_EP_OVERLAP_MIN_TOKENS environment variable."""
+    raw = os.environ.get("PADDED_MOE_EP_OVERLAP_MIN_TOKENS")
+    if raw is None:
+        return EP_OVERLAP_MIN_TOKENS
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"PADDED_MOE_EP_OVERLAP_MIN_TOKENS must be an integer, got {raw!r}") from None
+
+
+def _capped_grid(device: torch.device, row_programs: int, k_programs: int = 1) -> int:
+    """Row programs for a kernel that overlaps a collective: at most one program per SM outside
+    `EP_FREE_SMS` (with `k_programs` along K), the programs looping over the row blocks;
+    uncapped off CUDA."""
+    if device.type != "cuda":
+        return row_programs
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, min(row_programs, (num_sms(idx) - EP_FREE_SMS) // max(k_programs, 1)))
 
 
 def _fp8_tiles(geo: EPGeometry, device, row_programs, elem_size, split=True, per_sm=4):
@@ -319,19 +372,26 @@ def peer_counts(topk_ids: torch.Tensor, owner: torch.Tensor, geo: EPGeometry) ->
 
 # ---------------------------------------------------------------------------------------- pack
 def pack_rows(hidden, topk_ids, topk_weights, owner, geo: EPGeometry, send_wire, token_rows,
-              send_base: Optional[torch.Tensor] = None, zero_counts: Optional[torch.Tensor] = None) -> None:
+              send_base: Optional[torch.Tensor] = None, zero_counts: Optional[torch.Tensor] = None, *,
+              skip_peer: int = -1, block_counts: Optional[torch.Tensor] = None) -> None:
     """Fill the send rows: chunk r holds the tokens with a slot on peer r, compacted, with their
     peer-masked ids, weights (, fp8 scales) and (graph-safe: `send_base` None) the count column of
     row r*T; `token_rows[r, t]` = send row of (t, r) or R*T. With `send_base` ([R] int32) chunks start
-    at `send_base[r]` (exact splits) and no count is written. `zero_counts` (Triton path only): the
-    batched counts, zeroed here so the receive kernel can count with atomics."""
+    at `send_base[r]` (exact splits) and no count is written. `zero_counts`: the batched counts,
+    zeroed here so the receive kernels can count with atomics. `skip_peer` >= 0: that peer's chunk
+    (this rank's own, handled by `local_batched`) is not packed and its `token_rows` row is left
+    as it is. `block_counts` int32 `[R, >= cdiv(m, tile rows)]`: scratch of the Triton path
+    (allocated when None; `ExpertParallel` passes a persistent one, see `route_block_columns`)."""
     if use_triton(hidden.device):
-        _pack_triton(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base, zero_counts)
+        _pack_triton(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base, zero_counts,
+                     skip_peer, block_counts)
     else:
-        _pack_torch(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base)
+        _pack_torch(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base, skip_peer)
+        if zero_counts is not None:
+            zero_counts.zero_()
 
 
-def _pack_torch(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base) -> None:
+def _pack_torch(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base, skip_peer=-1) -> None:
     R, T, k, rows, w = geo.ep_size, geo.max_tokens, geo.wire.top_k, geo.rows, geo.wire
     dev = hidden.device
     m = hidden.shape[0]
@@ -341,7 +401,8 @@ def _pack_torch(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_row
     pos = torch.cumsum(to_peer, dim=1) - 1                                       # row inside the chunk
     base = send_base.long() if send_base is not None else torch.arange(R, device=dev) * T
     tr = torch.where(to_peer, base.view(R, 1) + pos, torch.full_like(pos, rows))  # [R, m]
-    token_rows[:, :m] = tr.to(torch.int32)
+    packed = [r for r in range(R) if r != skip_peer]
+    token_rows[packed, :m] = tr[packed].to(torch.int32)
     if send_base is None:  # the chunk's count, in-band on its first row (also when it is 0)
         meta_i[torch.arange(R, device=dev) * T, w.count_col] = to_peer.sum(1).to(torch.int32)
     if m == 0:
@@ -369,36 +430,68 @@ def _pack_torch(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_row
         x.copy_(rows_x)
 
 
-def _pack_triton(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base, zero_counts):
-    from padded_moe.kernels.ep import _pack_kernel
+def route_block_columns(max_tokens: int) -> int:
+    """Columns of the pack's per-block route counts for up to `max_tokens` tokens (the smallest
+    pack tile of any device sets the number of blocks)."""
+    return max(1, _cdiv(max_tokens, min(EP_TILES["pack"].rows, INTERPRET_TILE.rows)))
+
+
+def _pack_triton(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base, zero_counts,
+                 skip_peer, block_counts):
+    from padded_moe.kernels.ep import _pack_kernel, _route_count_kernel
 
     R, T, w, dev = geo.ep_size, geo.max_tokens, geo.wire, hidden.device
     m, K, k = hidden.shape[0], w.hidden_size, w.top_k
+    peers = R - (1 if skip_peer >= 0 else 0)
+    if peers == 0:  # a world of one that keeps its chunk: nothing to pack
+        if zero_counts is not None:
+            zero_counts.zero_()
+        return
     hidden = _unit_stride_rows(hidden)
     x, meta_i, meta_f = w.views(send_wire)
     tile = _tile("pack", dev)
-    bt = tile.rows
+    kp = _next_pow2(k)
+    routed = m > PACK_ONE_BLOCK_TOKENS
+    # Up to PACK_ONE_BLOCK_TOKENS tokens: one block per peer, positions from its own cumsum, no
+    # route-count launch (at T=16 that launch and its gap were ~1.7 of ~35 µs).
+    bt = tile.rows if routed else max(tile.rows, _next_pow2(max(m, 1)))
     nb = max(1, _cdiv(m, bt))
-    bk, kpp, ks = _fp8_tiles(geo, dev, R * nb, hidden.element_size(), per_sm=tile.per_sm)
+    nb_max = max(nb, _cdiv(T, bt))
+    if routed:
+        if block_counts is None:
+            block_counts = torch.empty(R, nb_max, dtype=torch.int32, device=dev)
+        if block_counts.shape[0] != R or block_counts.shape[1] < nb_max or block_counts.dtype != torch.int32:
+            raise ValueError(f"block_counts must be int32 [{R}, >= {nb_max}], got {block_counts.dtype} "
+                             f"{list(block_counts.shape)}")
+        _route_count_kernel[(nb,)](topk_ids, topk_ids.stride(0), topk_ids.stride(1), owner, block_counts,
+                                   m, geo.num_experts, block_counts.stride(0), R=R, TOP_K=k, KP=kp, BT=bt,
+                                   num_warps=tile.num_warps)
+    else:
+        block_counts = token_rows  # any valid pointer: not read
+    bk, kpp, ks = _fp8_tiles(geo, dev, peers * nb, hidden.element_size(), per_sm=tile.per_sm)
     zero = zero_counts if zero_counts is not None else token_rows  # any valid pointer when unused
     base = send_base if send_base is not None else token_rows
-    _pack_kernel[(R * nb, ks)](
+    _pack_kernel[(peers * nb, ks)](
         hidden, hidden.stride(0), topk_ids, topk_ids.stride(0), topk_ids.stride(1),
         topk_weights, topk_weights.stride(0), topk_weights.stride(1), owner,
-        x, x.stride(0), meta_i, meta_f, meta_i.stride(0), token_rows, base,
+        x, x.stride(0), meta_i, meta_f, meta_i.stride(0), token_rows, base, block_counts,
         zero, zero_counts.numel() if zero_counts is not None else 0,
-        m, T, geo.num_experts, K, kpp, nb,
-        R=R, TOP_K=k, KP=_next_pow2(k), BT=bt, BK=bk, CNT_TILE=512 if dev.type == "cuda" else 64,
+        m, T, geo.num_experts, K, kpp, nb, block_counts.stride(0), skip_peer,
+        R=R, TOP_K=k, KP=kp, BT=bt, BK=bk, NBP=_next_pow2(nb_max),
         COUNT_COL=w.count_col, SCALE_COL=w.scale_col, HAS_BASE=send_base is not None, FP8=w.fp8,
-        ROW_SCALE=w.fp8 and w.scale_group == K, ZERO=zero_counts is not None, num_warps=tile.num_warps)
+        ROW_SCALE=w.fp8 and w.scale_group == K, ZERO=zero_counts is not None, ROUTED=routed,
+        num_warps=tile.num_warps)
 
 
 # ---------------------------------------------------------------------------------------- receive
-def _received_counts_torch(geo, meta_i, chunk_counts, in_band: bool) -> torch.Tensor:
-    """int64 [R] valid rows per source chunk, clamped to [0, T]; in-band ones are stored too."""
+def _received_counts_torch(geo, meta_i, chunk_counts, in_band: bool, skip_peer: int = -1) -> torch.Tensor:
+    """int64 [R] valid rows per source chunk, clamped to [0, T]; in-band ones are stored too
+    (except `skip_peer`'s, whose chunk never arrived: its count is `chunk_counts`' own)."""
     R, T = geo.ep_size, geo.max_tokens
     if in_band:
         cnt = meta_i[torch.arange(R, device=meta_i.device) * T, geo.wire.count_col].long().clamp(0, T)
+        if skip_peer >= 0:
+            cnt[skip_peer] = chunk_counts[skip_peer].long().clamp(0, T)
         chunk_counts.copy_(cnt.to(torch.int32))
     else:
         cnt = chunk_counts.long().clamp(0, T)
@@ -477,60 +570,134 @@ def _receive_flat_triton(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb
 
 
 def receive_batched(geo: EPGeometry, recv_wire, chunk_counts, in_band: bool, expert_table, num_local: int,
-                    slab, counts, slot_rows) -> None:
+                    slab, counts, slot_rows, slot_weights, *, skip_peer: int = -1) -> None:
     """Scatter every (received row, local expert) pair into the expert's slab (`slab` rows
-    `e*R*T + pos`, `counts[e]` rows used; one row per (token, expert) even when ids repeat) and
-    record each slot's slab row in `slot_rows` (-1 for non-local slots; rows of padding untouched).
-    Triton path: `counts` must be zero on entry (the pack kernel zeroes it)."""
+    `e*R*T + pos`, one row per (token, expert) even when ids repeat), counting on from `counts`
+    (zero before the first writer: the pack step zeroes it), and record each slot's slab row in
+    `slot_rows` (-1 for non-local slots) and its router weight in `slot_weights` (0 there); rows of
+    padding are untouched. `skip_peer` >= 0: that chunk is not read (`local_batched` did it)."""
     if use_triton(recv_wire.device):
-        _receive_batched_triton(geo, recv_wire, chunk_counts, in_band, expert_table, slab, counts, slot_rows)
+        _receive_batched_triton(geo, recv_wire, chunk_counts, in_band, expert_table, slab, counts, slot_rows,
+                                slot_weights, skip_peer)
     else:
         _receive_batched_torch(geo, recv_wire, chunk_counts, in_band, expert_table, num_local, slab, counts,
-                               slot_rows)
+                               slot_rows, slot_weights, skip_peer)
 
 
-def _receive_batched_torch(geo, recv_wire, chunk_counts, in_band, expert_table, L, slab, counts, slot_rows):
-    k, rows, dev = geo.wire.top_k, geo.rows, recv_wire.device
-    _, meta_i, _ = geo.wire.views(recv_wire)
-    cnt = _received_counts_torch(geo, meta_i, chunk_counts, in_band)
-    valid = _valid_recv_rows_torch(geo, cnt, in_band)
-    ids = torch.where(valid.unsqueeze(1), meta_i[:, :k], torch.full_like(meta_i[:, :k], -1))
-    local = sanitize_torch(ids, geo.num_experts, L, expert_table, None).long()  # [rows, k], L = dropped
+def _append_to_slabs_torch(local, x_rows, L, slab, counts, slot_rows, slot_weights, weights, rows_of) -> None:
+    """torch path of the slab scatter: `local` [n, k] local expert per slot (L = not local),
+    `x_rows` [n, K] the rows, written at `rows_of` [n] of slot_rows / slot_weights."""
+    slab_rows = slab.shape[0] - 1 if L == 0 else (slab.shape[0] - 1) // L
+    keep = local < L
+    slot_weights[rows_of] = torch.where(keep, weights.float(), torch.zeros((), device=weights.device))
     if L == 0:
-        slot_rows.fill_(-1)
+        slot_rows[rows_of] = -1
         return
-    present = torch.zeros(rows, L + 1, dtype=torch.int32, device=dev)
+    present = torch.zeros(local.shape[0], L + 1, dtype=torch.int32, device=local.device)
     present.scatter_(1, local, 1)       # one row per (token, expert) even if ids repeat
     present = present[:, :L]
-    pos = torch.cumsum(present, 0, dtype=torch.int32) - 1                      # [rows, L]
-    counts.copy_(present.sum(0, dtype=torch.int32))
-    keep = local < L
+    pos = counts.view(1, L) + torch.cumsum(present, 0, dtype=torch.int32) - 1   # [n, L]
+    counts += present.sum(0, dtype=torch.int32)
     slot_pos = pos.gather(1, local.clamp(max=L - 1)).long()
-    srow = torch.where(keep, local * rows + slot_pos, torch.full_like(local, -1))
-    slot_rows.copy_(srow.to(torch.int32))
-    x_rows = _decode_rows_torch(geo, recv_wire, torch.arange(rows, device=dev))
-    dump = L * rows
-    for j in range(k):  # k row copies; non-local slots land on the dump row
+    srow = torch.where(keep, local * slab_rows + slot_pos, torch.full_like(local, -1))
+    slot_rows[rows_of] = srow.to(torch.int32)
+    dump = L * slab_rows
+    for j in range(local.shape[1]):  # k row copies; non-local slots land on the dump row
         slab.index_copy_(0, torch.where(keep[:, j], srow[:, j], dump), x_rows)
 
 
-def _receive_batched_triton(geo, recv_wire, chunk_counts, in_band, expert_table, slab, counts, slot_rows):
+def _receive_batched_torch(geo, recv_wire, chunk_counts, in_band, expert_table, L, slab, counts, slot_rows,
+                           slot_weights, skip_peer=-1):
+    k, rows, T, dev = geo.wire.top_k, geo.rows, geo.max_tokens, recv_wire.device
+    _, meta_i, meta_f = geo.wire.views(recv_wire)
+    cnt = _received_counts_torch(geo, meta_i, chunk_counts, in_band, skip_peer)
+    valid = _valid_recv_rows_torch(geo, cnt, in_band)
+    if skip_peer >= 0:
+        valid &= torch.arange(rows, device=dev) // T != skip_peer
+    src = torch.nonzero(valid).flatten()
+    ids = meta_i[:, :k].index_select(0, src)
+    local = sanitize_torch(ids, geo.num_experts, L, expert_table, None).long()  # [n, k], L = dropped
+    _append_to_slabs_torch(local, _decode_rows_torch(geo, recv_wire, src), L, slab, counts, slot_rows,
+                           slot_weights, meta_f[:, k:2 * k].index_select(0, src), src)
+
+
+def _receive_batched_triton(geo, recv_wire, chunk_counts, in_band, expert_table, slab, counts, slot_rows,
+                            slot_weights, skip_peer):
     from padded_moe.kernels.ep import _recv_batched_kernel
 
     R, T, w, dev = geo.ep_size, geo.max_tokens, geo.wire, recv_wire.device
+    peers = R - (1 if skip_peer >= 0 else 0)
+    if peers == 0:
+        return
     x, meta_i, meta_f = w.views(recv_wire)
     tile = _tile("recv_batched", dev)  # no split along K (positions come from atomics)
     bt = tile.rows
     nb = _cdiv(T, bt)
-    bk, _, _ = _fp8_tiles(geo, dev, R * nb, slab.element_size(), split=False)
-    _recv_batched_kernel[(R * nb,)](
+    bk, _, _ = _fp8_tiles(geo, dev, peers * nb, slab.element_size(), split=False)
+    _recv_batched_kernel[(peers * nb,)](
         x, x.stride(0), meta_i, meta_f, meta_i.stride(0), chunk_counts, expert_table,
-        slab, slab.stride(0), counts, slot_rows, slot_rows.stride(0),
-        T, geo.num_experts, w.hidden_size, nb, geo.rows,
+        slab, slab.stride(0), counts, slot_rows, slot_weights, slot_rows.stride(0),
+        T, geo.num_experts, w.hidden_size, nb, geo.rows, skip_peer,
         R=R, RP=_next_pow2(R), TOP_K=w.top_k, KP=_next_pow2(w.top_k), BT=bt, BK=bk,
         COUNT_COL=w.count_col, SCALE_COL=w.scale_col, IN_BAND=in_band, FP8=w.fp8,
         ROW_SCALE=w.fp8 and w.scale_group == w.hidden_size, GROUP=w.scale_group if w.fp8 else 1,
         num_warps=tile.num_warps)
+
+
+def local_batched(hidden, topk_ids, topk_weights, geo: EPGeometry, me: int, expert_table, num_local: int,
+                  slab, counts, slot_rows, slot_weights, token_rows, chunk_counts) -> None:
+    """This rank's own tokens straight into its slabs, as if they were chunk `me` of the receive
+    buffer with token t at row `me*T + t` (they never travel): the slab scatter of
+    `receive_batched` (counting on from `counts`), `slot_rows / slot_weights[me*T + t]`,
+    `token_rows[me, t]` (`me*T + t`, or the pad `R*T` when token t has no local slot) and
+    `chunk_counts[me] = m`. An fp8 wire's rounding is applied all the same (e4m3(x/s)·s), so a
+    result never depends on where its expert lives."""
+    if use_triton(hidden.device):
+        _local_batched_triton(hidden, topk_ids, topk_weights, geo, me, expert_table, slab, counts, slot_rows,
+                              slot_weights, token_rows, chunk_counts)
+    else:
+        _local_batched_torch(hidden, topk_ids, topk_weights, geo, me, expert_table, num_local, slab, counts,
+                             slot_rows, slot_weights, token_rows, chunk_counts)
+
+
+def _local_batched_torch(hidden, topk_ids, topk_weights, geo, me, expert_table, L, slab, counts, slot_rows,
+                         slot_weights, token_rows, chunk_counts) -> None:
+    m, T, dev = hidden.shape[0], geo.max_tokens, hidden.device
+    chunk_counts[me] = m
+    if m == 0:
+        return
+    local = sanitize_torch(topk_ids, geo.num_experts, L, expert_table, None).long()   # [m, k], L = dropped
+    t = torch.arange(m, device=dev)
+    token_rows[me, :m] = torch.where((local < L).any(1), me * T + t, geo.rows).to(torch.int32)
+    x = hidden
+    if geo.wire.fp8:
+        q, scales = _quantize_fp8(hidden)
+        x = _dequantize_fp8(q, scales, hidden.dtype)
+    _append_to_slabs_torch(local, x.to(slab.dtype), L, slab, counts, slot_rows, slot_weights, topk_weights,
+                           me * T + t)
+
+
+def _local_batched_triton(hidden, topk_ids, topk_weights, geo, me, expert_table, slab, counts, slot_rows,
+                          slot_weights, token_rows, chunk_counts) -> None:
+    from padded_moe.kernels.ep import _local_batched_kernel
+
+    w, dev = geo.wire, hidden.device
+    m, K = hidden.shape[0], w.hidden_size
+    hidden = _unit_stride_rows(hidden)
+    tile = _tile("local_batched", dev)
+    bt = tile.rows
+    if w.fp8 and w.scale_group != K:
+        bk = FP8_BLOCK
+    else:
+        bk = min(_next_pow2(max(K, 1)), (1024 // slab.element_size()) if dev.type == "cuda" else 256)
+    nb = max(1, _cdiv(m, bt))
+    _local_batched_kernel[(_capped_grid(dev, nb),)](
+        hidden, hidden.stride(0), topk_ids, topk_ids.stride(0), topk_ids.stride(1),
+        topk_weights, topk_weights.stride(0), topk_weights.stride(1), expert_table,
+        slab, slab.stride(0), counts, slot_rows, slot_weights, slot_rows.stride(0),
+        token_rows, chunk_counts, me, m, geo.max_tokens, geo.num_experts, K, geo.rows, geo.rows, nb,
+        TOP_K=w.top_k, KP=_next_pow2(w.top_k), BT=bt, BK=bk, FP8=w.fp8,
+        ROW_SCALE=w.fp8 and w.scale_group == K, num_warps=tile.num_warps)
 
 
 # ---------------------------------------------------------------------------------------- combine
@@ -561,47 +728,67 @@ def combine_flat_rows(geo: EPGeometry, chunk_counts, expert_out, comb_send) -> N
     comb_send.copy_(torch.where(valid.unsqueeze(1), expert_out.index_select(0, src), comb_send))
 
 
-def combine_batched_rows(geo: EPGeometry, recv_wire, chunk_counts, graph_safe: bool, slot_rows,
-                         expert_out, comb_send) -> None:
-    """Batched combine, receiver side: `comb_send[i] = Σ_j w[i,j] · Y[slot_rows[i,j]]` over the
-    local slots of every valid received row `i` (fp32, weights from the received meta)."""
+def combine_batched_rows(geo: EPGeometry, chunk_counts, graph_safe: bool, slot_rows, slot_weights,
+                         expert_out, comb_send, *, skip_peer: int = -1, only_peer: int = -1) -> None:
+    """Batched combine, receiver side: `comb_send[i] = Σ_j slot_weights[i,j] · Y[slot_rows[i,j]]`
+    over the local slots of every valid received row `i` (fp32). `skip_peer` / `only_peer` >= 0:
+    every chunk but that one / that chunk alone (the overlapped combine does its own chunk while
+    the others travel)."""
     if use_triton(expert_out.device):
-        from padded_moe.kernels.ep import _combine_batched_kernel
-
-        expert_out = _unit_stride_rows(expert_out)
-
-        R, T, w, dev = geo.ep_size, geo.max_tokens, geo.wire, expert_out.device
-        _, _, meta_f = w.views(recv_wire)
-        tile = _tile("combine_batched", dev)
-        bt = tile.rows
-        nb = _cdiv(T, bt)
-        bk, kpp, ks = _k_tiles(dev, w.hidden_size, expert_out.element_size(), R * nb, per_sm=tile.per_sm)
-        _combine_batched_kernel[(R * nb, ks)](
-            expert_out, expert_out.stride(0), expert_out.stride(1), expert_out.shape[1], meta_f,
-            meta_f.stride(0), chunk_counts, slot_rows, slot_rows.stride(0), comb_send, comb_send.stride(0),
-            T, w.hidden_size, kpp, nb,
-            R=R, RP=_next_pow2(R), TOP_K=w.top_k, BT=bt, BK=bk, GRAPH_SAFE=graph_safe,
-            num_warps=tile.num_warps)
+        _combine_batched_triton(geo, chunk_counts, graph_safe, slot_rows, slot_weights, expert_out, comb_send,
+                                skip_peer, only_peer)
         return
-    k, K, rows = geo.wire.top_k, geo.wire.hidden_size, geo.rows
-    _, _, meta_f = geo.wire.views(recv_wire)
-    cnt = chunk_counts.long().clamp(0, geo.max_tokens)
+    k, K, rows, T = geo.wire.top_k, geo.wire.hidden_size, geo.rows, geo.max_tokens
+    cnt = chunk_counts.long().clamp(0, T)
     valid = _valid_recv_rows_torch(geo, cnt, graph_safe)
+    chunk = torch.arange(rows, device=valid.device) // T  # graph-safe rows; exact mode never selects
+    if skip_peer >= 0:
+        valid &= chunk != skip_peer
+    if only_peer >= 0:
+        valid &= chunk == only_peer
     flat = expert_out.reshape(-1, K)
     acc = torch.zeros(rows, K, dtype=torch.float32, device=expert_out.device)
     if flat.shape[0]:
         for j in range(k):
             sr = slot_rows[:, j].long()
             keep = (valid & (sr >= 0)).unsqueeze(1)
-            y = flat.index_select(0, sr.clamp(min=0)).float() * meta_f[:, k + j:k + j + 1]
+            y = flat.index_select(0, torch.where(keep[:, 0], sr, 0)).float() * slot_weights[:, j:j + 1]
             # where, not a multiply by 0: rows past a count may hold NaN and must not leak.
             acc += torch.where(keep, y, torch.zeros((), device=acc.device))
     comb_send.copy_(torch.where(valid.unsqueeze(1), acc.to(comb_send.dtype), comb_send))
 
 
-def reduce_partials(geo: EPGeometry, comb_recv, token_rows, m: int, out) -> None:
-    """Sender side: `out[t] = Σ_r comb_recv[token_rows[r, t]]` over peers that got token t (fp32)."""
+def _combine_batched_triton(geo, chunk_counts, graph_safe, slot_rows, slot_weights, expert_out, comb_send,
+                            skip_peer, only_peer) -> None:
+    from padded_moe.kernels.ep import _combine_batched_kernel
+
+    expert_out = _unit_stride_rows(expert_out)
+    R, T, w, dev = geo.ep_size, geo.max_tokens, geo.wire, expert_out.device
+    chunks = 1 if only_peer >= 0 else R - (1 if skip_peer >= 0 else 0)
+    if chunks == 0:
+        return
+    own = only_peer >= 0  # the overlapped call: a capped grid (see EP_TILES)
+    tile = _tile("combine_own" if own else "combine_batched", dev)
+    bt = tile.rows
+    nb = _cdiv(T, bt)
+    bk, kpp, ks = _k_tiles(dev, w.hidden_size, expert_out.element_size(), chunks * nb, per_sm=tile.per_sm)
+    grid0 = _capped_grid(dev, chunks * nb, ks) if own else chunks * nb
+    _combine_batched_kernel[(grid0, ks)](
+        expert_out, expert_out.stride(0), expert_out.stride(1), expert_out.shape[1], chunk_counts,
+        slot_rows, slot_weights, slot_rows.stride(0), comb_send, comb_send.stride(0),
+        T, w.hidden_size, kpp, nb, chunks * nb, skip_peer, only_peer,
+        R=R, RP=_next_pow2(R), TOP_K=w.top_k, BT=bt, BK=bk, GRAPH_SAFE=graph_safe,
+        num_warps=tile.num_warps)
+
+
+def reduce_partials(geo: EPGeometry, comb_recv, token_rows, m: int, out, *, self_rank: int = -1,
+                    comb_send: Optional[torch.Tensor] = None) -> None:
+    """Sender side: `out[t] = Σ_r partial_r[token_rows[r, t]]` over peers that got token t (fp32);
+    partials come from `comb_recv`, except this rank's own (`self_rank` >= 0), which stayed in
+    `comb_send` (same row numbering)."""
     R, rows, K = geo.ep_size, geo.rows, geo.wire.hidden_size
+    if self_rank >= 0 and comb_send is None:
+        raise ValueError("reduce_partials: self_rank >= 0 needs comb_send (where that partial stayed)")
     if m == 0:
         return
     if use_triton(out.device):
@@ -612,13 +799,17 @@ def reduce_partials(geo: EPGeometry, comb_recv, token_rows, m: int, out) -> None
         bt = tile.rows
         nb = _cdiv(m, bt)
         bk, kpp, ks = _k_tiles(dev, K, out.element_size(), nb, per_sm=tile.per_sm)
-        _reduce_kernel[(nb, ks)](comb_recv, comb_recv.stride(0), token_rows, token_rows.stride(0),
-                                 out, out.stride(0), m, K, kpp, rows, R=R, BT=bt, BK=bk,
+        cs = comb_send if comb_send is not None else comb_recv
+        if cs.stride(0) != comb_recv.stride(0):
+            raise ValueError("reduce_partials: comb_send and comb_recv must have the same row stride")
+        _reduce_kernel[(nb, ks)](comb_recv, comb_recv.stride(0), cs, token_rows, token_rows.stride(0),
+                                 out, out.stride(0), m, K, kpp, rows, self_rank, R=R, BT=bt, BK=bk,
                                  num_warps=tile.num_warps)
         return
     tr = token_rows[:, :m].long()
     keep = (tr >= 0) & (tr < rows)
-    parts = comb_recv.index_select(0, torch.where(keep, tr, torch.zeros_like(tr)).reshape(-1)).view(R, m, K)
+    idx = torch.where(keep, tr, torch.zeros_like(tr))
+    parts = torch.stack([(comb_send if r == self_rank else comb_recv).index_select(0, idx[r]) for r in range(R)])
     out.copy_(torch.where(keep.unsqueeze(-1), parts.float(), torch.zeros((), device=out.device)).sum(0))
 
 
@@ -721,6 +912,21 @@ class ExpertParallel:
         self._comb_recv = self.wire.combine_rows(self._recv, rows)
         self._token_rows = buf("token_rows", (R, T), torch.int32, fill=rows)
         self._chunk_counts = buf("chunk_counts", (R,), torch.int32, fill=0)
+        self._route_counts = buf("route_counts", (R, route_block_columns(T)), torch.int32, fill=0)
+        # Batched + graph-safe on the kernels' path, with peers: this rank's own chunk never travels
+        # (local_batched fills its slabs while the peers' chunks are in flight), so the exchanges
+        # take per-peer views. The torch path (the reference) keeps the plain source-rank order of
+        # slab rows, which graph_safe=False has too: CPU BLAS results may depend on a row's position.
+        self._keeps_own_chunk = (self.mode == "batched" and self.graph_safe and R > 1 and use_triton(dev)
+                                 and T >= _overlap_min_tokens())
+        me = self.ep_rank
+
+        def peer_views(full):
+            return [c if d != me else c[:0] for d, c in enumerate(full.split(T))]
+
+        self._send_chunks, self._recv_chunks = peer_views(self._send_wire), peer_views(self._recv_wire)
+        self._comb_send_chunks, self._comb_recv_chunks = peer_views(self._comb_send), peer_views(self._comb_recv)
+        self._side_stream = torch.cuda.Stream(self.device) if dev.type == "cuda" and self._keeps_own_chunk else None
         if self.mode == "flat":
             self._rb_x = buf("rb_x", (rows, K), self.dtype)
             self._rb_ids = buf("rb_topk_ids", (rows, k), torch.int32, fill=-1)
@@ -731,6 +937,7 @@ class ExpertParallel:
             self._slab = buf("rb_x", (L * rows + 1, K), self.dtype)
             self._counts = buf("rb_counts", (L,), torch.int32, fill=0)
             self._slot_rows = buf("slot_rows", (rows, k), torch.int32, fill=-1)
+            self._slot_weights = buf("slot_weights", (rows, k), torch.float32, fill=0)
 
     def buffers(self) -> dict:
         """Every persistent buffer this object reserved, by name (the planner sizes the same set)."""
@@ -786,20 +993,64 @@ class ExpertParallel:
             send_counts, recv_counts = self._exchange_counts(peer_counts(topk_ids, self._owner, geo))
             send_base = torch.tensor(_exclusive_cumsum(send_counts), dtype=torch.int32, device=self.device)
         batched = self.mode == "batched"
-        pack_rows(hidden, topk_ids, topk_weights, self._owner, geo, self._send_wire, self._token_rows,
-                  send_base, zero_counts=self._counts if batched else None)
-        self._all_to_all(self._recv_wire, self._send_wire, send_counts, recv_counts)
         handle = DispatchHandle(self, self.mode, m, self._token_rows,
                                 send_counts=send_counts, recv_counts=recv_counts)
+        if self._keeps_own_chunk:
+            self._dispatch_overlapped(hidden, topk_ids, topk_weights)
+        else:
+            pack_rows(hidden, topk_ids, topk_weights, self._owner, geo, self._send_wire, self._token_rows,
+                      send_base, zero_counts=self._counts if batched else None, block_counts=self._route_counts)
+            self._all_to_all(self._recv_wire, self._send_wire, send_counts, recv_counts)
         if not batched:
             receive_flat(geo, self._recv_wire, self._chunk_counts, self.graph_safe,
                          self._rb_x, self._rb_ids, self._rb_w, self._rb_valid)
             return ReceiveBuffer("flat", self._rb_x, topk_ids=self._rb_ids, topk_weights=self._rb_w,
                                  valid_tokens=self._rb_valid), handle
-        receive_batched(geo, self._recv_wire, self._chunk_counts, self.graph_safe, self._map, self.num_local,
-                        self._slab, self._counts, self._slot_rows)
+        if not self._keeps_own_chunk:
+            receive_batched(geo, self._recv_wire, self._chunk_counts, self.graph_safe, self._map, self.num_local,
+                            self._slab, self._counts, self._slot_rows, self._slot_weights)
         x = self._slab[: self.num_local * geo.rows].view(self.num_local, geo.rows, self.hidden_size)
         return ReceiveBuffer("batched", x, counts=self._counts), handle
+
+    def _dispatch_overlapped(self, hidden, topk_ids, topk_weights) -> None:
+        """Batched, graph-safe: pack the peers' chunks, and while they travel put this rank's own
+        tokens into the slabs (`local_batched`); then scatter what arrived."""
+        geo, me = self.geometry, self.ep_rank
+        pack_rows(hidden, topk_ids, topk_weights, self._owner, geo, self._send_wire, self._token_rows,
+                  zero_counts=self._counts, skip_peer=me, block_counts=self._route_counts)
+        self._overlap(
+            lambda: self._exchange_peer_chunks(self._recv_chunks, self._send_chunks, self._recv_wire, self._send_wire),
+            lambda: local_batched(hidden, topk_ids, topk_weights, geo, me, self._map, self.num_local, self._slab,
+                                  self._counts, self._slot_rows, self._slot_weights, self._token_rows,
+                                  self._chunk_counts))
+        receive_batched(geo, self._recv_wire, self._chunk_counts, True, self._map, self.num_local, self._slab,
+                        self._counts, self._slot_rows, self._slot_weights, skip_peer=me)
+
+    def _overlap(self, transfer, local) -> None:
+        """`transfer` (a collective) and `local` (kernels) at the same time: on CUDA the collective
+        is issued from a side stream, which the current stream joins afterwards (capturable in a
+        CUDA graph); elsewhere one after the other."""
+        if self._side_stream is None:
+            transfer()
+            local()
+            return
+        main = torch.cuda.current_stream(self.device)
+        self._side_stream.wait_stream(main)
+        with torch.cuda.stream(self._side_stream):
+            transfer()
+        local()
+        main.wait_stream(self._side_stream)
+
+    def _exchange_peer_chunks(self, recv_chunks, send_chunks, recv_full, send_full) -> None:
+        """Graph-safe exchange of every chunk but one's own: NCCL gets per-peer views with an empty
+        own chunk (it moves nothing to itself); gloo, which has no list all_to_all, moves the whole
+        buffers (the own chunk's bytes then arrive but are never read)."""
+        if self.ep_size == 1:
+            return
+        if dist.get_backend(self.group) == "nccl":
+            dist.all_to_all(recv_chunks, send_chunks, group=self.group)
+        else:
+            dist.all_to_all_single(recv_full, send_full, group=self.group)
 
     def _exchange_counts(self, counts: torch.Tensor) -> tuple[list, list]:
         """graph_safe=False: per-peer row counts both ways (the one host synchronisation); the
@@ -831,8 +1082,10 @@ class ExpertParallel:
             else:
                 combine_flat_rows(geo, self._chunk_counts, expert_out, self._comb_send)
                 send = self._comb_send
+        elif self._keeps_own_chunk:
+            return self._combine_overlapped(expert_out, handle)
         else:
-            combine_batched_rows(geo, self._recv_wire, self._chunk_counts, not exact, self._slot_rows,
+            combine_batched_rows(geo, self._chunk_counts, not exact, self._slot_rows, self._slot_weights,
                                  expert_out, self._comb_send)
             send = self._comb_send
         # The sender's combine rows mirror its dispatch rows, so the splits swap.
@@ -840,6 +1093,22 @@ class ExpertParallel:
         m = handle.num_tokens
         out = torch.empty(m, self.hidden_size, dtype=self.dtype, device=self.device)
         reduce_partials(geo, self._comb_recv, handle.token_rows, m, out)
+        return out
+
+    def _combine_overlapped(self, expert_out, handle) -> torch.Tensor:
+        """Batched, graph-safe: weigh the peers' rows, and while they travel back weigh this rank's
+        own (they stay in the combine send buffer, in a chunk nobody transfers); then reduce."""
+        geo, me = self.geometry, self.ep_rank
+        combine_batched_rows(geo, self._chunk_counts, True, self._slot_rows, self._slot_weights, expert_out,
+                             self._comb_send, skip_peer=me)
+        self._overlap(
+            lambda: self._exchange_peer_chunks(self._comb_recv_chunks, self._comb_send_chunks, self._comb_recv,
+                                               self._comb_send),
+            lambda: combine_batched_rows(geo, self._chunk_counts, True, self._slot_rows, self._slot_weights,
+                                         expert_out, self._comb_send, only_peer=me))
+        m = handle.num_tokens
+        out = torch.empty(m, self.hidden_size, dtype=self.dtype, device=self.device)
+        reduce_partials(geo, self._comb_recv, handle.token_rows, m, out, self_rank=me, comb_send=self._comb_send)
         return out
 
 

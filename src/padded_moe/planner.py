@@ -19,7 +19,7 @@ from typing import Optional, Union
 
 import torch
 
-from padded_moe.distributed import WireFormat
+from padded_moe.distributed import WireFormat, route_block_columns
 from padded_moe.presets import PRESETS, MoEPreset, get_preset
 
 GIB = 1 << 30
@@ -119,7 +119,8 @@ def _ep_buffers(R: int, T: int, K: int, k: int, L: int, mode: str, dtype, fp8: b
     out = [Buffer("dispatch send (x + meta in-band)", (rows, tb), torch.uint8, "ep", note),
            Buffer("dispatch recv (x + meta in-band)", (rows, tb), torch.uint8, "ep", note),
            Buffer("combine token rows", (R, T), torch.int32, "ep"),
-           Buffer("received chunk counts", (R,), torch.int32, "ep")]
+           Buffer("received chunk counts", (R,), torch.int32, "ep"),
+           Buffer("pack route counts", (R, route_block_columns(T)), torch.int32, "ep", "per peer, per token block")]
     if mode == "flat":
         out += [Buffer("receive x", (rows, K), dtype, "ep"),
                 Buffer("receive topk_ids", (rows, k), torch.int32, "ep"),
@@ -128,7 +129,8 @@ def _ep_buffers(R: int, T: int, K: int, k: int, L: int, mode: str, dtype, fp8: b
     else:
         out += [Buffer("receive x slabs (+dump row)", (L * rows + 1, K), dtype, "ep", "L x R*T rows"),
                 Buffer("receive counts", (L,), torch.int32, "ep"),
-                Buffer("combine slot rows", (rows, k), torch.int32, "ep")]
+                Buffer("combine slot rows", (rows, k), torch.int32, "ep"),
+                Buffer("combine slot weights", (rows, k), torch.float32, "ep")]
     return out
 
 

@@ -13,19 +13,27 @@ exact mode (graph_safe=False) packs chunks back to back from `base[d]` (counts e
 
 Kernels (every program's rows are independent; no grid-wide synchronisation):
 
-- `_pack_kernel` grid (R * NB, KS): peer r, token block b, K slice kz. Range-checks the ids, finds
-  each slot's owner, the token's position inside chunk r (an in-block `tl.cumsum` plus the count of
-  the earlier blocks, recomputed in-program), copies (or fp8-quantizes) the row slice, and (kz == 0)
-  writes the meta, `token_rows[r, t]` and the chunk count; optionally zeroes the batched counts.
+- `_route_count_kernel` grid (NB,): per token block, how many of its tokens go to each peer
+  (only when m > PACK_ONE_BLOCK_TOKENS; below, the pack has one block per peer).
+- `_pack_kernel` grid (peers * NB, KS): peer r (every peer, or every peer but SKIP), token block b,
+  K slice kz. Range-checks the ids, finds each slot's owner, the token's position inside chunk r
+  (an in-block `tl.cumsum` plus the earlier blocks' route counts), copies (or fp8-quantizes) the
+  row slice, and (kz == 0) writes the meta, `token_rows[r, t]` and the chunk count; optionally
+  zeroes the batched counts.
 - `_recv_flat_kernel` grid (R * NB, KS): compacts the R received chunks into `rb_x/ids/weights`
   rows `[0, valid)`, writes -1 / 0 meta into rows `[valid, R*T)`, `valid_tokens` and the counts.
-- `_recv_batched_kernel` grid (R * NB,): scatters every (received row, local expert) pair into the
-  expert's slab (atomic position; a repeated id of one token shares the first one's row) and
-  records each slot's slab row for combine.
+- `_recv_batched_kernel` grid (peers * NB,): scatters every (received row, local expert) pair into
+  the expert's slab (atomic position; a repeated id of one token shares the first one's row) and
+  records each slot's slab row and router weight for combine.
+- `_local_batched_kernel` grid (capped, looping over token blocks): the same scatter for this
+  rank's own tokens, read from `hidden` (batched graph-safe mode keeps them out of the
+  all_to_all and runs this while the peers' chunks travel).
 - `_combine_flat_kernel` grid (R * NB, KS): compacted expert output rows back into chunk order.
-- `_combine_batched_kernel` grid (R * NB, KS): Σ_j w_j · Y[slot_row_j] (fp32, a select, not a
-  multiply by 0: rows past a count may hold NaN) per received row, into chunk order.
-- `_reduce_kernel` grid (cdiv(m, BT), KS): each token's R partial rows (pad row skipped), fp32.
+- `_combine_batched_kernel` grid (chunks * NB, KS), or capped and looping for the own chunk:
+  Σ_j w_j · Y[slot_row_j] (fp32, a select, not a multiply by 0: rows past a count may hold NaN)
+  per received row, into chunk order.
+- `_reduce_kernel` grid (cdiv(m, BT), KS): each token's R partial rows (pad row skipped), fp32;
+  the own rank's partial from the combine send rows when it never travelled.
 """
 
 from __future__ import annotations
@@ -107,31 +115,53 @@ def _load_wire_row_slice(rx_ptr, src64, stride_rx, rmf_ptr, stride_rm, cols, msk
 
 # ---------------------------------------------------------------------------------------- dispatch
 @triton.jit
+def _peer_of(i, SKIP):
+    """Program group i -> peer: i itself, or (SKIP >= 0) the i-th peer other than SKIP."""
+    return i + ((SKIP >= 0) & (i >= SKIP)).to(tl.int32)
+
+
+@triton.jit
+def _route_count_kernel(ids_ptr, stride_im, stride_ik, owner_ptr, block_counts_ptr, m, E, NB_MAX,
+                        R: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr):
+    """block_counts[r, b] = tokens of block b (BT tokens) with a slot on peer r."""
+    b = tl.program_id(0)
+    jj = tl.arange(0, KP)
+    jm = jj < TOP_K
+    t = b * BT + tl.arange(0, BT)
+    tm = t < m
+    for r in tl.static_range(R):
+        _, mine = _slots_for_peer(ids_ptr, stride_im, stride_ik, owner_ptr, t, tm, r, E, jj, jm)
+        tl.store(block_counts_ptr + r * NB_MAX + b, tl.sum(tl.max(mine.to(tl.int32), axis=1), axis=0))
+
+
+@triton.jit(do_not_specialize=["SKIP"])
 def _pack_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr, stride_wm, stride_wk, owner_ptr,
                  sx_ptr, stride_sx, smi_ptr, smf_ptr, stride_sm, token_rows_ptr, base_ptr,
-                 zero_ptr, n_zero,
-                 m, T, E, K, K_PER_PROG, NB,
+                 block_counts_ptr, zero_ptr, n_zero,
+                 m, T, E, K, K_PER_PROG, NB, NB_MAX, SKIP,
                  R: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
-                 BK: tl.constexpr, CNT_TILE: tl.constexpr, COUNT_COL: tl.constexpr,
+                 BK: tl.constexpr, NBP: tl.constexpr, COUNT_COL: tl.constexpr,
                  SCALE_COL: tl.constexpr, HAS_BASE: tl.constexpr, FP8: tl.constexpr,
-                 ROW_SCALE: tl.constexpr, ZERO: tl.constexpr):
+                 ROW_SCALE: tl.constexpr, ZERO: tl.constexpr, ROUTED: tl.constexpr):
     pid = tl.program_id(0)
     kz = tl.program_id(1)
-    r = pid // NB
+    r = _peer_of(pid // NB, SKIP)
     b = pid % NB
     jj = tl.arange(0, KP)
     jm = jj < TOP_K
-    # Rows taken in chunk r by the tokens of the earlier blocks (recomputed: m is at most T).
-    earlier = tl.full([], 0, tl.int32)
-    for c0 in range(0, b * BT, CNT_TILE):
-        tt = c0 + tl.arange(0, CNT_TILE)
-        _, mine_e = _slots_for_peer(ids_ptr, stride_im, stride_ik, owner_ptr, tt, tt < b * BT, r, E, jj, jm)
-        earlier += tl.sum(tl.max(mine_e.to(tl.int32), axis=1), axis=0)
-
     t = b * BT + tl.arange(0, BT)
     tm = t < m
     g, mine = _slots_for_peer(ids_ptr, stride_im, stride_ik, owner_ptr, t, tm, r, E, jj, jm)
     sent = tl.max(mine.to(tl.int32), axis=1)            # [BT] 1 when token t goes to peer r
+    if ROUTED:
+        # Rows taken in chunk r by the tokens of the earlier blocks, and by all of them.
+        bb = tl.arange(0, NBP)
+        bc = tl.load(block_counts_ptr + r * NB_MAX + bb, mask=bb < NB, other=0)
+        earlier = tl.sum(tl.where(bb < b, bc, 0), axis=0)
+        chunk_total = tl.sum(bc, axis=0)
+    else:  # one block holds every token (small m): no route-count kernel ran
+        earlier = tl.full([], 0, tl.int32)
+        chunk_total = tl.sum(sent, axis=0)
     pos = earlier + tl.cumsum(sent, axis=0) - 1
     if HAS_BASE:
         base = tl.load(base_ptr + r)
@@ -152,8 +182,7 @@ def _pack_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr, stride_w
                  tl.where(mine, w.to(tl.float32), 0.0), mask=mm)
         if not HAS_BASE:
             # The chunk's valid-row count, always written (also for 0 rows and m == 0).
-            total = earlier + tl.sum(sent, axis=0)
-            tl.store(smi_ptr + (r * T).to(tl.int64) * stride_sm + COUNT_COL, total, mask=b == NB - 1)
+            tl.store(smi_ptr + (r * T).to(tl.int64) * stride_sm + COUNT_COL, chunk_total, mask=b == NB - 1)
         if ZERO:
             if pid == 0:
                 for z0 in range(0, n_zero, 1024):
@@ -170,7 +199,7 @@ def _pack_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr, stride_w
                 msk = to_peer[:, None] & (cols < K)[None, :]
                 x = tl.load(src + cols[None, :], mask=msk, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-            scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+            scale = _fp8_scale(amax)
             tl.store(smf_ptr + row64 * stride_sm + SCALE_COL, scale, mask=to_peer)
             for k0 in range(0, K, BK):
                 cols = k0 + tl.arange(0, BK)
@@ -185,7 +214,7 @@ def _pack_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr, stride_w
                 cols = k0 + tl.arange(0, BK)
                 msk = to_peer[:, None] & (cols < k_hi)[None, :]
                 x = tl.load(src + cols[None, :], mask=msk, other=0.0).to(tl.float32)
-                scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 448.0)
+                scale = _fp8_scale(tl.max(tl.abs(x), axis=1))
                 tl.store(smf_ptr + row64 * stride_sm + SCALE_COL + k0 // BK, scale, mask=to_peer)
                 q = _round_to_e4m3(tl.math.div_rn(x, scale[:, None]))
                 tl.store(dst + cols[None, :], q.to(sx_ptr.dtype.element_ty), mask=msk)
@@ -247,15 +276,55 @@ def _recv_flat_kernel(rx_ptr, stride_rx, rmi_ptr, rmf_ptr, stride_rm, cc_ptr,
 
 
 @triton.jit
+def _slab_rows(e, local, jj, counts_ptr, SLAB_ROWS, KP: tl.constexpr):
+    """Slab rows of the slots `e` [BT, KP] (local expert, valid where `local`): one row per
+    (token, expert), taken with an atomic on the expert's count (the order inside a slab does not
+    change any row's result); a repeated id takes the row of its first occurrence (both router
+    weights apply at combine). Returns (first [BT, KP]: the slot owns a row, row of each first
+    slot, slab row of every slot)."""
+    # same[b, j, j']: slot j' of the token is local with the same expert as slot j.
+    same = (e[:, :, None] == e[:, None, :]) & local[:, None, :]
+    j_row = jj[None, :, None]
+    j_col = jj[None, None, :]
+    first = local & (tl.max((same & (j_col < j_row)).to(tl.int32), axis=2) == 0)
+    pos = tl.atomic_add(counts_ptr + tl.where(first, e, 0), 1, mask=first, sem="relaxed")
+    row = tl.where(first, e * SLAB_ROWS + pos, 0)
+    fidx = tl.min(tl.where(same & (j_col <= j_row), j_col, KP), axis=2)
+    srow = tl.sum(tl.where(j_col == fidx[:, :, None], row[:, None, :], 0), axis=2)
+    return first, row, srow
+
+
+@triton.jit
+def _store_slab_rows(slab_ptr, stride_slab, x, first, row, jj, cols, cm, TOP_K: tl.constexpr):
+    """x [BT, BK] into the slab row of each first slot (k stores, masked)."""
+    for j in tl.static_range(TOP_K):
+        sel = jj[None, :] == j
+        fj = tl.max(tl.where(sel & first, 1, 0), axis=1) > 0
+        rj = tl.sum(tl.where(sel, row, 0), axis=1).to(tl.int64)
+        tl.store(slab_ptr + rj[:, None] * stride_slab + cols[None, :], x, mask=fj[:, None] & cm[None, :])
+
+
+@triton.jit
+def _fp8_round_trip(x, scale):
+    """What an fp8 wire delivers for float32 `x` with per-row `scale` [BT]: e4m3(x / s) · s."""
+    return _round_to_e4m3(tl.math.div_rn(x, scale[:, None])) * scale[:, None]
+
+
+@triton.jit
+def _fp8_scale(amax):
+    return tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+
+
+@triton.jit(do_not_specialize=["SKIP"])
 def _recv_batched_kernel(rx_ptr, stride_rx, rmi_ptr, rmf_ptr, stride_rm, cc_ptr, map_ptr,
-                         slab_ptr, stride_slab, counts_ptr, slot_rows_ptr, stride_sr,
-                         T, E, K, NB, SLAB_ROWS,
+                         slab_ptr, stride_slab, counts_ptr, slot_rows_ptr, slot_w_ptr, stride_sr,
+                         T, E, K, NB, SLAB_ROWS, SKIP,
                          R: tl.constexpr, RP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                          BT: tl.constexpr, BK: tl.constexpr, COUNT_COL: tl.constexpr, SCALE_COL: tl.constexpr,
                          IN_BAND: tl.constexpr, FP8: tl.constexpr, ROW_SCALE: tl.constexpr,
                          GROUP: tl.constexpr):
     pid = tl.program_id(0)
-    r = pid // NB
+    r = _peer_of(pid // NB, SKIP)
     b = pid % NB
     cnt_r, pre_r, total = _chunk_geometry(rmi_ptr, stride_rm, cc_ptr, r, T, R, RP, COUNT_COL, IN_BAND)
     if IN_BAND:
@@ -273,19 +342,10 @@ def _recv_batched_kernel(rx_ptr, stride_rx, rmi_ptr, rmf_ptr, stride_rm, cc_ptr,
     ok = vm & (g >= 0) & (g < E)
     loc = tl.load(map_ptr + tl.where(ok, g, 0), mask=ok, other=-1)
     local = ok & (loc >= 0)
-    e = tl.where(local, loc, -1)
-    # same[b, j, j']: slot j' of the token is local with the same expert as slot j.
-    same = (e[:, :, None] == e[:, None, :]) & local[:, None, :]
-    j_row = jj[None, :, None]
-    j_col = jj[None, None, :]
-    first = local & (tl.max((same & (j_col < j_row)).to(tl.int32), axis=2) == 0)
-    # One slab row per (token, expert); the order inside a slab does not change any row's result.
-    pos = tl.atomic_add(counts_ptr + tl.where(first, e, 0), 1, mask=first, sem="relaxed")
-    row = tl.where(first, e * SLAB_ROWS + pos, 0)
-    # A repeated id takes the row of its first occurrence (both router weights apply at combine).
-    fidx = tl.min(tl.where(same & (j_col <= j_row), j_col, KP), axis=2)
-    srow = tl.sum(tl.where(j_col == fidx[:, :, None], row[:, None, :], 0), axis=2)
+    first, row, srow = _slab_rows(tl.where(local, loc, -1), local, jj, counts_ptr, SLAB_ROWS, KP)
+    w = tl.load(rmf_ptr + src64[:, None] * stride_rm + TOP_K + jj[None, :], mask=local, other=0.0)
     tl.store(slot_rows_ptr + src64[:, None] * stride_sr + jj[None, :], tl.where(local, srow, -1), mask=vm)
+    tl.store(slot_w_ptr + src64[:, None] * stride_sr + jj[None, :], tl.where(local, w, 0.0), mask=vm)
     any_first = tl.max(first.to(tl.int32), axis=1) > 0
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
@@ -296,12 +356,60 @@ def _recv_batched_kernel(rx_ptr, stride_rx, rmi_ptr, rmf_ptr, stride_rm, cc_ptr,
                                      SCALE_COL, FP8, ROW_SCALE, GROUP)
         else:
             x = tl.load(rx_ptr + src64[:, None] * stride_rx + cols[None, :], mask=msk)
-        x = x.to(slab_ptr.dtype.element_ty)
-        for j in tl.static_range(TOP_K):
-            sel = jj[None, :] == j
-            fj = tl.max(tl.where(sel & first, 1, 0), axis=1) > 0
-            rj = tl.sum(tl.where(sel, row, 0), axis=1).to(tl.int64)
-            tl.store(slab_ptr + rj[:, None] * stride_slab + cols[None, :], x, mask=fj[:, None] & cm[None, :])
+        _store_slab_rows(slab_ptr, stride_slab, x.to(slab_ptr.dtype.element_ty), first, row, jj, cols, cm, TOP_K)
+
+
+@triton.jit(do_not_specialize=["me"])
+def _local_batched_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr, stride_wm, stride_wk, map_ptr,
+                          slab_ptr, stride_slab, counts_ptr, slot_rows_ptr, slot_w_ptr, stride_sr,
+                          token_rows_ptr, cc_ptr, me, m, T, E, K, SLAB_ROWS, PAD, NB,
+                          TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                          FP8: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """This rank's own tokens, straight from `hidden` into the slabs (nothing travels): token t
+    plays received row `me*T + t` of chunk `me` (so combine and reduce treat it like any chunk).
+    An fp8 wire's rounding is applied all the same, so results do not depend on where a token's
+    expert lives."""
+    # A grid capped below the machine (EP_TILES["local_batched"]) loops over the token blocks, so
+    # the all_to_all running meanwhile still finds room for its CTAs.
+    for b in range(tl.program_id(0), NB, tl.num_programs(0)):
+        t = b * BT + tl.arange(0, BT)
+        tm = t < m
+        t64 = t.to(tl.int64)
+        jj = tl.arange(0, KP)
+        jm = jj < TOP_K
+        vm = tm[:, None] & jm[None, :]
+        g = tl.load(ids_ptr + t64[:, None] * stride_im + jj[None, :] * stride_ik, mask=vm, other=-1)
+        ok = vm & (g >= 0) & (g < E)  # range check in the ids' own dtype, before the table read
+        loc = tl.load(map_ptr + tl.where(ok, g, 0), mask=ok, other=-1)
+        local = ok & (loc >= 0)
+        first, row, srow = _slab_rows(tl.where(local, loc, -1), local, jj, counts_ptr, SLAB_ROWS, KP)
+        w = tl.load(w_ptr + t64[:, None] * stride_wm + jj[None, :] * stride_wk, mask=local, other=0.0)
+        rr64 = (me * T + t).to(tl.int64)
+        tl.store(slot_rows_ptr + rr64[:, None] * stride_sr + jj[None, :], tl.where(local, srow, -1), mask=vm)
+        tl.store(slot_w_ptr + rr64[:, None] * stride_sr + jj[None, :], tl.where(local, w.to(tl.float32), 0.0),
+                 mask=vm)
+        any_first = tl.max(first.to(tl.int32), axis=1) > 0
+        tl.store(token_rows_ptr + me * T + t, tl.where(any_first, me * T + t, PAD), mask=tm)
+        tl.store(cc_ptr + me, m, mask=b == 0)
+        src = h_ptr + t64[:, None] * stride_h
+        if FP8 and ROW_SCALE:
+            amax = tl.zeros([BT], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                cols = k0 + tl.arange(0, BK)
+                x = tl.load(src + cols[None, :], mask=any_first[:, None] & (cols < K)[None, :], other=0.0)
+                amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+            row_scale = _fp8_scale(amax)
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            cm = cols < K
+            x = tl.load(src + cols[None, :], mask=any_first[:, None] & cm[None, :], other=0.0)
+            if FP8:
+                x = x.to(tl.float32)
+                if ROW_SCALE:
+                    x = _fp8_round_trip(x, row_scale)
+                else:  # BK == 128: one scale block
+                    x = _fp8_round_trip(x, _fp8_scale(tl.max(tl.abs(x), axis=1)))
+            _store_slab_rows(slab_ptr, stride_slab, x.to(slab_ptr.dtype.element_ty), first, row, jj, cols, cm, TOP_K)
 
 
 # ---------------------------------------------------------------------------------------- combine
@@ -327,47 +435,52 @@ def _combine_flat_kernel(y_ptr, stride_y, cc_ptr, cs_ptr, stride_cs,
         tl.store(cs_ptr + dst64[:, None] * stride_cs + cols[None, :], x, mask=msk)
 
 
-@triton.jit
-def _combine_batched_kernel(y_ptr, stride_y0, stride_y1, SLAB_ROWS, rmf_ptr, stride_rm, cc_ptr,
-                            slot_rows_ptr, stride_sr, cs_ptr, stride_cs,
-                            T, K, K_PER_PROG, NB,
+@triton.jit(do_not_specialize=["SKIP", "ONLY"])
+def _combine_batched_kernel(y_ptr, stride_y0, stride_y1, SLAB_ROWS, cc_ptr,
+                            slot_rows_ptr, slot_w_ptr, stride_sr, cs_ptr, stride_cs,
+                            T, K, K_PER_PROG, NB, NBLK, SKIP, ONLY,
                             R: tl.constexpr, RP: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr,
                             BK: tl.constexpr, GRAPH_SAFE: tl.constexpr):
-    pid = tl.program_id(0)
     kz = tl.program_id(1)
-    r = pid // NB
-    b = pid % NB
-    cnt_r, pre_r, total = _chunk_geometry(cc_ptr, 0, cc_ptr, r, T, R, RP, 0, False)
-    if GRAPH_SAFE:
-        base = r * T
-    else:
-        base = pre_r
-    p = b * BT + tl.arange(0, BT)
-    valid = p < cnt_r
-    src64 = (base + p).to(tl.int64)
-    k_lo = kz * K_PER_PROG
-    k_hi = tl.minimum(k_lo + K_PER_PROG, K)
-    for k0 in range(k_lo, k_hi, BK):
-        cols = k0 + tl.arange(0, BK)
-        cm = cols < k_hi
-        acc = tl.zeros([BT, BK], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            sr = tl.load(slot_rows_ptr + src64 * stride_sr + j, mask=valid, other=-1)
-            keep = valid & (sr >= 0)
-            w = tl.load(rmf_ptr + src64 * stride_rm + TOP_K + j, mask=keep, other=0.0)
-            srk = tl.where(keep, sr, 0)
-            yrow = (srk // SLAB_ROWS).to(tl.int64) * stride_y0 + (srk % SLAB_ROWS).to(tl.int64) * stride_y1
-            y = tl.load(y_ptr + yrow[:, None] + cols[None, :], mask=keep[:, None] & cm[None, :], other=0.0)
-            # Select, never multiply by zero: rows past a count may hold NaN.
-            acc += tl.where(keep[:, None], y.to(tl.float32) * w[:, None], 0.0)
-        tl.store(cs_ptr + src64[:, None] * stride_cs + cols[None, :], acc.to(cs_ptr.dtype.element_ty),
-                 mask=valid[:, None] & cm[None, :])
+    # NBLK row blocks (NB per chunk); a capped grid (the overlapped own-chunk call) loops over them.
+    for i in range(tl.program_id(0), NBLK, tl.num_programs(0)):
+        r = _peer_of(i // NB, SKIP)
+        if ONLY >= 0:
+            r = ONLY + 0 * r
+        b = i % NB
+        cnt_r, pre_r, total = _chunk_geometry(cc_ptr, 0, cc_ptr, r, T, R, RP, 0, False)
+        if GRAPH_SAFE:
+            base = r * T
+        else:
+            base = pre_r
+        p = b * BT + tl.arange(0, BT)
+        valid = p < cnt_r
+        src64 = (base + p).to(tl.int64)
+        k_lo = kz * K_PER_PROG
+        k_hi = tl.minimum(k_lo + K_PER_PROG, K)
+        for k0 in range(k_lo, k_hi, BK):
+            cols = k0 + tl.arange(0, BK)
+            cm = cols < k_hi
+            acc = tl.zeros([BT, BK], dtype=tl.float32)
+            for j in tl.static_range(TOP_K):
+                sr = tl.load(slot_rows_ptr + src64 * stride_sr + j, mask=valid, other=-1)
+                keep = valid & (sr >= 0)
+                w = tl.load(slot_w_ptr + src64 * stride_sr + j, mask=keep, other=0.0)
+                srk = tl.where(keep, sr, 0)
+                yrow = (srk // SLAB_ROWS).to(tl.int64) * stride_y0 + (srk % SLAB_ROWS).to(tl.int64) * stride_y1
+                y = tl.load(y_ptr + yrow[:, None] + cols[None, :], mask=keep[:, None] & cm[None, :], other=0.0)
+                # Select, never multiply by zero: rows past a count may hold NaN.
+                acc += tl.where(keep[:, None], y.to(tl.float32) * w[:, None], 0.0)
+            tl.store(cs_ptr + src64[:, None] * stride_cs + cols[None, :], acc.to(cs_ptr.dtype.element_ty),
+                     mask=valid[:, None] & cm[None, :])
 
 
-@triton.jit
-def _reduce_kernel(cr_ptr, stride_cr, tr_ptr, stride_tr, out_ptr, stride_o,
-                   m, K, K_PER_PROG, PAD,
+@triton.jit(do_not_specialize=["SELF"])
+def _reduce_kernel(cr_ptr, stride_cr, cs_ptr, tr_ptr, stride_tr, out_ptr, stride_o,
+                   m, K, K_PER_PROG, PAD, SELF,
                    R: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """Partials of peer r come from the combine receive rows `cr`, except this rank's own
+    (r == SELF >= 0), which never travelled and sit in the combine send rows `cs` (same strides)."""
     b = tl.program_id(0)
     kz = tl.program_id(1)
     t = b * BT + tl.arange(0, BT)
@@ -381,8 +494,12 @@ def _reduce_kernel(cr_ptr, stride_cr, tr_ptr, stride_tr, out_ptr, stride_o,
         for r in tl.static_range(R):
             row = tl.load(tr_ptr + r * stride_tr + t, mask=tm, other=PAD)
             keep = tm & (row >= 0) & (row < PAD)
-            y = tl.load(cr_ptr + tl.where(keep, row, 0).to(tl.int64)[:, None] * stride_cr + cols[None, :],
-                        mask=keep[:, None] & cm[None, :], other=0.0)
+            off = tl.where(keep, row, 0).to(tl.int64)[:, None] * stride_cr + cols[None, :]
+            msk = keep[:, None] & cm[None, :]
+            if r == SELF:
+                y = tl.load(cs_ptr + off, mask=msk, other=0.0)
+            else:
+                y = tl.load(cr_ptr + off, mask=msk, other=0.0)
             acc += y.to(tl.float32)
         tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=tm[:, None] & cm[None, :])

@@ -276,7 +276,10 @@ class EPTile:
 # With a full-machine grid they took every SM first and NCCL's kernel only started as they drained
 # (bench_ep --timeline: no overlap); one program per SM on every SM did not help either (NCCL's
 # CTAs did not share an SM with ours). So their grid leaves EP_FREE_SMS SMs idle for NCCL's CTAs
-# and loops over the row blocks.
+# and loops over the row blocks. 66 = half of the H200's 132 SMs; in the probes (notes.md runs
+# 21-22) 50 and 66 free SMs were within 2 µs of each other with the 8-16-warp tiles below, and
+# 16/32/48/66 gave 196-222 µs in no clear order with 4-warp tiles. A GPU with fewer SMs keeps
+# half of them free.
 EP_FREE_SMS = 66
 # The pack packs up to this many tokens in one block per peer (no route-count kernel).
 PACK_ONE_BLOCK_TOKENS = 32
@@ -331,12 +334,13 @@ def _overlap_min_tokens() -> int:
 
 def _capped_grid(device: torch.device, row_programs: int, k_programs: int = 1) -> int:
     """Row programs for a kernel that overlaps a collective: at most one program per SM outside
-    `EP_FREE_SMS` (with `k_programs` along K), the programs looping over the row blocks;
-    uncapped off CUDA."""
+    the `EP_FREE_SMS` left to the collective (at most half the SMs on a smaller GPU), with
+    `k_programs` along K, the programs looping over the row blocks; uncapped off CUDA."""
     if device.type != "cuda":
         return row_programs
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    return max(1, min(row_programs, (num_sms(idx) - EP_FREE_SMS) // max(k_programs, 1)))
+    sms = num_sms(idx)
+    return max(1, min(row_programs, (sms - min(EP_FREE_SMS, sms // 2)) // max(k_programs, 1)))
 
 
 def _fp8_tiles(geo: EPGeometry, device, row_programs, elem_size, split=True, per_sm=4):

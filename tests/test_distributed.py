@@ -312,7 +312,7 @@ def test_ep_triton_kernels_interpreted_two_ranks(monkeypatch, overlap):
         pytest.skip("triton is not installed")
     # Children inherit the variables from the start, so Triton is imported in interpreter mode there.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    # Batched graph-safe mode: this rank's chunk kept out of the all_to_all (local_batched, overlap
+    # Graph-safe: this rank's chunk kept out of the all_to_all (local_batched / local_flat, overlap
     # sequence), or the plain sequence; the small T here is below the default threshold.
     monkeypatch.setenv("PADDED_MOE_EP_OVERLAP_MIN_TOKENS", "0" if overlap == "own_chunk_kept" else "1000000")
     cases = cases_for(2)
@@ -330,7 +330,7 @@ def test_ep_triton_kernels_interpreted_two_ranks(monkeypatch, overlap):
             assert r["identical_exact"], f"seed {SEED}, {case['name']}, rank {rank}: graph_safe=False differs"
             bad = [k for k, ok in r["checks"].items() if not ok]
             assert not bad, f"seed {SEED}, {case['name']}, rank {rank}: padding checks failed: {bad}"
-            assert r["kept_own"] == (case["mode"] == "batched" and overlap == "own_chunk_kept"), case["name"]
+            assert r["kept_own"] == (overlap == "own_chunk_kept"), case["name"]
 
 
 # ---------------------------------------------------------------------------- single process

@@ -207,10 +207,10 @@ def decoded(geo, wire, row):
     return D._decode_rows_torch(geo, wire, torch.tensor([row]))[0]
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["graph_safe", "exact"])
+@pytest.mark.parametrize("exact,own", [(False, -1), (True, -1), (False, 1)], ids=["graph_safe", "exact", "own_first"])
 @pytest.mark.parametrize("counts", [(5, 0, 7), (0, 0, 0), (8, 8, 8), (0, 8, 1), (33, 0, 40)], ids=str)
 @pytest.mark.parametrize("fp8", [False, True], ids=["wire_f32", "wire_fp8"])
-def test_receive_flat_compacts_valid_rows(cpu_path, gen, counts, exact, fp8):
+def test_receive_flat_compacts_valid_rows(cpu_path, gen, counts, exact, own, fp8):
     R, E, k = 3, 12, 3
     T = max(8, *counts)  # (33, 0, 40): several row blocks per chunk
     K = 128 if fp8 else 24
@@ -222,17 +222,67 @@ def test_receive_flat_compacts_valid_rows(cpu_path, gen, counts, exact, fp8):
     rb_ids = torch.full((geo.rows, k), 77, dtype=torch.int32)
     rb_w = torch.full((geo.rows, k), float("nan"))
     rb_valid = torch.full((1,), -3, dtype=torch.int32)
-    D.receive_flat(geo, wire, cc, not exact, rb_x, rb_ids, rb_w, rb_valid)
+    n_own = 0
+    if own >= 0:
+        # local_flat's rows: the own chunk (count 3) already at the front; its wire rows never arrived.
+        n_own = 3
+        cc[own] = n_own
+        rows = [i for i in rows if i // T != own]
+        rb_x[:n_own], rb_ids[:n_own], rb_w[:n_own] = 1.5, 4, 0.25
+    D.receive_flat(geo, wire, cc, not exact, rb_x, rb_ids, rb_w, rb_valid, own=own)
     _, mi, mf = geo.wire.views(wire)
-    V = sum(counts)
+    V = n_own + len(rows)
     assert int(rb_valid) == V
-    assert cc.tolist() == list(counts)
-    for d, row in enumerate(rows):
+    expect_cc = list(counts) if own < 0 else [n_own if r == own else counts[r] for r in range(R)]
+    assert cc.tolist() == expect_cc
+    assert (rb_x[:n_own] == 1.5).all() and (rb_ids[:n_own] == 4).all() and (rb_w[:n_own] == 0.25).all(), \
+        "the own chunk's rows are local_flat's"
+    for d, row in enumerate(rows, start=n_own):
         assert torch.equal(rb_ids[d], mi[row, :k]), d
         assert torch.equal(rb_w[d], mf[row, k:2 * k]), d
         assert torch.equal(rb_x[d], decoded(geo, wire, row)), d
     assert (rb_ids[V:] == -1).all() and (rb_w[V:] == 0).all()
     assert torch.isnan(rb_x[V:]).all(), "padding rows of x are not written"
+
+
+@pytest.mark.parametrize("fp8,K", [(False, 40), (True, 256), (True, 200)], ids=["wire_f32", "wire_fp8", "fp8_row_scale"])
+@pytest.mark.parametrize("m", [0, 7, 40])  # 40 > PACK_ONE_BLOCK_TOKENS: route counts from pack_rows
+def test_local_flat_matches_reference(cpu_path, gen, m, fp8, K):
+    """Own tokens straight into the front of the receive rows, in token order: loop reference."""
+    R, E, k, me, T = 3, 12, 3, 2, 40
+    geo = geometry(R, T, E, K, k, torch.float32, fp8)
+    owner = owner_table(E, R)
+    ids = random_ids(gen, m, E, k, dup=True)
+    hidden = torch.randn(m, K, generator=gen) * 3
+    weights = torch.rand(m, k, generator=gen) + 0.1
+    token_rows = torch.full((R, T), -7, dtype=torch.int32)
+    block_counts = torch.full((R, D.route_block_columns(T)), -9, dtype=torch.int32)
+    # The route counts come from the pack of the same call (which skips this rank's chunk).
+    D.pack_rows(hidden, ids, weights, owner, geo, geo.wire.wire_rows(poisoned_wire(geo), geo.rows), token_rows,
+                skip_peer=me, block_counts=block_counts)
+    rb_x = torch.full((geo.rows, K), float("nan"))
+    rb_ids = torch.full((geo.rows, k), 77, dtype=torch.int32)
+    rb_w = torch.full((geo.rows, k), float("nan"))
+    cc = torch.full((R,), -5, dtype=torch.int32)
+    D.local_flat(hidden, ids, weights, owner, geo, me, rb_x, rb_ids, rb_w, token_rows, cc, block_counts)
+    x = hidden
+    if fp8 and m:
+        q, sc = D._quantize_fp8(hidden)
+        x = D._dequantize_fp8(q, sc, torch.float32)
+    row = 0
+    for t in range(m):
+        mine = [owner_of(int(ids[t, j]), owner, E) == me for j in range(k)]
+        if not any(mine):
+            assert int(token_rows[me, t]) == R * T, t
+            continue
+        assert int(token_rows[me, t]) == row, t
+        assert rb_ids[row].tolist() == [int(ids[t, j]) if mine[j] else -1 for j in range(k)], t
+        assert rb_w[row].tolist() == [float(weights[t, j]) if mine[j] else 0.0 for j in range(k)], t
+        assert torch.equal(rb_x[row], x[t]), t
+        row += 1
+    assert int(cc[me]) == row and int((cc == -5).sum()) == R - 1
+    assert (rb_ids[row:] == 77).all() and torch.isnan(rb_x[row:]).all(), "rows past the own count are not written"
+    assert (token_rows[me, m:] == -7).all()
 
 
 def check_scattered_row(row, ids, wts, x, emap, geo, slab, slot_rows, slot_w, used, expect_cnt, start) -> dict:
@@ -344,22 +394,23 @@ def test_local_batched_matches_reference(cpu_path, gen, case, fp8, K):
 
 # ---------------------------------------------------------------------------------------- combine
 @pytest.mark.parametrize("counts", [(3, 0, 8), (0, 0, 0), (8, 8, 8)], ids=str)
-def test_combine_flat_rows(cpu_path, gen, counts):
+@pytest.mark.parametrize("own", [-1, 1])
+def test_combine_flat_rows(cpu_path, gen, counts, own):
     R, T, E, k, K = 3, 8, 9, 2, 40
     geo = geometry(R, T, E, K, k)
     V = sum(counts)
     y = torch.randn(geo.rows, K, generator=gen)
     y[V:] = float("nan")
     out = torch.full((geo.rows, K), -3.0)
-    D.combine_flat_rows(geo, torch.tensor(counts, dtype=torch.int32), y, out)
-    d = 0
+    D.combine_flat_rows(geo, torch.tensor(counts, dtype=torch.int32), y, out, own=own)
+    order = ([own] if own >= 0 else []) + [r for r in range(R) if r != own]  # compaction order
+    start = {r: sum(counts[q] for q in order[:order.index(r)]) for r in range(R)}
     for r in range(R):
         for p in range(T):
-            if p < counts[r]:
-                assert torch.equal(out[r * T + p], y[d])
-                d += 1
+            if p < counts[r] and r != own:
+                assert torch.equal(out[r * T + p], y[start[r] + p])
             else:
-                assert (out[r * T + p] == -3.0).all()
+                assert (out[r * T + p] == -3.0).all(), "padding and the own chunk's rows are not written"
 
 
 @pytest.mark.parametrize("exact,subset", [(False, "all"), (True, "all"), (False, "skip0"), (False, "only0")],
@@ -405,7 +456,7 @@ def test_reduce_partials(cpu_path, gen, m, self_rank):
     R, T, E, k, K = 3, 13, 9, 2, 33
     geo = geometry(R, T, E, K, k)
     comb_recv = torch.randn(geo.rows, K, generator=gen)
-    comb_send = torch.randn(geo.rows, K, generator=gen)
+    comb_send = torch.randn(geo.rows, K + 5, generator=gen)[:, :K]  # own rows: a row stride of their own
     token_rows = torch.full((R, T), geo.rows, dtype=torch.int32)
     referenced = {"recv": set(), "send": set()}
     for r in range(R):
@@ -417,7 +468,7 @@ def test_reduce_partials(cpu_path, gen, m, self_rank):
         buf[[i for i in range(geo.rows) if i not in referenced[name]]] = float("nan")
     out = torch.full((m, K), -1.0)
     D.reduce_partials(geo, comb_recv, token_rows, m, out, self_rank=self_rank,
-                      comb_send=comb_send if self_rank >= 0 else None)
+                      own_rows=comb_send if self_rank >= 0 else None)
     for t in range(m):
         ref = torch.zeros(K, dtype=torch.float64)
         for r in range(R):
@@ -428,21 +479,21 @@ def test_reduce_partials(cpu_path, gen, m, self_rank):
 
 def test_reduce_partials_own_rank_needs_send_rows():
     geo = geometry(2, 4, 4, 8, 1)
-    with pytest.raises(ValueError, match="comb_send"):
+    with pytest.raises(ValueError, match="own_rows"):
         D.reduce_partials(geo, torch.zeros(8, 8), torch.zeros(2, 4, dtype=torch.int32), 2, torch.zeros(2, 8),
                           self_rank=0)
 
 
 # ---------------------------------------------------------------------------------------- round trip
-def simulate(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, scale):
+def simulate(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, scale, keep_own=None):
     """R ranks on one process, in ExpertParallel's order: pack, all_to_all by chunk copies,
     receive, experts (expert e multiplies its rows by scale[e]; rows past counts / valid NaN),
-    combine, reduce. Batched + graph-safe keeps each rank's own chunk out of the exchange (its
-    tokens go through local_batched; the own chunk of every receive buffer stays poisoned). Runs
-    on the inputs' device."""
+    combine, reduce. `keep_own` (default: graph_safe) keeps each rank's own chunk out of the
+    exchange (its tokens go through local_batched / local_flat; the own chunk of every receive
+    buffer stays poisoned). Runs on the inputs' device."""
     R, T, E, K, k = geo.ep_size, geo.max_tokens, geo.num_experts, geo.wire.hidden_size, geo.wire.top_k
     dtype, rows, dev = geo.wire.dtype, geo.rows, hiddens[0].device
-    keep_own = mode == "batched" and graph_safe
+    keep_own = graph_safe if keep_own is None else keep_own
     owner, scale = owner.to(dev), scale.to(dev)
     send = [poisoned_wire(geo, device=dev) for _ in range(R)]
     recv = [poisoned_wire(geo, device=dev) for _ in range(R)]
@@ -453,13 +504,15 @@ def simulate(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, sca
     maps = [ExpertMap(E, r, R, placement, device=dev) for r in range(R)]
     counts_l = [torch.full((maps[r].num_local,), 99, dtype=torch.int32, device=dev) for r in range(R)]
     send_counts = [D.peer_counts(ids[s], owner, geo).tolist() for s in range(R)]
+    route = [torch.full((R, D.route_block_columns(T)), -9, dtype=torch.int32, device=dev) for _ in range(R)]
     for s in range(R):
         base = None
         if not graph_safe:
             base = torch.tensor([sum(send_counts[s][:r]) for r in range(R)], dtype=torch.int32, device=dev)
             cc[s].copy_(torch.tensor([send_counts[q][s] for q in range(R)], dtype=torch.int32))
         D.pack_rows(hiddens[s], ids[s], weights[s], owner, geo, wires_s[s], token_rows[s], base,
-                    zero_counts=counts_l[s] if mode == "batched" else None, skip_peer=s if keep_own else -1)
+                    zero_counts=counts_l[s] if mode == "batched" else None, skip_peer=s if keep_own else -1,
+                    block_counts=route[s])
 
     def all_to_all(src, dst, sizes):
         """sizes[s][r]: rows rank s sends to rank r (graph-safe: fixed T-row chunks, garbage too)."""
@@ -476,7 +529,7 @@ def simulate(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, sca
 
     full = [[T] * R for _ in range(R)]
     all_to_all(wires_s, wires_r, full if graph_safe else send_counts)
-    outs = []
+    outs, ys = [], []
     comb_send = [geo.wire.combine_rows(b, rows) for b in send]
     comb_recv = [geo.wire.combine_rows(b, rows) for b in recv]
     for r in range(R):
@@ -487,7 +540,10 @@ def simulate(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, sca
             rb_ids = torch.full((rows, k), 5, dtype=torch.int32, device=dev)
             rb_w = torch.full((rows, k), float("nan"), device=dev)
             rb_v = torch.zeros(1, dtype=torch.int32, device=dev)
-            D.receive_flat(geo, wires_r[r], cc[r], graph_safe, rb_x, rb_ids, rb_w, rb_v)
+            if keep_own:
+                D.local_flat(hiddens[r], ids[r], weights[r], owner, geo, r, rb_x, rb_ids, rb_w, token_rows[r], cc[r],
+                             route[r])
+            D.receive_flat(geo, wires_r[r], cc[r], graph_safe, rb_x, rb_ids, rb_w, rb_v, own=r if keep_own else -1)
             v = int(rb_v)
             y = torch.full((rows, K), float("nan"), dtype=dtype, device=dev)
             g = rb_ids[:v].long()
@@ -495,8 +551,9 @@ def simulate(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, sca
             f = torch.where(keep, rb_w[:v].double() * scale[g.clamp(min=0)],
                             torch.zeros((), dtype=torch.float64, device=dev))
             y[:v] = (rb_x[:v].double() * f.sum(1, keepdim=True)).to(dtype)
+            ys.append(y)
             if graph_safe:
-                D.combine_flat_rows(geo, cc[r], y, comb_send[r])
+                D.combine_flat_rows(geo, cc[r], y, comb_send[r], own=r if keep_own else -1)
             else:
                 comb_send[r][:v] = y[:v]
         else:
@@ -521,18 +578,20 @@ def simulate(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, sca
     for s in range(R):
         m = hiddens[s].shape[0]
         out = torch.full((m, K), -1.0, dtype=dtype, device=dev)
+        own_rows = (ys[s] if mode == "flat" else comb_send[s]) if keep_own else None
         D.reduce_partials(geo, comb_recv[s], token_rows[s], m, out, self_rank=s if keep_own else -1,
-                          comb_send=comb_send[s] if keep_own else None)
+                          own_rows=own_rows)
         outs.append(out)
     return outs
 
 
 @pytest.mark.parametrize("mode", ["flat", "batched"])
-@pytest.mark.parametrize("graph_safe", [True, False], ids=["graph_safe", "exact"])
+@pytest.mark.parametrize("graph_safe,keep_own", [(True, True), (True, False), (False, False)],
+                         ids=["graph_safe_own_kept", "graph_safe", "exact"])
 @pytest.mark.parametrize("wire,ms,routing", [("f32", (5, 0, 7), "random"), ("bf16", (6, 6, 6), "last_rank"),
                                              ("fp8", (4, 6, 2), "duplicate"), ("bf16", (0, 0, 0), "random")],
                          ids=str)
-def test_round_trip_matches_reference(cpu_path, gen, mode, graph_safe, wire, ms, routing):
+def test_round_trip_matches_reference(cpu_path, gen, mode, graph_safe, keep_own, wire, ms, routing):
     R, T, E, k = 3, 7, 10, 3
     K = 256 if wire == "fp8" else 40
     dtype = torch.bfloat16 if wire in ("bf16", "fp8") else torch.float32
@@ -544,7 +603,7 @@ def test_round_trip_matches_reference(cpu_path, gen, mode, graph_safe, wire, ms,
     ids = [random_ids(gen, m, E, k, dup=routing == "duplicate", only=only) for m in ms]
     weights = [torch.rand(m, k, generator=gen) + 0.1 for m in ms]
     scale = torch.rand(E, generator=gen, dtype=torch.float64) + 0.5
-    outs = simulate(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, scale)
+    outs = simulate(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, scale, keep_own)
     for s, m in enumerate(ms):
         x = hiddens[s].float()
         if wire == "fp8":
@@ -561,10 +620,11 @@ def test_round_trip_matches_reference(cpu_path, gen, mode, graph_safe, wire, ms,
             assert err <= tol, (s, err)
 
 
-def test_round_trip_with_capped_grids(triton_on, gen, monkeypatch):
-    """The kernels that overlap the all_to_all (local_batched, the own chunk's combine) run on a
-    grid capped below the machine and loop over the row blocks: with 2 programs for 3-4 blocks
-    the round trip still equals the reference."""
+@pytest.mark.parametrize("mode", ["flat", "batched"])
+def test_round_trip_with_capped_grids(triton_on, gen, monkeypatch, mode):
+    """The kernels that overlap the all_to_all (local_batched / local_flat, the own chunk's
+    combine) run on a grid capped below the machine and loop over the row blocks: with 2
+    programs for 3-4 blocks the round trip still equals the reference."""
     monkeypatch.setattr(D, "_capped_grid", lambda device, rows, k_programs=1: min(rows, 2))
     R, T, E, k, K = 2, 40, 12, 3, 32
     geo = geometry(R, T, E, K, k)
@@ -574,7 +634,7 @@ def test_round_trip_with_capped_grids(triton_on, gen, monkeypatch):
     ids = [random_ids(gen, m, E, k, dup=True) for m in ms]
     weights = [torch.rand(m, k, generator=gen) + 0.1 for m in ms]
     scale = torch.rand(E, generator=gen, dtype=torch.float64) + 0.5
-    outs = simulate(geo, owner, "linear", "batched", True, hiddens, ids, weights, scale)
+    outs = simulate(geo, owner, "linear", mode, True, hiddens, ids, weights, scale)
     for s, m in enumerate(ms):
         g = ids[s]
         ok = (g >= 0) & (g < E)

@@ -43,15 +43,19 @@ reference). Launches per call, graph-safe:
   `_recv_batched_kernel`;
 - combine: `_combine_flat_kernel` or `_combine_batched_kernel`, one all_to_all, `_reduce_kernel`.
 
-Batched mode, graph-safe, on the kernels' path with peers and `T >= EP_OVERLAP_MIN_TOKENS`: this
-rank's own chunk never enters the all_to_all. The pack skips it; NCCL gets per-peer views with an
-empty own chunk, issued from a side stream; meanwhile `_local_batched_kernel` puts the own tokens
-into the slabs straight from `hidden` (as received rows `me*T + t`, fp8 rounding applied all the
-same). In combine, the peers' rows are weighed first, and while they travel the own chunk's rows
-are weighed into the combine send buffer's own chunk, where the reduction reads them. The
-overlapped kernels run on a grid that leaves `EP_FREE_SMS` SMs idle (else NCCL's CTAs wait for
-them to drain). Slab row order then puts own tokens first; every row's result is unchanged (and
-on CUDA the order already follows the atomics).
+Graph-safe, on the kernels' path with peers and `T >= EP_OVERLAP_MIN_TOKENS`: this rank's own
+chunk never enters the all_to_all. The pack skips it; NCCL gets per-peer views with an empty own
+chunk, issued from a side stream. Meanwhile the own tokens go straight from `hidden` to the receive
+side (fp8 rounding applied all the same):
+- batched: `_local_batched_kernel` puts them into the slabs as received rows `me*T + t`. In combine,
+  the peers' rows are weighed first, and while they travel the own rows are weighed into the
+  combine send buffer's own chunk, where the reduction reads them;
+- flat: `_local_flat_kernel` writes them to the front of the receive rows, and the peers' chunks
+  are compacted after them. Combine returns only the peers' rows, and the reduction reads the own
+  partials from the expert output.
+The overlapped kernels run on a grid that leaves `EP_FREE_SMS` SMs idle (else NCCL's CTAs wait for
+them to drain). The own tokens then come first among the received rows; every row's result is
+unchanged (and on CUDA the batched order already follows the atomics).
 
 `graph_safe=False` first exchanges the per-peer counts (one host sync, one more small collective)
 and moves only real rows (uneven splits, chunks back to back); received rows are then already a
@@ -283,17 +287,20 @@ class EPTile:
 EP_FREE_SMS = 66
 # The pack packs up to this many tokens in one block per peer (no route-count kernel).
 PACK_ONE_BLOCK_TOKENS = 32
-# Batched mode keeps its own chunk out of the all_to_all (and overlaps it) from this many
-# max_tokens_per_rank on; below, the plain sequence (fewer launches) is faster: steady-state
-# graph replays at T=16 / 128 took 39-40 / 59 µs both ways but the plain one's ratio to the raw
-# all_to_all was higher (0.75 vs 0.64, 0.87 vs 0.81), at T=1024 the overlap saved 14 µs (168 vs
-# 182 µs). 512 sits between the measured sizes (not measured itself). The environment variable
-# PADDED_MOE_EP_OVERLAP_MIN_TOKENS overrides it at construction.
+# Both modes keep their own chunk out of the all_to_all (and overlap it) from this many
+# max_tokens_per_rank on. Below that, the plain sequence (fewer launches) was faster in batched
+# mode, in steady-state graph replays:
+# - T=16 / 128: 39-40 / 59 µs either way, but the plain sequence's ratio to the raw all_to_all was
+#   higher (0.75 vs 0.64 and 0.87 vs 0.81);
+# - T=1024: the overlap saved 14 µs (168 vs 182 µs) in batched mode and 5-7 µs (142-146 vs
+#   148-151) in flat mode.
+# 512 sits between the measured sizes (not measured itself); flat's overlap was not measured below
+# 1024. The environment variable PADDED_MOE_EP_OVERLAP_MIN_TOKENS overrides it at construction.
 EP_OVERLAP_MIN_TOKENS = 512
 EP_TILES: dict = {
     "pack": EPTile(8), "recv_flat": EPTile(8), "recv_batched": EPTile(2),
     "combine_flat": EPTile(8), "combine_batched": EPTile(4, 4, 8), "reduce": EPTile(4, 4, 8),
-    "local_batched": EPTile(8, 16, 1), "combine_own": EPTile(16, 16, 1),
+    "local_batched": EPTile(8, 16, 1), "combine_own": EPTile(16, 16, 1), "local_flat": EPTile(8, 16, 1),
 }
 INTERPRET_TILE = EPTile(16)  # the interpreter prefers few, large programs
 
@@ -453,14 +460,8 @@ def _pack_triton(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_ro
         return
     hidden = _unit_stride_rows(hidden)
     x, meta_i, meta_f = w.views(send_wire)
-    tile = _tile("pack", dev)
     kp = _next_pow2(k)
-    routed = m > PACK_ONE_BLOCK_TOKENS
-    # Up to PACK_ONE_BLOCK_TOKENS tokens: one block per peer, positions from its own cumsum, no
-    # route-count launch (at T=16 that launch and its gap were ~1.7 of ~35 µs).
-    bt = tile.rows if routed else max(tile.rows, _next_pow2(max(m, 1)))
-    nb = max(1, _cdiv(m, bt))
-    nb_max = max(nb, _cdiv(T, bt))
+    tile, bt, nb, nb_max, routed = _pack_blocks(m, T, dev)
     if routed:
         if block_counts is None:
             block_counts = torch.empty(R, nb_max, dtype=torch.int32, device=dev)
@@ -523,38 +524,52 @@ def _decode_rows_torch(geo, wire, src) -> torch.Tensor:
     return x.index_select(0, src)
 
 
-def receive_flat(geo: EPGeometry, recv_wire, chunk_counts, in_band: bool, rb_x, rb_ids, rb_w, rb_valid) -> None:
+def receive_flat(geo: EPGeometry, recv_wire, chunk_counts, in_band: bool, rb_x, rb_ids, rb_w, rb_valid, *,
+                 own: int = -1) -> None:
     """Compact the R received chunks: rows `[0, valid)` of rb_x / rb_ids / rb_w are the real rows in
     source-rank order; ids -1 and weights 0 on rows `[valid, R*T)` (their x is not written).
     Counts: the in-band column (`in_band`, stored into `chunk_counts`) or `chunk_counts` (exact
-    splits: chunks back to back)."""
+    splits: chunks back to back). `own` >= 0: that chunk never travelled; `local_flat` already put
+    its rows first (count in `chunk_counts[own]`), the others follow by rank."""
     if use_triton(recv_wire.device):
-        _receive_flat_triton(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid)
+        _receive_flat_triton(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid, own)
     else:
-        _receive_flat_torch(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid)
+        _receive_flat_torch(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid, own)
 
 
-def _receive_flat_torch(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid) -> None:
+def _compaction_order(R: int, own: int) -> list:
+    """Chunks in compaction order: `own` first (when >= 0), then the others by rank."""
+    return ([own] if own >= 0 else []) + [r for r in range(R) if r != own]
+
+
+def _receive_flat_torch(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid, own=-1) -> None:
     R, T, k, rows = geo.ep_size, geo.max_tokens, geo.wire.top_k, geo.rows
     _, meta_i, meta_f = geo.wire.views(recv_wire)
-    cnt = _received_counts_torch(geo, meta_i, chunk_counts, in_band)
-    incl = torch.cumsum(cnt, 0)
-    pre, total = incl - cnt, incl[-1]
-    d = torch.arange(rows, device=cnt.device)
-    r_of = torch.searchsorted(incl, d, right=True).clamp(max=R - 1)             # chunk of compacted row d
-    base = torch.arange(R, device=cnt.device) * T if in_band else pre
+    cnt = _received_counts_torch(geo, meta_i, chunk_counts, in_band, own)
+    dev = cnt.device
+    order = torch.tensor(_compaction_order(R, own), device=dev)
+    cnt_o = cnt[order]
+    incl = torch.cumsum(cnt_o, 0)
+    pre_o, total = incl - cnt_o, incl[-1]
+    d = torch.arange(rows, device=dev)
+    slot = torch.searchsorted(incl, d, right=True).clamp(max=R - 1)             # order slot of compacted row d
+    r_of = order[slot]
+    pre = torch.empty_like(cnt)
+    pre[order] = pre_o
+    base = torch.arange(R, device=dev) * T if in_band else torch.cumsum(cnt, 0) - cnt
     valid = d < total
-    src = torch.where(valid, base[r_of] + d - pre[r_of], torch.zeros_like(d))
-    v = valid.unsqueeze(1)
+    copy = valid & (r_of != own)
+    src = torch.where(copy, base[r_of] + d - pre_o[slot], torch.zeros_like(d))
+    v = copy.unsqueeze(1)
     rb_x.copy_(torch.where(v, _decode_rows_torch(geo, recv_wire, src), rb_x))
     ids = meta_i[:, :k].index_select(0, src)
-    rb_ids.copy_(torch.where(v, ids, torch.full_like(ids, -1)))
+    rb_ids.copy_(torch.where(v, ids, torch.where(valid.unsqueeze(1), rb_ids, torch.full_like(ids, -1))))
     wts = meta_f[:, k:2 * k].index_select(0, src)
-    rb_w.copy_(torch.where(v, wts, torch.zeros_like(wts)))
+    rb_w.copy_(torch.where(v, wts, torch.where(valid.unsqueeze(1), rb_w, torch.zeros_like(wts))))
     rb_valid.copy_(total.view(1).to(torch.int32))
 
 
-def _receive_flat_triton(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid) -> None:
+def _receive_flat_triton(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid, own) -> None:
     from padded_moe.kernels.ep import _recv_flat_kernel
 
     R, T, w, dev = geo.ep_size, geo.max_tokens, geo.wire, recv_wire.device
@@ -566,11 +581,77 @@ def _receive_flat_triton(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb
     _recv_flat_kernel[(R * nb, ks)](
         x, x.stride(0), meta_i, meta_f, meta_i.stride(0), chunk_counts,
         rb_x, rb_x.stride(0), rb_ids, rb_ids.stride(0), rb_w, rb_w.stride(0), rb_valid,
-        T, w.hidden_size, kpp, nb,
+        T, w.hidden_size, kpp, nb, own,
         R=R, RP=_next_pow2(R), TOP_K=w.top_k, KP=_next_pow2(w.top_k), BT=bt, BK=bk,
         COUNT_COL=w.count_col, SCALE_COL=w.scale_col, IN_BAND=in_band, FP8=w.fp8,
         ROW_SCALE=w.fp8 and w.scale_group == w.hidden_size, GROUP=w.scale_group if w.fp8 else 1,
         num_warps=tile.num_warps)
+
+
+def local_flat(hidden, topk_ids, topk_weights, owner, geo: EPGeometry, me: int, rb_x, rb_ids, rb_w, token_rows,
+               chunk_counts, block_counts: Optional[torch.Tensor] = None) -> None:
+    """Flat mode's own tokens straight into the receive rows (they never travel): the tokens with a
+    slot on rank `me` take rows `[0, count)` in token order (chunk `me` comes first in the
+    compaction), ids masked to `me` (-1 elsewhere) and their weights; `token_rows[me, t]` = that
+    row (the expert output's row the reduction reads; the pad `R*T` when token t has no slot here),
+    `chunk_counts[me]` = the count. An fp8 wire's rounding is applied all the same. Triton path:
+    `block_counts` are the route counts `pack_rows` just wrote (same blocks)."""
+    if use_triton(hidden.device):
+        _local_flat_triton(hidden, topk_ids, topk_weights, owner, geo, me, rb_x, rb_ids, rb_w, token_rows,
+                           chunk_counts, block_counts)
+        return
+    m, dev = hidden.shape[0], hidden.device
+    mine = _slot_owner_torch(topk_ids, owner, geo.num_experts, geo.ep_size) == me      # [m, k]
+    sent = mine.any(1)
+    pos = torch.cumsum(sent.long(), 0) - 1
+    chunk_counts[me] = int(sent.sum())
+    token_rows[me, :m] = torch.where(sent, pos, torch.full_like(pos, geo.rows)).to(torch.int32)
+    rows = pos[sent]
+    x = hidden[sent]
+    if geo.wire.fp8 and x.shape[0]:
+        q, scales = _quantize_fp8(x)
+        x = _dequantize_fp8(q, scales, hidden.dtype)
+    rb_x[rows] = x.to(rb_x.dtype)
+    rb_ids[rows] = torch.where(mine, topk_ids, torch.full_like(topk_ids, -1))[sent].to(torch.int32)
+    rb_w[rows] = torch.where(mine, topk_weights.float(), torch.zeros((), device=dev))[sent]
+
+
+def _pack_blocks(m: int, T: int, device) -> tuple:
+    """(tile, rows per block, blocks, blocks for T, routed): the pack's token blocks, shared by
+    `local_flat` (which reads the same route counts)."""
+    tile = _tile("pack", device)
+    routed = m > PACK_ONE_BLOCK_TOKENS
+    # Up to PACK_ONE_BLOCK_TOKENS tokens: one block per peer, positions from its own cumsum, no
+    # route-count launch (at T=16 that launch and its gap were ~1.7 of ~35 µs).
+    bt = tile.rows if routed else max(tile.rows, _next_pow2(max(m, 1)))
+    nb = max(1, _cdiv(m, bt))
+    return tile, bt, nb, max(nb, _cdiv(T, bt)), routed
+
+
+def _local_flat_triton(hidden, topk_ids, topk_weights, owner, geo, me, rb_x, rb_ids, rb_w, token_rows, chunk_counts,
+                       block_counts) -> None:
+    from padded_moe.kernels.ep import _local_flat_kernel
+
+    w, dev = geo.wire, hidden.device
+    m, K = hidden.shape[0], w.hidden_size
+    hidden = _unit_stride_rows(hidden)
+    _, bt, nb, nb_max, routed = _pack_blocks(m, geo.max_tokens, dev)
+    if routed and block_counts is None:
+        raise ValueError("local_flat: block_counts (the route counts of pack_rows) is needed above "
+                         f"{PACK_ONE_BLOCK_TOKENS} tokens")
+    tile = _tile("local_flat", dev)
+    if w.fp8 and w.scale_group != K:
+        bk = FP8_BLOCK
+    else:
+        bk = min(_next_pow2(max(K, 1)), (1024 // rb_x.element_size()) if dev.type == "cuda" else 256)
+    bc = block_counts if routed else token_rows
+    _local_flat_kernel[(_capped_grid(dev, nb),)](
+        hidden, hidden.stride(0), topk_ids, topk_ids.stride(0), topk_ids.stride(1),
+        topk_weights, topk_weights.stride(0), topk_weights.stride(1), owner, bc,
+        rb_x, rb_x.stride(0), rb_ids, rb_ids.stride(0), rb_w, rb_w.stride(0), token_rows, chunk_counts,
+        me, m, geo.max_tokens, geo.num_experts, K, nb, bc.stride(0), geo.rows,
+        TOP_K=w.top_k, KP=_next_pow2(w.top_k), BT=bt, BK=bk, NBP=_next_pow2(nb_max), ROUTED=routed,
+        FP8=w.fp8, ROW_SCALE=w.fp8 and w.scale_group == K, num_warps=tile.num_warps)
 
 
 def receive_batched(geo: EPGeometry, recv_wire, chunk_counts, in_band: bool, expert_table, num_local: int,
@@ -705,29 +786,35 @@ def _local_batched_triton(hidden, topk_ids, topk_weights, geo, me, expert_table,
 
 
 # ---------------------------------------------------------------------------------------- combine
-def combine_flat_rows(geo: EPGeometry, chunk_counts, expert_out, comb_send) -> None:
+def combine_flat_rows(geo: EPGeometry, chunk_counts, expert_out, comb_send, *, own: int = -1) -> None:
     """Graph-safe flat combine: `comb_send[r*T + p] = expert_out[start_r + p]` for `p < count_r`
-    (compacted rows back into chunk order; other rows untouched)."""
+    (compacted rows back into chunk order; other rows untouched). `own` >= 0: that chunk came
+    first in the compaction and stays where it is (the reduction reads it from `expert_out`)."""
     if use_triton(expert_out.device):
         from padded_moe.kernels.ep import _combine_flat_kernel
 
         expert_out = _unit_stride_rows(expert_out)
 
         R, T, K, dev = geo.ep_size, geo.max_tokens, geo.wire.hidden_size, expert_out.device
+        chunks = R - (1 if own >= 0 else 0)
+        if chunks == 0:
+            return
         tile = _tile("combine_flat", dev)
         bt = tile.rows
         nb = _cdiv(T, bt)
-        bk, kpp, ks = _k_tiles(dev, K, expert_out.element_size(), R * nb, per_sm=tile.per_sm)
-        _combine_flat_kernel[(R * nb, ks)](
+        bk, kpp, ks = _k_tiles(dev, K, expert_out.element_size(), chunks * nb, per_sm=tile.per_sm)
+        _combine_flat_kernel[(chunks * nb, ks)](
             expert_out, expert_out.stride(0), chunk_counts, comb_send, comb_send.stride(0),
-            T, K, kpp, nb, R=R, RP=_next_pow2(R), BT=bt, BK=bk, num_warps=tile.num_warps)
+            T, K, kpp, nb, own, R=R, RP=_next_pow2(R), BT=bt, BK=bk, num_warps=tile.num_warps)
         return
     R, T = geo.ep_size, geo.max_tokens
     cnt = chunk_counts.long().clamp(0, T)
-    pre = torch.cumsum(cnt, 0) - cnt
+    order = torch.tensor(_compaction_order(R, own), device=cnt.device)
+    pre = torch.empty_like(cnt)
+    pre[order] = torch.cumsum(cnt[order], 0) - cnt[order]
     i = torch.arange(geo.rows, device=cnt.device)
     r, p = i // T, i % T
-    valid = p < cnt[r]
+    valid = (p < cnt[r]) & (r != own)
     src = torch.where(valid, pre[r] + p, torch.zeros_like(p))
     comb_send.copy_(torch.where(valid.unsqueeze(1), expert_out.index_select(0, src), comb_send))
 
@@ -786,13 +873,13 @@ def _combine_batched_triton(geo, chunk_counts, graph_safe, slot_rows, slot_weigh
 
 
 def reduce_partials(geo: EPGeometry, comb_recv, token_rows, m: int, out, *, self_rank: int = -1,
-                    comb_send: Optional[torch.Tensor] = None) -> None:
+                    own_rows: Optional[torch.Tensor] = None) -> None:
     """Sender side: `out[t] = Σ_r partial_r[token_rows[r, t]]` over peers that got token t (fp32);
-    partials come from `comb_recv`, except this rank's own (`self_rank` >= 0), which stayed in
-    `comb_send` (same row numbering)."""
+    partials come from `comb_recv`, except this rank's own (`self_rank` >= 0), which never
+    travelled: rows of `own_rows` (batched: the combine send buffer; flat: the expert output)."""
     R, rows, K = geo.ep_size, geo.rows, geo.wire.hidden_size
-    if self_rank >= 0 and comb_send is None:
-        raise ValueError("reduce_partials: self_rank >= 0 needs comb_send (where that partial stayed)")
+    if self_rank >= 0 and own_rows is None:
+        raise ValueError("reduce_partials: self_rank >= 0 needs own_rows (where that partial stayed)")
     if m == 0:
         return
     if use_triton(out.device):
@@ -803,17 +890,15 @@ def reduce_partials(geo: EPGeometry, comb_recv, token_rows, m: int, out, *, self
         bt = tile.rows
         nb = _cdiv(m, bt)
         bk, kpp, ks = _k_tiles(dev, K, out.element_size(), nb, per_sm=tile.per_sm)
-        cs = comb_send if comb_send is not None else comb_recv
-        if cs.stride(0) != comb_recv.stride(0):
-            raise ValueError("reduce_partials: comb_send and comb_recv must have the same row stride")
-        _reduce_kernel[(nb, ks)](comb_recv, comb_recv.stride(0), cs, token_rows, token_rows.stride(0),
+        own = _unit_stride_rows(own_rows) if own_rows is not None else comb_recv
+        _reduce_kernel[(nb, ks)](comb_recv, comb_recv.stride(0), own, own.stride(0), token_rows, token_rows.stride(0),
                                  out, out.stride(0), m, K, kpp, rows, self_rank, R=R, BT=bt, BK=bk,
                                  num_warps=tile.num_warps)
         return
     tr = token_rows[:, :m].long()
     keep = (tr >= 0) & (tr < rows)
     idx = torch.where(keep, tr, torch.zeros_like(tr))
-    parts = torch.stack([(comb_send if r == self_rank else comb_recv).index_select(0, idx[r]) for r in range(R)])
+    parts = torch.stack([(own_rows if r == self_rank else comb_recv).index_select(0, idx[r]) for r in range(R)])
     out.copy_(torch.where(keep.unsqueeze(-1), parts.float(), torch.zeros((), device=out.device)).sum(0))
 
 
@@ -917,12 +1002,12 @@ class ExpertParallel:
         self._token_rows = buf("token_rows", (R, T), torch.int32, fill=rows)
         self._chunk_counts = buf("chunk_counts", (R,), torch.int32, fill=0)
         self._route_counts = buf("route_counts", (R, route_block_columns(T)), torch.int32, fill=0)
-        # Batched + graph-safe on the kernels' path, with peers: this rank's own chunk never travels
-        # (local_batched fills its slabs while the peers' chunks are in flight), so the exchanges
-        # take per-peer views. The torch path (the reference) keeps the plain source-rank order of
-        # slab rows, which graph_safe=False has too: CPU BLAS results may depend on a row's position.
-        self._keeps_own_chunk = (self.mode == "batched" and self.graph_safe and R > 1 and use_triton(dev)
-                                 and T >= _overlap_min_tokens())
+        # Graph-safe on the kernels' path, with peers: this rank's own chunk never travels
+        # (local_batched / local_flat fill the receive side while the peers' chunks are in flight),
+        # so the exchanges take per-peer views. The torch path (the reference) keeps the plain
+        # source-rank order of received rows, which graph_safe=False has too: CPU BLAS results may
+        # depend on a row's position.
+        self._keeps_own_chunk = self.graph_safe and R > 1 and use_triton(dev) and T >= _overlap_min_tokens()
         me = self.ep_rank
 
         def peer_views(full):
@@ -999,6 +1084,10 @@ class ExpertParallel:
         batched = self.mode == "batched"
         handle = DispatchHandle(self, self.mode, m, self._token_rows,
                                 send_counts=send_counts, recv_counts=recv_counts)
+        if self._keeps_own_chunk and not batched:
+            self._dispatch_flat_overlapped(hidden, topk_ids, topk_weights)
+            return ReceiveBuffer("flat", self._rb_x, topk_ids=self._rb_ids, topk_weights=self._rb_w,
+                                 valid_tokens=self._rb_valid), handle
         if self._keeps_own_chunk:
             self._dispatch_overlapped(hidden, topk_ids, topk_weights)
         else:
@@ -1029,6 +1118,19 @@ class ExpertParallel:
                                   self._chunk_counts))
         receive_batched(geo, self._recv_wire, self._chunk_counts, True, self._map, self.num_local, self._slab,
                         self._counts, self._slot_rows, self._slot_weights, skip_peer=me)
+
+    def _dispatch_flat_overlapped(self, hidden, topk_ids, topk_weights) -> None:
+        """Flat, graph-safe: pack the peers' chunks, and while they travel put this rank's own
+        tokens at the front of the receive rows (`local_flat`); then compact what arrived after them."""
+        geo, me = self.geometry, self.ep_rank
+        pack_rows(hidden, topk_ids, topk_weights, self._owner, geo, self._send_wire, self._token_rows,
+                  skip_peer=me, block_counts=self._route_counts)
+        self._overlap(
+            lambda: self._exchange_peer_chunks(self._recv_chunks, self._send_chunks, self._recv_wire, self._send_wire),
+            lambda: local_flat(hidden, topk_ids, topk_weights, self._owner, geo, me, self._rb_x, self._rb_ids,
+                               self._rb_w, self._token_rows, self._chunk_counts, self._route_counts))
+        receive_flat(geo, self._recv_wire, self._chunk_counts, True, self._rb_x, self._rb_ids, self._rb_w,
+                     self._rb_valid, own=me)
 
     def _overlap(self, transfer, local) -> None:
         """`transfer` (a collective) and `local` (kernels) at the same time: on CUDA the collective
@@ -1080,6 +1182,15 @@ class ExpertParallel:
         self._check_combine(expert_out, handle)
         geo = self.geometry
         exact = handle.send_counts is not None
+        if self.mode == "flat" and self._keeps_own_chunk:
+            # Own rows stay in expert_out (the reduction reads them there); nothing to overlap.
+            combine_flat_rows(geo, self._chunk_counts, expert_out, self._comb_send, own=self.ep_rank)
+            self._exchange_peer_chunks(self._comb_recv_chunks, self._comb_send_chunks, self._comb_recv,
+                                       self._comb_send)
+            out = torch.empty(handle.num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+            reduce_partials(geo, self._comb_recv, handle.token_rows, handle.num_tokens, out,
+                            self_rank=self.ep_rank, own_rows=expert_out)
+            return out
         if self.mode == "flat":
             if exact:  # received rows were already the prefix: return them as they are
                 send = expert_out[: sum(handle.recv_counts)].contiguous()
@@ -1112,7 +1223,7 @@ class ExpertParallel:
                                          expert_out, self._comb_send, only_peer=me))
         m = handle.num_tokens
         out = torch.empty(m, self.hidden_size, dtype=self.dtype, device=self.device)
-        reduce_partials(geo, self._comb_recv, handle.token_rows, m, out, self_rank=me, comb_send=self._comb_send)
+        reduce_partials(geo, self._comb_recv, handle.token_rows, m, out, self_rank=me, own_rows=self._comb_send)
         return out
 
 

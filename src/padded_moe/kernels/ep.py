@@ -21,19 +21,24 @@ Kernels (every program's rows are independent; no grid-wide synchronisation):
   row slice, and (kz == 0) writes the meta, `token_rows[r, t]` and the chunk count; optionally
   zeroes the batched counts.
 - `_recv_flat_kernel` grid (R * NB, KS): compacts the R received chunks into `rb_x/ids/weights`
-  rows `[0, valid)`, writes -1 / 0 meta into rows `[valid, R*T)`, `valid_tokens` and the counts.
+  rows `[0, valid)`, writes -1 / 0 meta into rows `[valid, R*T)`, `valid_tokens` and the counts;
+  with OWN >= 0 that chunk's rows are already first (only its padding meta is written here).
+- `_local_flat_kernel` grid (capped, looping over the pack's token blocks): flat mode's own tokens
+  straight from `hidden` to the front of the receive rows (the flat own-chunk overlap).
 - `_recv_batched_kernel` grid (peers * NB,): scatters every (received row, local expert) pair into
   the expert's slab (atomic position; a repeated id of one token shares the first one's row) and
   records each slot's slab row and router weight for combine.
 - `_local_batched_kernel` grid (capped, looping over token blocks): the same scatter for this
   rank's own tokens, read from `hidden` (batched graph-safe mode keeps them out of the
   all_to_all and runs this while the peers' chunks travel).
-- `_combine_flat_kernel` grid (R * NB, KS): compacted expert output rows back into chunk order.
+- `_combine_flat_kernel` grid (chunks * NB, KS): compacted expert output rows back into chunk order
+  (the peers' chunks only, when the own chunk stayed).
 - `_combine_batched_kernel` grid (chunks * NB, KS), or capped and looping for the own chunk:
   Σ_j w_j · Y[slot_row_j] (fp32, a select, not a multiply by 0: rows past a count may hold NaN)
   per received row, into chunk order.
 - `_reduce_kernel` grid (cdiv(m, BT), KS): each token's R partial rows (pad row skipped), fp32;
-  the own rank's partial from the combine send rows when it never travelled.
+  the own rank's partial, when it never travelled, from the combine send rows (batched) or the
+  expert output (flat).
 """
 
 from __future__ import annotations
@@ -65,22 +70,28 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
-def _chunk_geometry(meta_ptr, stride_m, cc_ptr, r, T,
+def _chunk_geometry(meta_ptr, stride_m, cc_ptr, r, T, OWN,
                     R: tl.constexpr, RP: tl.constexpr, COUNT_COL: tl.constexpr, IN_BAND: tl.constexpr):
-    """Counts of the R received chunks (in-band column, or `cc_ptr`), clamped to [0, T]; returns
-    (count of chunk r, compacted start of chunk r, total valid rows)."""
+    """Counts of the R received chunks (in-band column, or `cc_ptr`; chunk OWN >= 0, which never
+    travelled, always from `cc_ptr`), clamped to [0, T]. Compaction order: chunk OWN first, then
+    the others by rank (OWN = -1: by rank). Returns (count of chunk r, compacted start of chunk r,
+    total valid rows, padding rows of the chunks before r)."""
     rr = tl.arange(0, RP)
     rm = rr < R
     if IN_BAND:
-        cnt = tl.load(meta_ptr + (rr * T).to(tl.int64) * stride_m + COUNT_COL, mask=rm, other=0)
+        cnt = tl.load(meta_ptr + (rr * T).to(tl.int64) * stride_m + COUNT_COL, mask=rm & (rr != OWN), other=0)
+        cnt = tl.where(rr == OWN, tl.load(cc_ptr + rr, mask=rm & (rr == OWN), other=0), cnt)
     else:
         cnt = tl.load(cc_ptr + rr, mask=rm, other=0)
     cnt = tl.minimum(tl.maximum(cnt, 0), T)
-    excl = tl.cumsum(cnt, axis=0) - cnt
+    key = tl.where(rr == OWN, -1, rr)
+    key_r = tl.where(r == OWN, -1, r)
+    before = rm & (key < key_r)
     cnt_r = tl.sum(tl.where(rr == r, cnt, 0), axis=0)
-    pre_r = tl.sum(tl.where(rr == r, excl, 0), axis=0)
+    pre_r = tl.sum(tl.where(before, cnt, 0), axis=0)
+    pad_before = tl.sum(tl.where(before, T - cnt, 0), axis=0)
     total = tl.sum(cnt, axis=0)
-    return cnt_r, pre_r, total
+    return cnt_r, pre_r, total, pad_before
 
 
 @triton.jit
@@ -227,18 +238,21 @@ def _pack_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr, stride_w
             tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=msk), mask=msk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["OWN"])
 def _recv_flat_kernel(rx_ptr, stride_rx, rmi_ptr, rmf_ptr, stride_rm, cc_ptr,
                       ox_ptr, stride_ox, oid_ptr, stride_oid, ow_ptr, stride_ow, ovalid_ptr,
-                      T, K, K_PER_PROG, NB,
+                      T, K, K_PER_PROG, NB, OWN,
                       R: tl.constexpr, RP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, COUNT_COL: tl.constexpr, SCALE_COL: tl.constexpr,
                       IN_BAND: tl.constexpr, FP8: tl.constexpr, ROW_SCALE: tl.constexpr, GROUP: tl.constexpr):
+    """OWN >= 0: chunk OWN's valid rows are already at the front (`_local_flat_kernel`); its
+    programs only write the meta of its share of the padding rows."""
     pid = tl.program_id(0)
     kz = tl.program_id(1)
     r = pid // NB
     b = pid % NB
-    cnt_r, pre_r, total = _chunk_geometry(rmi_ptr, stride_rm, cc_ptr, r, T, R, RP, COUNT_COL, IN_BAND)
+    cnt_r, pre_r, total, pad_before = _chunk_geometry(rmi_ptr, stride_rm, cc_ptr, r, T, OWN, R, RP, COUNT_COL,
+                                                      IN_BAND)
     if IN_BAND:
         base = r * T
     else:
@@ -246,33 +260,91 @@ def _recv_flat_kernel(rx_ptr, stride_rx, rmi_ptr, rmf_ptr, stride_rm, cc_ptr,
     p = b * BT + tl.arange(0, BT)
     pm = p < T
     valid = p < cnt_r
+    copy = valid & (r != OWN)
     src64 = (base + p).to(tl.int64)
     # Valid rows go to the compact prefix; the invalid positions of chunk r map one to one onto
     # the padding rows [total, R*T) (chunk r's share starts after the earlier chunks' shares).
-    dst64 = tl.where(valid, pre_r + p, total + (r * T - pre_r) + (p - cnt_r)).to(tl.int64)
+    dst64 = tl.where(valid, pre_r + p, total + pad_before + (p - cnt_r)).to(tl.int64)
     if kz == 0:
         jj = tl.arange(0, KP)
         jm = jj < TOP_K
-        vm = valid[:, None] & jm[None, :]
-        om = pm[:, None] & jm[None, :]
+        vm = copy[:, None] & jm[None, :]
+        om = (pm & (copy | ~valid))[:, None] & jm[None, :]
         ids = tl.load(rmi_ptr + src64[:, None] * stride_rm + jj[None, :], mask=vm, other=-1)
         w = tl.load(rmf_ptr + src64[:, None] * stride_rm + TOP_K + jj[None, :], mask=vm, other=0.0)
         tl.store(oid_ptr + dst64[:, None] * stride_oid + jj[None, :], ids, mask=om)
         tl.store(ow_ptr + dst64[:, None] * stride_ow + jj[None, :], w, mask=om)
         if IN_BAND:
-            tl.store(cc_ptr + r, cnt_r, mask=b == 0)
+            tl.store(cc_ptr + r, cnt_r, mask=(b == 0) & (r != OWN))
         tl.store(ovalid_ptr, total, mask=pid == 0)
     k_lo = kz * K_PER_PROG
     k_hi = tl.minimum(k_lo + K_PER_PROG, K)
     for k0 in range(k_lo, k_hi, BK):
         cols = k0 + tl.arange(0, BK)
-        msk = valid[:, None] & (cols < k_hi)[None, :]
+        msk = copy[:, None] & (cols < k_hi)[None, :]
         if FP8:
             x = _load_wire_row_slice(rx_ptr, src64, stride_rx, rmf_ptr, stride_rm, cols, msk, k0,
                                      SCALE_COL, FP8, ROW_SCALE, GROUP)
         else:
             x = tl.load(rx_ptr + src64[:, None] * stride_rx + cols[None, :], mask=msk)
         tl.store(ox_ptr + dst64[:, None] * stride_ox + cols[None, :], x.to(ox_ptr.dtype.element_ty), mask=msk)
+
+
+@triton.jit(do_not_specialize=["me"])
+def _local_flat_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr, stride_wm, stride_wk, owner_ptr,
+                       block_counts_ptr, ox_ptr, stride_ox, oid_ptr, stride_oid, ow_ptr, stride_ow,
+                       token_rows_ptr, cc_ptr, me, m, T, E, K, NB, NB_MAX, PAD,
+                       TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                       NBP: tl.constexpr, ROUTED: tl.constexpr, FP8: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """Flat mode's own tokens, straight from `hidden` into the receive rows: the tokens with a slot
+    on this rank take rows [0, count) in token order (chunk `me` first in the compaction), with
+    their ids masked to this rank and their weights; `token_rows[me, t]` is that row (the expert
+    output's, which the reduction reads), `chunk_counts[me]` the count. The same blocks (BT, NB,
+    route counts) as the pack; a capped grid loops over them."""
+    jj = tl.arange(0, KP)
+    jm = jj < TOP_K
+    for b in range(tl.program_id(0), NB, tl.num_programs(0)):
+        t = b * BT + tl.arange(0, BT)
+        tm = t < m
+        g, mine = _slots_for_peer(ids_ptr, stride_im, stride_ik, owner_ptr, t, tm, me, E, jj, jm)
+        sent = tl.max(mine.to(tl.int32), axis=1)
+        if ROUTED:
+            bb = tl.arange(0, NBP)
+            bc = tl.load(block_counts_ptr + me * NB_MAX + bb, mask=bb < NB, other=0)
+            earlier = tl.sum(tl.where(bb < b, bc, 0), axis=0)
+            chunk_total = tl.sum(bc, axis=0)
+        else:
+            earlier = tl.full([], 0, tl.int32)
+            chunk_total = tl.sum(sent, axis=0)
+        pos = earlier + tl.cumsum(sent, axis=0) - 1
+        keep = sent > 0
+        pos64 = pos.to(tl.int64)
+        t64 = t.to(tl.int64)
+        tl.store(token_rows_ptr + me * T + t, tl.where(keep, pos, PAD), mask=tm)
+        tl.store(cc_ptr + me, chunk_total, mask=b == 0)
+        mm = keep[:, None] & jm[None, :]
+        tl.store(oid_ptr + pos64[:, None] * stride_oid + jj[None, :], tl.where(mine, g, -1).to(tl.int32), mask=mm)
+        w = tl.load(w_ptr + t64[:, None] * stride_wm + jj[None, :] * stride_wk, mask=mm, other=0.0)
+        tl.store(ow_ptr + pos64[:, None] * stride_ow + jj[None, :], tl.where(mine, w.to(tl.float32), 0.0), mask=mm)
+        src = h_ptr + t64[:, None] * stride_h
+        if FP8 and ROW_SCALE:
+            amax = tl.zeros([BT], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                cols = k0 + tl.arange(0, BK)
+                x = tl.load(src + cols[None, :], mask=keep[:, None] & (cols < K)[None, :], other=0.0)
+                amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+            row_scale = _fp8_scale(amax)
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            msk = keep[:, None] & (cols < K)[None, :]
+            x = tl.load(src + cols[None, :], mask=msk, other=0.0)
+            if FP8:
+                x = x.to(tl.float32)
+                if ROW_SCALE:
+                    x = _fp8_round_trip(x, row_scale)
+                else:  # BK == 128: one scale block
+                    x = _fp8_round_trip(x, _fp8_scale(tl.max(tl.abs(x), axis=1)))
+            tl.store(ox_ptr + pos64[:, None] * stride_ox + cols[None, :], x.to(ox_ptr.dtype.element_ty), mask=msk)
 
 
 @triton.jit
@@ -326,7 +398,7 @@ def _recv_batched_kernel(rx_ptr, stride_rx, rmi_ptr, rmf_ptr, stride_rm, cc_ptr,
     pid = tl.program_id(0)
     r = _peer_of(pid // NB, SKIP)
     b = pid % NB
-    cnt_r, pre_r, total = _chunk_geometry(rmi_ptr, stride_rm, cc_ptr, r, T, R, RP, COUNT_COL, IN_BAND)
+    cnt_r, pre_r, total, _ = _chunk_geometry(rmi_ptr, stride_rm, cc_ptr, r, T, -1, R, RP, COUNT_COL, IN_BAND)
     if IN_BAND:
         base = r * T
         tl.store(cc_ptr + r, cnt_r, mask=b == 0)
@@ -413,15 +485,17 @@ def _local_batched_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr,
 
 
 # ---------------------------------------------------------------------------------------- combine
-@triton.jit
+@triton.jit(do_not_specialize=["OWN"])
 def _combine_flat_kernel(y_ptr, stride_y, cc_ptr, cs_ptr, stride_cs,
-                         T, K, K_PER_PROG, NB,
+                         T, K, K_PER_PROG, NB, OWN,
                          R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """OWN >= 0: chunk OWN came first in the compaction and stays (the reduction reads it from
+    the expert output): programs cover the other chunks only."""
     pid = tl.program_id(0)
     kz = tl.program_id(1)
-    r = pid // NB
+    r = _peer_of(pid // NB, OWN)
     b = pid % NB
-    cnt_r, pre_r, total = _chunk_geometry(cc_ptr, 0, cc_ptr, r, T, R, RP, 0, False)
+    cnt_r, pre_r, total, _ = _chunk_geometry(cc_ptr, 0, cc_ptr, r, T, OWN, R, RP, 0, False)
     p = b * BT + tl.arange(0, BT)
     valid = p < cnt_r
     src64 = (pre_r + p).to(tl.int64)
@@ -448,7 +522,7 @@ def _combine_batched_kernel(y_ptr, stride_y0, stride_y1, SLAB_ROWS, cc_ptr,
         if ONLY >= 0:
             r = ONLY + 0 * r
         b = i % NB
-        cnt_r, pre_r, total = _chunk_geometry(cc_ptr, 0, cc_ptr, r, T, R, RP, 0, False)
+        cnt_r, pre_r, total, _ = _chunk_geometry(cc_ptr, 0, cc_ptr, r, T, -1, R, RP, 0, False)
         if GRAPH_SAFE:
             base = r * T
         else:
@@ -476,11 +550,12 @@ def _combine_batched_kernel(y_ptr, stride_y0, stride_y1, SLAB_ROWS, cc_ptr,
 
 
 @triton.jit(do_not_specialize=["SELF"])
-def _reduce_kernel(cr_ptr, stride_cr, cs_ptr, tr_ptr, stride_tr, out_ptr, stride_o,
+def _reduce_kernel(cr_ptr, stride_cr, cs_ptr, stride_cs, tr_ptr, stride_tr, out_ptr, stride_o,
                    m, K, K_PER_PROG, PAD, SELF,
                    R: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
     """Partials of peer r come from the combine receive rows `cr`, except this rank's own
-    (r == SELF >= 0), which never travelled and sit in the combine send rows `cs` (same strides)."""
+    (r == SELF >= 0), which never travelled: rows of `cs` (batched: the combine send buffer's own
+    chunk; flat: the expert output)."""
     b = tl.program_id(0)
     kz = tl.program_id(1)
     t = b * BT + tl.arange(0, BT)
@@ -494,12 +569,12 @@ def _reduce_kernel(cr_ptr, stride_cr, cs_ptr, tr_ptr, stride_tr, out_ptr, stride
         for r in tl.static_range(R):
             row = tl.load(tr_ptr + r * stride_tr + t, mask=tm, other=PAD)
             keep = tm & (row >= 0) & (row < PAD)
-            off = tl.where(keep, row, 0).to(tl.int64)[:, None] * stride_cr + cols[None, :]
+            row64 = tl.where(keep, row, 0).to(tl.int64)[:, None]
             msk = keep[:, None] & cm[None, :]
             if r == SELF:
-                y = tl.load(cs_ptr + off, mask=msk, other=0.0)
+                y = tl.load(cs_ptr + row64 * stride_cs + cols[None, :], mask=msk, other=0.0)
             else:
-                y = tl.load(cr_ptr + off, mask=msk, other=0.0)
+                y = tl.load(cr_ptr + row64 * stride_cr + cols[None, :], mask=msk, other=0.0)
             acc += y.to(tl.float32)
         tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=tm[:, None] & cm[None, :])

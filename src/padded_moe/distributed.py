@@ -101,7 +101,10 @@ class ReceiveBuffer:
     """What one rank's local experts compute on (views of the ExpertParallel's buffers).
 
     flat: `x [R*T, K]`, `topk_ids int32 [R*T, k]` (global ids of local slots, -1 elsewhere and on
-    padding rows), `topk_weights float32 [R*T, k]`, `valid_tokens int32 [1]` (device).
+    padding rows), `topk_weights float32 [R*T, k]`, `valid_tokens int32 [1]` (device). Rows come
+    in source-rank order, except that this rank's own tokens come first when it keeps its chunk
+    out of the all_to_all (graph-safe, T >= EP_OVERLAP_MIN_TOKENS); nothing downstream depends on
+    the order.
     batched: `x [L, R*T, K]`, `counts int32 [L]` (expert `e`'s rows `[0, counts[e])` are real).
     """
 

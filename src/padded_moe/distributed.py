@@ -557,8 +557,7 @@ def _receive_flat_torch(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_
     d = torch.arange(rows, device=dev)
     slot = torch.searchsorted(incl, d, right=True).clamp(max=R - 1)             # order slot of compacted row d
     r_of = order[slot]
-    pre = torch.empty_like(cnt)
-    pre[order] = pre_o
+    # Where chunk r sits in the receive buffer: at r*T, or back to back (exact splits, rank order).
     base = torch.arange(R, device=dev) * T if in_band else torch.cumsum(cnt, 0) - cnt
     valid = d < total
     copy = valid & (r_of != own)

@@ -1182,35 +1182,32 @@ class ExpertParallel:
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Return each rank's partial outputs to the token owners and sum them: `[m, K]`."""
         self._check_combine(expert_out, handle)
+        if self._keeps_own_chunk:
+            if self.mode == "flat":
+                return self._combine_flat_own(expert_out, handle)
+            return self._combine_overlapped(expert_out, handle)
         geo = self.geometry
         exact = handle.send_counts is not None
-        if self.mode == "flat" and self._keeps_own_chunk:
-            # Own rows stay in expert_out (the reduction reads them there); nothing to overlap.
-            combine_flat_rows(geo, self._chunk_counts, expert_out, self._comb_send, own=self.ep_rank)
-            self._exchange_peer_chunks(self._comb_recv_chunks, self._comb_send_chunks, self._comb_recv,
-                                       self._comb_send)
-            out = torch.empty(handle.num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
-            reduce_partials(geo, self._comb_recv, handle.token_rows, handle.num_tokens, out,
-                            self_rank=self.ep_rank, own_rows=expert_out)
-            return out
         if self.mode == "flat":
             if exact:  # received rows were already the prefix: return them as they are
                 send = expert_out[: sum(handle.recv_counts)].contiguous()
             else:
                 combine_flat_rows(geo, self._chunk_counts, expert_out, self._comb_send)
                 send = self._comb_send
-        elif self._keeps_own_chunk:
-            return self._combine_overlapped(expert_out, handle)
         else:
             combine_batched_rows(geo, self._chunk_counts, not exact, self._slot_rows, self._slot_weights,
                                  expert_out, self._comb_send)
             send = self._comb_send
         # The sender's combine rows mirror its dispatch rows, so the splits swap.
         self._all_to_all(self._comb_recv, send, handle.recv_counts, handle.send_counts)
-        m = handle.num_tokens
-        out = torch.empty(m, self.hidden_size, dtype=self.dtype, device=self.device)
-        reduce_partials(geo, self._comb_recv, handle.token_rows, m, out)
-        return out
+        return self._reduce(handle)
+
+    def _combine_flat_own(self, expert_out, handle) -> torch.Tensor:
+        """Flat, graph-safe, own chunk kept: only the peers' rows go back into chunk order and
+        travel; the own rows stay in expert_out, where the reduction reads them (nothing to overlap)."""
+        combine_flat_rows(self.geometry, self._chunk_counts, expert_out, self._comb_send, own=self.ep_rank)
+        self._exchange_peer_chunks(self._comb_recv_chunks, self._comb_send_chunks, self._comb_recv, self._comb_send)
+        return self._reduce(handle, own_rows=expert_out)
 
     def _combine_overlapped(self, expert_out, handle) -> torch.Tensor:
         """Batched, graph-safe: weigh the peers' rows, and while they travel back weigh this rank's
@@ -1223,9 +1220,14 @@ class ExpertParallel:
                                                self._comb_send),
             lambda: combine_batched_rows(geo, self._chunk_counts, True, self._slot_rows, self._slot_weights,
                                          expert_out, self._comb_send, only_peer=me))
+        return self._reduce(handle, own_rows=self._comb_send)
+
+    def _reduce(self, handle, own_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`[m, K]`: each token's partials summed; `own_rows` holds this rank's own when it never travelled."""
         m = handle.num_tokens
         out = torch.empty(m, self.hidden_size, dtype=self.dtype, device=self.device)
-        reduce_partials(geo, self._comb_recv, handle.token_rows, m, out, self_rank=me, own_rows=self._comb_send)
+        reduce_partials(self.geometry, self._comb_recv, handle.token_rows, m, out,
+                        self_rank=self.ep_rank if own_rows is not None else -1, own_rows=own_rows)
         return out
 
 

@@ -170,22 +170,21 @@ def test_deepseek_v3_matches_transformers(gen, num_experts, k, n_group, topk_gro
         assert _sets(no_groups[1]) != _sets(ref_ids)
 
 
+def _v4_config(num_experts, k, scoring_func, *, vocab):
+    """A small transformers DeepseekV4Config for the router tests (routed scaling 1.5)."""
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(hidden_size=16, n_routed_experts=num_experts, num_experts_per_tok=k,
+                            scoring_func=scoring_func, routed_scaling_factor=1.5, num_hidden_layers=2,
+                            vocab_size=vocab)
+
+
 @pytest.mark.parametrize("scoring_func", ["sqrtsoftplus", "sigmoid"])
 @pytest.mark.parametrize("num_experts,k", [(16, 6), (8, 1), (7, 7)])
 def test_deepseek_v4_matches_transformers(gen, scoring_func, num_experts, k):
-    from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
 
-    cfg = DeepseekV4Config(
-        hidden_size=16,
-        n_routed_experts=num_experts,
-        num_experts_per_tok=k,
-        scoring_func=scoring_func,
-        routed_scaling_factor=1.5,
-        num_hidden_layers=2,
-        vocab_size=64,
-    )
-    router = DeepseekV4TopKRouter(cfg)
+    router = DeepseekV4TopKRouter(_v4_config(num_experts, k, scoring_func, vocab=64))
     _randomize(router, gen, scale=0.5)
     with torch.no_grad():
         router.e_score_correction_bias.copy_(torch.randn(num_experts, generator=gen) * 0.3)
@@ -200,18 +199,9 @@ def test_deepseek_v4_matches_transformers(gen, scoring_func, num_experts, k):
 
 
 def _v4_hash_router(gen, num_experts, k, vocab, scoring_func="sqrtsoftplus"):
-    from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter
 
-    cfg = DeepseekV4Config(
-        hidden_size=16,
-        n_routed_experts=num_experts,
-        num_experts_per_tok=k,
-        scoring_func=scoring_func,
-        routed_scaling_factor=1.5,
-        num_hidden_layers=2,
-        vocab_size=vocab,
-    )
+    cfg = _v4_config(num_experts, k, scoring_func, vocab=vocab)
     assert cfg.mlp_layer_types[0] == "hash_moe"
     router = DeepseekV4HashRouter(cfg)
     _randomize(router, gen, scale=0.5)

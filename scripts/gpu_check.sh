@@ -60,6 +60,11 @@ for stage in "$@"; do
             step ep-timeline python3 benchmarks/bench_ep.py --no-layer --timeline --tokens 16 1024 --iters 20 --out "$OUT/timeline" ;;
         ep-kernels)  # one GPU: sweep of the EP kernels' launch shapes
             step bench-ep-kernels python3 benchmarks/bench_ep_kernels.py --out "$OUT/bench" ;;
+        compile)  # torch.compile of the layer on every preset (fullgraph, reduce-overhead, dynamic)
+            step test-compile python3 -m pytest -q -x -m gpu tests/test_compile_gpu.py
+            step bench-compile python3 benchmarks/bench_compile.py --out "$OUT/bench" ;;
+        host)  # eager host overhead: per-call launches, allocations, syncs, Python profile
+            step profile-host python3 benchmarks/profile_host.py ;;
         cpu-suite)
             step test-all-gpu python3 -m pytest -q -x tests ;;
         *) echo "unknown stage $stage" | tee -a "$summary" ;;

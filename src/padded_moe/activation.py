@@ -314,6 +314,7 @@ def _launch_triton(act: MoEActivation, output: torch.Tensor, input: torch.Tensor
                    counts: Optional[torch.Tensor], p: _Params) -> None:
     import triton
 
+    from padded_moe.kernels._launch import launch, ptr_key
     from padded_moe.kernels.activation import KERNEL_IDS, moe_activation_kernel
 
     out3, in3 = _as_batched(output), _as_batched(input)
@@ -325,13 +326,13 @@ def _launch_triton(act: MoEActivation, output: torch.Tensor, input: torch.Tensor
     row_programs = max(1, min(triton.cdiv(num_rows, block_t), budget))
     grid = (row_programs, col_blocks, num_experts)
     counts_arg = counts if counts is not None else in3  # unused pointer when HAS_COUNTS is False
-    moe_activation_kernel[grid](
-        out3, in3, counts_arg, num_rows, d,
-        in3.stride(0), in3.stride(1), out3.stride(0), out3.stride(1),
-        p.limit if p.limit is not None else 0.0, p.alpha, p.beta, p.situ_beta,
-        p.situ_lambda if p.situ_lambda is not None else 1.0,
+    ptrs = (out3, in3, counts_arg)
+    scalars = (num_rows, d, in3.stride(0), in3.stride(1), out3.stride(0), out3.stride(1),
+               p.limit if p.limit is not None else 0.0, p.alpha, p.beta, p.situ_beta,
+               p.situ_lambda if p.situ_lambda is not None else 1.0)
+    constexprs = dict(
         ACT=KERNEL_IDS[act.value], HAS_COUNTS=counts is not None, HAS_LIMIT=p.limit is not None,
         HAS_LAMBDA=p.situ_lambda is not None,
         # Approximate tanh only where the output's rounding hides it, and never in the interpreter.
-        FAST=input.is_cuda and output.dtype != torch.float32, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
-    )
+        FAST=input.is_cuda and output.dtype != torch.float32, BLOCK_T=block_t, BLOCK_D=block_d)
+    launch(moe_activation_kernel, grid, scalars + ptr_key(*ptrs), ptrs + scalars, constexprs, num_warps=num_warps)

@@ -9,6 +9,7 @@ captures in a CUDA graph.
 
 from __future__ import annotations
 
+import threading
 from typing import Optional, Union
 
 import torch
@@ -20,16 +21,20 @@ from padded_moe.activation import (
     apply_moe_activation,
     resolve_supported,
 )
-from padded_moe.expert_map import ExpertMap
+from padded_moe.expert_map import ExpertMap, check_valid_tokens
 from padded_moe.gemm import expert_gemm
 from padded_moe.layouts import (
     GemmLayout,
     GroupedMaskedMeta,
-    build_layout,
+    PermuteScratch,
+    build_layout_resolved,
+    default_block_m,
+    layout_kind,
     permute,
     select_gemm_layout,
     unpermute,
 )
+from padded_moe.mxfp4 import Mxfp4Tensor
 
 
 def weight_shape(w) -> tuple:
@@ -89,6 +94,9 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
     with it (spec 02); a string or `GemmLayout` overrides (validated). With `valid_tokens`
     (int32 `[1]` on device) only the first rows are real; output rows at or past it are not
     written (their contents are unspecified).
+
+    Under `torch.compile` the whole call is one opaque custom op (`padded_moe::fused_experts`)
+    that returns a fresh tensor; `scratch` is then not used (the compiler owns that memory).
     """
     act = resolve_supported(activation)
     require_tensor("hidden_states", hidden_states)
@@ -104,24 +112,126 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
     num_local, n = _check_weights(act, w13, w2, hidden_size)
     if expert_map is not None and expert_map.num_local != num_local:
         raise ValueError(f"expert_map has {expert_map.num_local} local experts but w13 holds {num_local}")
-    chosen = _layout_from_argument(layout, expert_parallel=expert_map is not None)
-    experts = expert_map if expert_map is not None else num_local
-    meta = build_layout(chosen, topk_ids, experts, valid_tokens=valid_tokens, scratch=scratch)
+    cfg = ApplyMoEActivationConfig() if activation_config is None else activation_config
+    if not isinstance(cfg, ApplyMoEActivationConfig):
+        raise TypeError(f"activation_config must be an ApplyMoEActivationConfig, got {type(cfg).__name__}")
+    kind = layout_kind(_layout_from_argument(layout, expert_parallel=expert_map is not None))
+    num_experts, table = _experts_table(expert_map, num_local, topk_ids.device)
+    check_valid_tokens(valid_tokens, topk_ids)
+    if torch.compiler.is_compiling():
+        w13_t, w13_s = _weight_parts(w13)
+        w2_t, w2_s = _weight_parts(w2)
+        return torch.ops.padded_moe.fused_experts(
+            hidden_states, w13_t, w13_s, w2_t, w2_s, topk_weights, topk_ids, table, num_experts,
+            act.value, cfg.clamp_limit, cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta, kind,
+            w13_bias, w2_bias, valid_tokens, backend)
+    # Eager calls skip the dispatcher (tens of µs of host time per call).
+    return _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, act, cfg, kind, num_experts, num_local,
+                     table, w13_bias, w2_bias, valid_tokens, backend, scratch)
 
+
+def _experts_table(expert_map: Optional[ExpertMap], num_local: int,
+                   device: torch.device) -> tuple[int, Optional[torch.Tensor]]:
+    """`(E, map table on device or None)`; None means every expert is local (no map read)."""
+    if expert_map is None or expert_map.is_identity:
+        return (num_local if expert_map is None else expert_map.num_experts), None
+    if torch.compiler.is_compiling():
+        # No caching while tracing: a tensor made inside a compiled graph must not outlive it.
+        table = expert_map.map
+        return expert_map.num_experts, table if table.device == device else table.to(device)
+    return expert_map.num_experts, expert_map.map_for(device)
+
+
+def _weight_parts(w) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A weight as tensors a custom op can take: `(float weight, None)` or `(blocks, scales)`."""
+    return (w.blocks, w.scales) if isinstance(w, Mxfp4Tensor) else (w, None)
+
+
+def _weight_from_parts(t: torch.Tensor, scales: Optional[torch.Tensor]):
+    return t if scales is None else Mxfp4Tensor(t, scales)
+
+
+def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, act: MoEActivation, cfg: ApplyMoEActivationConfig,
+              kind: str, num_experts: int, num_local: int, table, w13_bias, w2_bias, valid_tokens, backend: str,
+              scratch, eager_cache: bool = True) -> torch.Tensor:
+    """layout → (permute) → GEMM1 → activation → GEMM2 → unpermute, on checked arguments."""
+    num_tokens, hidden_size = hidden_states.shape
+    buffers, block_m = scratch, None
+    if scratch is None and eager_cache:
+        buffers = _eager_scratch(topk_ids, num_experts, num_local)
+        if buffers is not None:  # the block the fresh path would pick, so results do not depend on the cache
+            block_m = default_block_m(num_tokens * topk_ids.shape[1], num_local)
+    meta = build_layout_resolved(kind, topk_ids, num_experts, num_local, table, valid_tokens=valid_tokens,
+                                 scratch=buffers, block_m=block_m,
+                                 max_tokens_per_expert=num_tokens if buffers is not None and scratch is None else None)
     device, dtype = hidden_states.device, hidden_states.dtype
+    n = weight_shape(w2)[2]
     a = permute(hidden_states, meta)
     rows = num_tokens * topk_ids.shape[1]
     width13 = weight_shape(w13)[1]
-    h = _workspace(scratch, "gemm1", (rows, width13), dtype, device)
+    h = _workspace(buffers, "gemm1", (rows, width13), dtype, device)
     expert_gemm(a, w13, meta, stage="w13", bias=w13_bias, out=h, backend=backend)
-    act_out = _workspace(scratch, "act", (rows, n), dtype, device)
-    apply_moe_activation(act, act_out, h, activation_config=activation_config,
-                         valid_token_counts=meta.activation_counts)
-    y = _workspace(scratch, "gemm2", (rows, hidden_size), dtype, device)
+    act_out = _workspace(buffers, "act", (rows, n), dtype, device)
+    apply_moe_activation(act, act_out, h, activation_config=cfg, valid_token_counts=meta.activation_counts)
+    y = _workspace(buffers, "gemm2", (rows, hidden_size), dtype, device)
     expert_gemm(act_out, w2, meta, stage="w2", bias=w2_bias, out=y, backend=backend)
     out = _workspace(scratch, "out", (num_tokens, hidden_size), dtype, device)
     unpermute(out, y, topk_weights, meta)
     return out
+
+
+# Eager calls of up to this many slots (tokens × k) reuse cached layout and intermediate buffers:
+# there the host cost of allocating and carving them is a large part of the call. Bigger calls
+# allocate per call (the caching allocator makes that cheap next to their kernels, and the memory
+# goes back to the pool).
+EAGER_CACHE_SLOTS = 4096
+_eager_buffers: dict = {}
+
+
+def _eager_scratch(topk_ids: torch.Tensor, num_experts: int, num_local: int) -> Optional[PermuteScratch]:
+    """Buffers this thread's eager calls on the current CUDA stream reuse: calls on one stream run in
+    order, so the next call's kernels start only after the previous call's finished reading them.
+    None during graph capture and under torch.compile (memory there belongs to the graph)."""
+    device = topk_ids.device
+    M, k = topk_ids.shape
+    if device.type != "cuda" or M * k > EAGER_CACHE_SLOTS or torch.compiler.is_compiling() \
+            or torch.cuda.is_current_stream_capturing():
+        return None
+    key = (device, torch.cuda.current_stream(device).cuda_stream, threading.get_ident(), k, num_experts, num_local)
+    buffers = _eager_buffers.get(key)
+    if buffers is None:
+        # block_m 64: the largest default block, so every call's capacity fits.
+        buffers = PermuteScratch(EAGER_CACHE_SLOTS // k, k, num_experts, num_local, device, block_m=64)
+        _eager_buffers[key] = buffers
+    return buffers
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops: what torch.compile sees. Each runs the eager pipeline on real tensors; the fake
+# implementations give the compiler shapes only, so no Triton launch, host-side config choice or
+# layout metadata is ever traced, and every buffer the pipeline makes lives and dies inside the op.
+
+
+@torch.library.custom_op("padded_moe::fused_experts", mutates_args=())
+def _fused_experts_op(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: Optional[torch.Tensor],
+                      w2: torch.Tensor, w2_scales: Optional[torch.Tensor], topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, expert_table: Optional[torch.Tensor], num_experts: int,
+                      activation: str, clamp_limit: Optional[float], alpha: Optional[float],
+                      beta: Optional[float], situ_beta: Optional[float], situ_linear_beta: Optional[float],
+                      layout: str, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
+                      valid_tokens: Optional[torch.Tensor], backend: str) -> torch.Tensor:
+    cfg = ApplyMoEActivationConfig(clamp_limit, alpha, beta, situ_beta, situ_linear_beta)
+    w13w, w2w = _weight_from_parts(w13, w13_scales), _weight_from_parts(w2, w2_scales)
+    return _pipeline(hidden, w13w, w2w, topk_weights, topk_ids, MoEActivation(activation), cfg, layout,
+                     num_experts, w13.shape[0], expert_table, w13_bias, w2_bias, valid_tokens, backend, None,
+                     # A compiled graph's memory (CUDA-graph pools included) must not leak into a
+                     # cache that outlives the call.
+                     eager_cache=False)
+
+
+@_fused_experts_op.register_fake
+def _fused_experts_fake(hidden, *args) -> torch.Tensor:
+    return hidden.new_empty(hidden.shape)
 
 
 def masked_meta_from_counts(counts: torch.Tensor, max_tokens_per_expert: int) -> GroupedMaskedMeta:
@@ -155,13 +265,48 @@ def batched_experts(x: torch.Tensor, counts: torch.Tensor, w13, w2, *, activatio
         raise ValueError(f"counts must be 1-D of length L={num_local}, got shape {tuple(counts.shape)}")
     if _check_weights(act, w13, w2, hidden_size)[0] != num_local:
         raise ValueError(f"w13 must hold L={num_local} experts (x's first dim), got {weight_shape(w13)}")
+    cfg = ApplyMoEActivationConfig() if activation_config is None else activation_config
+    if not isinstance(cfg, ApplyMoEActivationConfig):
+        raise TypeError(f"activation_config must be an ApplyMoEActivationConfig, got {type(cfg).__name__}")
+    if out is None:
+        out = torch.empty_like(x)
+    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype \
+            or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor of x's shape {tuple(x.shape)} on {x.device}")
+    if torch.compiler.is_compiling():
+        w13_t, w13_s = _weight_parts(w13)
+        w2_t, w2_s = _weight_parts(w2)
+        torch.ops.padded_moe.batched_experts(x, counts, w13_t, w13_s, w2_t, w2_s, act.value, cfg.clamp_limit,
+                                             cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta,
+                                             backend, out)
+        return out
+    _batched_pipeline(x, counts, w13, w2, act, cfg, backend, out)
+    return out
+
+
+def _batched_pipeline(x, counts, w13, w2, act: MoEActivation, cfg: ApplyMoEActivationConfig, backend: str,
+                      out: torch.Tensor) -> None:
+    num_local, max_rows, _ = x.shape
     n = weight_shape(w2)[2]
     meta = masked_meta_from_counts(counts, max_rows)
     h = torch.empty(num_local, max_rows, weight_shape(w13)[1], dtype=x.dtype, device=x.device)
     expert_gemm(x, w13, meta, stage="w13", out=h, backend=backend)
     act_out = torch.empty(num_local, max_rows, n, dtype=x.dtype, device=x.device)
-    apply_moe_activation(act, act_out, h, activation_config=activation_config, valid_token_counts=meta.counts)
-    if out is None:
-        out = torch.empty_like(x)
+    apply_moe_activation(act, act_out, h, activation_config=cfg, valid_token_counts=meta.counts)
     expert_gemm(act_out, w2, meta, stage="w2", out=out, backend=backend)
-    return out
+
+
+@torch.library.custom_op("padded_moe::batched_experts", mutates_args={"out"})
+def _batched_experts_op(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w13_scales: Optional[torch.Tensor],
+                        w2: torch.Tensor, w2_scales: Optional[torch.Tensor], activation: str,
+                        clamp_limit: Optional[float], alpha: Optional[float], beta: Optional[float],
+                        situ_beta: Optional[float], situ_linear_beta: Optional[float], backend: str,
+                        out: torch.Tensor) -> None:
+    cfg = ApplyMoEActivationConfig(clamp_limit, alpha, beta, situ_beta, situ_linear_beta)
+    _batched_pipeline(x, counts, _weight_from_parts(w13, w13_scales), _weight_from_parts(w2, w2_scales),
+                      MoEActivation(activation), cfg, backend, out)
+
+
+@_batched_experts_op.register_fake
+def _batched_experts_fake(*args) -> None:
+    return None

@@ -104,7 +104,7 @@ class FusedMoE(nn.Module):
             self.w13_bias.copy_(w13_bias[idx].to(self.w13_bias.device))
         if self.w2_bias is not None and w2_bias is not None:
             self.w2_bias.copy_(w2_bias[idx].to(self.w2_bias.device))
-        self._mxfp4.clear()
+        self.prepare()
 
     @torch.no_grad()
     def randomize(self, seed: int = 0, std: float = 0.05) -> None:
@@ -120,16 +120,44 @@ class FusedMoE(nn.Module):
             if gen is None:
                 gen = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
             p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(std))
-        self._mxfp4.clear()
+        self.prepare()
 
     def expert_weights(self) -> tuple:
         """`(w13, w2)` in the layer's weight format (MXFP4 quantized once, then cached)."""
         if self.weight_format == "bf16":
             return self.w13, self.w2
         if not self._mxfp4:
-            self._mxfp4["w13"] = quantize_mxfp4(self.w13.detach())
-            self._mxfp4["w2"] = quantize_mxfp4(self.w2.detach())
+            if torch.compiler.is_compiling():
+                # A tensor made inside a compiled graph must not be cached past it (CUDA-graph
+                # pools reuse its memory): quantize per call until `prepare()` runs eagerly.
+                return quantize_mxfp4(self.w13.detach()), quantize_mxfp4(self.w2.detach())
+            self.prepare()
         return self._mxfp4["w13"], self._mxfp4["w2"]
+
+    @torch.no_grad()
+    def prepare(self) -> None:
+        """Build the weights in the layer's format now (MXFP4: quantize). Runs by itself after
+        `load_experts`, `randomize` and `load_state_dict`; call it after changing `w13` / `w2` in
+        place, and before `torch.compile`, so compiled calls never quantize."""
+        self._mxfp4.clear()
+        if self.weight_format == "mxfp4" and self.w13.device.type != "meta":
+            for name, w in (("w13", self.w13), ("w2", self.w2)):
+                q = quantize_mxfp4(w.detach())
+                for t in (q.blocks, q.scales):
+                    # Like a parameter, a fixed address: CUDA graphs of a compiled forward read it
+                    # in place instead of copying it in before every replay.
+                    torch._dynamo.mark_static_address(t, guard=False)
+                self._mxfp4[name] = q
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        if self._mxfp4:
+            self.prepare()  # `.to()` / `.cuda()` moved or cast the weights: rebuild their copies
+        return module
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.prepare()  # quantized copies of the old weights must not survive a load
 
     # ----- forward --------------------------------------------------------------------------
 

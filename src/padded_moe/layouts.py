@@ -304,6 +304,11 @@ def _check_block_m(block_m: object) -> int:
 # build_layout
 # ----------------------------------------------------------------------------------------------
 
+def layout_kind(layout: Union[GemmLayout, str]) -> str:
+    """The short name `build_layout_resolved` takes for a layout."""
+    return _KIND[_as_layout(layout)]
+
+
 def _as_layout(layout: object) -> GemmLayout:
     if isinstance(layout, GemmLayout):
         return layout
@@ -332,6 +337,19 @@ def build_layout(layout: Union[GemmLayout, str], topk_ids: torch.Tensor, experts
     check_valid_tokens(valid_tokens, topk_ids)
     if scratch is not None and not isinstance(scratch, PermuteScratch):
         raise TypeError(f"scratch must be a PermuteScratch, got {type(scratch).__name__}")
+    table = emap.map_for(topk_ids.device) if emap is not None else None
+    return build_layout_resolved(kind, topk_ids, num_experts, num_local, table, block_m=block_m,
+                                 max_tokens_per_expert=max_tokens_per_expert, valid_tokens=valid_tokens,
+                                 scratch=scratch)
+
+
+def build_layout_resolved(kind: str, topk_ids: torch.Tensor, num_experts: int, num_local: int,
+                          table: Optional[torch.Tensor], *, block_m: Optional[int] = None,
+                          max_tokens_per_expert: Optional[int] = None,
+                          valid_tokens: Optional[torch.Tensor] = None,
+                          scratch: Optional[PermuteScratch] = None) -> LayoutMeta:
+    """`build_layout` after its checks, with the experts already resolved to `(E, L, map table or
+    None)` on the ids' device: the entry the custom ops use, since an ExpertMap cannot cross one."""
     M, k = topk_ids.shape
     S, L = M * k, num_local
     if block_m is not None:
@@ -350,7 +368,6 @@ def build_layout(layout: Union[GemmLayout, str], topk_ids: torch.Tensor, experts
         i32 = torch.empty(_arena_size(S, L, cap, cap // bm, nc), dtype=torch.int32, device=topk_ids.device)
         i64 = torch.empty(L + 1, dtype=torch.int64, device=topk_ids.device)
         bufs = _carve(i32, i64, S, L, cap, cap // bm, nc)
-    table = emap.map_for(topk_ids.device) if emap is not None else None
     if use_triton(topk_ids.device):
         _build_triton(kind, topk_ids, num_experts, L, table, valid_tokens, bufs, block_m=bm, t_max=t_max)
     else:
@@ -379,6 +396,7 @@ def _next_pow2(n: int) -> int:
 
 def _build_triton(kind, topk_ids, num_experts, L, table, valid_tokens, bufs, *, block_m, t_max) -> None:
     from padded_moe.kernels import layouts as K
+    from padded_moe.kernels._launch import launch, ptr_key
 
     M, k = topk_ids.shape
     S = M * k
@@ -389,26 +407,29 @@ def _build_triton(kind, topk_ids, num_experts, L, table, valid_tokens, bufs, *, 
     vt = valid_tokens if has_vt else bufs["act_count"]  # any valid pointer; never read when HAS_VT=False
     ids_map = table if table is not None else bufs["counts"]  # likewise, when HAS_MAP=False
     if nc > 0:
-        K._count_kernel[(nc,)](
-            topk_ids, topk_ids.stride(0), topk_ids.stride(1), ids_map, vt,
-            bufs["slot_expert"], bufs["rank"], bufs["chunk_cnt"], S, num_experts, L,
-            TOP_K=k, HAS_MAP=table is not None, HAS_VT=has_vt, CHUNK=chunk, L_PAD=l_pad,
-            BIN_TILE=min(l_pad, 8192 // chunk),
-            num_warps=8 if chunk > 128 else 4)
+        ptrs = (topk_ids, ids_map, vt, bufs["slot_expert"], bufs["rank"], bufs["chunk_cnt"])
+        ints = (topk_ids.stride(0), topk_ids.stride(1), S, num_experts, L)
+        launch(K._count_kernel, (nc,), ints + ptr_key(*ptrs), ptrs[:1] + ints[:2] + ptrs[1:] + ints[2:],
+               dict(TOP_K=k, HAS_MAP=table is not None, HAS_VT=has_vt, CHUNK=chunk, L_PAD=l_pad,
+                    BIN_TILE=min(l_pad, 8192 // chunk)),
+               num_warps=8 if chunk > 128 else 4)
     nb_tile = max(1, min(_next_pow2(max(nc, 1)), 8192 // l_pad))
-    K._scan_kernel[(1,)](
-        bufs["chunk_cnt"], bufs["chunk_base"], bufs["counts"], bufs["offs32"], bufs["offsets"],
-        bufs["num_padded"], bufs["act_count"], bufs["overflow"], vt, nc, L, M, t_max,
-        LAYOUT=code, BLOCK_M=block_m, TOP_K=k, HAS_VT=has_vt, L_PAD=l_pad, NB_TILE=nb_tile, num_warps=8)
+    # Arena views are 16-byte aligned by construction: only vt (caller's, or the arena) varies.
+    ptrs = (bufs["chunk_cnt"], bufs["chunk_base"], bufs["counts"], bufs["offs32"], bufs["offsets"],
+            bufs["num_padded"], bufs["act_count"], bufs["overflow"], vt)
+    ints = (nc, L, M, t_max)
+    launch(K._scan_kernel, (1,), ints + ptr_key(vt), ptrs + ints,
+           dict(LAYOUT=code, BLOCK_M=block_m, TOP_K=k, HAS_VT=has_vt, L_PAD=l_pad, NB_TILE=nb_tile), num_warps=8)
     pblk = 1024
     cap = bufs["sorted_ids"].numel()
     n_pos = {"indexed": _cdiv(cap, pblk), "contiguous": _cdiv(S, pblk), "masked": 0}[kind]
     if nc + n_pos > 0:
-        K._place_kernel[(nc + n_pos,)](
-            bufs["slot_expert"], bufs["rank"], bufs["chunk_base"], bufs["counts"], bufs["offs32"],
-            bufs["inv"], bufs["src"], bufs["sorted_ids"], bufs["block_expert"], S, L, nc, t_max, cap,
-            LAYOUT=code, BLOCK_M=block_m, CHUNK=max(chunk, 1), PBLK=pblk,
-            SEARCH_STEPS=max(1, l_pad.bit_length()), num_warps=4)
+        ptrs = (bufs["slot_expert"], bufs["rank"], bufs["chunk_base"], bufs["counts"], bufs["offs32"],
+                bufs["inv"], bufs["src"], bufs["sorted_ids"], bufs["block_expert"])
+        ints = (S, L, nc, t_max, cap)
+        launch(K._place_kernel, (nc + n_pos,), ints, ptrs + ints,
+               dict(LAYOUT=code, BLOCK_M=block_m, CHUNK=max(chunk, 1), PBLK=pblk,
+                    SEARCH_STEPS=max(1, l_pad.bit_length())), num_warps=4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -498,6 +519,7 @@ def permute(hidden: torch.Tensor, layout_meta: LayoutMeta, *, out: Optional[torc
 
 
 def _permute_triton(hidden, out, meta, masked: bool, row_limit: int) -> None:
+    from padded_moe.kernels._launch import launch, ptr_key
     from padded_moe.kernels.layouts import _permute_kernel
 
     M, k, K = meta.num_tokens, meta.top_k, hidden.shape[1]
@@ -507,8 +529,10 @@ def _permute_triton(hidden, out, meta, masked: bool, row_limit: int) -> None:
         slab_rows, s0, s1 = row_limit, 0, out.stride(0)
     block_k, warps = _block_k(K, hidden.element_size())
     grid = (min(M, program_cap(hidden.device)),)
-    _permute_kernel[grid](hidden, hidden.stride(0), out, s0, s1, meta.inv, M, K, row_limit, slab_rows,
-                          TOP_K=k, K_PAD=_next_pow2(k), BLOCK_K=block_k, num_warps=warps)
+    ptrs = (hidden, out, meta.inv)
+    ints = (hidden.stride(0), s0, s1, M, K, row_limit, slab_rows)
+    launch(_permute_kernel, grid, ints + ptr_key(*ptrs), (hidden, ints[0], out, s0, s1, meta.inv) + ints[3:],
+           dict(TOP_K=k, K_PAD=_next_pow2(k), BLOCK_K=block_k), num_warps=warps)
 
 
 def unpermute(out: torch.Tensor, expert_out: torch.Tensor, topk_weights: torch.Tensor,
@@ -559,6 +583,7 @@ def unpermute(out: torch.Tensor, expert_out: torch.Tensor, topk_weights: torch.T
 
 
 def _unpermute_triton(out, expert_out, weights, meta, rows, row_limit: int, masked: bool) -> None:
+    from padded_moe.kernels._launch import launch, ptr_key
     from padded_moe.kernels.layouts import _unpermute_kernel
 
     M, k, K = meta.num_tokens, meta.top_k, out.shape[1]
@@ -569,15 +594,18 @@ def _unpermute_triton(out, expert_out, weights, meta, rows, row_limit: int, mask
     vt = meta.valid_tokens
     block_k, warps = _block_k(K, 4)
     grid = (min(M, program_cap(out.device)),)
-    _unpermute_kernel[grid](
-        expert_out, s0, s1, slab_rows, weights, weights.stride(0), weights.stride(1), out, out.stride(0),
-        rows if rows is not None else meta.slot_expert, meta.slot_expert, vt if vt is not None else meta.slot_expert,
-        M, K, meta.num_local, row_limit,
-        TOP_K=k, HAS_ROWS=rows is not None, HAS_VT=vt is not None, BLOCK_K=block_k, num_warps=warps)
+    rows_arg = rows if rows is not None else meta.slot_expert
+    vt_arg = vt if vt is not None else meta.slot_expert
+    args = (expert_out, s0, s1, slab_rows, weights, weights.stride(0), weights.stride(1), out, out.stride(0),
+            rows_arg, meta.slot_expert, vt_arg, M, K, meta.num_local, row_limit)
+    key = (s0, s1, slab_rows, weights.stride(0), weights.stride(1), out.stride(0), M, K, meta.num_local,
+           row_limit) + ptr_key(expert_out, weights, out, rows_arg, meta.slot_expert, vt_arg)
+    launch(_unpermute_kernel, grid, key, args,
+           dict(TOP_K=k, HAS_ROWS=rows is not None, HAS_VT=vt is not None, BLOCK_K=block_k), num_warps=warps)
 
 
 __all__ = [
     "GemmLayout", "IndexedMeta", "GroupedContiguousMeta", "GroupedMaskedMeta", "LayoutMeta",
     "ExpertMap", "PermuteScratch", "build_layout", "permute", "unpermute", "select_gemm_layout",
-    "default_block_m", "indexed_capacity", "LAYOUT_ENV",
+    "default_block_m", "indexed_capacity", "LAYOUT_ENV", "layout_kind",
 ]

@@ -34,6 +34,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from padded_moe.kernels._launch import launch as launch_kernel, ptr_key
+
 INDEXED, GROUPED_CONTIGUOUS, GROUPED_MASKED = 0, 1, 2
 
 
@@ -363,17 +365,17 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     w_arg = TensorDescriptor(w, [w.shape[0] * N, K], [w.stride(1), 1], [cfg.BN, BK]) if w_desc else w
     # tl.dot_scaled: compiled 16-bit activations only (the interpreter has no dot_scaled).
     mx_native = cfg.mx_native and mx and a2.is_cuda and a2.dtype in (torch.bfloat16, torch.float16)
-    _expert_gemm_kernel[grid](
-        a_arg, w_arg, w_scales if mx else dummy, bias if bias is not None else dummy, out2,
-        sorted_ids if sorted_ids is not None else dummy,
-        block_expert if block_expert is not None else dummy,
-        num_padded if num_padded is not None else dummy,
-        offsets if offsets is not None else dummy,
-        counts if counts is not None else dummy,
-        N, K, a2.shape[0], num_local, mk, t_max, num_pid_m,
-        a2.stride(0), w.stride(0), w.stride(1), w.stride(2),
-        w_scales.stride(0) if mx else 0, w_scales.stride(1) if mx else 0,
-        bias.stride(0) if bias is not None else 0, out2.stride(0),
+    ptrs = (a2, w, w_scales if mx else dummy, bias if bias is not None else dummy, out2,
+            sorted_ids if sorted_ids is not None else dummy,
+            block_expert if block_expert is not None else dummy,
+            num_padded if num_padded is not None else dummy,
+            offsets if offsets is not None else dummy,
+            counts if counts is not None else dummy)
+    ints = (N, K, a2.shape[0], num_local, mk, t_max, num_pid_m,
+            a2.stride(0), w.stride(0), w.stride(1), w.stride(2),
+            w_scales.stride(0) if mx else 0, w_scales.stride(1) if mx else 0,
+            bias.stride(0) if bias is not None else 0, out2.stride(0))
+    constexprs = dict(
         LAYOUT=layout, W_MXFP4=mx, HAS_BIAS=bias is not None, A_DIV=a_div,
         BLOCK_MB=block_m, SUB=SUB, ROWS=ROWS, L_POW2=max(2, triton.next_power_of_2(num_local)),
         # fp32 operands: exact IEEE dot. Interpreter: triton 3.6's interpreted tl.dot returns
@@ -381,7 +383,10 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda,
         A_DESC=a_desc, W_DESC=w_desc, MX_NATIVE=mx_native, SWAP_AB=mx_native and cfg.swap_ab,
         A_FMT="fp16" if a2.dtype == torch.float16 else "bf16",
-        BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M)
+    # The key: every int argument, every pointer's dtype and alignment, and the weight's expert
+    # count (a TMA descriptor's shape); constexprs and options are added by `launch`.
+    launch_kernel(_expert_gemm_kernel, grid, ints + (w.shape[0],) + ptr_key(*ptrs),
+                  (a_arg, w_arg) + ptrs[2:] + ints, constexprs,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out2

@@ -1,0 +1,121 @@
+"""Where an eager `fused_experts` / `FusedMoE` call spends its host time.
+
+    python benchmarks/profile_host.py --cases dsv4:1 dsv4:16 qwen3:1 qwen3:2048
+
+For each case: the eager time per call (back-to-back calls, one sync at the end), the time of one
+CUDA-graph replay of the same call (device time alone), their difference (host overhead), the
+kernel launches, allocations and device-to-host synchronisations per call (torch.profiler), and
+the Python functions that take the host time (cProfile). Not a benchmark of record: the input for
+deciding what to cut.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+from collections import Counter
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import bench_graph_us  # noqa: E402
+
+from padded_moe import fused_experts  # noqa: E402
+from padded_moe.layouts import PermuteScratch  # noqa: E402
+from padded_moe.mxfp4 import quantize_mxfp4  # noqa: E402
+
+SHAPES = {  # E, k, K, N, weights
+    "dsv4": (256, 6, 4096, 2048, "bf16"),
+    "dsv4mx": (256, 6, 4096, 2048, "mxfp4"),
+    "qwen3": (128, 8, 2048, 768, "bf16"),
+    "mixtral": (8, 2, 4096, 14336, "bf16"),
+    "gptoss": (128, 4, 2880, 2880, "mxfp4"),
+}
+
+
+def eager_us(fn, calls: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+@triton.jit
+def _noop(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9,
+          b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr):
+    pass
+
+
+def launch_floor_us() -> float:
+    """Host cost of launching one Triton kernel with ~40 arguments (does nothing on the device)."""
+    t = torch.empty(16, device="cuda")
+    args = [t] * 10 + list(range(1, 11)) + list(range(1, 11))
+    return eager_us(lambda: _noop[(1,)](*args, C0=1, C1=2, C2=3), calls=2000)
+
+
+def run_case(name: str, T: int, prof_calls: int) -> None:
+    E, k, K, N, fmt = SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(E, 2 * N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    w2 = torch.randn(E, K, N, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    if fmt == "mxfp4":
+        w13, w2 = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    logits = torch.randn(T, E, device="cuda", generator=g)
+    tw, ti = torch.topk(logits.softmax(-1), k)
+    ti = ti.to(torch.int32)
+    act = "swigluoai" if name == "gptoss" else "silu"
+    fn = lambda: fused_experts(x, w13, w2, tw, ti, activation=act)  # noqa: E731
+    scratch = PermuteScratch(T, k, E, E, "cuda")
+    gfn = lambda: fused_experts(x, w13, w2, tw, ti, activation=act, scratch=scratch)  # noqa: E731
+    e_us = eager_us(fn)
+    g_us = bench_graph_us(gfn)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(prof_calls):
+            fn()
+        torch.cuda.synchronize()
+    names = Counter()
+    for ev in prof.events():
+        names[ev.name] += 1
+    kernels = sum(c for n, c in names.items() if n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    syncs = {n: c for n, c in names.items() if "Synchronize" in n or "Memcpy" in n}
+    allocs = names.get("aten::empty", 0) + names.get("aten::empty_strided", 0)
+    print(f"\n=== {name} T={T}: eager {e_us:.1f} us/call, graph {g_us:.1f} us, host overhead "
+          f"{e_us - g_us:.1f} us; per call: {kernels / prof_calls:.1f} launches, "
+          f"{allocs / prof_calls:.1f} empty, syncs/memcpy {({n: c / prof_calls for n, c in syncs.items()})}")
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(prof_calls):
+        fn()
+    torch.cuda.synchronize()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
+    print("\n".join(s.getvalue().splitlines()[:45]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--cases", nargs="+", default=["dsv4:1", "dsv4:16", "dsv4mx:1", "qwen3:1", "qwen3:2048"])
+    p.add_argument("--calls", type=int, default=50)
+    args = p.parse_args()
+    print(f"launch floor (noop Triton kernel, 33 args): {launch_floor_us():.1f} us")
+    for case in args.cases:
+        name, T = case.split(":")
+        run_case(name, int(T), args.calls)
+
+
+if __name__ == "__main__":
+    main()

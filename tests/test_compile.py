@@ -1,0 +1,124 @@
+"""torch.compile of the expert pipeline (CPU): fullgraph tracing, dynamic token counts, no recompiles.
+
+The GPU side (inductor, CUDA graphs through mode="reduce-overhead", the model presets) is in
+test_compile_gpu.py. Here the compiled graph holds the custom ops `padded_moe::fused_experts` /
+`padded_moe::batched_experts`, whose implementation runs the torch path or the interpreted
+kernels, so these tests check what the compiler sees: the fake shapes, the op schema, and that
+nothing in the wrappers breaks the graph or needs a value from the device.
+"""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from padded_moe import FusedMoE, batched_experts, fused_experts
+from padded_moe.expert_map import ExpertMap
+from padded_moe.mxfp4 import quantize_mxfp4
+
+
+def _routes(gen, M, E, k):
+    logits = torch.randn(M, E, generator=gen)
+    w, ids = torch.topk(logits.softmax(-1), k)
+    ids = ids.to(torch.int32)
+    ids[0, 0] = -1          # dropped slot
+    ids[-1, -1] = E + 3     # garbage id
+    return w, ids
+
+
+def _weights(gen, E, N, K, mxfp4=False):
+    w13 = torch.randn(E, 2 * N, K, generator=gen) * 0.1
+    w2 = torch.randn(E, K, N, generator=gen) * 0.1
+    if mxfp4:
+        return quantize_mxfp4(w13), quantize_mxfp4(w2)
+    return w13, w2
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_fused_experts_fullgraph_matches_eager(gen, mxfp4):
+    E, k, K, N = 8, 2, 64, 32
+    w13, w2 = _weights(gen, E, N, K, mxfp4)
+    b13, b2 = torch.randn(E, 2 * N, generator=gen), torch.randn(E, K, generator=gen)
+
+    def step(x, w, ids):
+        return fused_experts(x, w13, w2, w, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for M in (5, 9):
+        x = torch.randn(M, K, generator=gen)
+        w, ids = _routes(gen, M, E, k)
+        torch.testing.assert_close(compiled(x, w, ids), step(x, w, ids), rtol=0, atol=0)
+
+
+def test_fused_experts_dynamic_no_recompile(gen):
+    """One graph serves every token count (dynamic=True), valid_tokens and an expert map included."""
+    E, k, K, N = 8, 2, 64, 32
+    w13, w2 = _weights(gen, 4, N, K)
+    emap = ExpertMap(E, ep_rank=1, ep_size=2)
+
+    def step(x, w, ids, vt):
+        return fused_experts(x, w13, w2, w, ids, activation="silu", expert_map=emap, valid_tokens=vt)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    for M in (3, 6, 11, 17):
+        x = torch.randn(M, K, generator=gen)
+        x[M - 1] = float("nan")  # the row past valid_tokens is padding: never read
+        w, ids = _routes(gen, M, E, k)
+        vt = torch.tensor([M - 1], dtype=torch.int32)
+        got, want = compiled(x, w, ids, vt), step(x, w, ids, vt)
+        torch.testing.assert_close(got[: M - 1], want[: M - 1], rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_batched_experts_fullgraph(gen):
+    L, T, K, N = 3, 5, 64, 32
+    w13, w2 = _weights(gen, L, N, K)
+    x = torch.randn(L, T, K, generator=gen)
+    counts = torch.tensor([2, 0, 5], dtype=torch.int64)
+    x[0, 2:] = float("nan")
+    x[1] = float("nan")
+    poison = torch.full((L, T, K), 7.0)
+
+    def step(x, counts, out):
+        return batched_experts(x, counts, w13, w2, activation="silu", out=out)
+
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(x, counts, poison.clone())
+    want = step(x, counts, poison.clone())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.all(got[0, 2:] == 7.0) and torch.all(got[1] == 7.0)  # rows past the counts untouched
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "mxfp4"])
+def test_layer_compiles_with_inductor(weight_format):
+    """The whole layer (gate, router, experts op) under inductor, fullgraph, dynamic token counts."""
+    layer = FusedMoE.from_preset("tiny", weight_format=weight_format, dtype=torch.float32)
+    layer.randomize(seed=3)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for M in (4, 7):
+            x = torch.randn(M, layer.hidden_size, generator=gen)
+            torch.testing.assert_close(compiled(x), layer(x), rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_layer_never_quantizes_inside_the_graph():
+    """MXFP4 copies are built eagerly (randomize / load / state dict), so a compiled forward only
+    reads them; a state-dict load replaces them."""
+    layer = FusedMoE.from_preset("tiny", weight_format="mxfp4", dtype=torch.float32)
+    layer.randomize(seed=1)
+    first = layer.expert_weights()[0]
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    state["w13"].mul_(2)
+    layer.load_state_dict(state)
+    second = layer.expert_weights()[0]
+    assert second is not first
+    torch.testing.assert_close(second.dequantize(torch.float32), quantize_mxfp4(layer.w13).dequantize(torch.float32))

@@ -323,5 +323,57 @@ def capture_decode_graphs(model: nn.Module, tokens: int) -> None:
         layer._capture(tokens, side)
 
 
+def plan_memory(model: nn.Module, ranks: int, max_tokens_per_rank: int, *, mode: str = "flat",
+                weight_format: str = "bf16", dispatch_dtype: Optional[torch.dtype] = None) -> dict:
+    """Bytes one rank holds after `enable_expert_parallel(model, <group of `ranks`>, ...)`, from a
+    model not yet converted (it may live on the meta device: only shapes and dtypes are read).
+
+    Returns a dict: `dense` (every parameter and buffer outside the experts modules: each rank
+    keeps them all), `experts` (the local experts of every MoE layer as `FusedMoE` holds them —
+    with weight_format="mxfp4" that is the float weights *and* their MXFP4 copy — plus each
+    layer's router-sized gate matrix, which `FusedMoE` allocates and this path leaves unused),
+    `exchange` (the `ExpertParallel` buffers, once per distinct layer shape, as the layers share
+    them), `workspace` (the largest one layer's expert and combine buffers, which exist one layer
+    at a time) and `total`. Attention activations and the KV cache are not included.
+    Per-layer numbers come from `padded_moe.planner.plan`.
+    """
+    from padded_moe.integrations.transformers import expert_weights, experts_plan
+    from padded_moe.planner import plan as plan_layer
+
+    require_int("ranks", ranks)
+    require_int("max_tokens_per_rank", max_tokens_per_rank)
+    family = _family(model)
+    experts = [(name, m) for name, m in model.named_modules() if _is_experts_module(m)]
+    if not experts:
+        raise _refuse(family, f"{type(model).__name__} has no sparse MoE experts module")
+    inside = {id(t) for _, m in experts for t in list(m.parameters()) + list(m.buffers())}
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    dense = sum(nbytes(t) for t in list(model.parameters()) + list(model.buffers()) if id(t) not in inside)
+    expert_bytes, exchange, workspace, seen = 0, 0, 0, set()
+    for name, module in experts:
+        plan = experts_plan(module)
+        _check_module(family, name, module, plan)
+        w13, w2, b13, _ = expert_weights(module)
+        E, K, N = w2.shape[0], w2.shape[1], w2.shape[2]
+        k = _top_k(model, model.get_submodule(name.rpartition(".")[0]))
+        shapes = dict(num_experts=E, top_k=k, hidden_size=K, intermediate_size=N, activation=plan.activation,
+                      has_bias=b13 is not None)
+        layer = plan_layer(shapes, ranks, max_tokens_per_rank, float(1 << 20), mode=mode, dtype=w2.dtype,
+                           dispatch_dtype=dispatch_dtype, weight_format=weight_format)
+        expert_bytes += layer.weights_bytes + E * K * w2.element_size()
+        if weight_format == "mxfp4":  # FusedMoE keeps its float weights beside the MXFP4 copy
+            float_plan = plan_layer(shapes, ranks, max_tokens_per_rank, float(1 << 20), mode=mode,
+                                    dtype=w2.dtype, dispatch_dtype=dispatch_dtype, weight_format="bf16")
+            expert_bytes += float_plan.weights_bytes
+        key = (E, k, K, w2.dtype)
+        if key not in seen:
+            seen.add(key)
+            exchange += layer.bytes_of("ep")
+        workspace = max(workspace, layer.bytes_of("experts") + layer.bytes_of("combine"))
+    total = dense + expert_bytes + exchange + workspace
+    return dict(family=family, ranks=ranks, max_tokens_per_rank=max_tokens_per_rank, moe_layers=len(experts),
+                dense=dense, experts=expert_bytes, exchange=exchange, workspace=workspace, total=total)
+
+
 __all__ = ["ExpertParallelExperts", "ExpertParallelModel", "enable_expert_parallel", "idle_step",
-           "capture_decode_graphs"]
+           "capture_decode_graphs", "plan_memory"]

@@ -191,3 +191,18 @@ def test_more_tokens_than_reserved_is_a_value_error(one_rank_group):
     with pytest.raises(ValueError, match="max_tokens_per_rank=8"):
         with torch.no_grad():
             model(input_ids=torch.randint(2, VOCAB, (2, 5)))
+
+
+@pytest.mark.parametrize("name", EP_FAMILIES)
+def test_plan_memory_counts_what_the_rank_holds(name, one_rank_group):
+    """`plan_memory`'s resident parts equal the bytes the converted model holds: its parameters
+    and buffers (dense parts, the FusedMoE weights and gate) plus the shared exchange buffers."""
+    model = build(name)
+    plan = plug.plan_memory(model, 1, 12)
+    handle = plug.enable_expert_parallel(model, max_tokens_per_rank=12)
+    held = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    exchange = sum(ep.buffer_bytes() for ep in handle.expert_parallel)
+    assert plan["moe_layers"] == len(handle.layers)
+    assert plan["dense"] + plan["experts"] == held
+    assert plan["exchange"] == exchange
+    assert plan["workspace"] > 0 and plan["total"] == held + exchange + plan["workspace"]

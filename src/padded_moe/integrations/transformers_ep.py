@@ -187,7 +187,7 @@ def _check_module(family: str, name: str, module: nn.Module, plan) -> None:
         raise _refuse(family, f"the experts module {name} ({cls}) has a gate or a post-expert norm that "
                               f"padded_moe runs only in torch between its GEMMs (plan {plan.family!r}); "
                               f"FusedMoE needs one of its own activations")
-    if getattr(module, "gate_up_proj_blocks", None) is not None or getattr(module, "down_proj_blocks", None) is not None:
+    if any(getattr(module, f"{proj}_blocks", None) is not None for proj in ("gate_up_proj", "down_proj")):
         raise _refuse(family, f"the experts module {name} ({cls}) holds an MXFP4 checkpoint; load the "
                               f"float weights and pass weight_format='mxfp4' instead")
 

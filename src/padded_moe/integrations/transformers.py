@@ -382,3 +382,12 @@ def is_registered() -> bool:
 
 __all__ = ["IMPLEMENTATION", "ExpertsPlan", "experts_plan", "expert_weights",
            "padded_moe_experts_forward", "register", "is_registered"]
+
+# Expert parallelism for whole models lives in its own module; re-exported here so one import
+# serves both uses of the plug-in (it imports this module lazily, so the order is safe).
+from padded_moe.integrations.transformers_ep import (  # noqa: E402
+    ExpertParallelExperts, ExpertParallelModel, capture_decode_graphs, enable_expert_parallel, idle_step,
+    plan_memory)
+
+__all__ += ["ExpertParallelExperts", "ExpertParallelModel", "enable_expert_parallel", "idle_step",
+            "capture_decode_graphs", "plan_memory"]

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import REL_TOL, SENTINEL, rel_err
+from helpers import REL_TOL, SENTINEL, extreme_mxfp4_weight, rel_err
 
 from padded_moe.gemm import expert_gemm
 from padded_moe.layouts import (
@@ -616,25 +616,6 @@ def test_mxfp4_hopper_other_activation_dtypes(monkeypatch, dtype, gen):
     run_and_check(a, prepared_only(q), dequantize_mxfp4(q, dtype).double(), meta, "w13", backend="triton")
 
 
-def extreme_weight(gen, K=96, finite=True):
-    """Rows at scale exponents 0..3 (float32/bf16 subnormal products), around 127, and up to 254,
-    each with every code that stays finite at its scale (finite=True), or rows at 254/255 holding
-    codes that overflow to inf and NaN scales (finite=False)."""
-    lut = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-    scales = [0, 1, 2, 3, 100, 126, 127, 128, 200, 252, 253, 254] if finite else [254, 255, 254, 127]
-    rows_codes, rows_scales = [], []
-    for i, s in enumerate(scales):
-        ok = [c for c in range(16) if lut[c & 7] * 2.0 ** (s - 127) < 2.0**128] if finite else list(range(16))
-        if not finite and i == 3:
-            ok = [5]  # a finite row next to the non-finite ones
-        codes = torch.tensor(ok)[torch.randint(len(ok), (K,), generator=gen)]
-        rows_codes.append(codes)
-        rows_scales.append(torch.full((K // 32,), s))
-    codes = torch.stack(rows_codes).to(torch.uint8)
-    blocks = (codes[:, 0::2] | (codes[:, 1::2] << 4)).unsqueeze(0)
-    return Mxfp4Tensor(blocks.contiguous(), torch.stack(rows_scales).to(torch.uint8).unsqueeze(0))
-
-
 @pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf_nan"])
 def test_mxfp4_hopper_upcast_is_exact(monkeypatch, finite, gen):
     """Identity activations make the GEMM output the upcast weights themselves (one product per
@@ -647,7 +628,7 @@ def test_mxfp4_hopper_upcast_is_exact(monkeypatch, finite, gen):
     version of this check runs on the GPU only (tests/test_gemm_gpu.py)."""
     require_interpreter(monkeypatch)
     K = 96
-    q = extreme_weight(gen, K, finite)
+    q = extreme_mxfp4_weight(gen, K, finite)
     meta = masked_meta([K], K)
     a = torch.eye(K, dtype=torch.float32).unsqueeze(0)
     out = torch.full((1, K, q.shape[1]), SENTINEL, dtype=torch.float32)

@@ -97,6 +97,11 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
 
     Under `torch.compile` the whole call is one opaque custom op (`padded_moe::fused_experts`)
     that returns a fresh tensor; `scratch` is then not used (the compiler owns that memory).
+
+    MXFP4 weights (`Mxfp4Tensor`) run fastest prepared: call `w13 = w13.prepare_for()` (and the
+    same for `w2`) once after loading — it adds the GEMM's arrangement of the same bytes
+    (`HopperMxfp4`), which every later call uses. Unprepared weights still work, on the slower
+    `tl.dot_scaled` kernel; `FusedMoE` and the transformers plug-in prepare theirs.
     """
     act = resolve_supported(activation)
     require_tensor("hidden_states", hidden_states)

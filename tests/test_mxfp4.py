@@ -232,3 +232,7 @@ def test_prepare_for_caches_and_travels(gen):
         prepare_hopper(torch.zeros(1, 2, 16, dtype=torch.uint8))
     with pytest.raises(TypeError, match="^h must"):
         unprepare_hopper(q)
+    with pytest.raises(TypeError, match="^hopper must"):
+        Mxfp4Tensor(q.blocks, q.scales, q.blocks)
+    with pytest.raises(ValueError, match="^hopper must"):
+        Mxfp4Tensor(q.blocks[:2], q.scales[:2], h)

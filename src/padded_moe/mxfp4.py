@@ -59,6 +59,14 @@ class Mxfp4Tensor:
             raise ValueError(f"scales must be on blocks' device {b.device}, got {s.device}")
         if (b.shape[-1] > 1 and b.stride(-1) != 1) or (s.shape[-1] > 1 and s.stride(-1) != 1):
             raise ValueError("Mxfp4Tensor blocks and scales must have a contiguous last dimension")
+        h = self.hopper
+        if h is not None:
+            if not isinstance(h, HopperMxfp4):
+                raise TypeError(f"hopper must be a HopperMxfp4 (from prepare_hopper) or None, got {type(h).__name__}")
+            if h.blocks.shape[:2] != b.shape[:2] or h.k != b.shape[2] * 2 or h.blocks.device != b.device:
+                raise ValueError(f"hopper must be prepared from these weights [{b.shape[0]}, {b.shape[1]}, "
+                                 f"{b.shape[2] * 2}] on {b.device}, got blocks {tuple(h.blocks.shape)} with "
+                                 f"K={h.k} on {h.blocks.device}")
 
     @property
     def shape(self) -> torch.Size:

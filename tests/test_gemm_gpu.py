@@ -343,7 +343,9 @@ def test_mxfp4_hopper_every_sweep_config(layout, cfg):
 
 
 @pytest.mark.parametrize("cfg", [None, GemmConfig(16, 64, 256, 1, 4, 3, mx_hopper=True),
-                                 GemmConfig(64, 128, 64, 1, 8, 3, mx_hopper=True)],
+                                 GemmConfig(64, 128, 64, 1, 8, 3, mx_hopper=True),
+                                 GemmConfig(16, 128, 128, 1, 4, 4, mx_hopper=True, mx_ptx=True),
+                                 GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True)],
                          ids=lambda c: "tuned" if c is None else c.short())
 @pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf_nan"])
 def test_mxfp4_hopper_upcast_is_exact(finite, cfg):
@@ -371,17 +373,17 @@ def test_mxfp4_hopper_upcast_is_exact(finite, cfg):
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
 def test_mxfp4_hopper_small_sanitizer(layout):
-    """Small and quick, for `compute-sanitizer --tool memcheck`: decode and prefill tuned configs,
-    ragged counts, K = 160 (padded to 192), Nout = 200 (partial n-tile)."""
+    """Small and quick, for `compute-sanitizer --tool memcheck`: decode and prefill tuned configs
+    and the inline-PTX upcast, ragged counts, K = 160 (padded to 192), Nout = 200 (partial n-tile)."""
     L, K, n_out, M, k = 4, 160, 200, 37, 2
     q = make_weight(L, n_out, K, "mxfp4", 31)
     g = torch.Generator(device=DEV).manual_seed(37)
     ids = torch.randint(-1, L + 1, (M, k), generator=g, device=DEV, dtype=torch.int32)
     meta = build_layout(layout, ids, L)
-    for reg in ("decode", "prefill"):
+    ptx = GemmConfig(16, 128, 128, 1, 4, 4, mx_hopper=True, mx_ptx=True)
+    for cfg in (kg.TUNED[("mxfp4_hopper", "decode")], kg.TUNED[("mxfp4_hopper", "prefill")], ptx):
         a = inputs_for(layout, meta, "w13", K, M, k, 41)
         out = out_for(layout, meta, a, n_out)
-        get_backend("triton").gemm(a, prepared_only(q), meta, stage="w13", bias=None, out=out,
-                                   config=kg.TUNED[("mxfp4_hopper", reg)])
+        get_backend("triton").gemm(a, prepared_only(q), meta, stage="w13", bias=None, out=out, config=cfg)
         torch.cuda.synchronize()
         check(a, None, meta, "w13", out, w_ref=q)

@@ -56,10 +56,14 @@ class GemmConfig:
     # (bf16 tl.dot on weights upcast in registers, weights as the left operand; BK a multiple of
     # 64). False keeps the tl.dot_scaled kernel above even for prepared weights (for comparison).
     mx_hopper: bool = False
+    # mx_hopper only, compiled bf16 activations: the upcast as inline PTX on packed bf16x2 pairs
+    # (`_e2m1_planes_ptx`, about half the instructions of the portable float32 form). The
+    # interpreter and other dtypes run the portable form.
+    mx_ptx: bool = False
 
     def short(self) -> str:
         tag = ("_tma" if self.tma else "") + ("" if self.mx_native else "_bitdq") + ("_swap" if self.swap_ab else "")
-        tag += "_hop" if self.mx_hopper else ""
+        tag += ("_hop" if self.mx_hopper else "") + ("_ptx" if self.mx_ptx else "")
         return f"BM{self.BM}_BN{self.BN}_BK{self.BK}_G{self.GROUP_M}_w{self.num_warps}_s{self.num_stages}{tag}"
 
 
@@ -130,18 +134,22 @@ SWEEP_MXFP4: dict[str, list[GemmConfig]] = {
 
 # Prepared-MXFP4 (Hopper kernel) candidates, the table entry first. BM is the MMA's N side (token
 # rows), BN its M side (weight rows: 64 per warpgroup), BK covers BK/64 layout blocks per iteration.
-_H = lambda bm, bn, bk, g, w, st: GemmConfig(bm, bn, bk, g, w, st, mx_hopper=True)  # noqa: E731
+_H = lambda bm, bn, bk, g, w, st, ptx=False: GemmConfig(bm, bn, bk, g, w, st, mx_hopper=True, mx_ptx=ptx)  # noqa: E731
 SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
     "decode": [_H(16, 128, 128, 1, 4, 4), _H(16, 64, 128, 1, 4, 4), _H(16, 64, 256, 1, 4, 3),
                _H(16, 128, 64, 1, 4, 4), _H(16, 128, 256, 1, 4, 3), _H(16, 256, 128, 1, 8, 3),
                _H(32, 64, 128, 1, 4, 4), _H(32, 128, 128, 1, 4, 4), _H(32, 128, 64, 1, 4, 3),
-               _H(32, 256, 128, 1, 8, 3)],
+               _H(32, 256, 128, 1, 8, 3),
+               _H(16, 128, 128, 1, 4, 4, True), _H(16, 64, 256, 1, 4, 3, True), _H(32, 128, 128, 1, 4, 4, True)],
     "small": [_H(64, 128, 128, 4, 4, 3), _H(32, 128, 128, 4, 4, 4), _H(64, 128, 64, 4, 4, 4),
-              _H(64, 256, 128, 4, 8, 3), _H(64, 64, 128, 4, 4, 4), _H(128, 128, 128, 4, 8, 3)],
+              _H(64, 256, 128, 4, 8, 3), _H(64, 64, 128, 4, 4, 4), _H(128, 128, 128, 4, 8, 3),
+              _H(64, 128, 128, 4, 4, 3, True)],
     "medium": [_H(128, 128, 128, 8, 8, 3), _H(64, 128, 128, 8, 4, 3), _H(128, 128, 64, 8, 8, 4),
-               _H(128, 256, 64, 8, 8, 3), _H(128, 64, 128, 8, 4, 3), _H(64, 256, 128, 8, 8, 3)],
+               _H(128, 256, 64, 8, 8, 3), _H(128, 64, 128, 8, 4, 3), _H(64, 256, 128, 8, 8, 3),
+               _H(128, 128, 128, 8, 8, 3, True)],
     "prefill": [_H(128, 128, 128, 8, 8, 3), _H(128, 256, 64, 8, 8, 3), _H(128, 128, 64, 8, 8, 4),
-                _H(128, 256, 128, 8, 8, 3), _H(64, 256, 128, 8, 8, 3), _H(128, 128, 128, 16, 8, 4)],
+                _H(128, 256, 128, 8, 8, 3), _H(64, 256, 128, 8, 8, 3), _H(128, 128, 128, 16, 8, 4),
+                _H(128, 128, 128, 8, 8, 3, True)],
 }
 
 
@@ -359,6 +367,68 @@ def _e2m1_plane(p32, f, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_planes_ptx(packed, sc_lo, sc_hi):
+    """Both nibble planes of uint8 `packed` [BN, 32] as bf16, times bf16 scales `sc_lo` / `sc_hi`
+    (2^(s-127) broadcast to [BN, 32]), four bytes per call, two elements per register op.
+
+    Each pair of bytes is spread to one byte per 16-bit half (prmt); per half the same bit
+    placement as `_e2m1_plane`, but in bf16 (bits 8..6 and 15): the value times 2^-126, subnormal
+    codes included. Then two bf16x2 multiplies, by 2^126 and by the scale: both exact (e2m1 values
+    and their scaled products have 2 significant bits; bf16 keeps subnormals down to 2^-133), so
+    the result equals `dequantize_mxfp4(q, bf16)`, inf and NaN included.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, u, v, k;
+        mov.b32 k, 0x7E807E80;
+        prmt.b32 t0, $4, 0, 0x4140;
+        prmt.b32 t1, $4, 0, 0x4342;
+        shl.b32 u, t0, 6;
+        and.b32 u, u, 0x01C001C0;
+        shl.b32 v, t0, 12;
+        and.b32 v, v, 0x80008000;
+        or.b32 u, u, v;
+        mul.rn.bf16x2 u, u, k;
+        mul.rn.bf16x2 $0, u, $5;
+        shl.b32 u, t1, 6;
+        and.b32 u, u, 0x01C001C0;
+        shl.b32 v, t1, 12;
+        and.b32 v, v, 0x80008000;
+        or.b32 u, u, v;
+        mul.rn.bf16x2 u, u, k;
+        mul.rn.bf16x2 $1, u, $6;
+        shl.b32 u, t0, 2;
+        and.b32 u, u, 0x01C001C0;
+        shl.b32 v, t0, 8;
+        and.b32 v, v, 0x80008000;
+        or.b32 u, u, v;
+        mul.rn.bf16x2 u, u, k;
+        mul.rn.bf16x2 $2, u, $7;
+        shl.b32 u, t1, 2;
+        and.b32 u, u, 0x01C001C0;
+        shl.b32 v, t1, 8;
+        and.b32 v, v, 0x80008000;
+        or.b32 u, u, v;
+        mul.rn.bf16x2 u, u, k;
+        mul.rn.bf16x2 $3, u, $8;
+        }""",
+        constraints="=r,=r,=r,=r,r,r,r,r,r",
+        args=[packed, sc_lo, sc_hi],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _scale_bf16(s, BN: tl.constexpr):
+    """E8M0 bytes [BN] -> bf16 2^(s-127) [BN, 32] (s=0: the bf16 subnormal 2^-127; 255: NaN)."""
+    s16 = s.to(tl.uint16)
+    b = tl.where(s16 == 0, 0x40, tl.where(s16 == 255, 0x7FC0, s16 << 7)).to(tl.uint16)
+    return tl.broadcast_to(b.to(tl.bfloat16, bitcast=True)[:, None], (BN, 32))
+
+
+@triton.jit
 def _scale_factor(s):
     """E8M0 bytes -> float32 2^(s-127) built as bits (s=0: the subnormal 2^-127; 255: NaN)."""
     s32 = s.to(tl.uint32)
@@ -373,7 +443,7 @@ def _expert_gemm_mx_hopper_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_sg, stride_be, stride_cm,
     LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, A_DIV: tl.constexpr,
     BLOCK_MB: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, L_POW2: tl.constexpr,
-    FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr,
+    FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr, UPCAST_PTX: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """MXFP4 weights in the `HopperMxfp4` arrangement (mxfp4.py): per 64-element K block, byte j
@@ -407,16 +477,20 @@ def _expert_gemm_mx_hopper_kernel(
             w_ok = n_ok
             if K_TAIL:  # the last iteration may hold blocks past K_PAD: they read nothing
                 w_ok = n_ok & (kb < K_PAD)
-            packed = tl.load(w_base + (kb // 2 + rh)[None, :], mask=w_ok[:, None], other=0).to(tl.uint32)
-            f_lo = _scale_factor(tl.load(s_base + (kb // 32) * stride_sg, mask=w_ok, other=127))
-            f_hi = _scale_factor(tl.load(s_base + (kb // 32 + 1) * stride_sg, mask=w_ok, other=127))
+            packed = tl.load(w_base + (kb // 2 + rh)[None, :], mask=w_ok[:, None], other=0)
+            s_lo = tl.load(s_base + (kb // 32) * stride_sg, mask=w_ok, other=127)
+            s_hi = tl.load(s_base + (kb // 32 + 1) * stride_sg, mask=w_ok, other=127)
             # K is a multiple of 32, so each 32-column plane is wholly inside or past K: one
             # scalar condition per plane keeps the row loads vectorizable.
             x_lo = tl.load(a_base + (kb + rh)[None, :], mask=valid[:, None] & (kb < K), other=0.0)
             x_hi = tl.load(a_base + (kb + 32 + rh)[None, :], mask=valid[:, None] & (kb + 32 < K), other=0.0)
-            # Rounded to the activation dtype like `dequantize_mxfp4(q, a.dtype)` (exact for bf16).
-            w_lo = _e2m1_plane(packed, f_lo, 0).to(x_lo.dtype)
-            w_hi = _e2m1_plane(packed, f_hi, 4).to(x_lo.dtype)
+            if UPCAST_PTX:
+                w_lo, w_hi = _e2m1_planes_ptx(packed, _scale_bf16(s_lo, BN), _scale_bf16(s_hi, BN))
+            else:
+                # Rounded to the activation dtype like `dequantize_mxfp4(q, a.dtype)` (exact for bf16).
+                p32 = packed.to(tl.uint32)
+                w_lo = _e2m1_plane(p32, _scale_factor(s_lo), 0).to(x_lo.dtype)
+                w_hi = _e2m1_plane(p32, _scale_factor(s_hi), 4).to(x_lo.dtype)
             if FP32_DOT:
                 acc = tl.dot(w_lo.to(tl.float32), tl.trans(x_lo.to(tl.float32)), acc, input_precision="ieee")
                 acc = tl.dot(w_hi.to(tl.float32), tl.trans(x_hi.to(tl.float32)), acc, input_precision="ieee")
@@ -522,6 +596,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
             LAYOUT=layout, HAS_BIAS=bias is not None, A_DIV=a_div,
             BLOCK_MB=block_m, SUB=SUB, ROWS=ROWS, L_POW2=max(2, triton.next_power_of_2(num_local)),
             FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda, K_TAIL=k_pad % BK != 0,
+            UPCAST_PTX=cfg.mx_ptx and a2.is_cuda and a2.dtype == torch.bfloat16,
             BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

@@ -452,8 +452,8 @@ def _expert_gemm_mx_hopper_kernel(
     The weight tile is the left operand: acc^T [BN, BM] += W_plane [BN, 32] @ x_plane^T [32, BM]
     for the two planes of each block, so on sm90 the upcast values can feed wgmma from registers
     and the few token rows of decode are the MMA's narrow N side. The upcast is a mask, shifts
-    and two float32 multiplies per element (`_e2m1_plane`), no shuffles. BK is a multiple of 64;
-    a loop iteration covers BK/64 blocks.
+    and two float32 multiplies per element (`_e2m1_plane`; `_e2m1_planes_ptx` with UPCAST_PTX),
+    no shuffles. BK is a multiple of 64; a loop iteration covers BK/64 blocks.
     """
     num_pid_n = tl.cdiv(N, BN)
     pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
@@ -491,7 +491,7 @@ def _expert_gemm_mx_hopper_kernel(
                 p32 = packed.to(tl.uint32)
                 w_lo = _e2m1_plane(p32, _scale_factor(s_lo), 0).to(x_lo.dtype)
                 w_hi = _e2m1_plane(p32, _scale_factor(s_hi), 4).to(x_lo.dtype)
-            if FP32_DOT:
+            if FP32_DOT:  # fp32 activations, or the interpreter (its bf16 tl.dot is wrong in 3.6)
                 acc = tl.dot(w_lo.to(tl.float32), tl.trans(x_lo.to(tl.float32)), acc, input_precision="ieee")
                 acc = tl.dot(w_hi.to(tl.float32), tl.trans(x_hi.to(tl.float32)), acc, input_precision="ieee")
             else:

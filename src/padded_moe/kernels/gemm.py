@@ -583,23 +583,23 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     if hopper:
         hb, hs = w_hopper.blocks, w_hopper.scales
         k_pad = w_hopper.k_padded
-        _expert_gemm_mx_hopper_kernel[grid](
-            a2, hb, hs, bias if bias is not None else dummy, out2,
-            sorted_ids if sorted_ids is not None else dummy,
-            block_expert if block_expert is not None else dummy,
-            num_padded if num_padded is not None else dummy,
-            offsets if offsets is not None else dummy,
-            counts if counts is not None else dummy,
-            N, K, k_pad, a2.shape[0], num_local, mk, t_max, num_pid_m,
-            a2.stride(0), hb.stride(0), hb.stride(1), hs.stride(0), hs.stride(1),
-            bias.stride(0) if bias is not None else 0, out2.stride(0),
+        ptrs = (a2, hb, hs, bias if bias is not None else dummy, out2,
+                sorted_ids if sorted_ids is not None else dummy,
+                block_expert if block_expert is not None else dummy,
+                num_padded if num_padded is not None else dummy,
+                offsets if offsets is not None else dummy,
+                counts if counts is not None else dummy)
+        ints = (N, K, k_pad, a2.shape[0], num_local, mk, t_max, num_pid_m,
+                a2.stride(0), hb.stride(0), hb.stride(1), hs.stride(0), hs.stride(1),
+                bias.stride(0) if bias is not None else 0, out2.stride(0))
+        constexprs = dict(
             LAYOUT=layout, HAS_BIAS=bias is not None, A_DIV=a_div,
             BLOCK_MB=block_m, SUB=SUB, ROWS=ROWS, L_POW2=max(2, triton.next_power_of_2(num_local)),
             FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda, K_TAIL=k_pad % BK != 0,
             UPCAST_PTX=cfg.mx_ptx and a2.is_cuda and a2.dtype == torch.bfloat16,
-            BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+            BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M)
+        launch_kernel(_expert_gemm_mx_hopper_kernel, grid, ints + ptr_key(*ptrs), ptrs + ints, constexprs,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out2
     a_desc = cfg.tma and layout != INDEXED and _tma_ok(a2, a2.shape[0], BK)
     w_desc = cfg.tma and not mx and w.dtype == a2.dtype and w.stride(0) == N * w.stride(1) \

@@ -367,7 +367,8 @@ def main():
         results["wall_s"] = time.time() - t0
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        path = out / f"bench_gemm_mxfp4_hopper{'_tiny' if args.tiny else ''}.json"
+        tag = "tiny" if args.tiny else args.models.replace(",", "_")
+        path = out / f"bench_gemm_mxfp4_hopper_{tag}.json"
         path.write_text(json.dumps(results, indent=1, default=str))
         print(f"wrote {path} ({results['wall_s']:.0f} s)")
         return

@@ -3,6 +3,15 @@ configs per regime and prints the winners for `padded_moe.kernels.gemm.TUNED`.
 
     python benchmarks/bench_gemm.py [--out docs/] [--humming] [--no-sweep]
     python benchmarks/bench_gemm.py --tiny          # CPU dry run under TRITON_INTERPRET=1
+    python benchmarks/bench_gemm.py --mxfp4-hopper [--models gpt-oss,dsv4-flash] [--rows 1,2,...]
+                                    [--no-sweep] [--tiny]
+
+`--mxfp4-hopper`: MXFP4 weights prepared for the Hopper kernel (`Mxfp4Tensor.prepare_for`) vs the
+same canonical weights through tl.dot_scaled vs bf16 weights, on the GPT-OSS (E=128, K=N=2880) and
+dsv4-flash (E=256, K=4096, N=2048) expert shapes, every expert holding `rows` rows (decode 1..32
+and larger), GROUPED_CONTIGUOUS for all three plus the prepared kernel on INDEXED and
+GROUPED_MASKED; prints weight bytes read / time as a fraction of copy bandwidth, and sweeps
+`SWEEP_MXFP4_HOPPER` per regime (winners for `TUNED[("mxfp4_hopper", regime)]`).
 
 Shapes: w13 (K=4096 -> 2N=4096) and w2 (N=2048 -> K=4096), 32 and 128 local experts, {8, 32, 128,
 512, 2048} rows per expert, GROUPED_CONTIGUOUS (the layout torch._grouped_mm also computes) plus
@@ -270,6 +279,72 @@ def write_markdown(results, out: Path, suffix: str) -> None:
     (out / f"gemm{suffix}.md").write_text(text)
 
 
+# (model, stage) -> (K in, Nout): w13 = gate and up interleaved (2N rows), w2 = down.
+HOPPER_MODELS = {"gpt-oss": (128, 2880, 2880), "dsv4-flash": (256, 4096, 2048)}  # (E, hidden K, N)
+
+
+def run_hopper(args) -> dict:
+    """Prepared MXFP4 (Hopper kernel) vs dot_scaled MXFP4 vs bf16, decode to prefill."""
+    dev = torch.device("cpu" if args.tiny else "cuda")
+    be = get_backend("triton")
+    ceil = ceilings(dev, args.tiny)
+    copy_bw = ceil["copy_bytes_per_s"]
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s, dense bf16 {ceil['dense_tflops']:.0f} TFLOP/s")
+    models = {"tiny": (4, 96, 64)} if args.tiny else {m: HOPPER_MODELS[m] for m in args.models.split(",")}
+    row_set = [int(x) for x in args.rows.split(",")] if args.rows else ([1, 16] if args.tiny else
+                                                                       [1, 2, 4, 8, 16, 32, 128, 512, 2048])
+    results = {"ceilings": ceil, "hopper_rows": [], "sweep": {}}
+    for model, (E, hidden, inter) in models.items():
+        for stage, (K, n_out) in (("w13", (hidden, 2 * inter)), ("w2", (inter, hidden))):
+            w, q = weight_pair(E, n_out, K, dev)
+            qh = Mxfp4Tensor(q.blocks, q.scales).prepare_for()  # q itself stays canonical: dot_scaled path
+            mx_bytes = wbytes(q)
+            for r in row_set:
+                meta = contiguous_meta(E, r, dev)
+                a = torch.randn(E * r, K, device=dev, dtype=torch.bfloat16)
+                out = torch.empty(E * r, n_out, device=dev, dtype=torch.bfloat16)
+                ids = (torch.arange(E * r, device=dev, dtype=torch.int32) // r).view(-1, 1)
+                cfg = kg.pick_config(r, True, args.tiny, hopper=True)
+                imeta = build_layout(GemmLayout.INDEXED, ids, E, block_m=max(16, cfg.BM))
+                mmeta = masked_meta(E, r, r, dev)
+                am, om = a.view(E, r, K), out.view(E, r, n_out)
+                row = {"model": model, "stage": stage, "E": E, "K": K, "N": n_out, "rows_per_expert": r,
+                       "regime": kg.regime(r), "hopper_config": cfg.short(),
+                       "hopper_ms": timed(lambda: expert_gemm(a, qh, meta, out=out, backend="triton"), dev),
+                       "hopper_indexed_ms": timed(lambda: expert_gemm(a, qh, imeta, out=out, backend="triton"), dev),
+                       "hopper_masked_ms": timed(lambda: expert_gemm(am, qh, mmeta, out=om, backend="triton"), dev),
+                       "dot_scaled_ms": timed(lambda: expert_gemm(a, q, meta, out=out, backend="triton"), dev),
+                       "bf16_ms": timed(lambda: expert_gemm(a, w, meta, out=out, backend="triton"), dev)}
+                for key in [k for k in list(row) if k.endswith("_ms")]:
+                    wb = wbytes(w) if key == "bf16_ms" else mx_bytes
+                    row[key.replace("_ms", "_wbw_frac")] = wb / (row[key] * 1e-3) / copy_bw
+                row["hopper_speedup_vs_dot_scaled"] = row["dot_scaled_ms"] / row["hopper_ms"]
+                row["hopper_speedup_vs_bf16"] = row["bf16_ms"] / row["hopper_ms"]
+                results["hopper_rows"].append(row)
+                print(f"{model:10s} {stage:3s} E={E} K={K} N={n_out} rows/e={r:5d} [{row['regime']:7s}] "
+                      f"hopper {row['hopper_ms']:.3f} ms (wbw {row['hopper_wbw_frac']:.0%}; idx "
+                      f"{row['hopper_indexed_ms']:.3f}, masked {row['hopper_masked_ms']:.3f}) | dot_scaled "
+                      f"{row['dot_scaled_ms']:.3f} ms (wbw {row['dot_scaled_wbw_frac']:.0%}) | bf16 "
+                      f"{row['bf16_ms']:.3f} ms (wbw {row['bf16_wbw_frac']:.0%}) | x{row['hopper_speedup_vs_dot_scaled']:.2f}"
+                      f" vs dot_scaled, x{row['hopper_speedup_vs_bf16']:.2f} vs bf16 [{cfg.short()}]")
+                if not args.no_sweep:
+                    cands = [kg.INTERPRET_HOPPER_CONFIG] if args.tiny else kg.SWEEP_MXFP4_HOPPER[kg.regime(r)]
+                    key = f"mxfp4_hopper/{kg.regime(r)}"
+                    for c in cands:
+                        try:
+                            ms = timed(lambda: be.gemm(a, qh, meta, stage=stage, bias=None, out=out, config=c), dev)
+                        except Exception as exc:  # e.g. out of shared memory for a big tile
+                            print(f"    sweep {key} {c.short()}: failed {type(exc).__name__}: {str(exc)[:120]}")
+                            continue
+                        results["sweep"].setdefault(key, {}).setdefault(c.short(), []).append(ms)
+                del a, out, am, om
+            del w, q, qh
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    report_sweep(results["sweep"])
+    return results
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="docs/", help="directory for bench_gemm.json / bench_gemm.png")
@@ -280,9 +355,23 @@ def main():
     p.add_argument("--experts", help="comma list of local expert counts (default 32,128)")
     p.add_argument("--rows", help="comma list of rows per expert (default 8,32,128,512,2048)")
     p.add_argument("--no-masked", action="store_true", help="skip the grouped_masked 10%%-valid slabs")
+    p.add_argument("--mxfp4-hopper", action="store_true",
+                   help="prepared MXFP4 (Hopper kernel) vs dot_scaled vs bf16 on GPT-OSS / dsv4-flash shapes")
+    p.add_argument("--models", default="gpt-oss,dsv4-flash", help="with --mxfp4-hopper: subset of gpt-oss,dsv4-flash")
     args = p.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("bench_gemm needs a CUDA GPU (or --tiny for a CPU dry run)")
+    if args.mxfp4_hopper:
+        t0 = time.time()
+        results = run_hopper(args)
+        results["wall_s"] = time.time() - t0
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        tag = "tiny" if args.tiny else args.models.replace(",", "_")
+        path = out / f"bench_gemm_mxfp4_hopper_{tag}.json"
+        path.write_text(json.dumps(results, indent=1, default=str))
+        print(f"wrote {path} ({results['wall_s']:.0f} s)")
+        return
     t0 = time.time()
     results = run(args)
     results["wall_s"] = time.time() - t0

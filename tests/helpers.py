@@ -20,3 +20,25 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def devices():
     """CPU always; CUDA when present."""
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def extreme_mxfp4_weight(gen, K=96, finite=True, device="cpu"):
+    """Rows at scale exponents 0..3 (float32/bf16 subnormal products), around 127, and up to 254,
+    each with every code that stays finite at its scale (finite=True), or rows at 254/255 holding
+    codes that overflow to inf and NaN scales (finite=False)."""
+    lut = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    scales = [0, 1, 2, 3, 100, 126, 127, 128, 200, 252, 253, 254] if finite else [254, 255, 254, 127]
+    rows_codes, rows_scales = [], []
+    for i, s in enumerate(scales):
+        ok = [c for c in range(16) if lut[c & 7] * 2.0 ** (s - 127) < 2.0**128] if finite else list(range(16))
+        if not finite and i == 3:
+            ok = [5]  # a finite row next to the non-finite ones
+        codes = torch.tensor(ok)[torch.randint(len(ok), (K,), generator=gen)]
+        rows_codes.append(codes)
+        rows_scales.append(torch.full((K // 32,), s))
+    codes = torch.stack(rows_codes).to(torch.uint8)
+    blocks = (codes[:, 0::2] | (codes[:, 1::2] << 4)).unsqueeze(0)
+    from padded_moe.mxfp4 import Mxfp4Tensor
+
+    scales = torch.stack(rows_scales).to(torch.uint8).unsqueeze(0)
+    return Mxfp4Tensor(blocks.contiguous(), scales).to(device)

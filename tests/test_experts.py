@@ -66,12 +66,16 @@ def test_expert_map_and_valid_tokens(cpu_path, layout, gen):
     assert rel_err(out[:valid], ref[:valid]) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("prepared", [False, True], ids=["canonical", "prepared"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_swigluoai_with_biases_and_mxfp4(cpu_path, layout, gen):
+def test_swigluoai_with_biases_and_mxfp4(cpu_path, layout, prepared, gen):
+    """Interleaved swigluoai w13 [E, 2N, K] and w2 [E, K, N=32] (one padded 64-block when prepared)."""
     M, k, E = 13, 2, 4
     x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
     w13f, w2f = weights(E, gen, torch.float32)
     q13, q2 = quantize_mxfp4(w13f), quantize_mxfp4(w2f)
+    if prepared:
+        q13, q2 = q13.prepare_for(), q2.prepare_for()
     b13 = (torch.randn(E, 2 * N, generator=gen) * 0.1).to(torch.bfloat16)
     b2 = (torch.randn(E, K, generator=gen) * 0.1).to(torch.bfloat16)
     tw, ids = routed(M, k, E, gen)

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import REL_TOL, SENTINEL, rel_err
+from helpers import REL_TOL, SENTINEL, extreme_mxfp4_weight, rel_err
 
 from padded_moe.gemm import expert_gemm
 from padded_moe.layouts import (
@@ -22,7 +22,7 @@ from padded_moe.layouts import (
     GroupedMaskedMeta,
     IndexedMeta,
 )
-from padded_moe.mxfp4 import Mxfp4Tensor, dequantize_mxfp4, quantize_mxfp4
+from padded_moe.mxfp4 import Mxfp4Tensor, dequantize_mxfp4, prepare_hopper, quantize_mxfp4
 
 try:  # import the kernels now, while conftest's TRITON_INTERPRET=1 is in force (see conftest)
     import padded_moe.kernels.gemm  # noqa: F401
@@ -553,3 +553,109 @@ def test_grid_bound_few_rows_many_experts(cpu_path, layout, M, k, L, gen):
     meta = local_meta(layout, ids, L)
     a = torch.randn(M if layout == GemmLayout.INDEXED else M * k, K, generator=gen)
     run_and_check(nan_unused_rows(a, meta, "w13"), w, w64, meta, "w13")
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 in the prepared Hopper arrangement (`Mxfp4Tensor.prepare_for`, the Hopper kernel)
+# ---------------------------------------------------------------------------------------------
+
+
+def prepared_only(q: Mxfp4Tensor) -> Mxfp4Tensor:
+    """`q` prepared, with its canonical bytes replaced by NaN-scaled garbage: a result that matches
+    the reference can only have come from the prepared form."""
+    h = q.hopper if q.hopper is not None else prepare_hopper(q)
+    return Mxfp4Tensor(torch.full_like(q.blocks, 0x77), torch.full_like(q.scales, 255), h)
+
+
+def require_interpreter(monkeypatch):
+    from padded_moe._platform import kernels_interpreted
+
+    if not kernels_interpreted():
+        pytest.skip("interpreter-only check; tests/test_gemm_gpu.py covers the compiled kernel")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("K", [64, 96, 160])  # 96, 160: multiples of 32 but not of the 64-block
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+def test_mxfp4_hopper_layouts(monkeypatch, layout, K, gen):
+    """Every layout, edge counts around the tile, invalid ids, NaN in unread rows, SENTINEL in
+    unwritten ones, Nout not a multiple of BN, and K not a multiple of the layout's 64-block."""
+    require_interpreter(monkeypatch)
+    n_out, k = 40, 2
+    counts = EDGE_COUNTS
+    L = len(counts)
+    w64 = torch.randn(L, n_out, K, generator=gen, dtype=torch.float64) / math.sqrt(K)
+    q = quantize_mxfp4(w64)
+    ids = ids_with_counts(counts, k, gen, extra_invalid=3)
+    meta = local_meta(layout, ids, L, t_max=max(counts) + 5 if layout == GemmLayout.GROUPED_MASKED else None)
+    a = layout_activations(layout, meta, ids.shape[0], k, K, gen, torch.bfloat16)
+    run_and_check(a, prepared_only(q), dequantize_mxfp4(q, torch.float64), meta, "w13", backend="triton")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+def test_mxfp4_hopper_w2_stage_bias(monkeypatch, layout, gen):
+    """GEMM2 (slot rows), per-expert bias, swigluoai-sized w2 (K = N = 32: one padded block)."""
+    require_interpreter(monkeypatch)
+    K, n_out, k, L = 32, 48, 3, 4
+    q = quantize_mxfp4(torch.randn(L, n_out, K, generator=gen, dtype=torch.float64))
+    ids = ids_with_counts([5, 0, BM + 1, 2], k, gen, extra_invalid=2)
+    meta = local_meta(layout, ids, L, t_max=BM + 4 if layout == GemmLayout.GROUPED_MASKED else None)
+    a = layout_activations(layout, meta, ids.shape[0], k, K, gen, torch.bfloat16, stage="w2")
+    bias = torch.randn(L, n_out, generator=gen).to(torch.bfloat16)
+    run_and_check(a, prepared_only(q), dequantize_mxfp4(q, torch.float64), meta, "w2", bias=bias, backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_mxfp4_hopper_other_activation_dtypes(monkeypatch, dtype, gen):
+    """fp32 / fp16 activations: the weights are rounded to the activation dtype, as in the other kernel."""
+    require_interpreter(monkeypatch)
+    K, n_out, L = 128, 24, 3
+    q = quantize_mxfp4(torch.randn(L, n_out, K, generator=gen, dtype=torch.float64))
+    meta = masked_meta([3, BM + 2, 0], BM + 4)
+    a = nan_unused_rows(torch.randn(L, BM + 4, K, generator=gen).to(dtype), meta, "w13")
+    run_and_check(a, prepared_only(q), dequantize_mxfp4(q, dtype).double(), meta, "w13", backend="triton")
+
+
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf_nan"])
+def test_mxfp4_hopper_upcast_is_exact(monkeypatch, finite, gen):
+    """Identity activations make the GEMM output the upcast weights themselves (one product per
+    output, the other terms +-0): they must equal dequantize_mxfp4 bit for bit, including the
+    subnormal products of scales 0..3, the largest finite values, and inf/NaN where the
+    canonical dequantization gives them (0 * inf = NaN spreads over a row, as in float64).
+
+    float32 activations here: Triton 3.6's interpreter converts float32 subnormals to bf16
+    wrongly (its `_convert_float` clamps the exponent without shifting the mantissa), so the bf16
+    version of this check runs on the GPU only (tests/test_gemm_gpu.py)."""
+    require_interpreter(monkeypatch)
+    K = 96
+    q = extreme_mxfp4_weight(gen, K, finite)
+    meta = masked_meta([K], K)
+    a = torch.eye(K, dtype=torch.float32).unsqueeze(0)
+    out = torch.full((1, K, q.shape[1]), SENTINEL, dtype=torch.float32)
+    expert_gemm(a, prepared_only(q), meta, out=out, backend="triton")
+    if finite:
+        assert torch.equal(out[0], dequantize_mxfp4(q, torch.float32)[0].T)
+    want = (a[0].double() @ dequantize_mxfp4(q, torch.float32)[0].double().T).float()
+    torch.testing.assert_close(out[0], want, rtol=0, atol=0, equal_nan=True)
+    assert bool(torch.isnan(out[0]).any()) != finite
+
+
+def test_mxfp4_hopper_config_errors(monkeypatch, gen):
+    require_interpreter(monkeypatch)
+    from padded_moe.backends import get_backend
+    from padded_moe.kernels import gemm as kg
+
+    q = quantize_mxfp4(torch.randn(2, 16, 64, generator=gen))
+    meta = masked_meta([2, 1], 4)
+    a = torch.randn(2, 4, 64, generator=gen).to(torch.bfloat16)
+    out = torch.empty(2, 4, 16, dtype=torch.bfloat16)
+    be = get_backend("triton")
+    with pytest.raises(ValueError, match="prepare_for"):
+        be.gemm(a, q, meta, stage="w13", bias=None, out=out, config=kg.INTERPRET_HOPPER_CONFIG)
+    with pytest.raises(ValueError, match="config.BK"):
+        be.gemm(a, q.prepare_for(), meta, stage="w13", bias=None, out=out,
+                config=dataclasses.replace(kg.INTERPRET_HOPPER_CONFIG, BK=32))
+    # mx_hopper=False keeps the tl.dot_scaled / bit-assembly kernel on the canonical bytes.
+    w64 = dequantize_mxfp4(q, torch.float64)
+    out = be.gemm(a, q, meta, stage="w13", bias=None, out=torch.full_like(out, SENTINEL), config=kg.INTERPRET_CONFIG)
+    assert rel_err(out[0, :2], a[0, :2].double() @ w64[0].T) < REL_TOL[torch.bfloat16]

@@ -13,10 +13,11 @@ import math
 
 import pytest
 import torch
-from helpers import REL_TOL, SENTINEL, rel_err
+from helpers import REL_TOL, SENTINEL, extreme_mxfp4_weight, rel_err
 
 from padded_moe.backends import get_backend
 from padded_moe.gemm import expert_gemm
+from padded_moe.kernels import gemm as kg
 from padded_moe.kernels.gemm import GemmConfig
 from padded_moe.layouts import GemmLayout, GroupedContiguousMeta, GroupedMaskedMeta, IndexedMeta, build_layout
 from padded_moe.mxfp4 import Mxfp4Tensor, dequantize_mxfp4, quantize_mxfp4
@@ -30,9 +31,10 @@ DEV = "cuda"
 def make_weight(L, n_out, K, wdtype, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
     w = torch.randn(L, n_out, K, generator=g, device=DEV, dtype=torch.bfloat16) / math.sqrt(K)
-    if wdtype == "mxfp4":  # quantize in chunks: quantize_mxfp4 works in float64
+    if wdtype.startswith("mxfp4"):  # quantize in chunks: quantize_mxfp4 works in float64
         parts = [quantize_mxfp4(w[i:i + 8]) for i in range(0, L, 8)]
-        return Mxfp4Tensor(torch.cat([p.blocks for p in parts]), torch.cat([p.scales for p in parts]))
+        q = Mxfp4Tensor(torch.cat([p.blocks for p in parts]), torch.cat([p.scales for p in parts]))
+        return q.prepare_for() if wdtype == "mxfp4_hopper" else q
     return w
 
 
@@ -64,7 +66,9 @@ def rows_of(meta, stage, a_rows):
     return pos // T, pos, pos
 
 
-def check(a, w, meta, stage, out, bias=None):
+def check(a, w, meta, stage, out, bias=None, w_ref=None):
+    """`w_ref`: the weight the reference uses when `w` is `prepared_only` (garbage canonical bytes)."""
+    w = w if w_ref is None else w_ref
     n_out = w.shape[1]
     a2 = a.reshape(-1, a.shape[-1])
     flat = out.reshape(-1, n_out)
@@ -198,7 +202,7 @@ def test_torch_backend_cuda(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
-@pytest.mark.parametrize("wdtype", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("wdtype", ["bf16", "mxfp4", "mxfp4_hopper"])
 def test_cuda_graph_replay_after_ids_change(layout, wdtype):
     L, K, n_out, M, k = 16, 512, 256, 64, 4
     w = make_weight(L, n_out, K, wdtype, 2)
@@ -276,3 +280,110 @@ def test_repeated_launch_skips_triton_binding(monkeypatch):
     for a, out in outs:
         ref = torch.stack([a[r].float() @ w[expert_of_row[r]].float().T for r in range(M)])
         assert rel_err(out, ref) <= 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 prepared for the Hopper kernel (Mxfp4Tensor.prepare_for): `pytest -m gpu -k hopper`
+# ---------------------------------------------------------------------------------------------
+
+
+def prepared_only(q: Mxfp4Tensor) -> Mxfp4Tensor:
+    """A prepared copy of `q` whose canonical bytes are garbage with NaN scales: a correct result
+    can only come from the prepared form (check against `q` with `w_ref=q`)."""
+    h = Mxfp4Tensor(q.blocks, q.scales).prepare_for().hopper
+    return Mxfp4Tensor(torch.full_like(q.blocks, 0x77), torch.full_like(q.scales, 255), h)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
+@pytest.mark.parametrize("stage", ["w13", "w2"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+def test_mxfp4_hopper_real_shapes(shape, stage, layout, weights):
+    """The tuned config for the shape's regime, model shapes, NaN-poisoned padding, biases."""
+    name, L, K, N, k, M, with_bias = shape
+    n_out, k_in = (2 * N, K) if stage == "w13" else (K, N)
+    q = weights(name, L, n_out, k_in, "mxfp4")
+    g = torch.Generator(device=DEV).manual_seed(7)
+    ids = torch.randint(-1, L + 2, (M, k), generator=g, device=DEV, dtype=torch.int32)
+    if name == "prefill":
+        ids = torch.stack([torch.randperm(L, device=DEV)[:k] for _ in range(M)]).int()
+    meta = build_layout(layout, ids, L)
+    a = inputs_for(layout, meta, stage, k_in, M, k, 3)
+    bias = torch.randn(L, n_out, device=DEV).bfloat16() if with_bias else None
+    out = out_for(layout, meta, a, n_out)
+    expert_gemm(a, prepared_only(q), meta, stage=stage, bias=bias, out=out, backend="triton")
+    torch.cuda.synchronize()
+    check(a, None, meta, stage, out, bias, w_ref=q)
+
+
+# Every sweep candidate on GROUPED_CONTIGUOUS (the layouts share the row selection, `_tile_rows`),
+# and the tuned entries on the other two layouts.
+HOPPER_CONFIGS = sorted({c for cands in kg.SWEEP_MXFP4_HOPPER.values() for c in cands}, key=lambda c: c.short())
+HOPPER_CASES = [(GemmLayout.GROUPED_CONTIGUOUS, c) for c in HOPPER_CONFIGS] + [
+    (lay, kg.TUNED[("mxfp4_hopper", reg)]) for lay in (GemmLayout.INDEXED, GemmLayout.GROUPED_MASKED)
+    for reg in ("decode", "small", "medium", "prefill")]
+
+
+@pytest.mark.parametrize("layout, cfg", HOPPER_CASES, ids=lambda x: x.value if isinstance(x, GemmLayout) else x.short())
+def test_mxfp4_hopper_every_sweep_config(layout, cfg):
+    """Every config the benchmark may put into TUNED, on K = 1056 (not a multiple of 64, so the
+    prepared weight is padded, and the last iteration of BK=128/256 holds blocks past the
+    padded K) with counts that are not multiples of any tile, dropped slots and a bias."""
+    L, K, n_out, M, k = 8, 1056, 384, 300, 2
+    q = make_weight(L, n_out, K, "mxfp4", 21)
+    g = torch.Generator(device=DEV).manual_seed(23)
+    ids = torch.stack([torch.randperm(L, device=DEV, generator=g)[:k] for _ in range(M)]).int()
+    ids[::7, 0] = -1
+    meta = build_layout(layout, ids, L)
+    a = inputs_for(layout, meta, "w13", K, M, k, 29)
+    bias = torch.randn(L, n_out, device=DEV).bfloat16()
+    out = out_for(layout, meta, a, n_out)
+    get_backend("triton").gemm(a, prepared_only(q), meta, stage="w13", bias=bias, out=out, config=cfg)
+    torch.cuda.synchronize()
+    check(a, None, meta, "w13", out, bias, w_ref=q)
+
+
+@pytest.mark.parametrize("cfg", [None, GemmConfig(16, 64, 256, 1, 4, 3, mx_hopper=True),
+                                 GemmConfig(64, 128, 64, 1, 8, 3, mx_hopper=True),
+                                 GemmConfig(16, 128, 128, 1, 4, 4, mx_hopper=True, mx_ptx=True),
+                                 GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True)],
+                         ids=lambda c: "tuned" if c is None else c.short())
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf_nan"])
+def test_mxfp4_hopper_upcast_is_exact(finite, cfg):
+    """bf16 identity activations: the output is the upcast weight itself and must equal
+    dequantize_mxfp4(q, bf16) bit for bit — scales 0..3 with subnormal products (a flush-to-zero
+    multiply or conversion would show here), the largest finite values, inf/NaN as the canonical
+    dequantization gives them (0 * inf = NaN spreads over a row, as in float64)."""
+    K = 96
+    q = extreme_mxfp4_weight(torch.Generator().manual_seed(5), K, finite, device=DEV)
+    c = torch.tensor([K], dtype=torch.int32, device=DEV)
+    meta = GroupedMaskedMeta(num_tokens=K, top_k=1, num_local=1, slot_expert=torch.zeros(K, dtype=torch.int32, device=DEV),
+                             activation_counts=c, counts=c, inv=torch.zeros(K, dtype=torch.int32, device=DEV),
+                             overflow=torch.zeros(1, dtype=torch.int32, device=DEV), max_tokens_per_expert=K)
+    a = torch.eye(K, dtype=torch.bfloat16, device=DEV).unsqueeze(0)
+    out = torch.full((1, K, q.shape[1]), SENTINEL, dtype=torch.bfloat16, device=DEV)
+    get_backend("triton").gemm(a, prepared_only(q), meta, stage="w13", bias=None, out=out,
+                               config=cfg or kg.TUNED[("mxfp4_hopper", "medium")])
+    torch.cuda.synchronize()
+    if finite:
+        assert torch.equal(out[0], dequantize_mxfp4(q, torch.bfloat16)[0].T)
+    want = (a[0].double() @ dequantize_mxfp4(q, torch.float32)[0].double().T).to(torch.bfloat16)
+    torch.testing.assert_close(out[0], want, rtol=0, atol=0, equal_nan=True)
+    assert bool(torch.isnan(out[0]).any()) != finite
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+def test_mxfp4_hopper_small_sanitizer(layout):
+    """Small and quick, for `compute-sanitizer --tool memcheck`: decode and prefill tuned configs
+    and the inline-PTX upcast, ragged counts, K = 160 (padded to 192), Nout = 200 (partial n-tile)."""
+    L, K, n_out, M, k = 4, 160, 200, 37, 2
+    q = make_weight(L, n_out, K, "mxfp4", 31)
+    g = torch.Generator(device=DEV).manual_seed(37)
+    ids = torch.randint(-1, L + 1, (M, k), generator=g, device=DEV, dtype=torch.int32)
+    meta = build_layout(layout, ids, L)
+    ptx = GemmConfig(16, 128, 128, 1, 4, 4, mx_hopper=True, mx_ptx=True)
+    for cfg in (kg.TUNED[("mxfp4_hopper", "decode")], kg.TUNED[("mxfp4_hopper", "prefill")], ptx):
+        a = inputs_for(layout, meta, "w13", K, M, k, 41)
+        out = out_for(layout, meta, a, n_out)
+        get_backend("triton").gemm(a, prepared_only(q), meta, stage="w13", bias=None, out=out, config=cfg)
+        torch.cuda.synchronize()
+        check(a, None, meta, "w13", out, w_ref=q)

@@ -9,12 +9,15 @@ import torch
 from helpers import rel_err
 
 from padded_moe.mxfp4 import (
+    HopperMxfp4,
     Mxfp4Tensor,
     dequantize_mxfp4,
     from_gpt_oss,
     from_transposed,
+    prepare_hopper,
     quantize_mxfp4,
     to_gpt_oss,
+    unprepare_hopper,
 )
 
 # Independent decode table written from the OCP table (not imported from the module under test).
@@ -170,3 +173,66 @@ def test_validation():
         from_gpt_oss(torch.zeros(1, 2, 2, 16, dtype=torch.uint8), torch.zeros(1, 2, 3, dtype=torch.uint8))
     with pytest.raises(TypeError, match="Mxfp4Tensor"):
         dequantize_mxfp4(torch.zeros(1, 2, 16, dtype=torch.uint8))
+
+
+def decode_hopper_slow(h: HopperMxfp4, e: int) -> torch.Tensor:
+    """Float64 decode of one expert straight from the documented prepared layout: in the 64-element
+    block starting at k0, byte j holds element k0+j (low nibble) and k0+32+j (high nibble); scales
+    are [K_pad/32, rows]."""
+    rows = h.blocks.shape[1]
+    out = torch.empty(rows, h.k, dtype=torch.float64)
+    for r in range(rows):
+        for k in range(h.k):
+            k0, off = (k // 64) * 64, k % 64
+            byte = int(h.blocks[e, r, k0 // 2 + off % 32])
+            nib = (byte >> (4 * (off // 32))) & 0xF
+            s = int(h.scales[e, k // 32, r])
+            mag = E2M1[nib & 7] * (math.nan if s == 255 else 2.0 ** (s - 127))
+            out[r, k] = -mag if nib & 8 else mag
+    return out
+
+
+@pytest.mark.parametrize("K", [32, 64, 96, 128])
+def test_hopper_layout_matches_canonical(K, gen):
+    L, rows = 2, 3
+    blocks = torch.randint(0, 256, (L, rows, K // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(0, 255, (L, rows, K // 32), generator=gen, dtype=torch.uint8)
+    scales[0, 0, 0] = 255
+    q = Mxfp4Tensor(blocks, scales)
+    h = prepare_hopper(q)
+    kp = -(-K // 64) * 64
+    assert h.k == K and h.k_padded == kp
+    assert tuple(h.blocks.shape) == (L, rows, kp // 2) and tuple(h.scales.shape) == (L, kp // 32, rows)
+    assert h.blocks.is_contiguous() and h.scales.is_contiguous()
+    for e in range(L):
+        want = dequantize_mxfp4(q[e], torch.float64)[0]
+        got = decode_hopper_slow(h, e).float().double()  # as float32, like dequantize_mxfp4 (2^129 -> inf)
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    if kp > K:  # padding decodes to zeros (code 0 with a finite scale)
+        b = h.blocks.view(L, rows, kp // 64, 32)[:, :, -1]
+        assert ((b >> 4) == 0).all() and (h.scales[:, -1] == 127).all()
+    back = unprepare_hopper(h)
+    assert torch.equal(back.blocks, blocks) and torch.equal(back.scales, scales)
+
+
+def test_prepare_for_caches_and_travels(gen):
+    q = quantize_mxfp4(torch.randn(4, 8, 96, generator=gen))
+    assert q.hopper is None
+    assert q.prepare_for() is q and q.hopper is not None
+    h = q.hopper
+    assert q.prepare_for("cpu") is q and q.hopper is h  # built once
+    sub = q[1:3]
+    assert sub.hopper is not None and torch.equal(sub.hopper.blocks, h.blocks[1:3])
+    assert torch.equal(q[2].hopper.scales, h.scales[2:3])
+    assert torch.equal(q.to("cpu").hopper.blocks, h.blocks)
+    assert q.contiguous().hopper is h
+    assert torch.equal(dequantize_mxfp4(unprepare_hopper(sub.hopper)), dequantize_mxfp4(sub))
+    with pytest.raises(TypeError, match="^q must"):
+        prepare_hopper(torch.zeros(1, 2, 16, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="^h must"):
+        unprepare_hopper(q)
+    with pytest.raises(TypeError, match="^hopper must"):
+        Mxfp4Tensor(q.blocks, q.scales, q.blocks)
+    with pytest.raises(ValueError, match="^hopper must"):
+        Mxfp4Tensor(q.blocks[:2], q.scales[:2], h)

@@ -34,7 +34,7 @@ from padded_moe.layouts import (
     select_gemm_layout,
     unpermute,
 )
-from padded_moe.mxfp4 import Mxfp4Tensor
+from padded_moe.mxfp4 import HopperMxfp4, Mxfp4Tensor
 
 
 def weight_shape(w) -> tuple:
@@ -97,6 +97,11 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
 
     Under `torch.compile` the whole call is one opaque custom op (`padded_moe::fused_experts`)
     that returns a fresh tensor; `scratch` is then not used (the compiler owns that memory).
+
+    MXFP4 weights (`Mxfp4Tensor`) run fastest prepared: call `w13 = w13.prepare_for()` (and the
+    same for `w2`) once after loading — it adds the GEMM's arrangement of the same bytes
+    (`HopperMxfp4`), which every later call uses. Unprepared weights still work, on the slower
+    `tl.dot_scaled` kernel; `FusedMoE` and the transformers plug-in prepare theirs.
     """
     act = resolve_supported(activation)
     require_tensor("hidden_states", hidden_states)
@@ -119,12 +124,12 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
     num_experts, table = _experts_table(expert_map, num_local, topk_ids.device)
     check_valid_tokens(valid_tokens, topk_ids)
     if torch.compiler.is_compiling():
-        w13_t, w13_s = _weight_parts(w13)
-        w2_t, w2_s = _weight_parts(w2)
+        w13_t, w13_s, *w13_h = _weight_parts(w13)
+        w2_t, w2_s, *w2_h = _weight_parts(w2)
         return torch.ops.padded_moe.fused_experts(
             hidden_states, w13_t, w13_s, w2_t, w2_s, topk_weights, topk_ids, table, num_experts,
             act.value, cfg.clamp_limit, cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta, kind,
-            w13_bias, w2_bias, valid_tokens, backend)
+            w13_bias, w2_bias, valid_tokens, backend, *w13_h, *w2_h)
     # Eager calls skip the dispatcher (tens of µs of host time per call).
     return _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, act, cfg, kind, num_experts, num_local,
                      table, w13_bias, w2_bias, valid_tokens, backend, scratch)
@@ -142,13 +147,21 @@ def _experts_table(expert_map: Optional[ExpertMap], num_local: int,
     return expert_map.num_experts, expert_map.map_for(device)
 
 
-def _weight_parts(w) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """A weight as tensors a custom op can take: `(float weight, None)` or `(blocks, scales)`."""
-    return (w.blocks, w.scales) if isinstance(w, Mxfp4Tensor) else (w, None)
+def _weight_parts(w) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """A weight as tensors a custom op can take: `(float weight, None, None, None)` or `(blocks,
+    scales, prepared blocks, prepared scales)` (the last two None for an unprepared Mxfp4Tensor)."""
+    if not isinstance(w, Mxfp4Tensor):
+        return w, None, None, None
+    h = w.hopper
+    return w.blocks, w.scales, None if h is None else h.blocks, None if h is None else h.scales
 
 
-def _weight_from_parts(t: torch.Tensor, scales: Optional[torch.Tensor]):
-    return t if scales is None else Mxfp4Tensor(t, scales)
+def _weight_from_parts(t: torch.Tensor, scales: Optional[torch.Tensor], h_blocks: Optional[torch.Tensor] = None,
+                       h_scales: Optional[torch.Tensor] = None):
+    if scales is None:
+        return t
+    h = None if h_blocks is None else HopperMxfp4(h_blocks, h_scales, t.shape[-1] * 2)
+    return Mxfp4Tensor(t, scales, h)
 
 
 def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, act: MoEActivation, cfg: ApplyMoEActivationConfig,
@@ -219,9 +232,13 @@ def _fused_experts_op(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: Optio
                       activation: str, clamp_limit: Optional[float], alpha: Optional[float],
                       beta: Optional[float], situ_beta: Optional[float], situ_linear_beta: Optional[float],
                       layout: str, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
-                      valid_tokens: Optional[torch.Tensor], backend: str) -> torch.Tensor:
+                      valid_tokens: Optional[torch.Tensor], backend: str,
+                      w13_hopper_blocks: Optional[torch.Tensor] = None, w13_hopper_scales: Optional[torch.Tensor] = None,
+                      w2_hopper_blocks: Optional[torch.Tensor] = None,
+                      w2_hopper_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     cfg = ApplyMoEActivationConfig(clamp_limit, alpha, beta, situ_beta, situ_linear_beta)
-    w13w, w2w = _weight_from_parts(w13, w13_scales), _weight_from_parts(w2, w2_scales)
+    w13w = _weight_from_parts(w13, w13_scales, w13_hopper_blocks, w13_hopper_scales)
+    w2w = _weight_from_parts(w2, w2_scales, w2_hopper_blocks, w2_hopper_scales)
     return _pipeline(hidden, w13w, w2w, topk_weights, topk_ids, MoEActivation(activation), cfg, layout,
                      num_experts, w13.shape[0], expert_table, w13_bias, w2_bias, valid_tokens, backend, None,
                      # A compiled graph's memory (CUDA-graph pools included) must not leak into a
@@ -274,11 +291,11 @@ def batched_experts(x: torch.Tensor, counts: torch.Tensor, w13, w2, *, activatio
             or out.device != x.device or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of x's shape {tuple(x.shape)} on {x.device}")
     if torch.compiler.is_compiling():
-        w13_t, w13_s = _weight_parts(w13)
-        w2_t, w2_s = _weight_parts(w2)
+        w13_t, w13_s, *w13_h = _weight_parts(w13)
+        w2_t, w2_s, *w2_h = _weight_parts(w2)
         torch.ops.padded_moe.batched_experts(x, counts, w13_t, w13_s, w2_t, w2_s, act.value, cfg.clamp_limit,
                                              cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta,
-                                             backend, out)
+                                             backend, out, *w13_h, *w2_h)
         return out
     _batched_pipeline(x, counts, w13, w2, act, cfg, backend, out)
     return out
@@ -301,9 +318,13 @@ def _batched_experts_op(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor
                         w2: torch.Tensor, w2_scales: Optional[torch.Tensor], activation: str,
                         clamp_limit: Optional[float], alpha: Optional[float], beta: Optional[float],
                         situ_beta: Optional[float], situ_linear_beta: Optional[float], backend: str,
-                        out: torch.Tensor) -> None:
+                        out: torch.Tensor, w13_hopper_blocks: Optional[torch.Tensor] = None,
+                        w13_hopper_scales: Optional[torch.Tensor] = None,
+                        w2_hopper_blocks: Optional[torch.Tensor] = None,
+                        w2_hopper_scales: Optional[torch.Tensor] = None) -> None:
     cfg = ApplyMoEActivationConfig(clamp_limit, alpha, beta, situ_beta, situ_linear_beta)
-    _batched_pipeline(x, counts, _weight_from_parts(w13, w13_scales), _weight_from_parts(w2, w2_scales),
+    _batched_pipeline(x, counts, _weight_from_parts(w13, w13_scales, w13_hopper_blocks, w13_hopper_scales),
+                      _weight_from_parts(w2, w2_scales, w2_hopper_blocks, w2_hopper_scales),
                       MoEActivation(activation), cfg, backend, out)
 
 

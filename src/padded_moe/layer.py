@@ -136,14 +136,14 @@ class FusedMoE(nn.Module):
 
     @torch.no_grad()
     def prepare(self) -> None:
-        """Build the weights in the layer's format now (MXFP4: quantize). Runs by itself after
-        `load_experts`, `randomize` and `load_state_dict`; call it after changing `w13` / `w2` in
+        """Build the weights in the layer's format now (MXFP4: quantize and `prepare_for`). Runs by
+        itself after `load_experts`, `randomize` and `load_state_dict`; call it after changing `w13` / `w2` in
         place, and before `torch.compile`, so compiled calls never quantize."""
         self._mxfp4.clear()
         if self.weight_format == "mxfp4" and self.w13.device.type != "meta":
             for name, w in (("w13", self.w13), ("w2", self.w2)):
-                q = quantize_mxfp4(w.detach())
-                for t in (q.blocks, q.scales):
+                q = quantize_mxfp4(w.detach()).prepare_for()  # + the GEMM's arrangement (HopperMxfp4)
+                for t in (q.blocks, q.scales, q.hopper.blocks, q.hopper.scales):
                     # Like a parameter, a fixed address: CUDA graphs of a compiled forward read it
                     # in place instead of copying it in before every replay.
                     torch._dynamo.mark_static_address(t, guard=False)

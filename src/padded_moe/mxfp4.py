@@ -3,11 +3,15 @@
 Format (spec 03): FP4 E2M1 elements, two per byte along K (even K index in the low nibble),
 one E8M0 scale per 32 consecutive K elements: `w[n, k] = LUT[nib] * 2^(scale[n, k // 32] - 127)`,
 scale 255 = NaN. Activations stay bf16; the GEMM dequantizes in registers.
+
+`Mxfp4Tensor.prepare_for()` adds, once at load time, a second arrangement of the same bytes for
+the Triton GEMM (`HopperMxfp4`, see `prepare_hopper`); the canonical `blocks` / `scales` above stay
+the contract and are never changed by it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -17,6 +21,7 @@ from padded_moe._validation import FLOAT_DTYPES, require_dtype, require_rank, re
 GROUP = 32  # K elements sharing one E8M0 scale
 SCALE_BIAS = 127
 SCALE_NAN = 255
+HOPPER_KB = 64  # K elements per block of the prepared Hopper layout (two nibble planes of 32)
 
 # E2M1 magnitudes for nibble codes 0..7; codes 8..15 are the negatives.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -36,6 +41,8 @@ class Mxfp4Tensor:
 
     blocks: torch.Tensor
     scales: torch.Tensor
+    # The prepared GEMM layout (`prepare_for`), built once and carried along by `to` / slicing.
+    hopper: Optional["HopperMxfp4"] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         for name in ("blocks", "scales"):
@@ -52,6 +59,14 @@ class Mxfp4Tensor:
             raise ValueError(f"scales must be on blocks' device {b.device}, got {s.device}")
         if (b.shape[-1] > 1 and b.stride(-1) != 1) or (s.shape[-1] > 1 and s.stride(-1) != 1):
             raise ValueError("Mxfp4Tensor blocks and scales must have a contiguous last dimension")
+        h = self.hopper
+        if h is not None:
+            if not isinstance(h, HopperMxfp4):
+                raise TypeError(f"hopper must be a HopperMxfp4 (from prepare_hopper) or None, got {type(h).__name__}")
+            if h.blocks.shape[:2] != b.shape[:2] or h.k != b.shape[2] * 2 or h.blocks.device != b.device:
+                raise ValueError(f"hopper must be prepared from these weights [{b.shape[0]}, {b.shape[1]}, "
+                                 f"{b.shape[2] * 2}] on {b.device}, got blocks {tuple(h.blocks.shape)} with "
+                                 f"K={h.k} on {h.blocks.device}")
 
     @property
     def shape(self) -> torch.Size:
@@ -77,16 +92,34 @@ class Mxfp4Tensor:
         return self.blocks.numel() + self.scales.numel()
 
     def to(self, device) -> "Mxfp4Tensor":
-        return Mxfp4Tensor(self.blocks.to(device), self.scales.to(device))
+        h = self.hopper
+        return Mxfp4Tensor(self.blocks.to(device), self.scales.to(device), None if h is None else h.to(device))
 
     def contiguous(self) -> "Mxfp4Tensor":
-        return Mxfp4Tensor(self.blocks.contiguous(), self.scales.contiguous())
+        return Mxfp4Tensor(self.blocks.contiguous(), self.scales.contiguous(), self.hopper)
 
     def __getitem__(self, idx) -> "Mxfp4Tensor":
         """Expert slicing (`q[2:5]`); an int keeps the expert dimension (`q[3]` is `[1, rows, K]`)."""
         if isinstance(idx, int):
             idx = slice(idx, idx + 1 if idx != -1 else None)
-        return Mxfp4Tensor(self.blocks[idx], self.scales[idx])
+        h = self.hopper
+        return Mxfp4Tensor(self.blocks[idx], self.scales[idx], None if h is None else h[idx])
+
+    def prepare_for(self, device=None) -> "Mxfp4Tensor":
+        """Arrange the weights once for the Triton GEMM and return the tensor to use from then on.
+
+        Builds `hopper` (`prepare_hopper`: values re-ordered within 64-element K blocks, scales
+        transposed; the same bytes again, so the device holds the weights twice) unless it is
+        already there. With `device` other than this tensor's, moves first and returns the moved
+        copy; otherwise prepares in place and returns `self`. Call it at load time, not per forward:
+        `fused_experts` / `expert_gemm` use the prepared form whenever it is present.
+        """
+        q = self
+        if device is not None and torch.device(device) != self.device:
+            q = self.to(device)
+        if q.hopper is None:
+            object.__setattr__(q, "hopper", prepare_hopper(q))  # frozen: set once, before any use
+        return q
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return dequantize_mxfp4(self, dtype)
@@ -144,6 +177,68 @@ def dequantize_mxfp4(q: Mxfp4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     scale = torch.ldexp(torch.ones((), device=q.device), (s - SCALE_BIAS).float())
     scale = torch.where(s == SCALE_NAN, torch.full_like(scale, float("nan")), scale)
     return (vals * scale.unsqueeze(-1)).reshape(L, rows, K).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepared layout for the Triton GEMM (spec 03, "MXFP4 on Hopper")
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HopperMxfp4:
+    """The GEMM's arrangement of an `Mxfp4Tensor` `[L, rows, K]` (built by `prepare_hopper`).
+
+    K is zero-padded to `k_padded`, a multiple of `HOPPER_KB` (padding: code 0 with scale 127).
+    - `blocks uint8 [L, rows, k_padded/2]`: in each K block of 64 elements starting at k0, byte
+      j (0..31) of the block holds element k0+j in its low nibble and k0+32+j in its high nibble.
+      A kernel then gets two contiguous 32-column planes with one mask or one shift each, and each
+      plane lies in one 32-element scale group.
+    - `scales uint8 [L, k_padded/32, rows]`: the E8M0 scales transposed, so a tile's scales of one
+      group are one contiguous load over rows.
+    """
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+    k: int  # logical K (before padding)
+
+    @property
+    def k_padded(self) -> int:
+        return self.blocks.shape[-1] * 2
+
+    def to(self, device) -> "HopperMxfp4":
+        return HopperMxfp4(self.blocks.to(device), self.scales.to(device), self.k)
+
+    def __getitem__(self, idx) -> "HopperMxfp4":
+        return HopperMxfp4(self.blocks[idx], self.scales[idx], self.k)
+
+
+def prepare_hopper(q: Mxfp4Tensor) -> HopperMxfp4:
+    """The `HopperMxfp4` arrangement of `q` (on q's device; the same values, see `unprepare_hopper`)."""
+    if not isinstance(q, Mxfp4Tensor):
+        raise TypeError(f"q must be an Mxfp4Tensor, got {type(q).__name__}")
+    L, rows, K = q.shape
+    kp = -(-K // HOPPER_KB) * HOPPER_KB
+    half = HOPPER_KB // 2
+    b = q.blocks
+    codes = torch.stack([b & 0x0F, b >> 4], dim=-1).reshape(L, rows, K)
+    codes = torch.nn.functional.pad(codes, (0, kp - K))  # code 0 = +0
+    codes = codes.view(L, rows, kp // HOPPER_KB, 2, half)  # [.., block, plane (lo/hi), j]
+    blocks = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(L, rows, kp // 2)
+    scales = torch.nn.functional.pad(q.scales, (0, (kp - K) // GROUP), value=SCALE_BIAS)
+    return HopperMxfp4(blocks.contiguous(), scales.transpose(1, 2).contiguous(), K)
+
+
+def unprepare_hopper(h: HopperMxfp4) -> Mxfp4Tensor:
+    """Inverse of `prepare_hopper`: the canonical `Mxfp4Tensor`."""
+    if not isinstance(h, HopperMxfp4):
+        raise TypeError(f"h must be a HopperMxfp4, got {type(h).__name__}")
+    L, rows, half_kp = h.blocks.shape
+    kp = half_kp * 2
+    b = h.blocks.view(L, rows, kp // HOPPER_KB, 1, HOPPER_KB // 2)
+    codes = torch.cat([b & 0x0F, b >> 4], dim=3).reshape(L, rows, kp)[..., :h.k]
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    scales = h.scales.transpose(1, 2)[..., :h.k // GROUP]
+    return Mxfp4Tensor(blocks.contiguous(), scales.contiguous())
 
 
 # ---------------------------------------------------------------------------------------------

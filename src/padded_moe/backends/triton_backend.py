@@ -61,11 +61,14 @@ class TritonBackend(GemmBackend):
 
         a2 = a.reshape(-1, a.shape[-1])
         out2 = out.view(-1, out.shape[-1])
+        wh = None
         if isinstance(w, Mxfp4Tensor):
-            wt, ws = w.blocks, w.scales
+            # A prepared weight (Mxfp4Tensor.prepare_for) runs the Hopper-layout kernel unless
+            # `config` asks for the dot_scaled one (mx_hopper=False).
+            wt, ws, wh = w.blocks, w.scales, w.hopper
         else:
             wt, ws = w, None
         kg.launch(a2, wt, ws, out2, num_local=meta.num_local, bias=bias,
-                  rows_per_expert=rows_per_expert(a, meta, stage), config=config,
+                  rows_per_expert=rows_per_expert(a, meta, stage), config=config, w_hopper=wh,
                   **launch_args(a, meta, stage))
         return out

@@ -208,14 +208,15 @@ def _cached(module, slot: str, source: torch.Tensor, convert: Callable[[torch.Te
 
 def _mxfp4_weight(module, proj: str) -> Any:
     """An `Mxfp4Tensor` from GPT-OSS checkpoint tensors `<proj>_blocks` / `<proj>_scales` when the
-    module holds them (they are already `[E, out, in]`, so no transpose), else None."""
+    module holds them (they are already `[E, out, in]`, so no transpose), else None. Converted and
+    prepared for the GEMM (`prepare_for`) once per weight, like the transposed copies below."""
     blocks = getattr(module, f"{proj}_blocks", None)
     scales = getattr(module, f"{proj}_scales", None)
     if not (isinstance(blocks, torch.Tensor) and isinstance(scales, torch.Tensor)):
         return None
     from padded_moe.mxfp4 import from_gpt_oss
 
-    return _cached(module, f"{proj}_mxfp4", blocks, lambda b: from_gpt_oss(b, scales))
+    return _cached(module, f"{proj}_mxfp4", blocks, lambda b: from_gpt_oss(b, scales).prepare_for())
 
 
 def _weight(module, proj: str) -> Any:

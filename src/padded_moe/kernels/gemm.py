@@ -52,9 +52,18 @@ class GemmConfig:
     # MXFP4 + dot_scaled only: compute out^T = W a^T, so the upcast weight tile is the MMA's
     # left operand (it can stay in registers) and the few token rows are its narrow N side.
     swap_ab: bool = False
+    # MXFP4 weights carrying the prepared `HopperMxfp4` form: run `_expert_gemm_mx_hopper_kernel`
+    # (bf16 tl.dot on weights upcast in registers, weights as the left operand; BK a multiple of
+    # 64). False keeps the tl.dot_scaled kernel above even for prepared weights (for comparison).
+    mx_hopper: bool = False
+    # mx_hopper only, compiled bf16 activations: the upcast as inline PTX on packed bf16x2 pairs
+    # (`_e2m1_planes_ptx`, about half the instructions of the portable float32 form). The
+    # interpreter and other dtypes run the portable form.
+    mx_ptx: bool = False
 
     def short(self) -> str:
         tag = ("_tma" if self.tma else "") + ("" if self.mx_native else "_bitdq") + ("_swap" if self.swap_ab else "")
+        tag += ("_hop" if self.mx_hopper else "") + ("_ptx" if self.mx_ptx else "")
         return f"BM{self.BM}_BN{self.BN}_BK{self.BK}_G{self.GROUP_M}_w{self.num_warps}_s{self.num_stages}{tag}"
 
 
@@ -73,6 +82,16 @@ TUNED: dict[tuple[str, str], GemmConfig] = {
     ("mxfp4", "prefill"): GemmConfig(256, 128, 64, 8, 8, 3),
 }
 
+# MXFP4 weights prepared with `Mxfp4Tensor.prepare_for()` (the Hopper kernel). Not yet swept on the
+# H200: first guesses (decode: 16-row tiles so the weights fill the MMA's M side; prefill: 128x128
+# tiles on two warpgroups); `bench_gemm.py --mxfp4-hopper` sweeps SWEEP_MXFP4_HOPPER.
+TUNED.update({
+    ("mxfp4_hopper", "decode"): GemmConfig(16, 128, 128, 1, 4, 4, mx_hopper=True),
+    ("mxfp4_hopper", "small"): GemmConfig(64, 128, 128, 4, 4, 3, mx_hopper=True),
+    ("mxfp4_hopper", "medium"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True),
+    ("mxfp4_hopper", "prefill"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True),
+})
+
 # GROUPED_MASKED uses the same table: on the H200 a 64-row tile (tried so that a 10%-valid slab
 # wastes less of its last tile) made the full slab 1.4x slower and the 10%-valid call no faster
 # than 128-row tiles (bench_gemm, 2026-11-30), and at T_max=512 both are bound by reading every
@@ -80,6 +99,7 @@ TUNED: dict[tuple[str, str], GemmConfig] = {
 
 # Under the interpreter every block op is a numpy call; small tiles keep CPU tests fast.
 INTERPRET_CONFIG = GemmConfig(16, 32, 32, 1, 4, 1)
+INTERPRET_HOPPER_CONFIG = GemmConfig(16, 32, 64, 1, 4, 1, mx_hopper=True)
 
 # Sweep candidates per regime for the benchmark (the first of each is the table entry).
 SWEEP: dict[str, list[GemmConfig]] = {
@@ -112,6 +132,27 @@ SWEEP_MXFP4: dict[str, list[GemmConfig]] = {
 }
 
 
+# Prepared-MXFP4 (Hopper kernel) candidates, the table entry first. BM is the MMA's N side (token
+# rows), BN its M side (weight rows: 64 per warpgroup), BK covers BK/64 layout blocks per iteration.
+_H = lambda bm, bn, bk, g, w, st, ptx=False: GemmConfig(bm, bn, bk, g, w, st, mx_hopper=True, mx_ptx=ptx)  # noqa: E731
+SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
+    "decode": [_H(16, 128, 128, 1, 4, 4), _H(16, 64, 128, 1, 4, 4), _H(16, 64, 256, 1, 4, 3),
+               _H(16, 128, 64, 1, 4, 4), _H(16, 128, 256, 1, 4, 3), _H(16, 256, 128, 1, 8, 3),
+               _H(32, 64, 128, 1, 4, 4), _H(32, 128, 128, 1, 4, 4), _H(32, 128, 64, 1, 4, 3),
+               _H(32, 256, 128, 1, 8, 3),
+               _H(16, 128, 128, 1, 4, 4, True), _H(16, 64, 256, 1, 4, 3, True), _H(32, 128, 128, 1, 4, 4, True)],
+    "small": [_H(64, 128, 128, 4, 4, 3), _H(32, 128, 128, 4, 4, 4), _H(64, 128, 64, 4, 4, 4),
+              _H(64, 256, 128, 4, 8, 3), _H(64, 64, 128, 4, 4, 4), _H(128, 128, 128, 4, 8, 3),
+              _H(64, 128, 128, 4, 4, 3, True)],
+    "medium": [_H(128, 128, 128, 8, 8, 3), _H(64, 128, 128, 8, 4, 3), _H(128, 128, 64, 8, 8, 4),
+               _H(128, 256, 64, 8, 8, 3), _H(128, 64, 128, 8, 4, 3), _H(64, 256, 128, 8, 8, 3),
+               _H(128, 128, 128, 8, 8, 3, True)],
+    "prefill": [_H(128, 128, 128, 8, 8, 3), _H(128, 256, 64, 8, 8, 3), _H(128, 128, 64, 8, 8, 4),
+                _H(128, 256, 128, 8, 8, 3), _H(64, 256, 128, 8, 8, 3), _H(128, 128, 128, 16, 8, 4),
+                _H(128, 128, 128, 8, 8, 3, True)],
+}
+
+
 def regime(rows_per_expert: float) -> str:
     if rows_per_expert <= 32:
         return "decode"
@@ -122,11 +163,14 @@ def regime(rows_per_expert: float) -> str:
     return "prefill"
 
 
-def pick_config(rows_per_expert: float, mxfp4: bool, interpreted: bool, layout: int = GROUPED_CONTIGUOUS) -> GemmConfig:
+def pick_config(rows_per_expert: float, mxfp4: bool, interpreted: bool, layout: int = GROUPED_CONTIGUOUS,
+                hopper: bool = False) -> GemmConfig:
+    """`hopper`: the MXFP4 weight carries its prepared `HopperMxfp4` form."""
+    hopper = hopper and mxfp4
     if interpreted:
-        return INTERPRET_CONFIG
-    kind, reg = "mxfp4" if mxfp4 else "bf16", regime(rows_per_expert)
-    return TUNED[(kind, reg)]
+        return INTERPRET_HOPPER_CONFIG if hopper else INTERPRET_CONFIG
+    kind = "mxfp4_hopper" if hopper else ("mxfp4" if mxfp4 else "bf16")
+    return TUNED[(kind, regime(rows_per_expert))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,38 +210,29 @@ def _dequant_mxfp4(packed, scales, BN: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _expert_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr,
-    ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr,
-    N, K, R_a, num_local, mk, T_max, num_pid_m,
-    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_cm,
-    LAYOUT: tl.constexpr, W_MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, A_DIV: tl.constexpr,
-    BLOCK_MB: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, L_POW2: tl.constexpr,
-    FP32_DOT: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, MX_NATIVE: tl.constexpr,
-    SWAP_AB: tl.constexpr,
-    A_FMT: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    num_pid_n = tl.cdiv(N, BN)
-    pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
-    rm = tl.arange(0, BM)
+def _tile_rows(pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
+               LAYOUT: tl.constexpr, A_DIV: tl.constexpr, BLOCK_MB: tl.constexpr, SUB: tl.constexpr,
+               ROWS: tl.constexpr, L_POW2: tl.constexpr, BM: tl.constexpr):
+    """Rows of m-tile `pid_m` for the layout: (live, expert, first row, A rows, C rows, row valid).
 
-    # ---- rows of this tile: A rows, C rows, validity, expert -------------------------------
+    `live` is 0 for a tile with nothing to compute (the caller returns at once); then the other
+    values are unspecified. Every load here stays inside its metadata tensor for any tile of the
+    launch grid. Rows with `valid` false are 0 in `a_rows` / `c_rows` and must be masked.
+    """
+    rm = tl.arange(0, BM)
     if LAYOUT == 0:  # INDEXED
         mb = pid_m // SUB
         row0 = mb * BLOCK_MB + (pid_m % SUB) * BM
         npad = tl.load(npad_ptr)
-        if row0 >= npad:
-            return
         e = tl.load(blk_exp_ptr + mb)
-        if (e < 0) | (e >= num_local):
-            return
+        live = ((row0 < npad) & (e >= 0) & (e < num_local)).to(tl.int32)
         in_blk = (rm < ROWS) & (row0 + rm < npad)
         ids = tl.load(ids_ptr + row0 + rm, mask=in_blk, other=0)
         valid = in_blk & (ids >= 0) & (ids < mk)
         ids = tl.where(valid, ids, 0)
         a_rows = ids // A_DIV
         c_rows = ids
+        row_start = row0 * 0
     elif LAYOUT == 1:  # GROUPED_CONTIGUOUS: scan the offsets for this tile's expert
         ev = tl.arange(0, L_POW2)
         ein = ev < num_local
@@ -208,8 +243,7 @@ def _expert_gemm_kernel(
         tiles = tl.where(ein, (hi - lo + BM - 1) // BM, 0)
         tile_end = tl.cumsum(tiles, 0)
         e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)
-        if e >= num_local:
-            return
+        live = (e < num_local).to(tl.int32)
         mine = ev == e
         first_tile = tl.sum(tl.where(mine, tile_end - tiles, 0), 0)
         row_lo = tl.sum(tl.where(mine, lo, 0), 0)
@@ -225,13 +259,35 @@ def _expert_gemm_kernel(
         e = pid_m // tiles_per_e
         t0 = (pid_m % tiles_per_e) * BM
         cnt = tl.minimum(tl.maximum(tl.load(cnt_ptr + e), 0), T_max)
-        if t0 >= cnt:
-            return
+        live = (t0 < cnt).to(tl.int32)
         valid = t0 + rm < cnt
         row_start = e * T_max + t0
         rows = tl.where(valid, row_start + rm, 0)
         a_rows = rows
         c_rows = rows
+    return live, e, row_start, a_rows, c_rows, valid
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr,
+    ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr,
+    N, K, R_a, num_local, mk, T_max, num_pid_m,
+    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_cm,
+    LAYOUT: tl.constexpr, W_MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, A_DIV: tl.constexpr,
+    BLOCK_MB: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, L_POW2: tl.constexpr,
+    FP32_DOT: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, MX_NATIVE: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    A_FMT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    num_pid_n = tl.cdiv(N, BN)
+    pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
+    live, e, row_start, a_rows, c_rows, valid = _tile_rows(
+        pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM)
+    if live == 0:
+        return
 
     # ---- main loop ------------------------------------------------------------------------
     e64 = e.to(tl.int64)
@@ -294,6 +350,162 @@ def _expert_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _e2m1_plane(p32, f, SHIFT: tl.constexpr):
+    """One nibble plane of packed bytes (`p32`: the bytes as uint32 [BN, 32]; SHIFT 0 = low nibbles,
+    4 = high) times its group's scale factor `f` [BN] (float32 2^(s-127)) -> float32 [BN, 32].
+
+    The 3 magnitude bits go to float32 bits 24..22 and the sign to bit 31: that float is the e2m1
+    value times 2^-126 for every code (e=0 lands on the float32 subnormals, where m=1 is 2^-127,
+    i.e. 0.5 * 2^-126). Multiplying by 2^126 first restores the value exactly, so the scale multiply
+    is the same float32 product as `dequantize_mxfp4` (a single 2^(s-1) factor would overflow
+    float32 for s > 128).
+    """
+    bits = ((p32 << (22 - SHIFT)) & 0x01C00000) | ((p32 << (28 - SHIFT)) & 0x80000000)
+    v = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+    return v * f[:, None]
+
+
+@triton.jit
+def _e2m1_planes_ptx(packed, sc_lo, sc_hi):
+    """Both nibble planes of uint8 `packed` [BN, 32] as bf16, times bf16 scales `sc_lo` / `sc_hi`
+    (2^(s-127) broadcast to [BN, 32]), four bytes per call, two elements per register op.
+
+    Each pair of bytes is spread to one byte per 16-bit half (prmt); per half the same bit
+    placement as `_e2m1_plane`, but in bf16 (bits 8..6 and 15): the value times 2^-126, subnormal
+    codes included. Then two bf16x2 multiplies, by 2^126 and by the scale: both exact (e2m1 values
+    and their scaled products have 2 significant bits; bf16 keeps subnormals down to 2^-133), so
+    the result equals `dequantize_mxfp4(q, bf16)`, inf and NaN included.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, u, v, k;
+        mov.b32 k, 0x7E807E80;
+        prmt.b32 t0, $4, 0, 0x4140;
+        prmt.b32 t1, $4, 0, 0x4342;
+        shl.b32 u, t0, 6;
+        and.b32 u, u, 0x01C001C0;
+        shl.b32 v, t0, 12;
+        and.b32 v, v, 0x80008000;
+        or.b32 u, u, v;
+        mul.rn.bf16x2 u, u, k;
+        mul.rn.bf16x2 $0, u, $5;
+        shl.b32 u, t1, 6;
+        and.b32 u, u, 0x01C001C0;
+        shl.b32 v, t1, 12;
+        and.b32 v, v, 0x80008000;
+        or.b32 u, u, v;
+        mul.rn.bf16x2 u, u, k;
+        mul.rn.bf16x2 $1, u, $6;
+        shl.b32 u, t0, 2;
+        and.b32 u, u, 0x01C001C0;
+        shl.b32 v, t0, 8;
+        and.b32 v, v, 0x80008000;
+        or.b32 u, u, v;
+        mul.rn.bf16x2 u, u, k;
+        mul.rn.bf16x2 $2, u, $7;
+        shl.b32 u, t1, 2;
+        and.b32 u, u, 0x01C001C0;
+        shl.b32 v, t1, 8;
+        and.b32 v, v, 0x80008000;
+        or.b32 u, u, v;
+        mul.rn.bf16x2 u, u, k;
+        mul.rn.bf16x2 $3, u, $8;
+        }""",
+        constraints="=r,=r,=r,=r,r,r,r,r,r",
+        args=[packed, sc_lo, sc_hi],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _scale_bf16(s, BN: tl.constexpr):
+    """E8M0 bytes [BN] -> bf16 2^(s-127) [BN, 32] (s=0: the bf16 subnormal 2^-127; 255: NaN)."""
+    s16 = s.to(tl.uint16)
+    b = tl.where(s16 == 0, 0x40, tl.where(s16 == 255, 0x7FC0, s16 << 7)).to(tl.uint16)
+    return tl.broadcast_to(b.to(tl.bfloat16, bitcast=True)[:, None], (BN, 32))
+
+
+@triton.jit
+def _scale_factor(s):
+    """E8M0 bytes -> float32 2^(s-127) built as bits (s=0: the subnormal 2^-127; 255: NaN)."""
+    s32 = s.to(tl.uint32)
+    return tl.where(s32 == 0, 0x400000, tl.where(s32 == 255, 0x7FC00000, s32 << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _expert_gemm_mx_hopper_kernel(
+    a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr,
+    ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr,
+    N, K, K_PAD, R_a, num_local, mk, T_max, num_pid_m,
+    stride_am, stride_we, stride_wn, stride_se, stride_sg, stride_be, stride_cm,
+    LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, A_DIV: tl.constexpr,
+    BLOCK_MB: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, L_POW2: tl.constexpr,
+    FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr, UPCAST_PTX: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """MXFP4 weights in the `HopperMxfp4` arrangement (mxfp4.py): per 64-element K block, byte j
+    holds columns j (low nibble) and 32+j (high nibble); scales are `[L, K_PAD/32, N]`.
+
+    The weight tile is the left operand: acc^T [BN, BM] += W_plane [BN, 32] @ x_plane^T [32, BM]
+    for the two planes of each block, so on sm90 the upcast values can feed wgmma from registers
+    and the few token rows of decode are the MMA's narrow N side. The upcast is a mask, shifts
+    and two float32 multiplies per element (`_e2m1_plane`; `_e2m1_planes_ptx` with UPCAST_PTX),
+    no shuffles. BK is a multiple of 64; a loop iteration covers BK/64 blocks.
+    """
+    num_pid_n = tl.cdiv(N, BN)
+    pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
+    live, e, row_start, a_rows, c_rows, valid = _tile_rows(
+        pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM)
+    if live == 0:
+        return
+
+    e64 = e.to(tl.int64)
+    rn = pid_n * BN + tl.arange(0, BN)
+    n_ok = rn < N
+    rh = tl.arange(0, 32)
+    a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
+    w_base = w_ptr + e64 * stride_we + rn.to(tl.int64)[:, None] * stride_wn
+    s_base = s_ptr + e64 * stride_se + rn
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(0, K_PAD, BK):
+        for j in tl.static_range(BK // 64):
+            kb = k0 + j * 64
+            w_ok = n_ok
+            if K_TAIL:  # the last iteration may hold blocks past K_PAD: they read nothing
+                w_ok = n_ok & (kb < K_PAD)
+            packed = tl.load(w_base + (kb // 2 + rh)[None, :], mask=w_ok[:, None], other=0)
+            s_lo = tl.load(s_base + (kb // 32) * stride_sg, mask=w_ok, other=127)
+            s_hi = tl.load(s_base + (kb // 32 + 1) * stride_sg, mask=w_ok, other=127)
+            # K is a multiple of 32, so each 32-column plane is wholly inside or past K: one
+            # scalar condition per plane keeps the row loads vectorizable.
+            x_lo = tl.load(a_base + (kb + rh)[None, :], mask=valid[:, None] & (kb < K), other=0.0)
+            x_hi = tl.load(a_base + (kb + 32 + rh)[None, :], mask=valid[:, None] & (kb + 32 < K), other=0.0)
+            if UPCAST_PTX:
+                w_lo, w_hi = _e2m1_planes_ptx(packed, _scale_bf16(s_lo, BN), _scale_bf16(s_hi, BN))
+            else:
+                # Rounded to the activation dtype like `dequantize_mxfp4(q, a.dtype)` (exact for bf16).
+                p32 = packed.to(tl.uint32)
+                w_lo = _e2m1_plane(p32, _scale_factor(s_lo), 0).to(x_lo.dtype)
+                w_hi = _e2m1_plane(p32, _scale_factor(s_hi), 4).to(x_lo.dtype)
+            if FP32_DOT:  # fp32 activations, or the interpreter (its bf16 tl.dot is wrong in 3.6)
+                acc = tl.dot(w_lo.to(tl.float32), tl.trans(x_lo.to(tl.float32)), acc, input_precision="ieee")
+                acc = tl.dot(w_hi.to(tl.float32), tl.trans(x_hi.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w_lo, tl.trans(x_lo), acc)
+                acc = tl.dot(w_hi, tl.trans(x_hi), acc)
+
+    acc = tl.trans(acc)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + e64 * stride_be + rn, mask=n_ok, other=0.0)
+        acc += b.to(tl.float32)[None, :]
+    c_ptrs = c_ptr + c_rows.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
 # ---------------------------------------------------------------------------------------------
 # Host launch
 # ---------------------------------------------------------------------------------------------
@@ -328,9 +540,11 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
            layout: int, num_local: int, bias: Optional[torch.Tensor] = None,
            sorted_ids=None, block_expert=None, num_padded=None, block_m: int = 1, a_div: int = 1,
            mk: int = 0, offsets=None, counts=None, t_max: int = 1,
-           rows_per_expert: float = 1.0, config: Optional[GemmConfig] = None) -> torch.Tensor:
+           rows_per_expert: float = 1.0, config: Optional[GemmConfig] = None,
+           w_hopper=None) -> torch.Tensor:
     """Launch on flattened `a2 [rows, K]` / `out2 [rows_out, N]`. `w` is the float weight or the
-    MXFP4 blocks (then `w_scales` is set). All metadata stays on the device."""
+    MXFP4 blocks (then `w_scales` is set, and `w_hopper` is the weight's prepared `HopperMxfp4`
+    form when it has one). All metadata stays on the device."""
     mx = w_scales is not None
     N = w.shape[1]
     K = a2.shape[1]
@@ -338,7 +552,15 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         return out2
     from padded_moe.kernels import INTERPRETED
 
-    cfg = config or pick_config(rows_per_expert, mx, INTERPRETED and not a2.is_cuda, layout)
+    cfg = config or pick_config(rows_per_expert, mx, INTERPRETED and not a2.is_cuda, layout,
+                                hopper=w_hopper is not None)
+    hopper = mx and cfg.mx_hopper
+    if hopper and w_hopper is None:
+        raise ValueError("config.mx_hopper needs the weight's prepared form: call Mxfp4Tensor.prepare_for() "
+                         "once after loading (or pass a config with mx_hopper=False)")
+    if hopper and (cfg.BK % 64 != 0 or w_hopper.k != K):
+        raise ValueError(f"config.BK must be a multiple of 64 for mx_hopper and the prepared weight's K "
+                         f"({w_hopper.k}) must equal a's K ({K}); got BK={cfg.BK}")
     BM, SUB, ROWS = cfg.BM, 1, cfg.BM
     # Grids are sized from shapes only (graph-safe), but tightly: experts hold at most
     # cdiv(rows, tile) + min(L, rows) tiles in all, so a decode call on 256 experts launches a few
@@ -358,6 +580,27 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         BK = max(32, BK)
     dummy = out2  # stands in for pointers a layout does not use (never dereferenced)
     grid = (num_pid_m * triton.cdiv(N, cfg.BN),)
+    if hopper:
+        hb, hs = w_hopper.blocks, w_hopper.scales
+        k_pad = w_hopper.k_padded
+        ptrs = (a2, hb, hs, bias if bias is not None else dummy, out2,
+                sorted_ids if sorted_ids is not None else dummy,
+                block_expert if block_expert is not None else dummy,
+                num_padded if num_padded is not None else dummy,
+                offsets if offsets is not None else dummy,
+                counts if counts is not None else dummy)
+        ints = (N, K, k_pad, a2.shape[0], num_local, mk, t_max, num_pid_m,
+                a2.stride(0), hb.stride(0), hb.stride(1), hs.stride(0), hs.stride(1),
+                bias.stride(0) if bias is not None else 0, out2.stride(0))
+        constexprs = dict(
+            LAYOUT=layout, HAS_BIAS=bias is not None, A_DIV=a_div,
+            BLOCK_MB=block_m, SUB=SUB, ROWS=ROWS, L_POW2=max(2, triton.next_power_of_2(num_local)),
+            FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda, K_TAIL=k_pad % BK != 0,
+            UPCAST_PTX=cfg.mx_ptx and a2.is_cuda and a2.dtype == torch.bfloat16,
+            BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M)
+        launch_kernel(_expert_gemm_mx_hopper_kernel, grid, ints + ptr_key(*ptrs), ptrs + ints, constexprs,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out2
     a_desc = cfg.tma and layout != INDEXED and _tma_ok(a2, a2.shape[0], BK)
     w_desc = cfg.tma and not mx and w.dtype == a2.dtype and w.stride(0) == N * w.stride(1) \
         and _tma_ok(w, w.shape[0] * N, BK)

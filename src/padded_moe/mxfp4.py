@@ -137,7 +137,7 @@ def quantize_mxfp4(w: torch.Tensor) -> Mxfp4Tensor:
         if not bool(torch.isfinite(w[e]).all()):
             raise ValueError(f"w must be finite to quantize to MXFP4 (found NaN or Inf in expert {e})")
         g = w[e].to(torch.float64, copy=True).reshape(rows, K // GROUP, GROUP)  # divided in place below
-        amax = g.abs().amax(dim=-1)
+        amax = torch.maximum(g.amax(dim=-1), g.amin(dim=-1).neg_())  # |g|'s max without a |g| copy
         exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(1e-300))) - 2,
                           torch.full_like(amax, -127.0))
         exp = exp.clamp(-SCALE_BIAS, SCALE_BIAS)

@@ -125,12 +125,13 @@ class FusedMoE(nn.Module):
         whole weight is ever made, and an expert-parallel rank holds exactly the experts a
         single-device layer would. Deterministic for a seed on a given device type.
         """
-        _init_uniform_(self.gate.weight, [None], seed, -1)
+        _init_uniform_(self.gate.weight, seed, stream=-1)
         if self.gate.bias is not None:
             self.gate.bias.zero_()
         for local, e in enumerate(self.local_experts):
-            _init_uniform_(self.w13, [local], seed, e)
-            _init_uniform_(self.w2, [local], seed, e + self.num_experts)
+            e = int(e)  # an ExpertMap lists its experts as a tensor
+            _init_uniform_(self.w13[local], seed, stream=e)
+            _init_uniform_(self.w2[local], seed, stream=e + self.num_experts)
         for b in (self.w13_bias, self.w2_bias, self.e_score_correction_bias):
             if b is not None:
                 b.zero_()
@@ -236,11 +237,10 @@ def _check_forward_inputs(hidden_states, router_logits, hidden_size: int, num_ex
                              f"got shape {tuple(router_logits.shape)}")
 
 
-def _init_uniform_(param: torch.Tensor, index: list, seed: int, stream: int) -> None:
-    """Fill `param[index]` (the whole tensor for `[None]`) uniform in ±1/sqrt(fan_in), in place."""
-    target = param if index == [None] else param[index[0]]
+def _init_uniform_(target: torch.Tensor, seed: int, *, stream: int) -> None:
+    """Fill a `[out, in]` matrix uniform in ±1/sqrt(in), in place, from a generator of its own."""
     bound = 1.0 / math.sqrt(target.shape[-1])
-    gen = torch.Generator(device=param.device).manual_seed((seed * 1_000_003 + stream + 1) & ((1 << 63) - 1))
+    gen = torch.Generator(device=target.device).manual_seed((seed * 1_000_003 + stream + 1) & ((1 << 63) - 1))
     target.uniform_(-bound, bound, generator=gen)
 
 

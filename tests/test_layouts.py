@@ -128,7 +128,7 @@ def run_round(layout, ids, experts, *, gen, vt=None, bm=None, T=None, scratch=No
     ids_t = torch.tensor(ids, dtype=id_dtype).reshape(M, k)
     vt_t = None if vt is None else torch.tensor([vt], dtype=torch.int32)
     meta = build_layout(layout, ids_t, experts, block_m=bm, max_tokens_per_expert=T, valid_tokens=vt_t,
-                        scratch=scratch)
+                        scratch=scratch, drop_overflow=True)
     n_valid = M if vt is None else vt
     T_eff = meta.max_tokens_per_expert if layout == GemmLayout.GROUPED_MASKED else None
     bm_eff = meta.block_m if layout == GemmLayout.INDEXED else 1
@@ -306,7 +306,8 @@ def test_paths_give_bitwise_identical_metadata(monkeypatch):
     metas = {}
     for path in ("0", "1"):
         monkeypatch.setenv("TRITON_INTERPRET", path)
-        metas[path] = [build_layout(lay, ids, m, valid_tokens=vt, block_m=8, max_tokens_per_expert=40)
+        metas[path] = [build_layout(lay, ids, m, valid_tokens=vt, block_m=8, max_tokens_per_expert=40,
+                                drop_overflow=True)
                        for lay in LAYOUTS]
     for a, b in zip(metas["0"], metas["1"]):
         for name in ("slot_expert", "activation_counts", "sorted_ids", "block_expert", "num_padded",
@@ -329,7 +330,7 @@ def test_scratch_reuses_its_buffers(cpu_path, layout, gen):
     for M in (16, 16, 9):
         ids = torch.randint(0, 6, (M, 2), generator=gen, dtype=torch.int32)
         meta = build_layout(layout, ids, 6, scratch=s)
-        check_meta(meta, ref_layout(layout, ids.tolist(), 6, None, 6, M, 4, 16))
+        check_meta(meta, ref_layout(layout, ids.tolist(), 6, None, 6, M, 4, s.max_tokens_per_expert))
         h = torch.randn(M, 8, generator=gen)
         p = permute(h, meta)
         now = [meta.slot_expert.data_ptr(), p.data_ptr() if layout != GemmLayout.INDEXED else 0]
@@ -402,7 +403,7 @@ def test_permute_unpermute_reject_bad_arguments():
         unpermute(torch.empty(3, 8), torch.randn(5, 8), torch.rand(3, 2), meta)
     with pytest.raises(ValueError, match="topk_weights"):
         unpermute(torch.empty(3, 8), torch.randn(6, 8), torch.rand(3, 3), meta)
-    masked = build_layout(GemmLayout.GROUPED_MASKED, IDS, 4, max_tokens_per_expert=2)
+    masked = build_layout(GemmLayout.GROUPED_MASKED, IDS, 4, max_tokens_per_expert=2, drop_overflow=True)
     with pytest.raises(ValueError, match=r"\(4, 2, 8\)"):
         unpermute(torch.empty(3, 8), torch.randn(4, 3, 8), torch.rand(3, 2), masked)
 

@@ -57,7 +57,7 @@ def test_cuda_matches_cpu_path(layout, M, k, E, R, K, id_dtype):
     vt = M - M // 5
     hidden = torch.randn(M, K, generator=gen).to(torch.bfloat16)
     hidden[vt:] = float("nan")
-    kw = dict(block_m=16, max_tokens_per_expert=max(1, 2 * M * k // L))
+    kw = dict(block_m=16, max_tokens_per_expert=max(1, 2 * M * k // L), drop_overflow=True)
     T = kw["max_tokens_per_expert"]
     y = torch.randn(*((L, T, K) if layout == GemmLayout.GROUPED_MASKED else (M * k, K)), generator=gen)
     y = y.to(torch.bfloat16)
@@ -117,7 +117,7 @@ def test_cuda_graph_replay_after_ids_change(layout):
     holder = {}
 
     def step():
-        meta = build_layout(layout, ids, em, valid_tokens=vt, scratch=scratch)
+        meta = build_layout(layout, ids, em, valid_tokens=vt, scratch=scratch, drop_overflow=True)
         holder["meta"], holder["p"] = meta, permute(hidden, meta)
         unpermute(out, y, weights, meta)
 
@@ -157,7 +157,8 @@ def test_sanitizer_adversarial_ids(layout, id_dtype):
         if M == 300:
             ids[::3, 0] = 6  # a few local slots (rank 3 of 4 owns 6, 7)
         vt_t = None if vt is None else torch.tensor([vt], dtype=torch.int32, device="cuda")
-        meta = build_layout(layout, ids, em, valid_tokens=vt_t, block_m=64, max_tokens_per_expert=16)
+        meta = build_layout(layout, ids, em, valid_tokens=vt_t, block_m=64, max_tokens_per_expert=16,
+                              drop_overflow=True)
         hidden = torch.full((M, K), float("nan"), device="cuda", dtype=torch.bfloat16)
         hidden[: max(0, min(M, vt if vt is not None else M))] = 1.5
         p = permute(hidden, meta)

@@ -61,3 +61,31 @@ def require_int(name: str, value: object, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def require_weight(name: str, value: object) -> object:
+    """An expert weight: a float tensor or an `Mxfp4Tensor` (anything else, e.g. a list, is refused
+    here rather than failing later on a missing `.shape`)."""
+    from padded_moe.mxfp4 import Mxfp4Tensor
+
+    if isinstance(value, Mxfp4Tensor):
+        return value
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or an Mxfp4Tensor, got {type(value).__name__}")
+    require_dtype(name, value, FLOAT_DTYPES)
+    return value
+
+
+def require_real(name: str, value: object, *, optional: bool = False) -> object:
+    """A real number (int or float, not bool, not NaN); None allowed when `optional`."""
+    import math
+    import numbers
+
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        want = "a number or None" if optional else "a number"
+        raise TypeError(f"{name} must be {want}, got {type(value).__name__} {value!r}")
+    if math.isnan(float(value)):
+        raise ValueError(f"{name} must not be NaN")
+    return value

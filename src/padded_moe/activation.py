@@ -18,6 +18,7 @@ import torch
 
 from padded_moe import _platform
 from padded_moe._validation import (
+    require_real,
     FLOAT_DTYPES,
     INDEX_DTYPES,
     require_dtype,
@@ -115,6 +116,13 @@ class ApplyMoEActivationConfig:
     beta: Optional[float] = None
     situ_beta: Optional[float] = None
     situ_linear_beta: Optional[float] = None
+
+    def __post_init__(self):
+        # A string such as '4' would otherwise reach the kernel launch and fail far from the caller.
+        for name in ("clamp_limit", "alpha", "beta", "situ_beta", "situ_linear_beta"):
+            value = require_real(name, getattr(self, name), optional=True)
+            if value is not None:
+                object.__setattr__(self, name, float(value))
 
     @classmethod
     def from_configs(cls, model_config: Any, quant_config: Any = None) -> "ApplyMoEActivationConfig":

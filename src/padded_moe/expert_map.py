@@ -110,6 +110,8 @@ def check_topk_ids(topk_ids: object) -> torch.Tensor:
     require_tensor("topk_ids", topk_ids)
     require_dtype("topk_ids", topk_ids, INDEX_DTYPES)
     require_rank("topk_ids", topk_ids, (2,))
+    if topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids must be [M, k] with k >= 1 experts per token, got shape {tuple(topk_ids.shape)}")
     return topk_ids
 
 

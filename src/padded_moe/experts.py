@@ -14,7 +14,14 @@ from typing import Optional, Union
 
 import torch
 
-from padded_moe._validation import FLOAT_DTYPES, INDEX_DTYPES, require_dtype, require_rank, require_tensor
+from padded_moe._validation import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    require_dtype,
+    require_rank,
+    require_tensor,
+    require_weight,
+)
 from padded_moe.activation import (
     ApplyMoEActivationConfig,
     MoEActivation,
@@ -44,6 +51,8 @@ def weight_shape(w) -> tuple:
 
 def _check_weights(act: MoEActivation, w13, w2, hidden_size: int) -> tuple[int, int]:
     """Return (num_local, N) after checking w13 [L, 2N|N, K] and w2 [L, K, N]."""
+    require_weight("w13", w13)
+    require_weight("w2", w2)
     s13, s2 = weight_shape(w13), weight_shape(w2)
     if len(s13) != 3 or len(s2) != 3:
         raise ValueError(f"w13 and w2 must be 3-D [L, out, in], got shapes {s13} and {s2}")
@@ -112,6 +121,8 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
     num_tokens, hidden_size = hidden_states.shape
     if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
         raise ValueError(f"topk_ids must be [M={num_tokens}, k], got shape {tuple(topk_ids.shape)}")
+    require_tensor("topk_weights", topk_weights)
+    require_dtype("topk_weights", topk_weights, FLOAT_DTYPES + (torch.float64,))
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
     num_local, n = _check_weights(act, w13, w2, hidden_size)
@@ -254,7 +265,9 @@ def _fused_experts_fake(hidden, *args) -> torch.Tensor:
 def masked_meta_from_counts(counts: torch.Tensor, max_tokens_per_expert: int) -> GroupedMaskedMeta:
     """GROUPED_MASKED metadata for a buffer that arrives already batched per expert (no slots)."""
     empty = torch.empty(0, dtype=torch.int32, device=counts.device)
-    counts32 = counts if counts.dtype == torch.int32 else counts.to(torch.int32)
+    # Clamp in the counts' own dtype before narrowing: an int64 count of 2**40 must mean "every
+    # row", not wrap to 0 in int32. A count past T cannot be honoured (the buffer has T rows).
+    counts32 = counts.clamp(0, max_tokens_per_expert).to(torch.int32)
     return GroupedMaskedMeta(
         num_tokens=0, top_k=0, num_local=counts.shape[0], slot_expert=empty,
         activation_counts=counts32, counts=counts32, inv=empty,

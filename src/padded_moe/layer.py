@@ -7,12 +7,14 @@ The router turns logits into `(topk_weights, topk_ids)` with the functions of
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
 
 from padded_moe import routing
+from padded_moe._validation import FLOAT_DTYPES, require_int, require_tensor
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
 from padded_moe.experts import batched_experts, fused_experts
 from padded_moe.mxfp4 import Mxfp4Tensor, quantize_mxfp4
@@ -42,14 +44,13 @@ class FusedMoE(nn.Module):
                  backend: str = "auto", dtype: torch.dtype = torch.bfloat16,
                  device: Union[str, torch.device, None] = None):
         super().__init__()
+        _check_sizes(num_experts, top_k, hidden_size, intermediate_size, dtype)
         self.activation = resolve_supported(activation)
         self.activation_config = activation_config or ApplyMoEActivationConfig()
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
         if not callable(router) and router not in ROUTERS:
             raise ValueError(f"router must be a callable or one of {ROUTERS}, got {router!r}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
         self.num_experts, self.top_k = num_experts, top_k
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.router, self.routed_scaling_factor = router, routed_scaling_factor
@@ -71,12 +72,20 @@ class FusedMoE(nn.Module):
         self.w13_bias = nn.Parameter(torch.zeros(self.num_local, w13_rows, **factory), requires_grad=False) if has_bias else None
         self.w2_bias = nn.Parameter(torch.zeros(self.num_local, hidden_size, **factory), requires_grad=False) if has_bias else None
         self._mxfp4: dict = {}
+        # Usable after construction, like nn.Linear; a meta-device layer is a shape only.
+        if self.w13.device.type != "meta":
+            self.reset_parameters()
 
     # ----- construction helpers -------------------------------------------------------------
 
     @classmethod
     def from_preset(cls, preset: Union[str, MoEPreset], *, weight_format: Optional[str] = None, **kwargs) -> "FusedMoE":
-        p = get_preset(preset) if isinstance(preset, str) else preset
+        if isinstance(preset, str):
+            p = get_preset(preset)
+        elif isinstance(preset, MoEPreset):
+            p = preset
+        else:
+            raise TypeError(f"preset must be a preset name or a MoEPreset, got {type(preset).__name__} {preset!r}")
         cfg = ApplyMoEActivationConfig(**p.activation_config)
         return cls(p.num_experts, p.top_k, p.hidden_size, p.intermediate_size, activation=p.activation,
                    activation_config=cfg, router=p.routing,
@@ -107,9 +116,32 @@ class FusedMoE(nn.Module):
         self.prepare()
 
     @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """The construction-time initialisation (called by `__init__` off the meta device).
+
+        Like `nn.Linear`: the gate and every expert matrix uniform in `±1/sqrt(fan_in)`, biases
+        and the routing correction bias zero. Each expert is drawn from its own generator seeded
+        by `(seed, global expert id)`, in place in the parameter's dtype, so no float copy of the
+        whole weight is ever made, and an expert-parallel rank holds exactly the experts a
+        single-device layer would. Deterministic for a seed on a given device type.
+        """
+        _init_uniform_(self.gate.weight, seed, stream=-1)
+        if self.gate.bias is not None:
+            self.gate.bias.zero_()
+        for local, e in enumerate(self.local_experts):
+            e = int(e)  # an ExpertMap lists its experts as a tensor
+            _init_uniform_(self.w13[local], seed, stream=e)
+            _init_uniform_(self.w2[local], seed, stream=e + self.num_experts)
+        for b in (self.w13_bias, self.w2_bias, self.e_score_correction_bias):
+            if b is not None:
+                b.zero_()
+        self._mxfp4.clear()
+
+    @torch.no_grad()
     def randomize(self, seed: int = 0, std: float = 0.05) -> None:
         """Random normal weights (demos, tests, benchmarks), drawn on the weights' device so model-
-        sized layers need no host copy; deterministic for a seed on a given device."""
+        sized layers need no host copy; deterministic for a seed on a given device. Expert weights
+        are drawn one expert at a time, so the float32 temporary is one expert's size."""
         params = (self.gate.weight, self.gate.bias, self.w13, self.w2, self.w13_bias, self.w2_bias,
                   self.e_score_correction_bias)
         generators: dict = {}
@@ -119,7 +151,9 @@ class FusedMoE(nn.Module):
             gen = generators.get(p.device)
             if gen is None:
                 gen = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-            p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(std))
+            pieces = p if p.dim() == 3 else (p,)
+            for piece in pieces:
+                piece.copy_(torch.randn(piece.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(std))
         self.prepare()
 
     def expert_weights(self) -> tuple:
@@ -177,6 +211,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None,
                 token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        _check_forward_inputs(hidden_states, router_logits, self.hidden_size, self.num_experts)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
         logits = self.gate(x) if router_logits is None else router_logits
@@ -204,6 +239,37 @@ class FusedMoE(nn.Module):
                 raise NotImplementedError("expert biases are not supported in batched expert-parallel mode; use mode='flat'")
             y = batched_experts(rb.x, rb.counts, w13, w2, **common)
         return ep.combine(y, handle)
+
+
+def _check_sizes(num_experts, top_k, hidden_size, intermediate_size, dtype) -> None:
+    require_int("num_experts", num_experts, 1)
+    require_int("top_k", top_k, 1)
+    require_int("hidden_size", hidden_size, 1)
+    require_int("intermediate_size", intermediate_size, 1)
+    if top_k > num_experts:
+        raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be one of torch.float32, torch.float16, torch.bfloat16, got {dtype!r}")
+
+
+def _check_forward_inputs(hidden_states, router_logits, hidden_size: int, num_experts: int) -> None:
+    """Shape checks on Python ints only (no tensor reads), so forward stays traceable."""
+    require_tensor("hidden_states", hidden_states)
+    if hidden_states.dim() < 1 or hidden_states.shape[-1] != hidden_size:
+        raise ValueError(f"hidden_states must be [..., hidden_size={hidden_size}], got shape {tuple(hidden_states.shape)}")
+    if router_logits is not None:
+        require_tensor("router_logits", router_logits)
+        tokens = hidden_states.numel() // hidden_size
+        if tuple(router_logits.shape) != (tokens, num_experts):
+            raise ValueError(f"router_logits must be [tokens={tokens}, num_experts={num_experts}], "
+                             f"got shape {tuple(router_logits.shape)}")
+
+
+def _init_uniform_(target: torch.Tensor, seed: int, *, stream: int) -> None:
+    """Fill a `[out, in]` matrix uniform in ±1/sqrt(in), in place, from a generator of its own."""
+    bound = 1.0 / math.sqrt(target.shape[-1])
+    gen = torch.Generator(device=target.device).manual_seed((seed * 1_000_003 + stream + 1) & ((1 << 63) - 1))
+    target.uniform_(-bound, bound, generator=gen)
 
 
 def dense_weights(w) -> torch.Tensor:

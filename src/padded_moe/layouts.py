@@ -229,7 +229,7 @@ class PermuteScratch:
         S = self.max_tokens * self.top_k
         self.block_m = _check_block_m(block_m) if block_m is not None else default_block_m(S, num_local)
         self.max_tokens_per_expert = (require_int("max_tokens_per_expert", max_tokens_per_expert, 0)
-                                      if max_tokens_per_expert is not None else self.max_tokens)
+                                      if max_tokens_per_expert is not None else S)
         self.max_slots = S
         self.capacity = indexed_capacity(S, num_local, self.block_m)
         self.max_chunks = _max_chunks(S)
@@ -322,12 +322,15 @@ def _as_layout(layout: object) -> GemmLayout:
 def build_layout(layout: Union[GemmLayout, str], topk_ids: torch.Tensor, experts: Experts, *,
                  block_m: Optional[int] = None, max_tokens_per_expert: Optional[int] = None,
                  valid_tokens: Optional[torch.Tensor] = None,
-                 scratch: Optional[PermuteScratch] = None) -> LayoutMeta:
+                 scratch: Optional[PermuteScratch] = None, drop_overflow: bool = False) -> LayoutMeta:
     """Sanitize `topk_ids [M, k]` (int32/int64, global ids) and build `layout`'s metadata.
 
     `experts`: ExpertMap or int E. `block_m` (INDEXED; power of two, default `scratch.block_m` or
     `default_block_m`), `max_tokens_per_expert` (GROUPED_MASKED `T_max`, default
-    `scratch.max_tokens_per_expert` or `M`) are ignored by the other layouts. `valid_tokens`: int32
+    `scratch.max_tokens_per_expert` or `M*k`) are ignored by the other layouts. A GROUPED_MASKED
+    `T_max` below `M*k` (the most slots one expert can receive, duplicate ids included) is refused
+    unless `drop_overflow=True`: slots past an expert's `T_max` are then dropped (zero contribution)
+    and counted in `meta.overflow`. `valid_tokens`: int32
     `[1]` device tensor; rows at/after it are dropped whatever their ids. Slots keep increasing slot
     order within an expert on every path (bitwise-identical metadata on torch and Triton).
     """
@@ -359,7 +362,9 @@ def build_layout_resolved(kind: str, topk_ids: torch.Tensor, num_experts: int, n
     if max_tokens_per_expert is not None:
         t_max = require_int("max_tokens_per_expert", max_tokens_per_expert, 0)
     else:
-        t_max = scratch.max_tokens_per_expert if scratch is not None else M
+        t_max = scratch.max_tokens_per_expert if scratch is not None else M * k
+    if kind == "masked":
+        _check_capacity(t_max, M, k, drop_overflow)
     cap = indexed_capacity(S, L, bm)
     if scratch is not None:
         bufs = scratch.buffers(M, k, num_experts, num_local, bm, topk_ids.device)
@@ -375,6 +380,18 @@ def build_layout_resolved(kind: str, topk_ids: torch.Tensor, num_experts: int, n
 
         build_torch(kind, topk_ids, num_experts, L, table, valid_tokens, bufs, block_m=bm, t_max=t_max)
     return _make_meta(kind, bufs, M, k, L, bm, t_max, valid_tokens, scratch)
+
+
+def _check_capacity(t_max: int, M: int, k: int, drop_overflow: object) -> None:
+    """Losing tokens is opt-in: whether routes overflow is only known on the device, and reading
+    that back would cost a host sync per call, so a capacity that *could* overflow needs consent."""
+    if not isinstance(drop_overflow, bool):
+        raise TypeError(f"drop_overflow must be a bool, got {type(drop_overflow).__name__}")
+    if t_max < M * k and not drop_overflow:
+        raise ValueError(
+            f"max_tokens_per_expert={t_max} is below M*k={M * k}, the most slots one expert can receive, "
+            "so routed tokens could be dropped; pass max_tokens_per_expert >= M*k, or drop_overflow=True "
+            "to accept dropping them (meta.overflow counts the dropped slots)")
 
 
 def _make_meta(kind, bufs, M, k, L, bm, t_max, valid_tokens, scratch) -> LayoutMeta:

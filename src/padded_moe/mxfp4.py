@@ -137,6 +137,19 @@ def _round_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     return code | ((x < 0).to(torch.uint8) << 3)
 
 
+def _codes_in_place(x: torch.Tensor) -> torch.Tensor:
+    """`_round_to_e2m1_codes(x)`, taking `x`'s magnitude in place so no second float copy is made."""
+    neg = x < 0
+    mag = x.abs_()
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for i, mid in enumerate(_MIDPOINTS):
+        up = mag > mid
+        if i % 2 == 1:  # the tie goes up exactly when the upper code i+1 is even
+            up |= mag == mid
+        code += up.to(torch.uint8)
+    return code | (neg.to(torch.uint8) << 3)
+
+
 def quantize_mxfp4(w: torch.Tensor) -> Mxfp4Tensor:
     """Quantize float weights `[L, rows, K]` (K % 32 == 0) along K.
 
@@ -149,17 +162,24 @@ def quantize_mxfp4(w: torch.Tensor) -> Mxfp4Tensor:
     L, rows, K = w.shape
     if K % GROUP != 0:
         raise ValueError(f"w's last dimension K must be a multiple of {GROUP} for MXFP4, got {K}")
-    if not bool(torch.isfinite(w).all()):
-        raise ValueError("w must be finite to quantize to MXFP4 (found NaN or Inf)")
-    g = w.double().reshape(L, rows, K // GROUP, GROUP)
-    amax = g.abs().amax(dim=-1)
-    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(1e-300))) - 2, torch.full_like(amax, -127.0))
-    exp = exp.clamp(-SCALE_BIAS, SCALE_BIAS)
-    scaled = g / torch.pow(2.0, exp).unsqueeze(-1)
-    codes = _round_to_e2m1_codes(scaled).reshape(L, rows, K)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    scales = (exp + SCALE_BIAS).to(torch.uint8)
-    return Mxfp4Tensor(blocks.contiguous(), scales.contiguous())
+    # One expert at a time: the float64 working copy (and the finiteness mask) is one expert's
+    # size, so quantizing a model-sized weight peaks at the output plus one expert, not 8x the input.
+    blocks = torch.empty(L, rows, K // 2, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(L, rows, K // GROUP, dtype=torch.uint8, device=w.device)
+    for e in range(L):
+        if not bool(torch.isfinite(w[e]).all()):
+            raise ValueError(f"w must be finite to quantize to MXFP4 (found NaN or Inf in expert {e})")
+        g = w[e].to(torch.float64, copy=True).reshape(rows, K // GROUP, GROUP)  # divided in place below
+        amax = torch.maximum(g.amax(dim=-1), g.amin(dim=-1).neg_())  # |g|'s max without a |g| copy
+        exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(1e-300))) - 2,
+                          torch.full_like(amax, -127.0))
+        exp = exp.clamp(-SCALE_BIAS, SCALE_BIAS)
+        g.div_(torch.pow(2.0, exp).unsqueeze(-1))
+        codes = _codes_in_place(g).reshape(rows, K)
+        del g
+        torch.bitwise_or(codes[:, 0::2], codes[:, 1::2] << 4, out=blocks[e])
+        scales[e].copy_(exp + SCALE_BIAS)
+    return Mxfp4Tensor(blocks, scales)
 
 
 def dequantize_mxfp4(q: Mxfp4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

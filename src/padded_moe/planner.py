@@ -183,8 +183,10 @@ def plan(preset_or_shapes: Union[str, MoEPreset, dict], ranks: int, max_tokens: 
             raise TypeError(f"{name} must be an int, got {type(v).__name__}")
         if v < lo:
             raise ValueError(f"{name} must be >= {lo}, got {v}")
-    if not gpu_mem_gb > 0:
-        raise ValueError(f"gpu_mem_gb must be > 0, got {gpu_mem_gb}")
+    if isinstance(gpu_mem_gb, bool) or not isinstance(gpu_mem_gb, (int, float)):
+        raise TypeError(f"gpu_mem_gb must be a number of GiB, got {type(gpu_mem_gb).__name__}")
+    if not (math.isfinite(gpu_mem_gb) and gpu_mem_gb > 0):
+        raise ValueError(f"gpu_mem_gb must be a finite number of GiB > 0, got {gpu_mem_gb}")
     if mode not in ("flat", "batched"):
         raise ValueError(f"mode must be 'flat' or 'batched', got {mode!r}")
     if dispatch_dtype not in (None, dtype, torch.float8_e4m3fn):

@@ -28,7 +28,7 @@ from padded_moe.activation import (
     apply_moe_activation,
     resolve_supported,
 )
-from padded_moe.expert_map import ExpertMap, check_valid_tokens
+from padded_moe.expert_map import ExpertMap, check_topk_ids, check_valid_tokens
 from padded_moe.gemm import expert_gemm
 from padded_moe.layouts import (
     GemmLayout,
@@ -133,6 +133,7 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
         raise TypeError(f"activation_config must be an ApplyMoEActivationConfig, got {type(cfg).__name__}")
     kind = layout_kind(_layout_from_argument(layout, expert_parallel=expert_map is not None))
     num_experts, table = _experts_table(expert_map, num_local, topk_ids.device)
+    check_topk_ids(topk_ids)
     check_valid_tokens(valid_tokens, topk_ids)
     if torch.compiler.is_compiling():
         w13_t, w13_s, *w13_h = _weight_parts(w13)

@@ -343,14 +343,14 @@ def build_layout(layout: Union[GemmLayout, str], topk_ids: torch.Tensor, experts
     table = emap.map_for(topk_ids.device) if emap is not None else None
     return build_layout_resolved(kind, topk_ids, num_experts, num_local, table, block_m=block_m,
                                  max_tokens_per_expert=max_tokens_per_expert, valid_tokens=valid_tokens,
-                                 scratch=scratch)
+                                 scratch=scratch, drop_overflow=drop_overflow)
 
 
 def build_layout_resolved(kind: str, topk_ids: torch.Tensor, num_experts: int, num_local: int,
                           table: Optional[torch.Tensor], *, block_m: Optional[int] = None,
                           max_tokens_per_expert: Optional[int] = None,
                           valid_tokens: Optional[torch.Tensor] = None,
-                          scratch: Optional[PermuteScratch] = None) -> LayoutMeta:
+                          scratch: Optional[PermuteScratch] = None, drop_overflow: bool = False) -> LayoutMeta:
     """`build_layout` after its checks, with the experts already resolved to `(E, L, map table or
     None)` on the ids' device: the entry the custom ops use, since an ExpertMap cannot cross one."""
     M, k = topk_ids.shape

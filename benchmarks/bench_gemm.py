@@ -190,13 +190,20 @@ def sweep(store, stage, L, r, a, w, q, meta, out, dev, backend):
         key = f"{kind}/{reg}"
         table = kg.SWEEP_MXFP4 if kind == "mxfp4" else kg.SWEEP
         cands = table[reg] if not dev.type == "cpu" else [kg.INTERPRET_CONFIG]
-        for cfg in cands:
-            try:
-                ms = timed(lambda: backend.gemm(a, wt, meta, stage=stage, bias=None, out=out, config=cfg), dev)
-            except Exception as exc:  # e.g. out of shared memory for a big tile
-                print(f"    sweep {key} {cfg.short()}: failed {type(exc).__name__}")
-                continue
-            store.setdefault(key, {}).setdefault(cfg.short(), []).append(ms)
+        time_candidates(store, key, cands, dev,
+                        lambda cfg: backend.gemm(a, wt, meta, stage=stage, bias=None, out=out, config=cfg))
+
+
+def time_candidates(store, key, cands, dev, run):
+    """Time `run(cfg)` for each candidate into `store[key][cfg.short()]`; a candidate that fails
+    (e.g. out of shared memory for a big tile) is reported and skipped."""
+    for cfg in cands:
+        try:
+            ms = timed(lambda: run(cfg), dev)
+        except Exception as exc:
+            print(f"    sweep {key} {cfg.short()}: failed {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        store.setdefault(key, {}).setdefault(cfg.short(), []).append(ms)
 
 
 def report_sweep(store):
@@ -330,13 +337,8 @@ def run_hopper(args) -> dict:
                 if not args.no_sweep:
                     cands = [kg.INTERPRET_HOPPER_CONFIG] if args.tiny else kg.SWEEP_MXFP4_HOPPER[kg.regime(r)]
                     key = f"mxfp4_hopper/{kg.regime(r)}"
-                    for c in cands:
-                        try:
-                            ms = timed(lambda: be.gemm(a, qh, meta, stage=stage, bias=None, out=out, config=c), dev)
-                        except Exception as exc:  # e.g. out of shared memory for a big tile
-                            print(f"    sweep {key} {c.short()}: failed {type(exc).__name__}: {str(exc)[:120]}")
-                            continue
-                        results["sweep"].setdefault(key, {}).setdefault(c.short(), []).append(ms)
+                    time_candidates(results["sweep"], key, cands, dev,
+                                    lambda c: be.gemm(a, qh, meta, stage=stage, bias=None, out=out, config=c))
                 del a, out, am, om
             del w, q, qh
             if dev.type == "cuda":

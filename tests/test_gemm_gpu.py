@@ -142,11 +142,9 @@ def weights():
     return get
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
-@pytest.mark.parametrize("wdtype", ["bf16", "mxfp4"])
-@pytest.mark.parametrize("stage", ["w13", "w2"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
-def test_real_shapes(shape, wdtype, stage, layout, weights):
+def real_shape_case(shape, stage, layout, weights, wdtype):
+    """`(w, meta, a, bias, out)` for one model shape: ids with -1 and out-of-range garbage (each
+    expert at most once per token for prefill), NaN-poisoned padded rows, a poisoned output."""
     name, L, K, N, k, M, with_bias = shape
     n_out, k_in = (2 * N, K) if stage == "w13" else (K, N)
     w = weights(name, L, n_out, k_in, wdtype)
@@ -157,7 +155,15 @@ def test_real_shapes(shape, wdtype, stage, layout, weights):
     meta = build_layout(layout, ids, L)
     a = inputs_for(layout, meta, stage, k_in, M, k, 3)
     bias = torch.randn(L, n_out, device=DEV).bfloat16() if with_bias else None
-    out = out_for(layout, meta, a, n_out)
+    return w, meta, a, bias, out_for(layout, meta, a, n_out)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
+@pytest.mark.parametrize("wdtype", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("stage", ["w13", "w2"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+def test_real_shapes(shape, wdtype, stage, layout, weights):
+    w, meta, a, bias, out = real_shape_case(shape, stage, layout, weights, wdtype)
     expert_gemm(a, w, meta, stage=stage, bias=bias, out=out, backend="triton")
     torch.cuda.synchronize()
     check(a, w, meta, stage, out, bias)
@@ -299,17 +305,7 @@ def prepared_only(q: Mxfp4Tensor) -> Mxfp4Tensor:
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
 def test_mxfp4_hopper_real_shapes(shape, stage, layout, weights):
     """The tuned config for the shape's regime, model shapes, NaN-poisoned padding, biases."""
-    name, L, K, N, k, M, with_bias = shape
-    n_out, k_in = (2 * N, K) if stage == "w13" else (K, N)
-    q = weights(name, L, n_out, k_in, "mxfp4")
-    g = torch.Generator(device=DEV).manual_seed(7)
-    ids = torch.randint(-1, L + 2, (M, k), generator=g, device=DEV, dtype=torch.int32)
-    if name == "prefill":
-        ids = torch.stack([torch.randperm(L, device=DEV)[:k] for _ in range(M)]).int()
-    meta = build_layout(layout, ids, L)
-    a = inputs_for(layout, meta, stage, k_in, M, k, 3)
-    bias = torch.randn(L, n_out, device=DEV).bfloat16() if with_bias else None
-    out = out_for(layout, meta, a, n_out)
+    q, meta, a, bias, out = real_shape_case(shape, stage, layout, weights, "mxfp4")
     expert_gemm(a, prepared_only(q), meta, stage=stage, bias=bias, out=out, backend="triton")
     torch.cuda.synchronize()
     check(a, None, meta, stage, out, bias, w_ref=q)

@@ -187,8 +187,7 @@ def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, act: MoEActivation
         if buffers is not None:  # the block the fresh path would pick, so results do not depend on the cache
             block_m = default_block_m(num_tokens * topk_ids.shape[1], num_local)
     meta = build_layout_resolved(kind, topk_ids, num_experts, num_local, table, valid_tokens=valid_tokens,
-                                 scratch=buffers, block_m=block_m,
-                                 max_tokens_per_expert=num_tokens if buffers is not None and scratch is None else None)
+                                 scratch=buffers, block_m=block_m)
     device, dtype = hidden_states.device, hidden_states.dtype
     n = weight_shape(w2)[2]
     a = permute(hidden_states, meta)

@@ -125,20 +125,9 @@ class Mxfp4Tensor:
         return dequantize_mxfp4(self, dtype)
 
 
-def _round_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """Nibble codes for `x` (already divided by the block scale): RNE on the E2M1 grid, saturating."""
-    mag = x.abs()
-    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
-    for i, mid in enumerate(_MIDPOINTS):
-        up = mag > mid
-        if i % 2 == 1:  # the tie goes up exactly when the upper code i+1 is even
-            up |= mag == mid
-        code += up.to(torch.uint8)
-    return code | ((x < 0).to(torch.uint8) << 3)
-
-
 def _codes_in_place(x: torch.Tensor) -> torch.Tensor:
-    """`_round_to_e2m1_codes(x)`, taking `x`'s magnitude in place so no second float copy is made."""
+    """Nibble codes for `x` (already divided by the block scale): RNE on the E2M1 grid, saturating.
+    Takes `x`'s magnitude in place (x is overwritten), so no second float copy is made."""
     neg = x < 0
     mag = x.abs_()
     code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)

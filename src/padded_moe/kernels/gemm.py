@@ -366,6 +366,22 @@ def _e2m1_plane(p32, f, SHIFT: tl.constexpr):
     return v * f[:, None]
 
 
+def _e2m1_ptx_asm() -> str:
+    """The PTX body of `_e2m1_planes_ptx`: the same seven instructions for each output register,
+    which differ only in the source pair (t0: bytes 0-1, t1: bytes 2-3), the plane (low nibble:
+    shifts 6/12; high nibble: 2/8) and the scale operand."""
+    lines = ["{", ".reg .b32 t0, t1, u, v, k;", "mov.b32 k, 0x7E807E80;",
+             "prmt.b32 t0, $4, 0, 0x4140;", "prmt.b32 t1, $4, 0, 0x4342;"]
+    for out, (src, shift, scale) in enumerate((("t0", 6, 5), ("t1", 6, 6), ("t0", 2, 7), ("t1", 2, 8))):
+        lines += [f"shl.b32 u, {src}, {shift};", "and.b32 u, u, 0x01C001C0;",
+                  f"shl.b32 v, {src}, {shift + 6};", "and.b32 v, v, 0x80008000;", "or.b32 u, u, v;",
+                  "mul.rn.bf16x2 u, u, k;", f"mul.rn.bf16x2 ${out}, u, ${scale};"]
+    return "\n        ".join(lines) + "\n        }"
+
+
+_E2M1_PTX_ASM = tl.constexpr(_e2m1_ptx_asm())
+
+
 @triton.jit
 def _e2m1_planes_ptx(packed, sc_lo, sc_hi):
     """Both nibble planes of uint8 `packed` [BN, 32] as bf16, times bf16 scales `sc_lo` / `sc_hi`
@@ -378,40 +394,7 @@ def _e2m1_planes_ptx(packed, sc_lo, sc_hi):
     the result equals `dequantize_mxfp4(q, bf16)`, inf and NaN included.
     """
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t0, t1, u, v, k;
-        mov.b32 k, 0x7E807E80;
-        prmt.b32 t0, $4, 0, 0x4140;
-        prmt.b32 t1, $4, 0, 0x4342;
-        shl.b32 u, t0, 6;
-        and.b32 u, u, 0x01C001C0;
-        shl.b32 v, t0, 12;
-        and.b32 v, v, 0x80008000;
-        or.b32 u, u, v;
-        mul.rn.bf16x2 u, u, k;
-        mul.rn.bf16x2 $0, u, $5;
-        shl.b32 u, t1, 6;
-        and.b32 u, u, 0x01C001C0;
-        shl.b32 v, t1, 12;
-        and.b32 v, v, 0x80008000;
-        or.b32 u, u, v;
-        mul.rn.bf16x2 u, u, k;
-        mul.rn.bf16x2 $1, u, $6;
-        shl.b32 u, t0, 2;
-        and.b32 u, u, 0x01C001C0;
-        shl.b32 v, t0, 8;
-        and.b32 v, v, 0x80008000;
-        or.b32 u, u, v;
-        mul.rn.bf16x2 u, u, k;
-        mul.rn.bf16x2 $2, u, $7;
-        shl.b32 u, t1, 2;
-        and.b32 u, u, 0x01C001C0;
-        shl.b32 v, t1, 8;
-        and.b32 v, v, 0x80008000;
-        or.b32 u, u, v;
-        mul.rn.bf16x2 u, u, k;
-        mul.rn.bf16x2 $3, u, $8;
-        }""",
+        asm=_E2M1_PTX_ASM,
         constraints="=r,=r,=r,=r,r,r,r,r,r",
         args=[packed, sc_lo, sc_hi],
         dtype=(tl.bfloat16, tl.bfloat16),

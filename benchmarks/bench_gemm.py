@@ -164,7 +164,7 @@ def run(args) -> dict:
                 part = timed(lambda: expert_gemm(am, w, m10, out=om), dev)
                 rec = {"stage": stage, "L": L, "T_max": T, "full_ms": full, "valid10_ms": part,
                        "ratio": part / full,
-                       "config": kg.pick_config(T, False, args.tiny, kg.GROUPED_MASKED).short()}
+                       "config": kg.pick_config(T, False, args.tiny).short()}
                 if not args.tiny:  # the trade-off of the masked table's BM=64 against the 128-row tile
                     big = kg.TUNED[("bf16", kg.regime(T))]
                     run_big = lambda m: triton_be.gemm(am, w, m, stage=stage, bias=None, out=om, config=big)  # noqa: E731

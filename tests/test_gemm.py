@@ -447,13 +447,13 @@ def test_auto_picks(monkeypatch):
 def test_torch_cuda_fast_paths_run_on_cpu(with_bias, gen):
     """The torch backend's CUDA-only paths (_grouped_mm + where, bmm + where), called directly on
     CPU tensors so their row handling is checked here too."""
-    from padded_moe.backends import torch_backend as tb
+    from padded_moe.torch_path import gemm as tg
 
     K, n_out, k, L = 64, 32, 2, 4
     ids = ids_with_counts([3, 0, BM + 1, 5], k, gen, extra_invalid=2)
     w, w64 = make_weight(L, n_out, K, torch.bfloat16, gen)
     bias = torch.randn(L, n_out, generator=gen).to(torch.bfloat16) if with_bias else None
-    for layout, fn in ((GemmLayout.GROUPED_CONTIGUOUS, tb._grouped_mm), (GemmLayout.GROUPED_MASKED, tb._masked_bmm)):
+    for layout, fn in ((GemmLayout.GROUPED_CONTIGUOUS, tg.grouped_mm), (GemmLayout.GROUPED_MASKED, tg.masked_bmm)):
         if layout == GemmLayout.GROUPED_CONTIGUOUS and not hasattr(torch, "_grouped_mm"):
             continue
         meta = local_meta(layout, ids, L)

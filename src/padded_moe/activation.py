@@ -3,7 +3,7 @@
 One entry point, `apply_moe_activation`, serves a plain 2-D buffer, a flat buffer whose first `n`
 rows are valid (one count) and a batched `[E, T, ·]` buffer with one valid prefix per expert. Rows
 past a count are never read or written. CUDA tensors run the Triton kernel in
-`padded_moe.kernels.activation`; CPU tensors run `padded_moe.reference.activation` (or the Triton
+`padded_moe.kernels.activation`; CPU tensors run `padded_moe.torch_path.activation` (or the Triton
 kernel through the interpreter when TRITON_INTERPRET=1).
 """
 
@@ -27,7 +27,7 @@ from padded_moe._validation import (
     require_same_device,
     require_tensor,
 )
-from padded_moe.reference import activation as torch_activation
+from padded_moe.torch_path import activation as torch_activation
 
 
 class MoEActivation(enum.Enum):

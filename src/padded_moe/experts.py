@@ -36,7 +36,6 @@ from padded_moe.layouts import (
     PermuteScratch,
     build_layout_resolved,
     default_block_m,
-    layout_kind,
     permute,
     select_gemm_layout,
     unpermute,
@@ -131,7 +130,7 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
     cfg = ApplyMoEActivationConfig() if activation_config is None else activation_config
     if not isinstance(cfg, ApplyMoEActivationConfig):
         raise TypeError(f"activation_config must be an ApplyMoEActivationConfig, got {type(cfg).__name__}")
-    kind = layout_kind(_layout_from_argument(layout, expert_parallel=expert_map is not None))
+    chosen = _layout_from_argument(layout, expert_parallel=expert_map is not None)
     num_experts, table = _experts_table(expert_map, num_local, topk_ids.device)
     check_topk_ids(topk_ids)
     check_valid_tokens(valid_tokens, topk_ids)
@@ -140,10 +139,10 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
         w2_t, w2_s, *w2_h = _weight_parts(w2)
         return torch.ops.padded_moe.fused_experts(
             hidden_states, w13_t, w13_s, w2_t, w2_s, topk_weights, topk_ids, table, num_experts,
-            act.value, cfg.clamp_limit, cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta, kind,
+            act.value, cfg.clamp_limit, cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta, chosen.value,
             w13_bias, w2_bias, valid_tokens, backend, *w13_h, *w2_h)
     # Eager calls skip the dispatcher (tens of µs of host time per call).
-    return _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, act, cfg, kind, num_experts, num_local,
+    return _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, act, cfg, chosen, num_experts, num_local,
                      table, w13_bias, w2_bias, valid_tokens, backend, scratch)
 
 
@@ -177,7 +176,7 @@ def _weight_from_parts(t: torch.Tensor, scales: Optional[torch.Tensor], h_blocks
 
 
 def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, act: MoEActivation, cfg: ApplyMoEActivationConfig,
-              kind: str, num_experts: int, num_local: int, table, w13_bias, w2_bias, valid_tokens, backend: str,
+              layout: Union[GemmLayout, str], num_experts: int, num_local: int, table, w13_bias, w2_bias, valid_tokens, backend: str,
               scratch, eager_cache: bool = True) -> torch.Tensor:
     """layout → (permute) → GEMM1 → activation → GEMM2 → unpermute, on checked arguments."""
     num_tokens, hidden_size = hidden_states.shape
@@ -186,7 +185,7 @@ def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, act: MoEActivation
         buffers = _eager_scratch(topk_ids, num_experts, num_local)
         if buffers is not None:  # the block the fresh path would pick, so results do not depend on the cache
             block_m = default_block_m(num_tokens * topk_ids.shape[1], num_local)
-    meta = build_layout_resolved(kind, topk_ids, num_experts, num_local, table, valid_tokens=valid_tokens,
+    meta = build_layout_resolved(layout, topk_ids, num_experts, num_local, table, valid_tokens=valid_tokens,
                                  scratch=buffers, block_m=block_m)
     device, dtype = hidden_states.device, hidden_states.dtype
     n = weight_shape(w2)[2]

@@ -21,46 +21,23 @@ from typing import Optional, Union
 
 import torch
 
-from padded_moe._validation import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    require_dtype,
-    require_last_dim_contiguous,
-    require_rank,
-    require_same_device,
-    require_shape,
-    require_tensor,
-)
+from padded_moe._validation import (FLOAT_DTYPES, INDEX_DTYPES, require_dtype, require_last_dim_contiguous,
+                                    require_rank, require_same_device, require_shape, require_tensor)
 from padded_moe.backends import resolve_backend
-from padded_moe.layouts import GroupedContiguousMeta, GroupedMaskedMeta, IndexedMeta, LayoutMeta
+from padded_moe.layouts import LayoutMeta, LayoutMetaBase
 from padded_moe.mxfp4 import Mxfp4Tensor
 
 STAGES = ("w13", "w2")
 
 
 def _check_meta(meta, device: torch.device) -> None:
-    if not isinstance(meta, (IndexedMeta, GroupedContiguousMeta, GroupedMaskedMeta)):
+    if not isinstance(meta, LayoutMetaBase):
         raise TypeError(
             "layout_meta must be an IndexedMeta, GroupedContiguousMeta or GroupedMaskedMeta "
             f"(from padded_moe.layouts.build_layout), got {type(meta).__name__}"
         )
-    if isinstance(meta, IndexedMeta):
-        fields = ("sorted_ids", "block_expert", "num_padded")
-        if meta.block_m < 1:
-            raise ValueError(f"layout_meta.block_m must be >= 1, got {meta.block_m}")
-        if meta.sorted_ids.numel() != meta.block_expert.numel() * meta.block_m:
-            raise ValueError(
-                f"layout_meta.sorted_ids must hold len(block_expert) * block_m = "
-                f"{meta.block_expert.numel()} * {meta.block_m} ids, got {meta.sorted_ids.numel()}"
-            )
-        require_shape("layout_meta.num_padded", meta.num_padded, (1,))
-    elif isinstance(meta, GroupedContiguousMeta):
-        fields = ("offsets",)
-        require_shape("layout_meta.offsets", meta.offsets, (meta.num_local + 1,))
-    else:
-        fields = ("counts",)
-        require_shape("layout_meta.counts", meta.counts, (meta.num_local,))
-    for f in fields:
+    meta.check_gemm_fields()
+    for f in meta.GEMM_FIELDS:
         t = require_tensor(f"layout_meta.{f}", getattr(meta, f))
         require_dtype(f"layout_meta.{f}", t, INDEX_DTYPES)
         if t.device != device:
@@ -90,29 +67,6 @@ def _check_weight(w, a: torch.Tensor, num_local: int) -> tuple[int, int]:
     return n_out, k
 
 
-def _expected_shapes(a: torch.Tensor, meta: LayoutMeta, stage: str, n_out: int) -> tuple[int, ...]:
-    """Check `a` for the layout/stage and return the shape `out` must have."""
-    mk = meta.num_tokens * meta.top_k
-    if isinstance(meta, IndexedMeta):
-        require_rank("a", a, (2,))
-        rows = meta.num_tokens if stage == "w13" else mk
-        if a.shape[0] != rows:
-            what = "M (tokens)" if stage == "w13" else "M*k (slots)"
-            raise ValueError(f"a must have {what} = {rows} rows for INDEXED stage {stage!r}, got {a.shape[0]}")
-        return (mk, n_out)
-    if isinstance(meta, GroupedContiguousMeta):
-        require_rank("a", a, (2,))
-        if a.shape[0] < mk:
-            raise ValueError(f"a must have at least M*k = {mk} rows for GROUPED_CONTIGUOUS, got {a.shape[0]}")
-        return (a.shape[0], n_out)
-    T = meta.max_tokens_per_expert
-    require_rank("a", a, (3,))
-    if tuple(a.shape[:2]) != (meta.num_local, T):
-        raise ValueError(f"a must be [L, T_max, K] = [{meta.num_local}, {T}, K] for GROUPED_MASKED, "
-                         f"got {tuple(a.shape)}")
-    return (meta.num_local, T, n_out)
-
-
 def expert_gemm(a: torch.Tensor, w: Union[torch.Tensor, Mxfp4Tensor], layout_meta: LayoutMeta, *,
                 stage: str = "w13", bias: Optional[torch.Tensor] = None,
                 out: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
@@ -124,7 +78,7 @@ def expert_gemm(a: torch.Tensor, w: Union[torch.Tensor, Mxfp4Tensor], layout_met
     require_last_dim_contiguous("a", a)
     _check_meta(layout_meta, a.device)
     n_out, _ = _check_weight(w, a, layout_meta.num_local)
-    out_shape = _expected_shapes(a, layout_meta, stage, n_out)
+    out_shape = layout_meta.gemm_out_shape(a, stage, n_out)
     if bias is not None:
         require_tensor("bias", bias)
         require_dtype("bias", bias, FLOAT_DTYPES)
@@ -136,8 +90,8 @@ def expert_gemm(a: torch.Tensor, w: Union[torch.Tensor, Mxfp4Tensor], layout_met
     else:
         _check_out(out, out_shape, a, layout_meta)
     impl = resolve_backend(backend, a.device, layout_meta.layout, w)
-    if isinstance(layout_meta, GroupedContiguousMeta) and out.shape[0] != a.shape[0]:
-        # Capacity buffers of different sizes: every valid row is < offsets[L] <= M*k <= both.
+    if layout_meta.CAPACITY_ROWS and out.shape[0] != a.shape[0]:
+        # Capacity buffers of different sizes: every valid row is < M*k <= both.
         rows = min(a.shape[0], out.shape[0])
         impl.gemm(a[:rows], w, layout_meta, stage=stage, bias=bias, out=out[:rows])
         return out
@@ -148,7 +102,7 @@ def _check_out(out, out_shape: tuple[int, ...], a: torch.Tensor, meta: LayoutMet
     require_tensor("out", out)
     require_dtype("out", out, FLOAT_DTYPES)
     require_same_device("out", out, "a", a)
-    if isinstance(meta, GroupedContiguousMeta):
+    if meta.CAPACITY_ROWS:
         # Any capacity >= M*k rows (the scratch buffers may be larger than this call's a).
         mk = meta.num_tokens * meta.top_k
         if out.dim() != 2 or out.shape[0] < mk or out.shape[1] != out_shape[1]:

@@ -10,37 +10,103 @@ and `T_max`, and with a `PermuteScratch` nothing is allocated in steady state.
 from __future__ import annotations
 
 import enum
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import ClassVar, Optional, Union
 
 import torch
 
+from padded_moe import layout_codes
 from padded_moe._platform import program_cap, use_triton
-from padded_moe._validation import require_rank, require_tensor, require_int
+from padded_moe._util import cdiv, next_pow2, round_up
+from padded_moe._validation import require_int, require_rank, require_shape, require_tensor
 from padded_moe.expert_map import (Experts, ExpertMap, check_topk_ids, check_valid_tokens,
                                    resolve_experts)
 
 
 class GemmLayout(enum.Enum):
+    """The GEMM layouts of spec 02: `.value` is the name callers pass (and humming's `gemm_type`);
+    `.code` is the integer the kernels and the torch path compare against."""
+
     INDEXED = "indexed"
     GROUPED_CONTIGUOUS = "grouped_contiguous"
     GROUPED_MASKED = "grouped_masked"
 
+    @property
+    def code(self) -> int:
+        return getattr(layout_codes, self.name)
+
 
 @dataclass(frozen=True)
-class _LayoutMetaBase:
+class LayoutMetaBase:
+    """Fields every layout shares, and what callers ask a layout instead of testing its class:
+    `code`, `gemm_args` (the metadata as the GEMM kernels take it), the GEMM's shape rules, and
+    the permuted-buffer geometry `permute` / `unpermute` use. Defaults below are the flat `[M*k, .]`
+    row buffers; a layout overrides what differs."""
+
     num_tokens: int
     top_k: int
     num_local: int
     slot_expert: torch.Tensor
     activation_counts: torch.Tensor
 
+    # Metadata tensors a GEMM reads, checked by `expert_gemm` (index dtype, device, contiguity).
+    GEMM_FIELDS: ClassVar[tuple[str, ...]] = ()
+    # Whether `permute` copies rows (INDEXED does not: GEMM1 gathers token rows on load).
+    PERMUTES: ClassVar[bool] = True
+    # Whether a GEMM's `a` / `out` may be a capacity buffer with more than M*k rows.
+    CAPACITY_ROWS: ClassVar[bool] = False
 
-# `valid_tokens` and `scratch` were added after the shared fields (see docs/architecture.md):
-# unpermute needs the former, and permute takes its output buffer from the latter.
+    @property
+    def code(self) -> int:
+        return self.layout.code
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_tokens * self.top_k
+
+    def rows_per_expert(self) -> float:
+        """Host-side estimate (from shapes only) that picks a GEMM tuning regime."""
+        return self.num_slots / max(self.num_local, 1)
+
+    def gemm_args(self, stage: str) -> dict:
+        """Keyword arguments of `padded_moe.kernels.gemm.launch` (the torch path reads the same):
+        the layout code, its metadata tensors (None where the layout has none) and its ints."""
+        return dict(layout=self.code, sorted_ids=None, block_expert=None, num_padded=None, block_m=1,
+                    a_div=1, mk=self.num_slots, offsets=None, counts=None, t_max=1,
+                    rows_per_expert=self.rows_per_expert())
+
+    def check_gemm_fields(self) -> None:
+        """Consistency of the layout's own fields (ValueError naming the field)."""
+
+    def gemm_out_shape(self, a: torch.Tensor, stage: str, n_out: int) -> tuple[int, ...]:
+        """Check `a` for this layout and stage; return the shape `out` must have."""
+        require_rank("a", a, (2,))
+        return (a.shape[0], n_out)
+
+    def rows_shape(self, K: int) -> tuple[int, ...]:
+        """Shape of the permuted activations and of the expert outputs `unpermute` reads."""
+        return (self.num_slots, K)
+
+    @property
+    def row_limit(self) -> int:
+        """Rows of the permuted buffer; a slot row `>= row_limit` marks a dropped slot."""
+        return self.num_slots
+
+    @property
+    def slab_rows(self) -> int:
+        """Rows per slab of the permuted buffer (a flat buffer is one slab)."""
+        return self.num_slots
+
+    @property
+    def slot_rows(self) -> Optional[torch.Tensor]:
+        """Slot -> row of the permuted buffer (`[M*k]`), or None when row = slot."""
+        return self.inv
+
+
 @dataclass(frozen=True)
-class IndexedMeta(_LayoutMetaBase):
+class IndexedMeta(LayoutMetaBase):
     sorted_ids: torch.Tensor
     block_expert: torch.Tensor
     num_padded: torch.Tensor
@@ -49,9 +115,47 @@ class IndexedMeta(_LayoutMetaBase):
     valid_tokens: Optional[torch.Tensor] = None
     scratch: Optional["PermuteScratch"] = field(default=None, repr=False, compare=False)
 
+    GEMM_FIELDS: ClassVar[tuple[str, ...]] = ("sorted_ids", "block_expert", "num_padded")
+    PERMUTES: ClassVar[bool] = False
+
+    @property
+    def slot_rows(self) -> Optional[torch.Tensor]:
+        return None
+
+    @classmethod
+    def _from_buffers(cls, common: dict, bufs: dict, block_m: int, t_max: int) -> "IndexedMeta":
+        return cls(**common, activation_counts=bufs["act_count"], sorted_ids=bufs["sorted_ids"],
+                   block_expert=bufs["block_expert"], num_padded=bufs["num_padded"], block_m=block_m)
+
+    @staticmethod
+    def _placed_positions(num_slots: int, capacity: int) -> int:
+        return capacity  # every sorted_ids position: padding rows get the sentinel
+
+    def gemm_args(self, stage: str) -> dict:
+        return {**super().gemm_args(stage), "sorted_ids": self.sorted_ids, "block_expert": self.block_expert,
+                "num_padded": self.num_padded, "block_m": self.block_m,
+                "a_div": self.top_k if stage == "w13" else 1}
+
+    def check_gemm_fields(self) -> None:
+        if self.block_m < 1:
+            raise ValueError(f"layout_meta.block_m must be >= 1, got {self.block_m}")
+        if self.sorted_ids.numel() != self.block_expert.numel() * self.block_m:
+            raise ValueError(
+                f"layout_meta.sorted_ids must hold len(block_expert) * block_m = "
+                f"{self.block_expert.numel()} * {self.block_m} ids, got {self.sorted_ids.numel()}")
+        require_shape("layout_meta.num_padded", self.num_padded, (1,))
+
+    def gemm_out_shape(self, a: torch.Tensor, stage: str, n_out: int) -> tuple[int, ...]:
+        require_rank("a", a, (2,))
+        rows = self.num_tokens if stage == "w13" else self.num_slots
+        if a.shape[0] != rows:
+            what = "M (tokens)" if stage == "w13" else "M*k (slots)"
+            raise ValueError(f"a must have {what} = {rows} rows for INDEXED stage {stage!r}, got {a.shape[0]}")
+        return (self.num_slots, n_out)
+
 
 @dataclass(frozen=True)
-class GroupedContiguousMeta(_LayoutMetaBase):
+class GroupedContiguousMeta(LayoutMetaBase):
     offsets: torch.Tensor
     inv: torch.Tensor
     src: torch.Tensor
@@ -59,9 +163,36 @@ class GroupedContiguousMeta(_LayoutMetaBase):
     valid_tokens: Optional[torch.Tensor] = None
     scratch: Optional["PermuteScratch"] = field(default=None, repr=False, compare=False)
 
+    GEMM_FIELDS: ClassVar[tuple[str, ...]] = ("offsets",)
+    # Every valid row is < offsets[L] <= M*k, so buffers sized for a larger call serve too.
+    CAPACITY_ROWS: ClassVar[bool] = True
+
+    @classmethod
+    def _from_buffers(cls, common: dict, bufs: dict, block_m: int, t_max: int) -> "GroupedContiguousMeta":
+        L = common["num_local"]
+        return cls(**common, activation_counts=bufs["offsets"][L:], offsets=bufs["offsets"], inv=bufs["inv"],
+                   src=bufs["src"])
+
+    @staticmethod
+    def _placed_positions(num_slots: int, capacity: int) -> int:
+        return num_slots  # every row of `src`: rows past offsets[L] get the sentinel
+
+    def gemm_args(self, stage: str) -> dict:
+        return {**super().gemm_args(stage), "offsets": self.offsets}
+
+    def check_gemm_fields(self) -> None:
+        require_shape("layout_meta.offsets", self.offsets, (self.num_local + 1,))
+
+    def gemm_out_shape(self, a: torch.Tensor, stage: str, n_out: int) -> tuple[int, ...]:
+        require_rank("a", a, (2,))
+        if a.shape[0] < self.num_slots:
+            raise ValueError(f"a must have at least M*k = {self.num_slots} rows for GROUPED_CONTIGUOUS, "
+                             f"got {a.shape[0]}")
+        return (a.shape[0], n_out)
+
 
 @dataclass(frozen=True)
-class GroupedMaskedMeta(_LayoutMetaBase):
+class GroupedMaskedMeta(LayoutMetaBase):
     counts: torch.Tensor
     inv: torch.Tensor
     overflow: torch.Tensor
@@ -70,8 +201,49 @@ class GroupedMaskedMeta(_LayoutMetaBase):
     valid_tokens: Optional[torch.Tensor] = None
     scratch: Optional["PermuteScratch"] = field(default=None, repr=False, compare=False)
 
+    GEMM_FIELDS: ClassVar[tuple[str, ...]] = ("counts",)
+
+    def rows_per_expert(self) -> float:
+        return float(self.max_tokens_per_expert)
+
+    @classmethod
+    def _from_buffers(cls, common: dict, bufs: dict, block_m: int, t_max: int) -> "GroupedMaskedMeta":
+        return cls(**common, activation_counts=bufs["counts"], counts=bufs["counts"], inv=bufs["inv"],
+                   overflow=bufs["overflow"], max_tokens_per_expert=t_max)
+
+    @staticmethod
+    def _placed_positions(num_slots: int, capacity: int) -> int:
+        return 0  # rows are only ever addressed through `inv`; nothing to fill per position
+
+    def gemm_args(self, stage: str) -> dict:
+        return {**super().gemm_args(stage), "counts": self.counts, "t_max": self.max_tokens_per_expert}
+
+    def check_gemm_fields(self) -> None:
+        require_shape("layout_meta.counts", self.counts, (self.num_local,))
+
+    def gemm_out_shape(self, a: torch.Tensor, stage: str, n_out: int) -> tuple[int, ...]:
+        T = self.max_tokens_per_expert
+        require_rank("a", a, (3,))
+        if tuple(a.shape[:2]) != (self.num_local, T):
+            raise ValueError(f"a must be [L, T_max, K] = [{self.num_local}, {T}, K] for GROUPED_MASKED, "
+                             f"got {tuple(a.shape)}")
+        return (self.num_local, T, n_out)
+
+    def rows_shape(self, K: int) -> tuple[int, ...]:
+        return (self.num_local, self.max_tokens_per_expert, K)
+
+    @property
+    def row_limit(self) -> int:
+        return self.num_local * self.max_tokens_per_expert
+
+    @property
+    def slab_rows(self) -> int:
+        return max(self.max_tokens_per_expert, 1)
+
 
 LayoutMeta = Union[IndexedMeta, GroupedContiguousMeta, GroupedMaskedMeta]
+# The metadata class of each layout (its `layout` field's default).
+_META = {cls.layout: cls for cls in (IndexedMeta, GroupedContiguousMeta, GroupedMaskedMeta)}
 
 # ----------------------------------------------------------------------------------------------
 # Layout selection
@@ -131,30 +303,22 @@ def select_gemm_layout(*, expert_parallel: bool, batched_format: bool,
 # Buffer sizes (shared by the fresh path and PermuteScratch)
 # ----------------------------------------------------------------------------------------------
 
-_KIND = {GemmLayout.INDEXED: "indexed", GemmLayout.GROUPED_CONTIGUOUS: "contiguous",
-         GemmLayout.GROUPED_MASKED: "masked"}
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _chunk(num_slots: int) -> int:
     # Slots per counting program: bigger chunks keep the single-program scan short at large M*k.
     return 128 if num_slots <= 16384 else 256
 
 
 def _num_chunks(num_slots: int) -> int:
-    return _cdiv(num_slots, _chunk(num_slots))
+    return cdiv(num_slots, _chunk(num_slots))
 
 
 def _max_chunks(max_slots: int) -> int:
-    return max(_cdiv(min(max_slots, 16384), 128), _cdiv(max_slots, 256))
+    return max(cdiv(min(max_slots, 16384), 128), cdiv(max_slots, 256))
 
 
 def indexed_capacity(num_slots: int, num_local: int, block_m: int) -> int:
     """Length of `sorted_ids`: every expert may waste up to block_m-1 padding rows."""
-    return _cdiv(num_slots + num_local * (block_m - 1), block_m) * block_m
+    return round_up(num_slots + num_local * (block_m - 1), block_m)
 
 
 def default_block_m(num_slots: int, num_local: int) -> int:
@@ -187,7 +351,7 @@ _ALIGN_I32 = 4
 
 
 def _aligned(n: int) -> int:
-    return _cdiv(n, _ALIGN_I32) * _ALIGN_I32
+    return round_up(n, _ALIGN_I32)
 
 
 def _carve(i32: torch.Tensor, i64: torch.Tensor, S: int, L: int, cap: int, nb: int, nc: int) -> dict:
@@ -240,6 +404,7 @@ class PermuteScratch:
         self.device = self._i32.device
         self._views: dict = {}
         self._act: dict = {}
+        self._workspace: dict = {}
         if hidden_size is not None or dtype is not None:
             if hidden_size is None or dtype is None:
                 raise ValueError("hidden_size and dtype must be given together to preallocate the permuted buffer")
@@ -270,22 +435,31 @@ class PermuteScratch:
         return views
 
     def permute_buffer(self, layout: GemmLayout, hidden_size: int, dtype: torch.dtype,
-                       max_tokens_per_expert: Optional[int] = None) -> torch.Tensor:
-        """The permuted activation buffer: `[max_tokens*k, K]` (contiguous) or `[L, T_max, K]` (masked)."""
-        T = self.max_tokens_per_expert if max_tokens_per_expert is None else max_tokens_per_expert
-        if layout == GemmLayout.GROUPED_MASKED:
-            if T > self.max_tokens_per_expert:
-                raise ValueError(f"scratch reserves max_tokens_per_expert={self.max_tokens_per_expert}, "
-                                 f"asked for {T}")
-            numel = self.num_local * self.max_tokens_per_expert * hidden_size
-        else:
-            numel = self.max_slots * hidden_size
-        key = (layout == GemmLayout.GROUPED_MASKED, hidden_size, dtype)
+                       numel: Optional[int] = None) -> torch.Tensor:
+        """The flat permuted activation buffer for `layout`: room for `[max_tokens*k, K]` or, for
+        GROUPED_MASKED, `[L, T_max, K]`; `numel` (a call's buffer) is checked to fit."""
+        masked = layout == GemmLayout.GROUPED_MASKED
+        rows = self.num_local * self.max_tokens_per_expert if masked else self.max_slots
+        if numel is not None and numel > rows * hidden_size:
+            raise ValueError(f"scratch reserves {rows} permuted rows of {hidden_size} "
+                             f"(max_tokens_per_expert={self.max_tokens_per_expert}), asked for {numel} elements")
+        key = (masked, hidden_size, dtype)
         buf = self._act.get(key)
         if buf is None:
-            buf = torch.empty(numel, dtype=dtype, device=self.device)
+            buf = torch.empty(rows * hidden_size, dtype=dtype, device=self.device)
             self._act[key] = buf
         return buf
+
+    def workspace(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A `shape` view of the buffer `name` (one per name and dtype), grown on first use; the
+        expert pipeline keeps its intermediates here (`padded_moe.experts.expert_workspace`)."""
+        numel = math.prod(shape)
+        key = (name, dtype)
+        buf = self._workspace.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=self.device)
+            self._workspace[key] = buf
+        return buf[:numel].view(shape)
 
     def __repr__(self) -> str:
         return (f"PermuteScratch(max_tokens={self.max_tokens}, k={self.top_k}, num_experts={self.num_experts}, "
@@ -303,11 +477,6 @@ def _check_block_m(block_m: object) -> int:
 # ----------------------------------------------------------------------------------------------
 # build_layout
 # ----------------------------------------------------------------------------------------------
-
-def layout_kind(layout: Union[GemmLayout, str]) -> str:
-    """The short name `build_layout_resolved` takes for a layout."""
-    return _KIND[_as_layout(layout)]
-
 
 def _as_layout(layout: object) -> GemmLayout:
     if isinstance(layout, GemmLayout):
@@ -334,25 +503,27 @@ def build_layout(layout: Union[GemmLayout, str], topk_ids: torch.Tensor, experts
     `[1]` device tensor; rows at/after it are dropped whatever their ids. Slots keep increasing slot
     order within an expert on every path (bitwise-identical metadata on torch and Triton).
     """
-    kind = _KIND[_as_layout(layout)]
+    layout = _as_layout(layout)
     check_topk_ids(topk_ids)
     num_experts, num_local, emap = resolve_experts(experts)
     check_valid_tokens(valid_tokens, topk_ids)
     if scratch is not None and not isinstance(scratch, PermuteScratch):
         raise TypeError(f"scratch must be a PermuteScratch, got {type(scratch).__name__}")
     table = emap.map_for(topk_ids.device) if emap is not None else None
-    return build_layout_resolved(kind, topk_ids, num_experts, num_local, table, block_m=block_m,
+    return build_layout_resolved(layout, topk_ids, num_experts, num_local, table, block_m=block_m,
                                  max_tokens_per_expert=max_tokens_per_expert, valid_tokens=valid_tokens,
                                  scratch=scratch, drop_overflow=drop_overflow)
 
 
-def build_layout_resolved(kind: str, topk_ids: torch.Tensor, num_experts: int, num_local: int,
+def build_layout_resolved(layout: Union[GemmLayout, str], topk_ids: torch.Tensor, num_experts: int, num_local: int,
                           table: Optional[torch.Tensor], *, block_m: Optional[int] = None,
                           max_tokens_per_expert: Optional[int] = None,
                           valid_tokens: Optional[torch.Tensor] = None,
                           scratch: Optional[PermuteScratch] = None, drop_overflow: bool = False) -> LayoutMeta:
     """`build_layout` after its checks, with the experts already resolved to `(E, L, map table or
-    None)` on the ids' device: the entry the custom ops use, since an ExpertMap cannot cross one."""
+    None)` on the ids' device: the entry the custom ops use, since an ExpertMap cannot cross one
+    (they pass the layout as its `.value`)."""
+    layout = _as_layout(layout)
     M, k = topk_ids.shape
     S, L = M * k, num_local
     if block_m is not None:
@@ -363,7 +534,7 @@ def build_layout_resolved(kind: str, topk_ids: torch.Tensor, num_experts: int, n
         t_max = require_int("max_tokens_per_expert", max_tokens_per_expert, 0)
     else:
         t_max = scratch.max_tokens_per_expert if scratch is not None else M * k
-    if kind == "masked":
+    if layout is GemmLayout.GROUPED_MASKED:
         _check_capacity(t_max, M, k, drop_overflow)
     cap = indexed_capacity(S, L, bm)
     if scratch is not None:
@@ -374,12 +545,14 @@ def build_layout_resolved(kind: str, topk_ids: torch.Tensor, num_experts: int, n
         i64 = torch.empty(L + 1, dtype=torch.int64, device=topk_ids.device)
         bufs = _carve(i32, i64, S, L, cap, cap // bm, nc)
     if use_triton(topk_ids.device):
-        _build_triton(kind, topk_ids, num_experts, L, table, valid_tokens, bufs, block_m=bm, t_max=t_max)
+        _build_triton(layout, topk_ids, num_experts, L, table, valid_tokens, bufs, block_m=bm, t_max=t_max)
     else:
-        from padded_moe.reference.layouts import build_torch
+        from padded_moe.torch_path.layouts import build_torch
 
-        build_torch(kind, topk_ids, num_experts, L, table, valid_tokens, bufs, block_m=bm, t_max=t_max)
-    return _make_meta(kind, bufs, M, k, L, bm, t_max, valid_tokens, scratch)
+        build_torch(layout.code, topk_ids, num_experts, L, table, valid_tokens, bufs, block_m=bm, t_max=t_max)
+    common = dict(num_tokens=M, top_k=k, num_local=L, slot_expert=bufs["slot_expert"],
+                  valid_tokens=valid_tokens, scratch=scratch)
+    return _META[layout]._from_buffers(common, bufs, bm, t_max)
 
 
 def _check_capacity(t_max: int, M: int, k: int, drop_overflow: object) -> None:
@@ -394,32 +567,15 @@ def _check_capacity(t_max: int, M: int, k: int, drop_overflow: object) -> None:
             "to accept dropping them (meta.overflow counts the dropped slots)")
 
 
-def _make_meta(kind, bufs, M, k, L, bm, t_max, valid_tokens, scratch) -> LayoutMeta:
-    common = dict(num_tokens=M, top_k=k, num_local=L, slot_expert=bufs["slot_expert"],
-                  valid_tokens=valid_tokens, scratch=scratch)
-    if kind == "indexed":
-        return IndexedMeta(**common, activation_counts=bufs["act_count"], sorted_ids=bufs["sorted_ids"],
-                           block_expert=bufs["block_expert"], num_padded=bufs["num_padded"], block_m=bm)
-    if kind == "contiguous":
-        return GroupedContiguousMeta(**common, activation_counts=bufs["offsets"][L:], offsets=bufs["offsets"],
-                                     inv=bufs["inv"], src=bufs["src"])
-    return GroupedMaskedMeta(**common, activation_counts=bufs["counts"], counts=bufs["counts"], inv=bufs["inv"],
-                             overflow=bufs["overflow"], max_tokens_per_expert=t_max)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _build_triton(kind, topk_ids, num_experts, L, table, valid_tokens, bufs, *, block_m, t_max) -> None:
+def _build_triton(layout: GemmLayout, topk_ids, num_experts, L, table, valid_tokens, bufs, *, block_m, t_max) -> None:
     from padded_moe.kernels import layouts as K
     from padded_moe.kernels._launch import launch, ptr_key
 
     M, k = topk_ids.shape
     S = M * k
-    code = {"indexed": K.LAYOUT_INDEXED, "contiguous": K.LAYOUT_CONTIGUOUS, "masked": K.LAYOUT_MASKED}[kind]
+    code = layout.code
     chunk, nc = _chunk(S), _num_chunks(S)
-    l_pad = _next_pow2(max(L, 1))
+    l_pad = next_pow2(max(L, 1))
     has_vt = valid_tokens is not None
     vt = valid_tokens if has_vt else bufs["act_count"]  # any valid pointer; never read when HAS_VT=False
     ids_map = table if table is not None else bufs["counts"]  # likewise, when HAS_MAP=False
@@ -430,7 +586,7 @@ def _build_triton(kind, topk_ids, num_experts, L, table, valid_tokens, bufs, *, 
                dict(TOP_K=k, HAS_MAP=table is not None, HAS_VT=has_vt, CHUNK=chunk, L_PAD=l_pad,
                     BIN_TILE=min(l_pad, 8192 // chunk)),
                num_warps=8 if chunk > 128 else 4)
-    nb_tile = max(1, min(_next_pow2(max(nc, 1)), 8192 // l_pad))
+    nb_tile = max(1, min(next_pow2(max(nc, 1)), 8192 // l_pad))
     # Arena views are 16-byte aligned by construction: only vt (caller's, or the arena) varies.
     ptrs = (bufs["chunk_cnt"], bufs["chunk_base"], bufs["counts"], bufs["offs32"], bufs["offsets"],
             bufs["num_padded"], bufs["act_count"], bufs["overflow"], vt)
@@ -439,7 +595,7 @@ def _build_triton(kind, topk_ids, num_experts, L, table, valid_tokens, bufs, *, 
            dict(LAYOUT=code, BLOCK_M=block_m, TOP_K=k, HAS_VT=has_vt, L_PAD=l_pad, NB_TILE=nb_tile), num_warps=8)
     pblk = 1024
     cap = bufs["sorted_ids"].numel()
-    n_pos = {"indexed": _cdiv(cap, pblk), "contiguous": _cdiv(S, pblk), "masked": 0}[kind]
+    n_pos = cdiv(_META[layout]._placed_positions(S, cap), pblk)
     if nc + n_pos > 0:
         ptrs = (bufs["slot_expert"], bufs["rank"], bufs["chunk_base"], bufs["counts"], bufs["offs32"],
                 bufs["inv"], bufs["src"], bufs["sorted_ids"], bufs["block_expert"])
@@ -454,45 +610,52 @@ def _build_triton(kind, topk_ids, num_experts, L, table, valid_tokens, bufs, *, 
 # ----------------------------------------------------------------------------------------------
 
 def _check_meta(meta: object) -> LayoutMeta:
-    if not isinstance(meta, (IndexedMeta, GroupedContiguousMeta, GroupedMaskedMeta)):
+    if not isinstance(meta, LayoutMetaBase):
         raise TypeError(f"layout_meta must come from build_layout, got {type(meta).__name__}")
     return meta
 
 
+def _check_device_and_last_dim(name: str, t: torch.Tensor, meta: LayoutMeta) -> None:
+    if t.device != meta.slot_expert.device:
+        raise ValueError(f"{name} must be on layout_meta's device {meta.slot_expert.device}, got {t.device}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
+
+
 def _check_rows(name: str, t: object, rows: int, meta: LayoutMeta) -> torch.Tensor:
+    """A token-row tensor `[rows, K]` (hidden states, unpermute's output)."""
     require_tensor(name, t)
     require_rank(name, t, (2,))
     if not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if t.shape[0] != rows:
         raise ValueError(f"{name} must have {rows} rows for this layout_meta, got shape {tuple(t.shape)}")
-    if t.device != meta.slot_expert.device:
-        raise ValueError(f"{name} must be on layout_meta's device {meta.slot_expert.device}, got {t.device}")
-    if t.shape[1] > 1 and t.stride(1) != 1:
-        raise ValueError(f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
+    _check_device_and_last_dim(name, t, meta)
     return t
 
 
-def _masked_shape(meta: GroupedMaskedMeta, K: int) -> tuple[int, int, int]:
-    return (meta.num_local, meta.max_tokens_per_expert, K)
-
-
-def _check_masked(name: str, t: object, meta: GroupedMaskedMeta, K: int) -> torch.Tensor:
+def _check_layout_rows(name: str, t: object, meta: LayoutMeta, K: int) -> torch.Tensor:
+    """A buffer in the layout's row order: exactly `meta.rows_shape(K)`."""
     require_tensor(name, t)
-    want = _masked_shape(meta, K)
+    want = meta.rows_shape(K)
     if tuple(t.shape) != want:
-        raise ValueError(f"{name} must have shape {want} (L, T_max, K), got {tuple(t.shape)}")
-    if t.device != meta.slot_expert.device:
-        raise ValueError(f"{name} must be on layout_meta's device {meta.slot_expert.device}, got {t.device}")
-    if K > 1 and t.stride(2) != 1:
-        raise ValueError(f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
+        raise ValueError(f"{name} must have shape {want} for this {meta.layout.value} layout_meta, "
+                         f"got {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    _check_device_and_last_dim(name, t, meta)
     return t
 
 
 def _block_k(K: int, elem_size: int) -> tuple[int, int]:
     # 16 KB of registers per tile at most (8 KB for bf16 K=4096 in one tile); 8 warps for wide rows.
-    block = min(_next_pow2(max(K, 1)), 8192 // max(elem_size, 1))
+    block = min(next_pow2(max(K, 1)), 8192 // max(elem_size, 1))
     return block, (8 if block >= 2048 else 4)
+
+
+def _slab_strides(t: torch.Tensor, meta: LayoutMeta) -> tuple[int, int]:
+    """(slab stride, row stride) of a buffer of `meta.rows_shape`: a flat buffer is one slab."""
+    return (t.stride(0), t.stride(1)) if t.dim() == 3 else (0, t.stride(0))
 
 
 def permute(hidden: torch.Tensor, layout_meta: LayoutMeta, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -503,53 +666,46 @@ def permute(hidden: torch.Tensor, layout_meta: LayoutMeta, *, out: Optional[torc
     meta = _check_meta(layout_meta)
     M, k = meta.num_tokens, meta.top_k
     _check_rows("hidden", hidden, M, meta)
-    if isinstance(meta, IndexedMeta):
+    if not meta.PERMUTES:
         return hidden
     K = hidden.shape[1]
-    masked = isinstance(meta, GroupedMaskedMeta)
-    shape = _masked_shape(meta, K) if masked else (M * k, K)
+    shape = meta.rows_shape(K)
     if out is None:
         if meta.scratch is not None:
-            flat = meta.scratch.permute_buffer(meta.layout, K, hidden.dtype, meta.max_tokens_per_expert if masked else None)
-            out = flat[: shape[0] * shape[1] * shape[2] if masked else shape[0] * K].view(shape)
+            flat = meta.scratch.permute_buffer(meta.layout, K, hidden.dtype, math.prod(shape))
+            out = flat[: math.prod(shape)].view(shape)
         else:
             out = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
-    elif masked:
-        _check_masked("out", out, meta, K)
     else:
-        _check_rows("out", out, M * k, meta)
-    if out.dtype != hidden.dtype or out.shape[-1] != K:
+        _check_layout_rows("out", out, meta, K)
+    if out.dtype != hidden.dtype:
         raise ValueError(f"out must have dtype {hidden.dtype} and {K} columns, got {out.dtype} with shape {tuple(out.shape)}")
-    row_limit = meta.num_local * meta.max_tokens_per_expert if masked else M * k
-    if M == 0 or row_limit == 0 or K == 0:
+    if M == 0 or meta.row_limit == 0 or K == 0:
         return out
     if use_triton(hidden.device):
-        _permute_triton(hidden, out, meta, masked, row_limit)
+        _permute_triton(hidden, out, meta)
     else:
-        from padded_moe.reference.layouts import permute_torch
+        from padded_moe.torch_path.layouts import permute_torch
 
         rows = out.view(-1, K) if out.is_contiguous() else None
         if rows is None:
             raise ValueError("out must be contiguous on the CPU path")
-        permute_torch(hidden, meta.inv, k, rows, row_limit)
+        permute_torch(hidden, meta.inv, k, rows, meta.row_limit)
     return out
 
 
-def _permute_triton(hidden, out, meta, masked: bool, row_limit: int) -> None:
+def _permute_triton(hidden, out, meta: LayoutMeta) -> None:
     from padded_moe.kernels._launch import launch, ptr_key
     from padded_moe.kernels.layouts import _permute_kernel
 
     M, k, K = meta.num_tokens, meta.top_k, hidden.shape[1]
-    if masked:
-        slab_rows, s0, s1 = max(meta.max_tokens_per_expert, 1), out.stride(0), out.stride(1)
-    else:
-        slab_rows, s0, s1 = row_limit, 0, out.stride(0)
+    s0, s1 = _slab_strides(out, meta)
     block_k, warps = _block_k(K, hidden.element_size())
     grid = (min(M, program_cap(hidden.device)),)
     ptrs = (hidden, out, meta.inv)
-    ints = (hidden.stride(0), s0, s1, M, K, row_limit, slab_rows)
+    ints = (hidden.stride(0), s0, s1, M, K, meta.row_limit, meta.slab_rows)
     launch(_permute_kernel, grid, ints + ptr_key(*ptrs), (hidden, ints[0], out, s0, s1, meta.inv) + ints[3:],
-           dict(TOP_K=k, K_PAD=_next_pow2(k), BLOCK_K=block_k), num_warps=warps)
+           dict(TOP_K=k, K_PAD=next_pow2(k), BLOCK_K=block_k), num_warps=warps)
 
 
 def unpermute(out: torch.Tensor, expert_out: torch.Tensor, topk_weights: torch.Tensor,
@@ -564,13 +720,7 @@ def unpermute(out: torch.Tensor, expert_out: torch.Tensor, topk_weights: torch.T
     M, k, L = meta.num_tokens, meta.top_k, meta.num_local
     _check_rows("out", out, M, meta)
     K = out.shape[1]
-    masked = isinstance(meta, GroupedMaskedMeta)
-    if masked:
-        _check_masked("expert_out", expert_out, meta, K)
-    else:
-        _check_rows("expert_out", expert_out, M * k, meta)
-        if expert_out.shape[1] != K:
-            raise ValueError(f"expert_out must have {K} columns like out, got shape {tuple(expert_out.shape)}")
+    _check_layout_rows("expert_out", expert_out, meta, K)
     require_tensor("topk_weights", topk_weights)
     if tuple(topk_weights.shape) != (M, k) or not topk_weights.is_floating_point():
         raise ValueError(f"topk_weights must be a float tensor of shape {(M, k)}, got {topk_weights.dtype} {tuple(topk_weights.shape)}")
@@ -578,16 +728,11 @@ def unpermute(out: torch.Tensor, expert_out: torch.Tensor, topk_weights: torch.T
         raise ValueError(f"topk_weights must be on {out.device}, got {topk_weights.device}")
     if M == 0 or K == 0:
         return out
-    if isinstance(meta, IndexedMeta):
-        rows, row_limit = None, M * k
-    elif masked:
-        rows, row_limit = meta.inv, L * meta.max_tokens_per_expert
-    else:
-        rows, row_limit = meta.inv, M * k
+    rows, row_limit = meta.slot_rows, meta.row_limit
     if use_triton(out.device):
-        _unpermute_triton(out, expert_out, topk_weights, meta, rows, row_limit, masked)
+        _unpermute_triton(out, expert_out, topk_weights, meta)
     else:
-        from padded_moe.reference.layouts import unpermute_torch
+        from padded_moe.torch_path.layouts import unpermute_torch
 
         if rows is None:
             rows2 = torch.arange(M * k, device=out.device).view(M, k)
@@ -599,30 +744,27 @@ def unpermute(out: torch.Tensor, expert_out: torch.Tensor, topk_weights: torch.T
     return out
 
 
-def _unpermute_triton(out, expert_out, weights, meta, rows, row_limit: int, masked: bool) -> None:
+def _unpermute_triton(out, expert_out, weights, meta: LayoutMeta) -> None:
     from padded_moe.kernels._launch import launch, ptr_key
     from padded_moe.kernels.layouts import _unpermute_kernel
 
     M, k, K = meta.num_tokens, meta.top_k, out.shape[1]
-    if masked:
-        slab_rows, s0, s1 = max(meta.max_tokens_per_expert, 1), expert_out.stride(0), expert_out.stride(1)
-    else:
-        slab_rows, s0, s1 = M * k, 0, expert_out.stride(0)
-    vt = meta.valid_tokens
+    s0, s1 = _slab_strides(expert_out, meta)
+    rows, vt = meta.slot_rows, meta.valid_tokens
     block_k, warps = _block_k(K, 4)
     grid = (min(M, program_cap(out.device)),)
     rows_arg = rows if rows is not None else meta.slot_expert
     vt_arg = vt if vt is not None else meta.slot_expert
-    args = (expert_out, s0, s1, slab_rows, weights, weights.stride(0), weights.stride(1), out, out.stride(0),
-            rows_arg, meta.slot_expert, vt_arg, M, K, meta.num_local, row_limit)
-    key = (s0, s1, slab_rows, weights.stride(0), weights.stride(1), out.stride(0), M, K, meta.num_local,
-           row_limit) + ptr_key(expert_out, weights, out, rows_arg, meta.slot_expert, vt_arg)
-    launch(_unpermute_kernel, grid, key, args,
-           dict(TOP_K=k, HAS_ROWS=rows is not None, HAS_VT=vt is not None, BLOCK_K=block_k), num_warps=warps)
+    ints = (s0, s1, meta.slab_rows, weights.stride(0), weights.stride(1), out.stride(0), M, K, meta.num_local,
+            meta.row_limit)
+    args = (expert_out, s0, s1, meta.slab_rows, weights, ints[3], ints[4], out, ints[5],
+            rows_arg, meta.slot_expert, vt_arg) + ints[6:]
+    launch(_unpermute_kernel, grid, ints + ptr_key(expert_out, weights, out, rows_arg, meta.slot_expert, vt_arg),
+           args, dict(TOP_K=k, HAS_ROWS=rows is not None, HAS_VT=vt is not None, BLOCK_K=block_k), num_warps=warps)
 
 
 __all__ = [
-    "GemmLayout", "IndexedMeta", "GroupedContiguousMeta", "GroupedMaskedMeta", "LayoutMeta",
+    "GemmLayout", "LayoutMetaBase", "IndexedMeta", "GroupedContiguousMeta", "GroupedMaskedMeta", "LayoutMeta",
     "ExpertMap", "PermuteScratch", "build_layout", "permute", "unpermute", "select_gemm_layout",
-    "default_block_m", "indexed_capacity", "LAYOUT_ENV", "layout_kind",
+    "default_block_m", "indexed_capacity", "LAYOUT_ENV",
 ]

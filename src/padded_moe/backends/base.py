@@ -21,7 +21,10 @@ Weight = Union[torch.Tensor, Mxfp4Tensor]
 
 class GemmBackend(ABC):
     name: str = "?"
-    # True for backends that quantize activations themselves (refused on the low-latency path, spec 04).
+    # Spec 03/04's interface flag: a backend that quantizes its activations itself would quantize
+    # fp8-dispatched rows twice, so `ExpertParallel` refuses fp8 dispatch in batched mode for it
+    # (`distributed._backend_quantizes_inputs`). No backend here does; the flag stays on the
+    # interface for backends added later (and the refusal is tested with one that sets it).
     quantizes_inputs: bool = False
 
     def available(self, device: torch.device) -> Optional[str]:
@@ -30,7 +33,9 @@ class GemmBackend(ABC):
 
     @abstractmethod
     def supports(self, layout: GemmLayout, weight: Weight) -> bool:
-        """Whether this backend computes `layout` with this weight format."""
+        """Whether this backend computes `layout` with this weight format. A backend reads the
+        metadata through what every layout exposes (`meta.code`, `meta.gemm_args(stage)`, the
+        layout's `GemmLayout`), so a backend that does not know a layout answers False here."""
 
     @abstractmethod
     def gemm(self, a: torch.Tensor, w: Weight, meta: LayoutMeta, *, stage: str,

@@ -1,6 +1,7 @@
 """The `humming-kernels` package (0.1.19, optional extra `padded-moe[humming]`) as a GEMM backend.
 
 Mapping (humming 0.1.19 `compute_config={"gemm_type": ...}`):
+`gemm_type` is the layout's `GemmLayout.value`; the arguments per layout:
 - INDEXED -> "indexed": `sorted_ids`, `expert_ids = block_expert`, `num_tokens_padded = num_padded`,
   `top_k = k` for GEMM1 (A row = id // k) and 1 for GEMM2. Humming does not check that
   `sorted_ids` was padded with its kernel's BLOCK_M; we pin the tuning to the one heuristic config
@@ -9,8 +10,7 @@ Mapping (humming 0.1.19 `compute_config={"gemm_type": ...}`):
 - GROUPED_MASKED -> "grouped_masked" with `expert_layout = counts` (clamped to T_max on device),
   A flattened to `[L*T_max, K]`.
 
-Only MXFP4 weights with bf16/fp16 activations (weight-only, no input quantization, so
-`quantizes_inputs=False`). Each weight is converted once into a transformed `HummingLayer`, cached
+Only MXFP4 weights with bf16/fp16 activations (weight-only: no input quantization). Each weight is converted once into a transformed `HummingLayer`, cached
 by the weight's storage. The first call per kernel configuration JIT-compiles for ~2.5 minutes;
 set `HUMMING_CACHE_DIR` to a persistent directory to keep the cubins across processes.
 Verified only on a GPU (tests/test_gemm_gpu.py); nothing here runs on CPU.
@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from padded_moe.backends.base import GemmBackend, Weight
-from padded_moe.layouts import GemmLayout, GroupedContiguousMeta, GroupedMaskedMeta, IndexedMeta
+from padded_moe.layouts import GemmLayout, IndexedMeta
 from padded_moe.mxfp4 import Mxfp4Tensor
 
 # vLLM's padding choice for humming weights; the kernels take unpadded A and return unpadded C.
@@ -33,7 +33,6 @@ PAD_N, PAD_K = 256, 128
 
 class HummingBackend(GemmBackend):
     name = "humming"
-    quantizes_inputs = False
 
     def __init__(self):
         self._layers: dict[tuple, object] = {}
@@ -46,7 +45,7 @@ class HummingBackend(GemmBackend):
         return None
 
     def supports(self, layout: GemmLayout, weight: Weight) -> bool:
-        return isinstance(weight, Mxfp4Tensor)
+        return layout in _LAYOUT_ARGS and isinstance(weight, Mxfp4Tensor)
 
     def _layer(self, w: Mxfp4Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
         key = (w.blocks.data_ptr(), w.scales.data_ptr(), tuple(w.shape),
@@ -92,19 +91,28 @@ class HummingBackend(GemmBackend):
                 f"{a.dtype}, out {out.dtype}"
             )
         layer = self._layer(w, bias, a.dtype)
-        if isinstance(meta, IndexedMeta):
-            top_k = meta.top_k if stage == "w13" else 1
-            valid_m = meta.num_tokens * meta.top_k
-            cfg = self._pinned_indexed_config(layer, meta, valid_m)
-            layer(a, outputs=out, sorted_ids=meta.sorted_ids, expert_ids=meta.block_expert,
-                  num_tokens_padded=meta.num_padded, top_k=top_k, valid_shape_m=valid_m,
-                  compute_config={"gemm_type": "indexed"}, tuning_config=cfg)
-        elif isinstance(meta, GroupedContiguousMeta):
-            layer(a, outputs=out, expert_layout=meta.offsets, valid_shape_m=a.shape[0],
-                  compute_config={"gemm_type": "grouped_contiguous"})
-        elif isinstance(meta, GroupedMaskedMeta):
-            T = meta.max_tokens_per_expert
-            a2 = a.reshape(-1, a.shape[-1])
-            layer(a2, outputs=out.view(-1, out.shape[-1]), expert_layout=meta.counts.clamp(0, T),
-                  valid_shape_m=a2.shape[0], compute_config={"gemm_type": "grouped_masked"})
+        a2, out2, kwargs = _LAYOUT_ARGS[meta.layout](self, layer, a, out, meta, stage)
+        layer(a2, outputs=out2, compute_config={"gemm_type": meta.layout.value}, **kwargs)
         return out
+
+
+def _indexed_args(backend: HummingBackend, layer, a, out, meta, stage):
+    valid_m = meta.num_tokens * meta.top_k
+    return a, out, dict(sorted_ids=meta.sorted_ids, expert_ids=meta.block_expert,
+                        num_tokens_padded=meta.num_padded, top_k=meta.top_k if stage == "w13" else 1,
+                        valid_shape_m=valid_m, tuning_config=backend._pinned_indexed_config(layer, meta, valid_m))
+
+
+def _contiguous_args(backend: HummingBackend, layer, a, out, meta, stage):
+    return a, out, dict(expert_layout=meta.offsets, valid_shape_m=a.shape[0])
+
+
+def _masked_args(backend: HummingBackend, layer, a, out, meta, stage):
+    a2 = a.reshape(-1, a.shape[-1])
+    return a2, out.view(-1, out.shape[-1]), dict(expert_layout=meta.counts.clamp(0, meta.max_tokens_per_expert),
+                                                 valid_shape_m=a2.shape[0])
+
+
+# Humming's arguments for each layout it implements (`gemm_type` = the layout's value).
+_LAYOUT_ARGS = {GemmLayout.INDEXED: _indexed_args, GemmLayout.GROUPED_CONTIGUOUS: _contiguous_args,
+                GemmLayout.GROUPED_MASKED: _masked_args}

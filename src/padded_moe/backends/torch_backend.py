@@ -1,129 +1,32 @@
-"""Expert GEMMs in plain torch: a correct loop over experts (the CPU path) and CUDA fast paths.
+"""The torch path's expert GEMM (`padded_moe.torch_path.gemm`) behind the backend interface.
 
-Every layout is first reduced to the same row description (device tensors, no sync):
-`a_rows` (which row of `a` a work row reads), `c_rows` (which row of `out` it writes),
-`row_expert` and `valid`. The loop then selects each expert's valid rows.
-
-CUDA notes:
-- GROUPED_CONTIGUOUS with bf16 weights uses `torch._grouped_mm` (sm90+, shape/alignment checks
-  below, all decided from host-known shapes/pointers), then a device-side `where` keeps rows past
-  `offsets[L]` untouched. Graph-safe.
-- GROUPED_MASKED uses one `bmm` over the full slabs plus a device-side `where` on counts: graph-safe
-  but its cost is the full slab, not the valid rows.
-- Everything else (INDEXED, MXFP4, fp16/fp32 grouped) runs the loop, which selects rows with
-  `nonzero` — a host sync on CUDA, so that path is NOT CUDA-graph safe. Use the triton backend there.
+Its CUDA fast paths are per layout (`torch._grouped_mm` for GROUPED_CONTIGUOUS, `bmm` for
+GROUPED_MASKED); every other call runs the loop over experts, which syncs on CUDA (not
+graph-safe): see the torch path's notes.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
 from padded_moe.backends.base import GemmBackend, Weight
-from padded_moe.layouts import GemmLayout, GroupedContiguousMeta, GroupedMaskedMeta, IndexedMeta, LayoutMeta
-from padded_moe.mxfp4 import Mxfp4Tensor, dequantize_mxfp4
-
-
-def _row_plan(a: torch.Tensor, meta: LayoutMeta, stage: str):
-    """(a_rows, c_rows, row_expert, valid), all length P, for the flattened `a` / `out`."""
-    dev = a.device
-    L = meta.num_local
-    if isinstance(meta, IndexedMeta):
-        ids = meta.sorted_ids.long()
-        P = ids.numel()
-        pos = torch.arange(P, device=dev)
-        e = meta.block_expert.long()[pos // meta.block_m]
-        mk = meta.num_tokens * meta.top_k
-        valid = (pos < meta.num_padded.long()) & (ids >= 0) & (ids < mk) & (e >= 0) & (e < L)
-        ids = torch.where(valid, ids, torch.zeros_like(ids))
-        a_rows = ids // meta.top_k if stage == "w13" else ids
-        return a_rows, ids, e.clamp(0, max(L - 1, 0)), valid
-    if isinstance(meta, GroupedContiguousMeta):
-        R = a.shape[0]
-        pos = torch.arange(R, device=dev)
-        off = meta.offsets.long().clamp(0, R)
-        e = torch.searchsorted(off[1:].contiguous(), pos, right=True)
-        valid = (pos >= off[0]) & (pos < off[L]) & (e < L)
-        return pos, pos, e.clamp(0, max(L - 1, 0)), valid
-    if isinstance(meta, GroupedMaskedMeta):
-        T = meta.max_tokens_per_expert
-        pos = torch.arange(L * T, device=dev)
-        e = pos // T
-        valid = (pos % T) < meta.counts.long().clamp(0, T)[e]
-        return pos, pos, e, valid
-    raise TypeError(f"layout_meta must be a layout metadata object, got {type(meta).__name__}")
-
-
-def _expert_weight(w: Weight, e: int) -> torch.Tensor:
-    if isinstance(w, Mxfp4Tensor):
-        return dequantize_mxfp4(w[e], torch.float32)[0]
-    return w[e].float()
-
-
-def _loop(a2, w, bias, out2, plan):
-    a_rows, c_rows, row_expert, valid = plan
-    for e in range(w.shape[0]):
-        sel = (valid & (row_expert == e)).nonzero().squeeze(1)  # host sync on CUDA (documented)
-        if sel.numel() == 0:
-            continue
-        y = a2[a_rows[sel]].float() @ _expert_weight(w, e).T
-        if bias is not None:
-            y = y + bias[e].float()
-        out2[c_rows[sel]] = y.to(out2.dtype)
-
-
-def _grouped_mm_ok(a: torch.Tensor, w: Weight, out: torch.Tensor) -> bool:
-    """torch._grouped_mm's fast-path constraints, all from host-known facts (no sync)."""
-    if not (a.is_cuda and hasattr(torch, "_grouped_mm")) or isinstance(w, Mxfp4Tensor):
-        return False
-    if a.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
-        return False
-    if torch.cuda.get_device_capability(a.device)[0] < 9:
-        return False
-    L, N, K = w.shape
-    aligned = all(t.data_ptr() % 16 == 0 for t in (a, w))
-    strides16 = a.stride(0) * 2 % 16 == 0 and w.stride(1) * 2 % 16 == 0 and w.stride(0) * 2 % 16 == 0
-    return 0 < L < 1024 and K % 8 == 0 and N % 8 == 0 and aligned and strides16 and a.stride(1) == 1
-
-
-def _grouped_mm(a, w, meta: GroupedContiguousMeta, bias, out):
-    R = a.shape[0]
-    off = meta.offsets.clamp(0, R)
-    y = torch._grouped_mm(a, w.transpose(-2, -1), offs=off[1:].to(torch.int32))
-    pos = torch.arange(R, device=a.device)
-    if bias is not None:
-        # Rows keep their expert's bias; grouped_mm already rounded to bf16, so this is a second rounding.
-        e = torch.searchsorted(off[1:].contiguous(), pos, right=True).clamp(max=meta.num_local - 1)
-        y = (y.float() + bias.float()[e]).to(out.dtype)
-    keep = ((pos >= off[0]) & (pos < off[meta.num_local])).unsqueeze(1)
-    out.copy_(torch.where(keep, y, out))
-
-
-def _masked_bmm(a, w, meta: GroupedMaskedMeta, bias, out):
-    y = torch.bmm(a, w.transpose(-2, -1).to(a.dtype))
-    if bias is not None:
-        y = (y.float() + bias.float()[:, None, :]).to(out.dtype)
-    T = meta.max_tokens_per_expert
-    keep = torch.arange(T, device=a.device)[None, :] < meta.counts.long().clamp(0, T)[:, None]
-    out.copy_(torch.where(keep.unsqueeze(-1), y.to(out.dtype), out))
+from padded_moe.layouts import GemmLayout
+from padded_moe.mxfp4 import Mxfp4Tensor
+from padded_moe.torch_path import gemm as tg
 
 
 class TorchBackend(GemmBackend):
     name = "torch"
-    quantizes_inputs = False
 
     def supports(self, layout: GemmLayout, weight: Weight) -> bool:
         return True
 
     def gemm(self, a, w, meta, *, stage, bias, out):
-        if isinstance(meta, GroupedContiguousMeta) and _grouped_mm_ok(a, w, out):
-            _grouped_mm(a, w, meta, bias, out)
+        if meta.layout is GemmLayout.GROUPED_CONTIGUOUS and tg.grouped_mm_ok(a, w, out):
+            tg.grouped_mm(a, w, meta, bias, out)
             return out
-        if isinstance(meta, GroupedMaskedMeta) and a.is_cuda and not isinstance(w, Mxfp4Tensor):
-            _masked_bmm(a, w, meta, bias, out)
+        if meta.layout is GemmLayout.GROUPED_MASKED and a.is_cuda and not isinstance(w, Mxfp4Tensor):
+            tg.masked_bmm(a, w, meta, bias, out)
             return out
         a2 = a.reshape(-1, a.shape[-1])
         out2 = out.view(-1, out.shape[-1])
-        _loop(a2, w, bias, out2, _row_plan(a2, meta, stage))
+        tg.loop(a2, w, bias, out2, tg.row_plan(a2.shape[0], meta.num_local, meta.gemm_args(stage), a.device))
         return out

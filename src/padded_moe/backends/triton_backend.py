@@ -11,34 +11,12 @@ import torch
 
 from padded_moe import _platform
 from padded_moe.backends.base import GemmBackend, Weight
-from padded_moe.layouts import GemmLayout, GroupedContiguousMeta, GroupedMaskedMeta, IndexedMeta, LayoutMeta
+from padded_moe.layouts import GemmLayout
 from padded_moe.mxfp4 import Mxfp4Tensor
-
-
-def rows_per_expert(a: torch.Tensor, meta: LayoutMeta, stage: str) -> float:
-    """Host-side estimate of rows per expert (from shapes only) that picks the tuning regime."""
-    L = max(meta.num_local, 1)
-    if isinstance(meta, GroupedMaskedMeta):
-        return float(meta.max_tokens_per_expert)
-    return meta.num_tokens * meta.top_k / L
-
-
-def launch_args(a: torch.Tensor, meta: LayoutMeta, stage: str) -> dict:
-    """Layout-specific keyword arguments of `kernels.gemm.launch`."""
-    from padded_moe.kernels import gemm as kg
-
-    if isinstance(meta, IndexedMeta):
-        return dict(layout=kg.INDEXED, sorted_ids=meta.sorted_ids, block_expert=meta.block_expert,
-                    num_padded=meta.num_padded, block_m=meta.block_m,
-                    a_div=meta.top_k if stage == "w13" else 1, mk=meta.num_tokens * meta.top_k)
-    if isinstance(meta, GroupedContiguousMeta):
-        return dict(layout=kg.GROUPED_CONTIGUOUS, offsets=meta.offsets)
-    return dict(layout=kg.GROUPED_MASKED, counts=meta.counts, t_max=meta.max_tokens_per_expert)
 
 
 class TritonBackend(GemmBackend):
     name = "triton"
-    quantizes_inputs = False
 
     def available(self, device: torch.device) -> Optional[str]:
         # use_triton first: on CPU without the interpreter it answers without importing triton
@@ -68,7 +46,6 @@ class TritonBackend(GemmBackend):
             wt, ws, wh = w.blocks, w.scales, w.hopper
         else:
             wt, ws = w, None
-        kg.launch(a2, wt, ws, out2, num_local=meta.num_local, bias=bias,
-                  rows_per_expert=rows_per_expert(a, meta, stage), config=config, w_hopper=wh,
-                  **launch_args(a, meta, stage))
+        kg.launch(a2, wt, ws, out2, num_local=meta.num_local, bias=bias, config=config, w_hopper=wh,
+                  **meta.gemm_args(stage))
         return out

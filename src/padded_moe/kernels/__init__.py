@@ -1,4 +1,5 @@
-"""Triton kernels. Reference math lives in `padded_moe.reference`; dispatch lives in the stage modules."""
+"""Triton kernels. The torch implementation of the same math is `padded_moe.torch_path`; dispatch
+lives in the stage modules."""
 
 from triton import knobs as _knobs
 

@@ -1,12 +1,12 @@
 """Triton expert GEMM for the three layouts of spec 02: `out[row] = a[row'] @ w[e].T (+ bias[e])`.
 
-One kernel, specialised by constexprs:
-- LAYOUT 0 INDEXED: a program's rows are `sorted_ids[block]`; A row = id // A_DIV (top_k for GEMM1,
+One kernel, specialised by constexprs; `LAYOUT` is the layout's code (`padded_moe.layout_codes`):
+- INDEXED: a program's rows are `sorted_ids[block]`; A row = id // A_DIV (top_k for GEMM1,
   1 for GEMM2), C row = id. Blocks at/after `num_padded` or with `block_expert` -1 exit at once.
-- LAYOUT 1 GROUPED_CONTIGUOUS: the tile -> (expert, first row) map is an in-kernel scan over the
+- GROUPED_CONTIGUOUS: the tile -> (expert, first row) map is an in-kernel scan over the
   L+1 offsets (a few hundred int loads from L2 per program, no extra launch, no host sync).
   The grid is the worst case `cdiv(R, BM) + L` m-tiles; tiles past the real ones exit at once.
-- LAYOUT 2 GROUPED_MASKED: grid `L * cdiv(T_max, BM)` m-tiles; tiles at/past `counts[e]` exit.
+- GROUPED_MASKED: grid `L * cdiv(T_max, BM)` m-tiles; tiles at/past `counts[e]` exit.
 
 Row masks keep every load and store inside the valid rows, so padded rows (NaN in tests) are never
 read and rows past a count/offset are never written. Weights are `[L, Nout, K]` in bf16/fp16/fp32,
@@ -34,9 +34,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from padded_moe import layout_codes as codes
+from padded_moe.kernels._codes import GROUPED_CONTIGUOUS, INDEXED
 from padded_moe.kernels._launch import launch as launch_kernel, ptr_key
 
-INDEXED, GROUPED_CONTIGUOUS, GROUPED_MASKED = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -164,9 +165,9 @@ def regime(rows_per_expert: float) -> str:
     return "prefill"
 
 
-def pick_config(rows_per_expert: float, mxfp4: bool, interpreted: bool, layout: int = GROUPED_CONTIGUOUS,
-                hopper: bool = False) -> GemmConfig:
-    """`hopper`: the MXFP4 weight carries its prepared `HopperMxfp4` form."""
+def pick_config(rows_per_expert: float, mxfp4: bool, interpreted: bool, hopper: bool = False) -> GemmConfig:
+    """The tuned config for the regime; one table serves every layout (see the note above
+    INTERPRET_CONFIG). `hopper`: the MXFP4 weight carries its prepared `HopperMxfp4` form."""
     hopper = hopper and mxfp4
     if interpreted:
         return INTERPRET_HOPPER_CONFIG if hopper else INTERPRET_CONFIG
@@ -221,7 +222,7 @@ def _tile_rows(pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num
     launch grid. Rows with `valid` false are 0 in `a_rows` / `c_rows` and must be masked.
     """
     rm = tl.arange(0, BM)
-    if LAYOUT == 0:  # INDEXED
+    if LAYOUT == INDEXED:
         mb = pid_m // SUB
         row0 = mb * BLOCK_MB + (pid_m % SUB) * BM
         npad = tl.load(npad_ptr)
@@ -234,7 +235,7 @@ def _tile_rows(pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num
         a_rows = ids // A_DIV
         c_rows = ids
         row_start = row0 * 0
-    elif LAYOUT == 1:  # GROUPED_CONTIGUOUS: scan the offsets for this tile's expert
+    elif LAYOUT == GROUPED_CONTIGUOUS:  # scan the offsets for this tile's expert
         ev = tl.arange(0, L_POW2)
         ein = ev < num_local
         lo = tl.load(off_ptr + ev, mask=ein, other=0).to(tl.int32)
@@ -536,8 +537,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         return out2
     from padded_moe.kernels import INTERPRETED
 
-    cfg = config or pick_config(rows_per_expert, mx, INTERPRETED and not a2.is_cuda, layout,
-                                hopper=w_hopper is not None)
+    cfg = config or pick_config(rows_per_expert, mx, INTERPRETED and not a2.is_cuda, hopper=w_hopper is not None)
     hopper = mx and cfg.mx_hopper
     if hopper and w_hopper is None:
         raise ValueError("config.mx_hopper needs the weight's prepared form: call Mxfp4Tensor.prepare_for() "
@@ -549,11 +549,11 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     # Grids are sized from shapes only (graph-safe), but tightly: experts hold at most
     # cdiv(rows, tile) + min(L, rows) tiles in all, so a decode call on 256 experts launches a few
     # programs per n-tile instead of one per expert that would exit at once.
-    if layout == INDEXED:
+    if layout == codes.INDEXED:
         BM, SUB, ROWS = indexed_tiling(block_m, cfg.BM)
         num_blocks = min(block_expert.numel(), triton.cdiv(mk, block_m) + min(num_local, mk))
         num_pid_m = num_blocks * SUB
-    elif layout == GROUPED_CONTIGUOUS:
+    elif layout == codes.GROUPED_CONTIGUOUS:
         num_pid_m = triton.cdiv(a2.shape[0], BM) + min(num_local, a2.shape[0])
     else:
         num_pid_m = num_local * triton.cdiv(t_max, BM)
@@ -585,7 +585,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         launch_kernel(_expert_gemm_mx_hopper_kernel, grid, ints + ptr_key(*ptrs), ptrs + ints, constexprs,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out2
-    a_desc = cfg.tma and layout != INDEXED and _tma_ok(a2, a2.shape[0], BK)
+    a_desc = cfg.tma and layout != codes.INDEXED and _tma_ok(a2, a2.shape[0], BK)
     w_desc = cfg.tma and not mx and w.dtype == a2.dtype and w.stride(0) == N * w.stride(1) \
         and _tma_ok(w, w.shape[0] * N, BK)
     a_arg = TensorDescriptor(a2, [a2.shape[0], K], [a2.stride(0), 1], [BM, BK]) if a_desc else a2

@@ -20,9 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LAYOUT_INDEXED = 0
-LAYOUT_CONTIGUOUS = 1
-LAYOUT_MASKED = 2
+from padded_moe.kernels._codes import GROUPED_CONTIGUOUS, GROUPED_MASKED, INDEXED
 
 
 @triton.jit
@@ -82,14 +80,14 @@ def _scan_kernel(chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr, offsets6
         tl.store(chunk_base_ptr + off2, incl - tile + carry[None, :], mask=m2)
         carry += tl.sum(tile, axis=0)
     counts = carry
-    if LAYOUT == 2:
+    if LAYOUT == GROUPED_MASKED:
         # Slots past an expert's capacity are dropped (and counted in `overflow`).
         clamped = tl.minimum(counts, T_MAX)
         tl.store(counts_ptr + cols, clamped, mask=cmask)
         tl.store(overflow_ptr, tl.sum(counts - clamped, axis=0))
     else:
         tl.store(counts_ptr + cols, counts, mask=cmask)
-        if LAYOUT == 0:
+        if LAYOUT == INDEXED:
             sizes = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         else:
             sizes = counts
@@ -97,7 +95,7 @@ def _scan_kernel(chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr, offsets6
         total = tl.sum(sizes, axis=0)
         tl.store(offs32_ptr + cols, incl - sizes, mask=cmask)
         tl.store(offs32_ptr + L, total)
-        if LAYOUT == 1:
+        if LAYOUT == GROUPED_CONTIGUOUS:
             tl.store(offsets64_ptr + cols, (incl - sizes).to(tl.int64), mask=cmask)
             tl.store(offsets64_ptr + L, total.to(tl.int64))
         else:
@@ -121,12 +119,12 @@ def _place_kernel(slot_expert_ptr, rank_ptr, chunk_base_ptr, counts_ptr, offs32_
         e = tl.load(slot_expert_ptr + s, mask=smask, other=L)
         kept = smask & (e < L)
         r = tl.load(rank_ptr + s, mask=kept, other=0) + tl.load(chunk_base_ptr + pid * L + e, mask=kept, other=0)
-        if LAYOUT == 2:
+        if LAYOUT == GROUPED_MASKED:
             fits = kept & (r < T_MAX)
             tl.store(inv_ptr + s, tl.where(fits, e * T_MAX + r, L * T_MAX), mask=smask)
         else:
             pos = tl.load(offs32_ptr + e, mask=kept, other=0) + r
-            if LAYOUT == 1:
+            if LAYOUT == GROUPED_CONTIGUOUS:
                 tl.store(inv_ptr + s, tl.where(kept, pos, S), mask=smask)
                 tl.store(src_ptr + pos, s, mask=kept)
             else:
@@ -134,7 +132,7 @@ def _place_kernel(slot_expert_ptr, rank_ptr, chunk_base_ptr, counts_ptr, offs32_
     else:
         p = (pid - NB) * PBLK + tl.arange(0, PBLK)
         total = tl.load(offs32_ptr + L)
-        if LAYOUT == 1:
+        if LAYOUT == GROUPED_CONTIGUOUS:
             tl.store(src_ptr + p, S, mask=(p < S) & (p >= total))
         else:
             pm = p < CAP

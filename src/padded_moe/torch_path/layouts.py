@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from padded_moe import layout_codes as codes
 from padded_moe.expert_map import sanitize_torch
 
 
@@ -24,10 +25,11 @@ def _fill_counts_and_rank(se: torch.Tensor, num_local: int) -> tuple[torch.Tenso
     return counts_all, order, pos
 
 
-def build_torch(kind: str, topk_ids: torch.Tensor, num_experts: int, num_local: int,
+def build_torch(layout: int, topk_ids: torch.Tensor, num_experts: int, num_local: int,
                 emap: Optional[torch.Tensor], valid_tokens: Optional[torch.Tensor], bufs: dict,
                 *, block_m: int, t_max: int) -> None:
-    """Fill `bufs` (see `padded_moe.layouts._Buffers`) for layout `kind` in {indexed, contiguous, masked}."""
+    """Fill `bufs` (the arena views of `padded_moe.layouts._carve`) for the layout whose code is
+    `layout` (`padded_moe.layout_codes`), like the kernels' `LAYOUT` constexpr."""
     M, k = topk_ids.shape
     S, L = M * k, num_local
     se = sanitize_torch(topk_ids, num_experts, L, emap, valid_tokens).reshape(-1)
@@ -38,13 +40,13 @@ def build_torch(kind: str, topk_ids: torch.Tensor, num_experts: int, num_local: 
     starts = torch.cumsum(counts_all, 0) - counts_all
     rank = pos - starts[se.long()]
     slots = torch.arange(S, dtype=torch.int64)
-    if kind == "contiguous":
+    if layout == codes.GROUPED_CONTIGUOUS:
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
         bufs["offsets"].copy_(offsets)
         # Kept slots occupy sorted positions [0, offsets[L]) in exactly the layout's order.
         bufs["inv"].copy_(torch.where(kept, pos, S))
         bufs["src"].copy_(torch.where(slots < offsets[L], order, S))
-    elif kind == "masked":
+    elif layout == codes.GROUPED_MASKED:
         clamped = counts.clamp(max=t_max)
         bufs["counts"].copy_(clamped)
         bufs["overflow"].copy_((counts - clamped).sum().reshape(1))

@@ -10,7 +10,8 @@ captures in a CUDA graph.
 from __future__ import annotations
 
 import threading
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -43,43 +44,61 @@ from padded_moe.layouts import (
 from padded_moe.mxfp4 import HopperMxfp4, Mxfp4Tensor
 
 
-def weight_shape(w) -> tuple:
-    """Logical `[L, out, in]` of a float weight or an `Mxfp4Tensor`."""
-    return tuple(w.shape)
-
-
-def _check_weights(act: MoEActivation, w13, w2, hidden_size: int) -> tuple[int, int]:
-    """Return (num_local, N) after checking w13 [L, 2N|N, K] and w2 [L, K, N]."""
+def _check_weights(act: Optional[MoEActivation], w13, w2, hidden_size: int) -> tuple[int, int]:
+    """Return (num_local, N) after checking w13 [L, 2N|N, K] and w2 [L, K, N]. `act` None (a
+    callable activation): w13's width is the callable's business, N is w2's."""
     require_weight("w13", w13)
     require_weight("w2", w2)
-    s13, s2 = weight_shape(w13), weight_shape(w2)
+    s13, s2 = tuple(w13.shape), tuple(w2.shape)
     if len(s13) != 3 or len(s2) != 3:
         raise ValueError(f"w13 and w2 must be 3-D [L, out, in], got shapes {s13} and {s2}")
     num_local, rows13, k13 = s13
     if k13 != hidden_size:
         raise ValueError(f"w13 must be [L, 2N, K] with K = hidden size {hidden_size}, got {s13}")
-    n = rows13 // 2 if act.is_gated else rows13
-    if act.is_gated and rows13 % 2:
+    n = s2[2] if act is None else rows13 // 2 if act.is_gated else rows13
+    if act is not None and act.is_gated and rows13 % 2:
         raise ValueError(f"w13's rows must be even (gate and up) for gated {act.value}, got {s13}")
     if s2 != (num_local, hidden_size, n):
         raise ValueError(f"w2 must have shape {(num_local, hidden_size, n)} (L, K, N), got {s2}")
     return num_local, n
 
 
-def _workspace(scratch, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A buffer cached on the scratch object (allocated on first use), or a fresh one without scratch."""
+@dataclass(frozen=True)
+class WorkspaceBuffer:
+    """One intermediate buffer of the expert pipeline. `name` keys it on a `PermuteScratch`
+    (`PermuteScratch.workspace`); `label` names it in the planner's table; `returned` marks the
+    buffer handed back to the caller (never taken from the eager cache, whose buffers the next
+    call overwrites)."""
+
+    name: str
+    label: str
+    shape: tuple
+    returned: bool = False
+
+
+def expert_workspace(num_tokens: int, top_k: int, hidden_size: int, w13_rows: int, n: int, *,
+                     num_local: Optional[int] = None) -> tuple[WorkspaceBuffer, ...]:
+    """The buffers `fused_experts` (flat: `num_local` None, `[M*k, .]` rows) or `batched_experts`
+    (`[L, T, .]` slabs with `T = num_tokens`, `top_k` unused) allocates besides the layout's
+    own (`PermuteScratch`): the one description both allocate from and the planner sizes."""
+    if num_local is None:
+        rows = (num_tokens * top_k,)
+        return (WorkspaceBuffer("gemm1", "GEMM1 out", rows + (w13_rows,)),
+                WorkspaceBuffer("act", "activation out", rows + (n,)),
+                WorkspaceBuffer("gemm2", "GEMM2 out", rows + (hidden_size,)),
+                WorkspaceBuffer("out", "experts out (unpermuted)", (num_tokens, hidden_size), returned=True))
+    rows = (num_local, num_tokens)
+    return (WorkspaceBuffer("gemm1", "GEMM1 out", rows + (w13_rows,)),
+            WorkspaceBuffer("act", "activation out", rows + (n,)),
+            WorkspaceBuffer("out", "GEMM2 out = experts out", rows + (hidden_size,), returned=True))
+
+
+def _allocate(scratch: Optional[PermuteScratch], buf: WorkspaceBuffer, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """`buf` from the scratch (allocated there on first use), or a fresh tensor without one."""
     if scratch is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    cache = scratch.__dict__.setdefault("_experts_workspace", {})
-    key = (name, dtype, device)
-    buf = cache.get(key)
-    numel = 1
-    for s in shape:
-        numel *= s
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype, device=device)
-        cache[key] = buf
-    return buf[:numel].view(shape)
+        return torch.empty(buf.shape, dtype=dtype, device=device)
+    return scratch.workspace(buf.name, buf.shape, dtype)
 
 
 def _layout_from_argument(layout, expert_parallel: bool) -> GemmLayout:
@@ -88,13 +107,14 @@ def _layout_from_argument(layout, expert_parallel: bool) -> GemmLayout:
 
 
 def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-                  activation: Union[str, MoEActivation],
+                  activation: Union[str, MoEActivation, RowFunction],
                   activation_config: Optional[ApplyMoEActivationConfig] = None,
                   expert_map: Optional[ExpertMap] = None,
                   layout: Union[None, str, GemmLayout] = None,
                   w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None,
                   valid_tokens: Optional[torch.Tensor] = None,
-                  backend: str = "auto", scratch=None) -> torch.Tensor:
+                  backend: str = "auto", scratch=None,
+                  output_transform: Optional[RowFunction] = None) -> torch.Tensor:
     """Routed MoE experts on `hidden_states [M, K]`; returns `[M, K]` in the input's dtype.
 
     `topk_ids` hold global expert ids; ids outside `[0, E)` and (with `expert_map`) non-local ids
@@ -110,8 +130,27 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
     same for `w2`) once after loading — it adds the GEMM's arrangement of the same bytes
     (`HopperMxfp4`), which every later call uses. Unprepared weights still work, on the slower
     `tl.dot_scaled` kernel; `FusedMoE` and the transformers plug-in prepare theirs.
+
+    A model whose activation is none of spec 01's passes it as a callable `activation(h) -> g`
+    (and a model with a norm between GEMM2 and the router weighting passes `output_transform(y)
+    -> y'`). The contract of both: called once per call, eagerly, with GEMM1's (GEMM2's) output
+    rows `h [M*k, W]` (`y [M*k, K]`) in the layout's row order, in the activation dtype; return a
+    tensor of the same row count and dtype, `[M*k, N]` with `N = w2.shape[2]` (`[M*k, K]`). The
+    function must be row-wise (output row i depends on input row i only): GEMM2 (unpermute) reads
+    only the rows of valid slots, so only those rows of the result are ever used, and the other
+    rows of the input (dropped slots, tokens at/after `valid_tokens`, padding) hold unspecified
+    values, possibly NaN. The rows are not compacted to the valid ones, because their number is
+    only known on the device (reading it would cost a host sync per call). A callable cannot
+    travel through the custom op, so under `torch.compile` such a call leaves the graph and runs
+    eagerly (a graph break: `fullgraph=True` refuses it), the callable included; `activation_config`
+    must then be None.
     """
-    act = resolve_supported(activation)
+    custom = callable(activation) and not isinstance(activation, (str, MoEActivation))
+    act = None if custom else resolve_supported(activation)
+    if output_transform is not None and not callable(output_transform):
+        raise TypeError(f"output_transform must be a callable or None, got {type(output_transform).__name__}")
+    if custom and activation_config is not None:
+        raise ValueError("activation_config applies to spec 01's activations; a callable activation takes none")
     require_tensor("hidden_states", hidden_states)
     require_dtype("hidden_states", hidden_states, FLOAT_DTYPES)
     require_rank("hidden_states", hidden_states, (2,))
@@ -127,13 +166,15 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
     num_local, n = _check_weights(act, w13, w2, hidden_size)
     if expert_map is not None and expert_map.num_local != num_local:
         raise ValueError(f"expert_map has {expert_map.num_local} local experts but w13 holds {num_local}")
-    cfg = ApplyMoEActivationConfig() if activation_config is None else activation_config
-    if not isinstance(cfg, ApplyMoEActivationConfig):
-        raise TypeError(f"activation_config must be an ApplyMoEActivationConfig, got {type(cfg).__name__}")
+    cfg = _activation_config(activation_config)
     chosen = _layout_from_argument(layout, expert_parallel=expert_map is not None)
     num_experts, table = _experts_table(expert_map, num_local, topk_ids.device)
     check_topk_ids(topk_ids)
     check_valid_tokens(valid_tokens, topk_ids)
+    if custom or output_transform is not None:
+        step = _Step(activation if custom else act, output_transform)
+        return _eager_pipeline(hidden_states, w13, w2, topk_weights, topk_ids, step, cfg, chosen, num_experts,
+                               num_local, table, w13_bias, w2_bias, valid_tokens, backend, scratch)
     if torch.compiler.is_compiling():
         w13_t, w13_s, *w13_h = _weight_parts(w13)
         w2_t, w2_s, *w2_h = _weight_parts(w2)
@@ -142,8 +183,15 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
             act.value, cfg.clamp_limit, cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta, chosen.value,
             w13_bias, w2_bias, valid_tokens, backend, *w13_h, *w2_h)
     # Eager calls skip the dispatcher (tens of µs of host time per call).
-    return _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, act, cfg, chosen, num_experts, num_local,
-                     table, w13_bias, w2_bias, valid_tokens, backend, scratch)
+    return _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, _Step(act), cfg, chosen, num_experts,
+                     num_local, table, w13_bias, w2_bias, valid_tokens, backend, scratch)
+
+
+def _activation_config(cfg: Optional[ApplyMoEActivationConfig]) -> ApplyMoEActivationConfig:
+    cfg = ApplyMoEActivationConfig() if cfg is None else cfg
+    if not isinstance(cfg, ApplyMoEActivationConfig):
+        raise TypeError(f"activation_config must be an ApplyMoEActivationConfig, got {type(cfg).__name__}")
+    return cfg
 
 
 def _experts_table(expert_map: Optional[ExpertMap], num_local: int,
@@ -175,10 +223,33 @@ def _weight_from_parts(t: torch.Tensor, scales: Optional[torch.Tensor], h_blocks
     return Mxfp4Tensor(t, scales, h)
 
 
-def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, act: MoEActivation, cfg: ApplyMoEActivationConfig,
-              layout: Union[GemmLayout, str], num_experts: int, num_local: int, table, w13_bias, w2_bias, valid_tokens, backend: str,
-              scratch, eager_cache: bool = True) -> torch.Tensor:
-    """layout → (permute) → GEMM1 → activation → GEMM2 → unpermute, on checked arguments."""
+RowFunction = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What runs between the GEMMs: spec 01's activation or a model's own row function, and an
+    optional row function on GEMM2's output (see `fused_experts`)."""
+
+    activation: Union[MoEActivation, RowFunction]
+    output_transform: Optional[RowFunction] = None
+
+
+def _row_function(name: str, fn: RowFunction, x: torch.Tensor, width: int, out: torch.Tensor) -> torch.Tensor:
+    """`fn(x)` checked against its contract, in `out` when given (the scratch's buffer)."""
+    y = fn(x)
+    want = (x.shape[0], width)
+    if not isinstance(y, torch.Tensor) or tuple(y.shape) != want or y.dtype != x.dtype:
+        got = f"{y.dtype} {tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__
+        raise ValueError(f"{name} must return a {x.dtype} tensor of shape {want}, got {got}")
+    return out.copy_(y) if out is not None else y.contiguous()
+
+
+def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, step: _Step, cfg: ApplyMoEActivationConfig,
+              layout: Union[GemmLayout, str], num_experts: int, num_local: int, table, w13_bias, w2_bias,
+              valid_tokens, backend: str, scratch, eager_cache: bool = True) -> torch.Tensor:
+    """layout → (permute) → GEMM1 → activation → GEMM2 → (output transform) → unpermute, on
+    checked arguments."""
     num_tokens, hidden_size = hidden_states.shape
     buffers, block_m = scratch, None
     if scratch is None and eager_cache:
@@ -188,19 +259,24 @@ def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, act: MoEActivation
     meta = build_layout_resolved(layout, topk_ids, num_experts, num_local, table, valid_tokens=valid_tokens,
                                  scratch=buffers, block_m=block_m)
     device, dtype = hidden_states.device, hidden_states.dtype
-    n = weight_shape(w2)[2]
-    a = permute(hidden_states, meta)
-    rows = num_tokens * topk_ids.shape[1]
-    width13 = weight_shape(w13)[1]
-    h = _workspace(buffers, "gemm1", (rows, width13), dtype, device)
-    expert_gemm(a, w13, meta, stage="w13", bias=w13_bias, out=h, backend=backend)
-    act_out = _workspace(buffers, "act", (rows, n), dtype, device)
-    apply_moe_activation(act, act_out, h, activation_config=cfg, valid_token_counts=meta.activation_counts)
-    y = _workspace(buffers, "gemm2", (rows, hidden_size), dtype, device)
-    expert_gemm(act_out, w2, meta, stage="w2", bias=w2_bias, out=y, backend=backend)
-    out = _workspace(scratch, "out", (num_tokens, hidden_size), dtype, device)
-    unpermute(out, y, topk_weights, meta)
+    gemm1, act, gemm2, out = (_allocate(scratch if b.returned else buffers, b, dtype, device)
+                              for b in expert_workspace(num_tokens, topk_ids.shape[1], hidden_size,
+                                                        w13.shape[1], w2.shape[2]))
+    expert_gemm(permute(hidden_states, meta), w13, meta, stage="w13", bias=w13_bias, out=gemm1, backend=backend)
+    if isinstance(step.activation, MoEActivation):
+        apply_moe_activation(step.activation, act, gemm1, activation_config=cfg,
+                             valid_token_counts=meta.activation_counts)
+    else:
+        act = _row_function("activation", step.activation, gemm1, act.shape[1], act)
+    expert_gemm(act, w2, meta, stage="w2", bias=w2_bias, out=gemm2, backend=backend)
+    if step.output_transform is not None:
+        gemm2 = _row_function("output_transform", step.output_transform, gemm2, hidden_size, gemm2)
+    unpermute(out, gemm2, topk_weights, meta)
     return out
+
+
+# A callable cannot cross the custom op: under torch.compile the call leaves the graph here.
+_eager_pipeline = torch.compiler.disable(_pipeline)
 
 
 # Eager calls of up to this many slots (tokens × k) reuse cached layout and intermediate buffers:
@@ -249,7 +325,7 @@ def _fused_experts_op(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: Optio
     cfg = ApplyMoEActivationConfig(clamp_limit, alpha, beta, situ_beta, situ_linear_beta)
     w13w = _weight_from_parts(w13, w13_scales, w13_hopper_blocks, w13_hopper_scales)
     w2w = _weight_from_parts(w2, w2_scales, w2_hopper_blocks, w2_hopper_scales)
-    return _pipeline(hidden, w13w, w2w, topk_weights, topk_ids, MoEActivation(activation), cfg, layout,
+    return _pipeline(hidden, w13w, w2w, topk_weights, topk_ids, _Step(MoEActivation(activation)), cfg, layout,
                      num_experts, w13.shape[0], expert_table, w13_bias, w2_bias, valid_tokens, backend, None,
                      # A compiled graph's memory (CUDA-graph pools included) must not leak into a
                      # cache that outlives the call.
@@ -293,10 +369,8 @@ def batched_experts(x: torch.Tensor, counts: torch.Tensor, w13, w2, *, activatio
     if tuple(counts.shape) != (num_local,):
         raise ValueError(f"counts must be 1-D of length L={num_local}, got shape {tuple(counts.shape)}")
     if _check_weights(act, w13, w2, hidden_size)[0] != num_local:
-        raise ValueError(f"w13 must hold L={num_local} experts (x's first dim), got {weight_shape(w13)}")
-    cfg = ApplyMoEActivationConfig() if activation_config is None else activation_config
-    if not isinstance(cfg, ApplyMoEActivationConfig):
-        raise TypeError(f"activation_config must be an ApplyMoEActivationConfig, got {type(cfg).__name__}")
+        raise ValueError(f"w13 must hold L={num_local} experts (x's first dim), got {tuple(w13.shape)}")
+    cfg = _activation_config(activation_config)
     if out is None:
         out = torch.empty_like(x)
     elif not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype \
@@ -315,12 +389,12 @@ def batched_experts(x: torch.Tensor, counts: torch.Tensor, w13, w2, *, activatio
 
 def _batched_pipeline(x, counts, w13, w2, act: MoEActivation, cfg: ApplyMoEActivationConfig, backend: str,
                       out: torch.Tensor) -> None:
-    num_local, max_rows, _ = x.shape
-    n = weight_shape(w2)[2]
+    num_local, max_rows, hidden_size = x.shape
     meta = masked_meta_from_counts(counts, max_rows)
-    h = torch.empty(num_local, max_rows, weight_shape(w13)[1], dtype=x.dtype, device=x.device)
+    # `out` is the caller's (or batched_experts' fresh) buffer; the others are allocated per call.
+    h, act_out, _ = (_allocate(None, b, x.dtype, x.device)
+                     for b in expert_workspace(max_rows, 0, hidden_size, w13.shape[1], w2.shape[2], num_local=num_local))
     expert_gemm(x, w13, meta, stage="w13", out=h, backend=backend)
-    act_out = torch.empty(num_local, max_rows, n, dtype=x.dtype, device=x.device)
     apply_moe_activation(act, act_out, h, activation_config=cfg, valid_token_counts=meta.counts)
     expert_gemm(act_out, w2, meta, stage="w2", out=out, backend=backend)
 

@@ -19,6 +19,7 @@ from typing import Optional, Union
 
 import torch
 
+from padded_moe._util import itemsize
 from padded_moe.distributed import WireFormat, route_block_columns
 from padded_moe.presets import PRESETS, MoEPreset, get_preset
 
@@ -40,7 +41,7 @@ class Buffer:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,6 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.total_bytes <= self.gpu_mem_bytes
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _resolve_shapes(preset_or_shapes) -> MoEPreset:
@@ -134,28 +131,24 @@ def _ep_buffers(R: int, T: int, K: int, k: int, L: int, mode: str, dtype, fp8: b
     return out
 
 
-def _layout_metadata_bytes(slots_tokens: int, k: int, E: int, L: int) -> int:
-    """Bytes of the layout metadata arena for `slots_tokens` tokens (PermuteScratch on 'meta')."""
-    from padded_moe.layouts import PermuteScratch
-
-    scratch = PermuteScratch(slots_tokens, k, E, L, torch.device("meta"))
-    return sum(t.untyped_storage().nbytes() for t in vars(scratch).values() if isinstance(t, torch.Tensor))
-
-
 def _expert_buffers(p: MoEPreset, R: int, T: int, L: int, mode: str, dtype) -> list:
-    G, K, N, k, rows = p.w13_rows, p.hidden_size, p.intermediate_size, p.top_k, R * T
-    if mode == "flat":  # fused_experts on R*T received tokens: R*T*k slot rows
-        slots = rows * k
-        return [Buffer("permuted A", (slots, K), dtype, "experts"),
-                Buffer("GEMM1 out", (slots, G), dtype, "experts"),
-                Buffer("activation out", (slots, N), dtype, "experts"),
-                Buffer("GEMM2 out", (slots, K), dtype, "experts"),
-                Buffer("experts out (unpermuted)", (rows, K), dtype, "experts"),
-                Buffer("layout metadata", (_layout_metadata_bytes(rows, k, p.num_experts, L),), torch.uint8,
-                       "experts")]
-    return [Buffer("GEMM1 out", (L, rows, G), dtype, "experts"),
-            Buffer("activation out", (L, rows, N), dtype, "experts"),
-            Buffer("GEMM2 out = experts out", (L, rows, K), dtype, "experts")]
+    """The expert workspace as the pipeline allocates it: `experts.expert_workspace` and, in flat
+    mode (fused_experts on R*T received tokens, GROUPED_CONTIGUOUS), the layout's `PermuteScratch`
+    built on the meta device (its index arena and its permuted-rows buffer)."""
+    from padded_moe.experts import expert_workspace
+    from padded_moe.layouts import GemmLayout, PermuteScratch
+
+    K, rows = p.hidden_size, R * T
+    flat = mode == "flat"
+    work = expert_workspace(rows, p.top_k, K, p.w13_rows, p.intermediate_size, num_local=None if flat else L)
+    out = [Buffer(b.label, b.shape, dtype, "experts") for b in work]
+    if flat:
+        scratch = PermuteScratch(rows, p.top_k, p.num_experts, L, torch.device("meta"))
+        permuted = scratch.permute_buffer(GemmLayout.GROUPED_CONTIGUOUS, K, dtype)
+        arena = sum(t.untyped_storage().nbytes() for t in vars(scratch).values() if isinstance(t, torch.Tensor))
+        out = [Buffer("permuted A", (permuted.numel() // K, K), dtype, "experts")] + out
+        out.append(Buffer("layout metadata", (arena,), torch.uint8, "experts"))
+    return out
 
 
 def _combine_buffers(R: int, T: int, K: int, mode: str, dtype) -> list:

@@ -10,8 +10,9 @@ Each call is served one of two ways (see `experts_plan` and docs/transformers.md
 
 - fused: the module's gate is one of spec 01's activations (detected from the class that defines
   `_apply_gate` and the module's activation attributes), so `fused_experts` runs the whole thing;
-- composed: the gate is unknown (or the module has a post-expert norm), so GEMM1 and GEMM2 run on
-  our kernels and the module's own `_apply_gate` (or `act_fn`) runs in torch between them.
+- composed: the gate is unknown (or the module has a post-expert norm), so `fused_experts` runs
+  with the module's own `_apply_gate` (or `act_fn`) as its activation callable (and the norm as
+  its `output_transform`), eagerly in torch between our GEMMs.
 
 transformers is imported only inside `register()` and the helpers it installs, so importing this
 module costs nothing when transformers is absent.
@@ -245,33 +246,12 @@ def expert_weights(module: torch.nn.Module):
 # The experts forward
 # ---------------------------------------------------------------------------------------------
 
-def _composed(module, plan: ExpertsPlan, hidden: torch.Tensor, w13, w2, b13, b2,
-              weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """GEMM1 and GEMM2 on our kernels, the module's own gate in torch between them."""
-    from padded_moe.activation import apply_moe_activation
-    from padded_moe.gemm import expert_gemm
-    from padded_moe.layouts import build_layout, permute, select_gemm_layout, unpermute
-
-    layout = select_gemm_layout(expert_parallel=False, batched_format=False)
-    meta = build_layout(layout, ids, w13.shape[0])
-    a = permute(hidden, meta)  # INDEXED: `hidden` itself (GEMM1 gathers rows on load)
-    h = expert_gemm(a, w13, meta, stage="w13", bias=b13)
+def _module_activation(module, plan: ExpertsPlan) -> Any:
+    """What `fused_experts` runs between the GEMMs: the plan's spec 01 activation, else the
+    module's own gate (`_apply_gate`, or `act_fn` for ungated experts) as a row function."""
     if plan.activation is not None:
-        width = h.shape[-1] if plan.activation.endswith("_no_mul") else h.shape[-1] // 2
-        g = h.new_empty(*h.shape[:-1], width)
-        apply_moe_activation(plan.activation, g, h, activation_config=plan.activation_config,
-                             valid_token_counts=meta.activation_counts)
-    elif getattr(module, "has_gate", True):
-        # Rows the layout leaves unwritten hold garbage; the gate is row-wise, so it cannot leak.
-        g = module._apply_gate(h)
-    else:
-        g = module.act_fn(h)
-    y = expert_gemm(g.contiguous(), w2, meta, stage="w2", bias=b2)
-    if getattr(module, "has_post_expert_norm", False):
-        y = module.post_expert_norm(y)
-    out = torch.empty_like(hidden)  # unpermute writes every row (zeros where all slots dropped)
-    unpermute(out, y, weights, meta)
-    return out
+        return plan.activation
+    return module._apply_gate if getattr(module, "has_gate", True) else module.act_fn
 
 
 def padded_moe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
@@ -291,11 +271,12 @@ def padded_moe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     weights = top_k_weights.reshape(ids.shape).to(torch.float32)
     plan = experts_plan(self)
     w13, w2, b13, b2 = expert_weights(self)
-    if plan.path == FUSED:
-        out = fused_experts(hidden, w13, w2, weights, ids, activation=plan.activation,
-                            activation_config=plan.activation_config, w13_bias=b13, w2_bias=b2)
-    else:
-        out = _composed(self, plan, hidden, w13, w2, b13, b2, weights, ids)
+    # The composed path is fused_experts too, given the module's own gate and post-expert norm
+    # (eager: a callable cannot enter the custom op).
+    norm = self.post_expert_norm if getattr(self, "has_post_expert_norm", False) else None
+    out = fused_experts(hidden, w13, w2, weights, ids, activation=_module_activation(self, plan),
+                        activation_config=plan.activation_config if plan.activation is not None else None,
+                        w13_bias=b13, w2_bias=b2, output_transform=norm)
     return out.to(hidden_states.dtype).reshape(shape)
 
 

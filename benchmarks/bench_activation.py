@@ -17,7 +17,6 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import bar_plot, bench_graph_us, bench_us, copy_bandwidth_gbs, print_table, write_report  # noqa: E402
 
-from padded_moe import activation as activation_module  # noqa: E402
 from padded_moe.activation import ApplyMoEActivationConfig, apply_moe_activation  # noqa: E402
 
 D = 2048
@@ -73,17 +72,15 @@ def zero_count_cost() -> tuple[float, float]:
 def sweep_tuning() -> list:
     """Launch shapes for silu, 100% valid, [49152, 4096] and [12288, 4096]: graph-replay µs each."""
     rows_out = []
-    default = dict(activation_module.TUNING)
     for tile, warps, per_sm in ((4096, 4, 16), (8192, 8, 8), (8192, 4, 16), (2048, 4, 32), (16384, 8, 4)):
-        activation_module.TUNING.update(tile_elems=tile, num_warps=warps, programs_per_sm=per_sm)
+        tuning = dict(tile_elems=tile, num_warps=warps, programs_per_sm=per_sm)
         for rows in (49152, 12288):
             x = torch.randn(rows, 2 * D, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(rows, D, device="cuda", dtype=torch.bfloat16)
             counts = torch.full((1,), rows, device="cuda", dtype=torch.int32)
-            t = bench_graph_us(lambda: apply_moe_activation("silu", out, x, valid_token_counts=counts))
+            t = bench_graph_us(lambda: apply_moe_activation("silu", out, x, valid_token_counts=counts,
+                                                            tuning=tuning))
             rows_out.append([tile, warps, per_sm, rows, t])
-    activation_module.TUNING.clear()
-    activation_module.TUNING.update(default)
     return rows_out
 
 

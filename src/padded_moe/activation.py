@@ -17,16 +17,9 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from padded_moe import _platform
-from padded_moe._validation import (
-    require_real,
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    require_dtype,
-    require_last_dim_contiguous,
-    require_rank,
-    require_same_device,
-    require_tensor,
-)
+from padded_moe._util import cdiv, next_pow2
+from padded_moe._validation import (FLOAT_DTYPES, INDEX_DTYPES, require_dtype, require_last_dim_contiguous,
+                                    require_rank, require_real, require_same_device, require_tensor)
 from padded_moe.torch_path import activation as torch_activation
 
 
@@ -234,7 +227,7 @@ def _check_counts_on_host(counts: torch.Tensor, num_rows: int) -> None:
 def apply_moe_activation(activation: Union[str, MoEActivation], output: torch.Tensor, input: torch.Tensor, *,
                          activation_config: Optional[ApplyMoEActivationConfig] = None,
                          valid_token_counts: Optional[torch.Tensor] = None,
-                         check_counts: bool = False) -> torch.Tensor:
+                         check_counts: bool = False, tuning: Optional[Mapping] = None) -> torch.Tensor:
     """Write `activation(input)` into `output` for the valid rows only; return `output`.
 
     Plain: `input [T, W]`, no counts. Flat: `input [T, W]`, `valid_token_counts [1]`. Batched:
@@ -242,16 +235,21 @@ def apply_moe_activation(activation: Union[str, MoEActivation], output: torch.Te
     activations (gate then up; interleaved for swigluoai), `d` otherwise; `output [.., d]`.
     Counts are clamped to `[0, T]` on the device; output rows at or past a count keep their
     previous contents. `check_counts=True` syncs to the host and rejects counts outside `[0, T]`.
+    `tuning` overrides entries of `TUNING` (the kernel's launch shape) for this call, eager calls
+    only (benchmarks sweep it; the custom op always uses `TUNING`).
     """
     act = resolve_supported(activation)
     cfg = ApplyMoEActivationConfig() if activation_config is None else activation_config
     if not isinstance(cfg, ApplyMoEActivationConfig):
         raise TypeError(f"activation_config must be an ApplyMoEActivationConfig, got {type(cfg).__name__}")
     params = _resolve(act, cfg)
+    launch_shape = _tuning(tuning)
     _check_tensors(act, output, input, valid_token_counts)
     if check_counts and valid_token_counts is not None:
         _check_counts_on_host(valid_token_counts, input.shape[-2])
     if torch.compiler.is_compiling():
+        if tuning is not None:
+            raise NotImplementedError("tuning is for eager calls; under torch.compile the op uses TUNING")
         # Under torch.compile the registered op keeps the kernel opaque to the tracer.
         torch.ops.padded_moe.moe_activation(
             act.value, output, input, valid_token_counts,
@@ -259,8 +257,19 @@ def apply_moe_activation(activation: Union[str, MoEActivation], output: torch.Te
     else:
         # Eager calls skip the dispatcher: it costs tens of µs of host time per call, more than
         # the kernel itself for small or mostly-padded buffers.
-        _run(act, output, input, valid_token_counts, params)
+        _run(act, output, input, valid_token_counts, params, launch_shape)
     return output
+
+
+def _tuning(tuning: Optional[Mapping]) -> dict:
+    if tuning is None:
+        return TUNING
+    if not isinstance(tuning, Mapping):
+        raise TypeError(f"tuning must be a mapping of TUNING's keys, got {type(tuning).__name__}")
+    unknown = sorted(set(tuning) - set(TUNING))
+    if unknown:
+        raise ValueError(f"tuning has unknown keys {unknown}; TUNING's keys are {sorted(TUNING)}")
+    return {**TUNING, **tuning}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,11 +284,11 @@ def _moe_activation_op(activation: str, output: torch.Tensor, input: torch.Tenso
 
 
 def _run(act: MoEActivation, output: torch.Tensor, input: torch.Tensor, counts: Optional[torch.Tensor],
-         params: _Params) -> None:
+         params: _Params, tuning: Optional[dict] = None) -> None:
     if input.numel() == 0:
         return
     if _platform.use_triton(input.device):
-        _launch_triton(act, output, input, counts, params)
+        _launch_triton(act, output, input, counts, params, TUNING if tuning is None else tuning)
     else:
         _run_torch(act, output, input, counts, params)
 
@@ -309,29 +318,25 @@ def _run_torch(act: MoEActivation, output: torch.Tensor, input: torch.Tensor,
 TUNING = {"tile_elems": 4096, "max_block_d": 1024, "num_warps": 4, "programs_per_sm": 16}
 
 
-def _block_shape(d: int) -> tuple[int, int, int]:
+def _block_shape(d: int, tuning: dict) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_D, num_warps): a tile of `tile_elems`, 16-byte vectors along the row."""
-    import triton
-
-    block_d = min(TUNING["max_block_d"], triton.next_power_of_2(max(d, 1)))
-    block_t = max(1, min(64, TUNING["tile_elems"] // block_d))
-    return block_t, block_d, TUNING["num_warps"]
+    block_d = min(tuning["max_block_d"], next_pow2(max(d, 1)))
+    block_t = max(1, min(64, tuning["tile_elems"] // block_d))
+    return block_t, block_d, tuning["num_warps"]
 
 
 def _launch_triton(act: MoEActivation, output: torch.Tensor, input: torch.Tensor,
-                   counts: Optional[torch.Tensor], p: _Params) -> None:
-    import triton
-
+                   counts: Optional[torch.Tensor], p: _Params, tuning: dict) -> None:
     from padded_moe.kernels._launch import launch, ptr_key
     from padded_moe.kernels.activation import KERNEL_IDS, moe_activation_kernel
 
     out3, in3 = _as_batched(output), _as_batched(input)
     num_experts, num_rows, d = out3.shape
-    block_t, block_d, num_warps = _block_shape(d)
-    col_blocks = triton.cdiv(d, block_d)
+    block_t, block_d, num_warps = _block_shape(d, tuning)
+    col_blocks = cdiv(d, block_d)
     # Enough resident programs to fill the chip; each strides over its expert's valid row blocks.
-    budget = max(1, _platform.program_cap(input.device, per_sm=TUNING["programs_per_sm"]) // (col_blocks * num_experts))
-    row_programs = max(1, min(triton.cdiv(num_rows, block_t), budget))
+    budget = max(1, _platform.program_cap(input.device, per_sm=tuning["programs_per_sm"]) // (col_blocks * num_experts))
+    row_programs = max(1, min(cdiv(num_rows, block_t), budget))
     grid = (row_programs, col_blocks, num_experts)
     counts_arg = counts if counts is not None else in3  # unused pointer when HAS_COUNTS is False
     ptrs = (out3, in3, counts_arg)

@@ -55,7 +55,8 @@ class GemmConfig:
     swap_ab: bool = False
     # MXFP4 weights carrying the prepared `HopperMxfp4` form: run `_expert_gemm_mx_hopper_kernel`
     # (bf16 tl.dot on weights upcast in registers, weights as the left operand; BK a multiple of
-    # 64). False keeps the tl.dot_scaled kernel above even for prepared weights (for comparison).
+    # 64). False runs the tl.dot_scaled kernel above even for prepared weights (the benchmark
+    # compares the two on the same weights).
     mx_hopper: bool = False
     # mx_hopper only, compiled bf16 activations: the upcast as inline PTX on packed bf16x2 pairs
     # (`_e2m1_planes_ptx`, about half the instructions of the portable float32 form). The
@@ -71,7 +72,8 @@ class GemmConfig:
 # Tuned for H200 (sm_90), keyed by (weight kind, regime). Regimes by rows per expert:
 # decode <= 32 (weight-bandwidth bound: small BM, many programs), small <= 128, medium <= 512,
 # prefill > 512 (compute bound: big tiles, grouped ordering so an expert's weight tile stays in L2).
-# Updated from `benchmarks/bench_gemm.py`'s sweep winners (H200, 2026-11-30, see notes.md).
+# Each entry is the winner of `benchmarks/bench_gemm.py`'s H200 sweep for its regime (the sweep
+# candidates are SWEEP below; measurements in notes.md).
 TUNED: dict[tuple[str, str], GemmConfig] = {
     ("bf16", "decode"): GemmConfig(32, 64, 128, 1, 4, 4),
     ("bf16", "small"): GemmConfig(64, 128, 64, 4, 4, 4, tma=True),
@@ -83,10 +85,11 @@ TUNED: dict[tuple[str, str], GemmConfig] = {
     ("mxfp4", "prefill"): GemmConfig(256, 128, 64, 8, 8, 3),
 }
 
-# MXFP4 weights prepared with `Mxfp4Tensor.prepare_for()` (the Hopper kernel). Not yet swept on the
-# H200: decode is the sweep winner on the GPT-OSS shapes at 1, 4 and 32 rows per expert (BM 16
-# tiles read an expert's weights twice at 32 rows); small / medium / prefill are first guesses
-# (128x128 tiles on two warpgroups) until `bench_gemm.py --mxfp4-hopper` sweeps those regimes.
+# MXFP4 weights prepared with `Mxfp4Tensor.prepare_for()` (the Hopper kernel). Decode is the sweep
+# winner on the GPT-OSS shapes at 1, 4 and 32 rows per expert (BM 16 tiles would read an expert's
+# weights twice at 32 rows). Small / medium / prefill are unmeasured: 128x128 tiles on two
+# warpgroups, the shape that keeps the upcast weight tile in registers; `bench_gemm.py
+# --mxfp4-hopper` sweeps them (SWEEP_MXFP4_HOPPER).
 TUNED.update({
     ("mxfp4_hopper", "decode"): GemmConfig(32, 128, 64, 1, 4, 3, mx_hopper=True),
     ("mxfp4_hopper", "small"): GemmConfig(64, 128, 128, 4, 4, 3, mx_hopper=True),
@@ -94,10 +97,9 @@ TUNED.update({
     ("mxfp4_hopper", "prefill"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True),
 })
 
-# GROUPED_MASKED uses the same table: on the H200 a 64-row tile (tried so that a 10%-valid slab
-# wastes less of its last tile) made the full slab 1.4x slower and the 10%-valid call no faster
-# than 128-row tiles (bench_gemm, 2026-11-30), and at T_max=512 both are bound by reading every
-# expert's weights once.
+# Every layout uses the same table. For GROUPED_MASKED a 64-row tile would waste less of a mostly
+# empty slab's last tile, but on the H200 it made the full slab 1.4x slower and a 10%-valid call
+# no faster than 128-row tiles: at T_max=512 both are bound by reading every expert's weights once.
 
 # Under the interpreter every block op is a numpy call; small tiles keep CPU tests fast.
 INTERPRET_CONFIG = GemmConfig(16, 32, 32, 1, 4, 1)

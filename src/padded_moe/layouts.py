@@ -50,6 +50,11 @@ class LayoutMetaBase:
     num_local: int
     slot_expert: torch.Tensor
     activation_counts: torch.Tensor
+    # Keyword-only, so every layout's own fields keep their positions after the shared ones.
+    # `valid_tokens`: the tensor given to build_layout (unpermute leaves rows at/after it alone);
+    # `scratch`: set when built with one (permute then writes into its buffer).
+    valid_tokens: Optional[torch.Tensor] = field(default=None, kw_only=True)
+    scratch: Optional["PermuteScratch"] = field(default=None, repr=False, compare=False, kw_only=True)
 
     # Metadata tensors a GEMM reads, checked by `expert_gemm` (index dtype, device, contiguity).
     GEMM_FIELDS: ClassVar[tuple[str, ...]] = ()
@@ -112,8 +117,6 @@ class IndexedMeta(LayoutMetaBase):
     num_padded: torch.Tensor
     block_m: int
     layout: GemmLayout = GemmLayout.INDEXED
-    valid_tokens: Optional[torch.Tensor] = None
-    scratch: Optional["PermuteScratch"] = field(default=None, repr=False, compare=False)
 
     GEMM_FIELDS: ClassVar[tuple[str, ...]] = ("sorted_ids", "block_expert", "num_padded")
     PERMUTES: ClassVar[bool] = False
@@ -160,8 +163,6 @@ class GroupedContiguousMeta(LayoutMetaBase):
     inv: torch.Tensor
     src: torch.Tensor
     layout: GemmLayout = GemmLayout.GROUPED_CONTIGUOUS
-    valid_tokens: Optional[torch.Tensor] = None
-    scratch: Optional["PermuteScratch"] = field(default=None, repr=False, compare=False)
 
     GEMM_FIELDS: ClassVar[tuple[str, ...]] = ("offsets",)
     # Every valid row is < offsets[L] <= M*k, so buffers sized for a larger call serve too.
@@ -198,8 +199,6 @@ class GroupedMaskedMeta(LayoutMetaBase):
     overflow: torch.Tensor
     max_tokens_per_expert: int
     layout: GemmLayout = GemmLayout.GROUPED_MASKED
-    valid_tokens: Optional[torch.Tensor] = None
-    scratch: Optional["PermuteScratch"] = field(default=None, repr=False, compare=False)
 
     GEMM_FIELDS: ClassVar[tuple[str, ...]] = ("counts",)
 

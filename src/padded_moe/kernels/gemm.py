@@ -273,6 +273,33 @@ def _tile_rows(pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num
 
 
 @triton.jit
+def _program_tile(N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
+                  LAYOUT: tl.constexpr, A_DIV: tl.constexpr, BLOCK_MB: tl.constexpr, SUB: tl.constexpr,
+                  ROWS: tl.constexpr, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  GROUP_M: tl.constexpr):
+    """This program's tile, shared by both GEMM kernels: `_tile_rows`' values for its m-tile (the
+    expert as int64), its first output column `n0`, the columns `rn` and their mask `n_ok`."""
+    pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(N, BN), GROUP_M)
+    live, e, row_start, a_rows, c_rows, valid = _tile_rows(
+        pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM)
+    n0 = pid_n * BN
+    rn = n0 + tl.arange(0, BN)
+    return live, e.to(tl.int64), n0, rn, rn < N, row_start, a_rows, c_rows, valid
+
+
+@triton.jit
+def _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, HAS_BIAS: tl.constexpr):
+    """The epilogue of both GEMM kernels: fp32 `acc [BM, BN]` plus the expert's bias, rounded once
+    to `c`'s dtype, stored at the tile's valid rows and columns only."""
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + e64 * stride_be + rn, mask=n_ok, other=0.0)
+        acc += b.to(tl.float32)[None, :]
+    c_ptrs = c_ptr + c_rows.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _expert_gemm_kernel(
     a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr,
     ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr,
@@ -285,18 +312,13 @@ def _expert_gemm_kernel(
     A_FMT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    num_pid_n = tl.cdiv(N, BN)
-    pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
-    live, e, row_start, a_rows, c_rows, valid = _tile_rows(
-        pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM)
+    live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid = _program_tile(
+        N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN, GROUP_M)
     if live == 0:
         return
 
     # ---- main loop ------------------------------------------------------------------------
-    e64 = e.to(tl.int64)
-    rn = pid_n * BN + tl.arange(0, BN)
-    n_ok = rn < N
     rk = tl.arange(0, BK)
     if not A_DESC:
         a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
@@ -337,7 +359,7 @@ def _expert_gemm_kernel(
                     acc = tl.dot(a, w, acc)
         else:
             if W_DESC:  # weights viewed as [L*Nout, K]; columns past Nout are never stored
-                w = tl.trans(w_ptr.load([(e64 * N + pid_n * BN).to(tl.int32), k0]))
+                w = tl.trans(w_ptr.load([(e64 * N + n0).to(tl.int32), k0]))
             else:
                 w = tl.load(w_base + (k0 + rk)[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if FP32_DOT:
@@ -347,11 +369,7 @@ def _expert_gemm_kernel(
 
     if SWAP_AB:
         acc = tl.trans(acc)
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + e64 * stride_be + rn, mask=n_ok, other=0.0)
-        acc += b.to(tl.float32)[None, :]
-    c_ptrs = c_ptr + c_rows.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, HAS_BIAS)
 
 
 @triton.jit
@@ -442,17 +460,12 @@ def _expert_gemm_mx_hopper_kernel(
     and two float32 multiplies per element (`_e2m1_plane`; `_e2m1_planes_ptx` with UPCAST_PTX),
     no shuffles. BK is a multiple of 64; a loop iteration covers BK/64 blocks.
     """
-    num_pid_n = tl.cdiv(N, BN)
-    pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
-    live, e, row_start, a_rows, c_rows, valid = _tile_rows(
-        pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM)
+    live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid = _program_tile(
+        N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN, GROUP_M)
     if live == 0:
         return
 
-    e64 = e.to(tl.int64)
-    rn = pid_n * BN + tl.arange(0, BN)
-    n_ok = rn < N
     rh = tl.arange(0, 32)
     a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
     w_base = w_ptr + e64 * stride_we + rn.to(tl.int64)[:, None] * stride_wn
@@ -486,11 +499,7 @@ def _expert_gemm_mx_hopper_kernel(
                 acc = tl.dot(w_hi, tl.trans(x_hi), acc)
 
     acc = tl.trans(acc)
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + e64 * stride_be + rn, mask=n_ok, other=0.0)
-        acc += b.to(tl.float32)[None, :]
-    c_ptrs = c_ptr + c_rows.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, HAS_BIAS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -565,16 +574,12 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     if mx:
         BK = max(32, BK)
     dummy = out2  # stands in for pointers a layout does not use (never dereferenced)
+    meta_ptrs = tuple(dummy if t is None else t for t in (sorted_ids, block_expert, num_padded, offsets, counts))
     grid = (num_pid_m * triton.cdiv(N, cfg.BN),)
     if hopper:
         hb, hs = w_hopper.blocks, w_hopper.scales
         k_pad = w_hopper.k_padded
-        ptrs = (a2, hb, hs, bias if bias is not None else dummy, out2,
-                sorted_ids if sorted_ids is not None else dummy,
-                block_expert if block_expert is not None else dummy,
-                num_padded if num_padded is not None else dummy,
-                offsets if offsets is not None else dummy,
-                counts if counts is not None else dummy)
+        ptrs = (a2, hb, hs, bias if bias is not None else dummy, out2) + meta_ptrs
         ints = (N, K, k_pad, a2.shape[0], num_local, mk, t_max, num_pid_m,
                 a2.stride(0), hb.stride(0), hb.stride(1), hs.stride(0), hs.stride(1),
                 bias.stride(0) if bias is not None else 0, out2.stride(0))
@@ -594,12 +599,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     w_arg = TensorDescriptor(w, [w.shape[0] * N, K], [w.stride(1), 1], [cfg.BN, BK]) if w_desc else w
     # tl.dot_scaled: compiled 16-bit activations only (the interpreter has no dot_scaled).
     mx_native = cfg.mx_native and mx and a2.is_cuda and a2.dtype in (torch.bfloat16, torch.float16)
-    ptrs = (a2, w, w_scales if mx else dummy, bias if bias is not None else dummy, out2,
-            sorted_ids if sorted_ids is not None else dummy,
-            block_expert if block_expert is not None else dummy,
-            num_padded if num_padded is not None else dummy,
-            offsets if offsets is not None else dummy,
-            counts if counts is not None else dummy)
+    ptrs = (a2, w, w_scales if mx else dummy, bias if bias is not None else dummy, out2) + meta_ptrs
     ints = (N, K, a2.shape[0], num_local, mk, t_max, num_pid_m,
             a2.stride(0), w.stride(0), w.stride(1), w.stride(2),
             w_scales.stride(0) if mx else 0, w_scales.stride(1) if mx else 0,

@@ -15,16 +15,24 @@ Files, in the order data flows through them:
   gloo); `inprocess.py`: R ranks as threads of one process (the tests' double);
 - `engine.py`: `ExpertParallel`, which runs the stages around the transport's exchanges.
 
-`padded_moe.distributed` re-exports the public names.
+`padded_moe.distributed` re-exports the public names. The names below load on first use, so
+`padded_moe.ep.wire` / `padded_moe.ep.transport` (what the planner reads) import no orchestrator.
 """
 
-from padded_moe.ep.engine import DispatchHandle, ExpertParallel, ReceiveBuffer
-from padded_moe.ep.inprocess import InProcessTransport, InProcessWorld
-from padded_moe.ep.transport import TRANSPORTS, Transport, default_name, storage_plan, transport_names
-from padded_moe.ep.wire import BufferSpec, EPGeometry, WireFormat, ep_buffer_specs
+import importlib
 
-__all__ = [
-    "BufferSpec", "DispatchHandle", "EPGeometry", "ExpertParallel", "InProcessTransport", "InProcessWorld",
-    "ReceiveBuffer", "TRANSPORTS", "Transport", "WireFormat", "default_name", "ep_buffer_specs", "storage_plan",
-    "transport_names",
-]
+_LAZY = {
+    "DispatchHandle": "engine", "ExpertParallel": "engine", "ReceiveBuffer": "engine",
+    "InProcessTransport": "inprocess", "InProcessWorld": "inprocess",
+    "TRANSPORTS": "transport", "Transport": "transport", "default_name": "transport", "storage_plan": "transport",
+    "transport_names": "transport",
+    "BufferSpec": "wire", "EPGeometry": "wire", "WireFormat": "wire", "ep_buffer_specs": "wire",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"padded_moe.ep.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'padded_moe.ep' has no attribute {name!r}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_ep_kernels import geometry, owner_table, random_ids  # noqa: F401 - geometry: the tests' sizes
+from test_ep_kernels import geometry, owner_table, random_ids
 
 from padded_moe import distributed as D
 from padded_moe.ep import InProcessWorld, tiles

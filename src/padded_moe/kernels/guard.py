@@ -8,7 +8,6 @@ The torch paths' twin is `padded_moe.expert_map.guarded_lookup`.
 """
 
 import triton
-import triton.language as tl  # noqa: F401 - the helper runs in kernels' scope
 
 
 @triton.jit

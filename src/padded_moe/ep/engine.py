@@ -4,6 +4,53 @@
 are `padded_moe.ep.stages`, the exchanges go through one `Transport` (`padded_moe.ep.transport`),
 and every buffer comes from the buffer description `padded_moe.ep.wire.ep_buffer_specs`, which the
 transport allocates. See `padded_moe.ep` for the whole design.
+
+Modes (both with fixed shapes for a fixed `T`, so dispatch → experts → combine captures in one
+CUDA graph):
+
+- flat: the receiver compacts the `R` chunks into `x [R*T, K]` whose rows `[0, valid_tokens)`
+  are real; ids of rows `[valid_tokens, R*T)` are -1 and their weights 0. The experts run with
+  `fused_experts(..., expert_map=ep.expert_map, valid_tokens=rb.valid_tokens)`, whose guard drops
+  the -1 slots and whose layout counts stop at `valid_tokens`, so no padding row is computed.
+  `combine` copies the expert output back into chunk order, returns it with the combine
+  exchange, and the sender adds its `R` partial rows per token in float32.
+- batched: the receiver scatters each (row, local expert) pair into per-expert slabs
+  `x [L, R*T, K]` with `counts [L]` (a token routed twice to one expert occupies one row; both
+  router weights are applied to it). Router weights are applied by `combine`, on the receiver,
+  before the rows travel back.
+
+Where it runs: on CUDA (and on CPU with `TRITON_INTERPRET=1`) the Triton kernels of
+`padded_moe.kernels.ep`; otherwise the torch functions of `padded_moe.ep.stages` (the CPU/gloo
+path and the tests' reference). Launches per call, graph-safe:
+
+- dispatch: `_route_count_kernel` (per token block and peer, only above PACK_ONE_BLOCK_TOKENS
+  tokens), `_pack_kernel` (owner, position in the chunk, row copy / fp8 quantization, meta, count,
+  `token_rows`; zeroes the batched counts), the dispatch exchange, then `_recv_flat_kernel` or
+  `_recv_batched_kernel`;
+- combine: `_combine_flat_kernel` or `_combine_batched_kernel`, the combine exchange, `_reduce_kernel`.
+
+Graph-safe, on the kernels' path with peers and `T >= EP_OVERLAP_MIN_TOKENS` (or with
+`keep_own_chunk=True`), when the transport `overlaps_own_chunk`: this rank's own chunk never enters
+the exchange. The pack skips it; the exchange (`skip_own=True`) is issued from a side stream.
+Meanwhile the own tokens go straight from `hidden` to the receive side (fp8 rounding applied all
+the same):
+- batched: `_local_batched_kernel` puts them into the slabs as received rows `rank*T + t`. In
+  combine, the peers' rows are weighed first, and while they travel the own rows are weighed into the
+  combine send buffer's own chunk, where the reduction reads them;
+- flat: `_local_flat_kernel` writes them to the front of the receive rows, and the peers' chunks
+  are compacted after them. Combine returns only the peers' rows, and the reduction reads the own
+  partials from the expert output.
+The overlapped kernels run on a grid that leaves `EP_FREE_SMS` SMs idle (else NCCL's CTAs wait for
+them to drain). The own tokens then come first among the received rows; every row's result is
+unchanged (and on CUDA the batched order already follows the atomics).
+
+`graph_safe=False` first exchanges the per-peer counts (one host sync, `transport.exchange_counts`)
+and moves only real rows (uneven splits, chunks back to back); received rows are then already a
+prefix in source-rank order, which is exactly the order the graph-safe compaction produces, and
+both variants run the same kernels, so the results are identical.
+
+A `ReceiveBuffer` and a `DispatchHandle` alias the persistent buffers: they are valid until the
+next `dispatch`.
 """
 
 from __future__ import annotations

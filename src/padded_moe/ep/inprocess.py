@@ -43,6 +43,7 @@ class InProcessWorld:
         The first exception of any rank is raised here (the others are released from their waits)."""
         results: list = [None] * self.size
         errors: list = [None] * self.size
+        self._barrier.reset()  # a failed earlier run leaves it broken
 
         def body(rank):
             self._baton.acquire()

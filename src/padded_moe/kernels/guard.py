@@ -8,6 +8,7 @@ The torch paths' twin is `padded_moe.expert_map.guarded_lookup`.
 """
 
 import triton
+import triton.language as tl  # noqa: F401 - the interpreter needs it in a jit function's globals
 
 
 @triton.jit

@@ -60,11 +60,11 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="rank 0 prints the per-kernel device time of dispatch+combine (torch.profiler)")
     p.add_argument("--tile", action="append", default=[], metavar="STAGE=ROWS,WARPS,PER_SM",
-                   help="override one entry of padded_moe.distributed.EP_TILES for this run (repeatable)")
+                   help="override one entry of padded_moe.ep.tiles.EP_TILES for this run (repeatable)")
     p.add_argument("--free-sms", type=int, default=None,
-                   help="override padded_moe.distributed.EP_FREE_SMS (SMs the overlapped kernels leave to NCCL)")
+                   help="override padded_moe.ep.tiles.EP_FREE_SMS (SMs the overlapped kernels leave to NCCL)")
     p.add_argument("--overlap-min-tokens", type=int, default=None,
-                   help="override padded_moe.distributed.EP_OVERLAP_MIN_TOKENS (batched own-chunk overlap)")
+                   help="override padded_moe.ep.tiles.EP_OVERLAP_MIN_TOKENS (batched own-chunk overlap)")
     p.add_argument("--out", default="results/bench_ep")
     return p.parse_args(argv)
 
@@ -271,14 +271,12 @@ def main_worker(args):
         else torch.device("cpu")
     preset = get_preset(args.preset)
     apply_tiles(args.tile)
+    from padded_moe.ep import tiles  # the launchers read these at every call
+
     if args.free_sms is not None:
-        from padded_moe import distributed as D
-
-        D.EP_FREE_SMS = args.free_sms
+        tiles.EP_FREE_SMS = args.free_sms
     if args.overlap_min_tokens is not None:
-        from padded_moe import distributed as D
-
-        D.EP_OVERLAP_MIN_TOKENS = args.overlap_min_tokens
+        tiles.EP_OVERLAP_MIN_TOKENS = args.overlap_min_tokens
     timer = Timer(device, args.iters, args.warmup, args.chain)
     results = []
     for mode in args.modes:
@@ -294,7 +292,7 @@ def main_worker(args):
 
 
 def report(args, preset, results, path="torch"):
-    from padded_moe.distributed import EP_FREE_SMS, EP_OVERLAP_MIN_TOKENS, EP_TILES
+    from padded_moe.ep.tiles import EP_FREE_SMS, EP_OVERLAP_MIN_TOKENS, EP_TILES
 
     os.makedirs(args.out, exist_ok=True)
     meta = dict(preset=preset.name, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

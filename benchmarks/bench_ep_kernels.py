@@ -1,4 +1,4 @@
-"""Sweep of the expert-parallel kernels' launch shapes (`padded_moe.distributed.EP_TILES`), one GPU.
+"""Sweep of the expert-parallel kernels' launch shapes (`padded_moe.ep.tiles.EP_TILES`), one GPU.
 
     python benchmarks/bench_ep_kernels.py [--tokens 128 1024] [--out DIR]
     TRITON_INTERPRET=1 python benchmarks/bench_ep_kernels.py --tiny    # CPU dry run of the code
@@ -9,7 +9,7 @@ all_to_all would deliver), and each stage of rank 0 is timed alone (median of do
 every candidate tile: pack, flat and batched receive, both combines, the reduction. The batched
 receive is timed together with the zeroing of the expert counts it relies on (the pack kernel
 does that in a real dispatch). Prints per stage the best tile against the table's, and the
-bytes each stage moves per µs. The table in distributed.py is edited by hand from this output.
+bytes each stage moves per µs. The table in ep/tiles.py is edited by hand from this output.
 """
 
 from __future__ import annotations

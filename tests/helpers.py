@@ -7,6 +7,9 @@ REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 SENTINEL = -12345.0
 
+# Expert-parallel transports the multi-GPU tests run on (one process per GPU).
+GPU_TRANSPORTS = ["nccl"]
+
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64; NaN or Inf anywhere in `out` is an infinite error."""

@@ -8,72 +8,17 @@ EP path only ever sees its rank's local weights.
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
-import tempfile
-import time
 import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from _spawn import spawn_group
 from helpers import REL_TOL, rel_err
 
 from padded_moe.expert_map import ExpertMap
 from padded_moe.reference.moe import reference_moe
-
-# Environment for every process we spawn (also GPU ones; see tests/test_distributed_gpu.py).
-CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "OMP_NUM_THREADS": "1"}
-COLLECTIVE_TIMEOUT_S = 60
-JOIN_TIMEOUT_S = 150
-
-
-# ---------------------------------------------------------------------------- spawn harness
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world, port, backend, target, payload, outdir):
-    """Child process: join the group, run `target(rank, world, payload)`, save its result."""
-    os.environ.update(CHILD_ENV)
-    # CPU children run the library's torch path unless the payload asks for the interpreted Triton
-    # kernels (one 2-rank run exercises them end to end; every scenario that way would cost minutes).
-    interpret = isinstance(payload, dict) and payload.get("triton_interpret", False)
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    try:
-        result = target(rank, world, payload)
-    finally:
-        dist.destroy_process_group()
-    torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-
-
-def spawn_group(world: int, target, payload, *, backend: str = "gloo", timeout: float = JOIN_TIMEOUT_S):
-    """Run `target` on `world` spawned ranks; returns the per-rank results. Hangs fail."""
-    os.environ.update(CHILD_ENV)  # inherited by the children from the start
-    with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), backend, target, payload, outdir),
-                                 nprocs=world, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{world}-rank group did not finish within {timeout} s")
-        finally:
-            for p in ctx.processes:  # only the processes spawned here
-                if p.is_alive():
-                    p.kill()
-        return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
-
 
 # ---------------------------------------------------------------------------- scenarios
 E, TOPK, K, N = 10, 3, 32, 16   # E not divisible by 4: linear placement spreads a remainder

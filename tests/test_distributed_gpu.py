@@ -2,7 +2,7 @@
 
     .venv/bin/pytest -q tests/test_distributed_gpu.py -rA
 
-Each test spawns two ranks (one GPU each) through the harness of tests/test_distributed.py, which
+Each test spawns two ranks (one GPU each) through the harness of tests/_spawn.py, which
 sets NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 in every child.
 """
 
@@ -14,8 +14,8 @@ import traceback
 import pytest
 import torch
 
-from helpers import REL_TOL, rel_err
-from test_distributed import spawn_group
+from helpers import GPU_TRANSPORTS, REL_TOL, rel_err
+from _spawn import spawn_group
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -70,7 +70,7 @@ def _dsv4_worker(rank, world, payload):
         dev = torch.device("cuda", rank)
         seed, mode, ms = payload["seed"], payload["mode"], payload["ms"]
         T = max(ms)
-        ep = ExpertParallel(None, E, TOPK, K, T, mode=mode, dtype=torch.bfloat16)
+        ep = ExpertParallel(None, E, TOPK, K, T, mode=mode, dtype=torch.bfloat16, transport=payload["transport"])
         w13, w2 = local_mxfp4(ep.expert_map.local_experts.tolist(), seed, dev)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -94,18 +94,19 @@ def _dsv4_worker(rank, world, payload):
         peak = torch.cuda.max_memory_allocated() - base  # before the reference's own allocations
         errs = [rel_err(out, dequantized_reference(x, ids, w, seed)) if x.shape[0] else 0.0
                 for x, ids, w, out in calls]
-        pl = plan("dsv4-flash", world, T, 139.0, mode=mode)
+        pl = plan("dsv4-flash", world, T, 139.0, mode=mode, transport=ep.transport_name)
         planned = pl.bytes_of("ep") + pl.bytes_of("experts") + pl.bytes_of("combine")
         return dict(errs=errs, peak=peak, planned=planned)
     except Exception:
         return dict(error=traceback.format_exc())
 
 
+@pytest.mark.parametrize("transport", GPU_TRANSPORTS)
 @pytest.mark.parametrize("mode", ["flat", "batched"])
-def test_dsv4_flash_two_gpus_rank1_idle(mode):
+def test_dsv4_flash_two_gpus_rank1_idle(mode, transport):
     """Tokens per rank (8, 0), 3 calls: equals the one-GPU dequantized reference (bf16 tolerance);
     the memory the path really uses stays within the planner's figure."""
-    results = spawn_group(2, _dsv4_worker, dict(seed=SEED, mode=mode, ms=(8, 0)), backend="nccl",
+    results = spawn_group(2, _dsv4_worker, dict(seed=SEED, mode=mode, ms=(8, 0), transport=transport), backend="nccl",
                           timeout=540)
     for rank, r in enumerate(results):
         assert "error" not in r, f"seed {SEED}, rank {rank}:\n{r.get('error')}"
@@ -139,7 +140,8 @@ def _graph_worker(rank, world, payload):
     for mode, fp8 in GRAPH_VARIANTS:
         name = f"{mode}{'-fp8' if fp8 else ''}"
         try:
-            kw = dict(mode=mode, dtype=torch.bfloat16, dispatch_dtype=torch.float8_e4m3fn if fp8 else None)
+            kw = dict(mode=mode, dtype=torch.bfloat16, dispatch_dtype=torch.float8_e4m3fn if fp8 else None,
+                      transport=payload["transport"])
             ep = ExpertParallel(None, e, k, hid, T, **kw)
             ep_exact = ExpertParallel(None, e, k, hid, T, graph_safe=False, **kw)
             own = ep.expert_map.local_experts
@@ -200,13 +202,14 @@ def _graph_worker(rank, world, payload):
     return results
 
 
+@pytest.mark.parametrize("transport", GPU_TRANSPORTS)
 @pytest.mark.parametrize("overlap", ["own_chunk_kept", "plain"])
-def test_cuda_graph_replay_two_gpus(monkeypatch, overlap):
+def test_cuda_graph_replay_two_gpus(monkeypatch, overlap, transport):
     """Flat and batched, bf16 and fp8 wire: graph replays equal the reference, and graph_safe=False
     gives identical results. Graph-safe runs both sequences: own chunk kept out of the all_to_all
     and overlapped (side stream, capped grids), and the plain one."""
     monkeypatch.setenv("PADDED_MOE_EP_OVERLAP_MIN_TOKENS", "0" if overlap == "own_chunk_kept" else "1000000")
-    results = spawn_group(2, _graph_worker, dict(seed=SEED), backend="nccl", timeout=540)
+    results = spawn_group(2, _graph_worker, dict(seed=SEED, transport=transport), backend="nccl", timeout=540)
     for mode, fp8 in GRAPH_VARIANTS:
         name = f"{mode}{'-fp8' if fp8 else ''}"
         for rank, res in enumerate(results):

@@ -1,9 +1,9 @@
-"""The expert-parallel stages of `padded_moe.distributed` (spec 04) on one process, without a group.
+"""The expert-parallel stages of `padded_moe.ep.stages` (spec 04) on one process, without a group.
 
 Each stage runs on the torch path and on the Triton kernels of `padded_moe.kernels.ep` (interpreted
 on CPU) and is checked against an independent reference built with Python loops: pack, flat and
-batched receive, both combine kernels, the reduction, and a simulated R-rank round trip (the
-all_to_all done by copying chunks) for both modes, graph-safe and exact splits, fp8 wire.
+batched receive, both combine kernels and the reduction (the R-rank round trip through
+`ExpertParallel` is tests/test_ep_engine.py).
 Inputs: NaN in padding rows, poisoned outputs, garbage ids (-1, E, 2^31-1, 2^32+1, -2^31),
 idle ranks, all tokens to one peer, repeated ids within a token.
 """
@@ -111,7 +111,7 @@ def test_pack_matches_reference(cpu_path, gen, case, exact, fp8):
     base = [sum(counts[:r]) for r in range(R)] if exact else [r * T for r in range(R)]
     send_base = torch.tensor(base, dtype=torch.int32) if exact else None
     zero = torch.full((5,), 9, dtype=torch.int32)
-    D.pack_rows(hidden, ids, weights, owner, geo, send, token_rows, send_base, zero_counts=zero, skip_peer=skip)
+    D.pack_rows(hidden, ids, weights, owner, geo, send, token_rows, send_base, zero_counts=zero, rank=skip)
     x, mi, mf = geo.wire.views(send)
     if fp8:
         q_ref, s_ref = fp8_reference(hidden)
@@ -229,7 +229,7 @@ def test_receive_flat_compacts_valid_rows(cpu_path, gen, counts, exact, own, fp8
         cc[own] = n_own
         rows = [i for i in rows if i // T != own]
         rb_x[:n_own], rb_ids[:n_own], rb_w[:n_own] = 1.5, 4, 0.25
-    D.receive_flat(geo, wire, cc, not exact, rb_x, rb_ids, rb_w, rb_valid, own=own)
+    D.receive_flat(geo, wire, cc, not exact, rb_x, rb_ids, rb_w, rb_valid, rank=own)
     _, mi, mf = geo.wire.views(wire)
     V = n_own + len(rows)
     assert int(rb_valid) == V
@@ -259,7 +259,7 @@ def test_local_flat_matches_reference(cpu_path, gen, m, fp8, K):
     block_counts = torch.full((R, D.route_block_columns(T)), -9, dtype=torch.int32)
     # The route counts come from the pack of the same call (which skips this rank's chunk).
     D.pack_rows(hidden, ids, weights, owner, geo, geo.wire.wire_rows(poisoned_wire(geo), geo.rows), token_rows,
-                skip_peer=me, block_counts=block_counts)
+                rank=me, block_counts=block_counts)
     rb_x = torch.full((geo.rows, K), float("nan"))
     rb_ids = torch.full((geo.rows, k), 77, dtype=torch.int32)
     rb_w = torch.full((geo.rows, k), float("nan"))
@@ -331,7 +331,7 @@ def test_receive_batched_scatters_pairs(cpu_path, gen, counts, exact, skip, fp8,
     cnt = start.clone()
     slot_rows = torch.full((geo.rows, k), 55, dtype=torch.int32)
     slot_w = torch.full((geo.rows, k), float("nan"))
-    D.receive_batched(geo, wire, cc, not exact, emap.map, L, slab, cnt, slot_rows, slot_w, skip_peer=skip)
+    D.receive_batched(geo, wire, cc, not exact, emap.map, L, slab, cnt, slot_rows, slot_w, rank=skip)
     _, mi, mf = geo.wire.views(wire)
     expect_cnt = start.tolist()
     used = set()
@@ -402,7 +402,7 @@ def test_combine_flat_rows(cpu_path, gen, counts, own):
     y = torch.randn(geo.rows, K, generator=gen)
     y[V:] = float("nan")
     out = torch.full((geo.rows, K), -3.0)
-    D.combine_flat_rows(geo, torch.tensor(counts, dtype=torch.int32), y, out, own=own)
+    D.combine_flat_rows(geo, torch.tensor(counts, dtype=torch.int32), y, out, rank=own)
     order = ([own] if own >= 0 else []) + [r for r in range(R) if r != own]  # compaction order
     start = {r: sum(counts[q] for q in order[:order.index(r)]) for r in range(R)}
     for r in range(R):
@@ -434,7 +434,7 @@ def test_combine_batched_rows(cpu_path, gen, exact, subset, dtype):
         y[e, : int(cnt[e])] = torch.randn(int(cnt[e]), K, generator=gen).to(dtype)
     out = torch.full((geo.rows, K), -9.0, dtype=dtype)
     skip, only = {"skip0": (0, -1), "only0": (-1, 0)}.get(subset, (-1, -1))
-    D.combine_batched_rows(geo, cc, not exact, slot_rows, slot_w, y, out, skip_peer=skip, only_peer=only)
+    D.combine_batched_rows(geo, cc, not exact, slot_rows, slot_w, y, out, rank=max(skip, only), own_only=only >= 0)
     _, _, mf = geo.wire.views(wire)
     flat = y.reshape(-1, K)
     chosen = [i for i in rows if (skip < 0 or i // T != skip) and (only < 0 or i // T == only)]
@@ -467,7 +467,7 @@ def test_reduce_partials(cpu_path, gen, m, self_rank):
     for buf, name in ((comb_recv, "recv"), (comb_send, "send")):  # rows never referenced: NaN
         buf[[i for i in range(geo.rows) if i not in referenced[name]]] = float("nan")
     out = torch.full((m, K), -1.0)
-    D.reduce_partials(geo, comb_recv, token_rows, m, out, self_rank=self_rank,
+    D.reduce_partials(geo, comb_recv, token_rows, m, out, rank=self_rank,
                       own_rows=comb_send if self_rank >= 0 else None)
     for t in range(m):
         ref = torch.zeros(K, dtype=torch.float64)
@@ -481,166 +481,7 @@ def test_reduce_partials_own_rank_needs_send_rows():
     geo = geometry(2, 4, 4, 8, 1)
     with pytest.raises(ValueError, match="own_rows"):
         D.reduce_partials(geo, torch.zeros(8, 8), torch.zeros(2, 4, dtype=torch.int32), 2, torch.zeros(2, 8),
-                          self_rank=0)
-
-
-# ---------------------------------------------------------------------------------------- round trip
-def simulate(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, scale, keep_own=None):
-    """R ranks on one process, in ExpertParallel's order: pack, all_to_all by chunk copies,
-    receive, experts (expert e multiplies its rows by scale[e]; rows past counts / valid NaN),
-    combine, reduce. `keep_own` (default: graph_safe) keeps each rank's own chunk out of the
-    exchange (its tokens go through local_batched / local_flat; the own chunk of every receive
-    buffer stays poisoned). Runs on the inputs' device."""
-    R, T, E, K, k = geo.ep_size, geo.max_tokens, geo.num_experts, geo.wire.hidden_size, geo.wire.top_k
-    dtype, rows, dev = geo.wire.dtype, geo.rows, hiddens[0].device
-    keep_own = graph_safe if keep_own is None else keep_own
-    owner, scale = owner.to(dev), scale.to(dev)
-    send = [poisoned_wire(geo, device=dev) for _ in range(R)]
-    recv = [poisoned_wire(geo, device=dev) for _ in range(R)]
-    wires_s = [geo.wire.wire_rows(b, rows) for b in send]
-    wires_r = [geo.wire.wire_rows(b, rows) for b in recv]
-    token_rows = [torch.full((R, T), -2, dtype=torch.int32, device=dev) for _ in range(R)]
-    cc = [torch.full((R,), -4, dtype=torch.int32, device=dev) for _ in range(R)]
-    maps = [ExpertMap(E, r, R, placement, device=dev) for r in range(R)]
-    counts_l = [torch.full((maps[r].num_local,), 99, dtype=torch.int32, device=dev) for r in range(R)]
-    send_counts = [D.peer_counts(ids[s], owner, geo).tolist() for s in range(R)]
-    route = [torch.full((R, D.route_block_columns(T)), -9, dtype=torch.int32, device=dev) for _ in range(R)]
-    for s in range(R):
-        base = None
-        if not graph_safe:
-            base = torch.tensor([sum(send_counts[s][:r]) for r in range(R)], dtype=torch.int32, device=dev)
-            cc[s].copy_(torch.tensor([send_counts[q][s] for q in range(R)], dtype=torch.int32))
-        D.pack_rows(hiddens[s], ids[s], weights[s], owner, geo, wires_s[s], token_rows[s], base,
-                    zero_counts=counts_l[s] if mode == "batched" else None, skip_peer=s if keep_own else -1,
-                    block_counts=route[s])
-
-    def all_to_all(src, dst, sizes):
-        """sizes[s][r]: rows rank s sends to rank r (graph-safe: fixed T-row chunks, garbage too)."""
-        for r in range(R):
-            off = 0
-            for s in range(R):
-                if graph_safe:
-                    if not (keep_own and s == r):
-                        dst[r][s * T:(s + 1) * T] = src[s][r * T:(r + 1) * T]
-                else:
-                    n, start = sizes[s][r], sum(sizes[s][:r])
-                    dst[r][off:off + n] = src[s][start:start + n]
-                    off += n
-
-    full = [[T] * R for _ in range(R)]
-    all_to_all(wires_s, wires_r, full if graph_safe else send_counts)
-    outs, ys = [], []
-    comb_send = [geo.wire.combine_rows(b, rows) for b in send]
-    comb_recv = [geo.wire.combine_rows(b, rows) for b in recv]
-    for r in range(R):
-        L = maps[r].num_local
-        sc = scale[maps[r].local_experts]
-        if mode == "flat":
-            rb_x = torch.full((rows, K), float("nan"), dtype=dtype, device=dev)
-            rb_ids = torch.full((rows, k), 5, dtype=torch.int32, device=dev)
-            rb_w = torch.full((rows, k), float("nan"), device=dev)
-            rb_v = torch.zeros(1, dtype=torch.int32, device=dev)
-            if keep_own:
-                D.local_flat(hiddens[r], ids[r], weights[r], owner, geo, r, rb_x, rb_ids, rb_w, token_rows[r], cc[r],
-                             route[r])
-            D.receive_flat(geo, wires_r[r], cc[r], graph_safe, rb_x, rb_ids, rb_w, rb_v, own=r if keep_own else -1)
-            v = int(rb_v)
-            y = torch.full((rows, K), float("nan"), dtype=dtype, device=dev)
-            g = rb_ids[:v].long()
-            keep = g >= 0
-            f = torch.where(keep, rb_w[:v].double() * scale[g.clamp(min=0)],
-                            torch.zeros((), dtype=torch.float64, device=dev))
-            y[:v] = (rb_x[:v].double() * f.sum(1, keepdim=True)).to(dtype)
-            ys.append(y)
-            if graph_safe:
-                D.combine_flat_rows(geo, cc[r], y, comb_send[r], own=r if keep_own else -1)
-            else:
-                comb_send[r][:v] = y[:v]
-        else:
-            slab = torch.full((L * rows + 1, K), float("nan"), dtype=dtype, device=dev)
-            slot_rows = torch.full((rows, k), 3, dtype=torch.int32, device=dev)
-            slot_w = torch.full((rows, k), float("nan"), device=dev)
-            if keep_own:
-                D.local_batched(hiddens[r], ids[r], weights[r], geo, r, maps[r].map, L, slab, counts_l[r],
-                                slot_rows, slot_w, token_rows[r], cc[r])
-            D.receive_batched(geo, wires_r[r], cc[r], graph_safe, maps[r].map, L, slab, counts_l[r], slot_rows,
-                              slot_w, skip_peer=r if keep_own else -1)
-            y = torch.full((L, rows, K), float("nan"), dtype=dtype, device=dev)
-            for e in range(L):
-                c = int(counts_l[r][e])
-                y[e, :c] = (slab[e * rows:e * rows + c].double() * float(sc[e])).to(dtype)
-            D.combine_batched_rows(geo, cc[r], graph_safe, slot_rows, slot_w, y, comb_send[r],
-                                   skip_peer=r if keep_own else -1)
-            if keep_own:
-                D.combine_batched_rows(geo, cc[r], True, slot_rows, slot_w, y, comb_send[r], only_peer=r)
-    back = full if graph_safe else [[send_counts[s][r] for s in range(R)] for r in range(R)]
-    all_to_all(comb_send, comb_recv, back)
-    for s in range(R):
-        m = hiddens[s].shape[0]
-        out = torch.full((m, K), -1.0, dtype=dtype, device=dev)
-        own_rows = (ys[s] if mode == "flat" else comb_send[s]) if keep_own else None
-        D.reduce_partials(geo, comb_recv[s], token_rows[s], m, out, self_rank=s if keep_own else -1,
-                          own_rows=own_rows)
-        outs.append(out)
-    return outs
-
-
-@pytest.mark.parametrize("mode", ["flat", "batched"])
-@pytest.mark.parametrize("graph_safe,keep_own", [(True, True), (True, False), (False, False)],
-                         ids=["graph_safe_own_kept", "graph_safe", "exact"])
-@pytest.mark.parametrize("wire,ms,routing", [("f32", (5, 0, 7), "random"), ("bf16", (6, 6, 6), "last_rank"),
-                                             ("fp8", (4, 6, 2), "duplicate"), ("bf16", (0, 0, 0), "random")],
-                         ids=str)
-def test_round_trip_matches_reference(cpu_path, gen, mode, graph_safe, keep_own, wire, ms, routing):
-    R, T, E, k = 3, 7, 10, 3
-    K = 256 if wire == "fp8" else 40
-    dtype = torch.bfloat16 if wire in ("bf16", "fp8") else torch.float32
-    placement = "round_robin" if routing == "duplicate" else "linear"
-    geo = geometry(R, T, E, K, k, dtype, wire == "fp8")
-    owner = owner_table(E, R, placement)
-    only = ExpertMap(E, R - 1, R, placement).local_experts if routing == "last_rank" else None
-    hiddens = [torch.randn(m, K, generator=gen).to(dtype) for m in ms]
-    ids = [random_ids(gen, m, E, k, dup=routing == "duplicate", only=only) for m in ms]
-    weights = [torch.rand(m, k, generator=gen) + 0.1 for m in ms]
-    scale = torch.rand(E, generator=gen, dtype=torch.float64) + 0.5
-    outs = simulate(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, scale, keep_own)
-    for s, m in enumerate(ms):
-        x = hiddens[s].float()
-        if wire == "fp8":
-            q, sc = D._quantize_fp8(x)
-            x = D._dequantize_fp8(q, sc, torch.float32)
-        g = ids[s]
-        ok = (g >= 0) & (g < E)
-        f = torch.where(ok, weights[s].double() * scale[g.clamp(0, E - 1)], torch.zeros((), dtype=torch.float64))
-        ref = x.double() * f.sum(1, keepdim=True)
-        assert outs[s].shape == (m, K)
-        if m:
-            err = ((outs[s].double() - ref).norm() / ref.norm()).item()
-            tol = 1e-6 if dtype == torch.float32 else 2e-2
-            assert err <= tol, (s, err)
-
-
-@pytest.mark.parametrize("mode", ["flat", "batched"])
-def test_round_trip_with_capped_grids(triton_on, gen, monkeypatch, mode):
-    """The kernels that overlap the all_to_all (local_batched / local_flat, the own chunk's
-    combine) run on a grid capped below the machine and loop over the row blocks: with 2
-    programs for 3-4 blocks the round trip still equals the reference."""
-    monkeypatch.setattr(D, "_capped_grid", lambda device, rows, k_programs=1: min(rows, 2))
-    R, T, E, k, K = 2, 40, 12, 3, 32
-    geo = geometry(R, T, E, K, k)
-    owner = owner_table(E, R)
-    ms = (40, 33)
-    hiddens = [torch.randn(m, K, generator=gen) for m in ms]
-    ids = [random_ids(gen, m, E, k, dup=True) for m in ms]
-    weights = [torch.rand(m, k, generator=gen) + 0.1 for m in ms]
-    scale = torch.rand(E, generator=gen, dtype=torch.float64) + 0.5
-    outs = simulate(geo, owner, "linear", mode, True, hiddens, ids, weights, scale)
-    for s, m in enumerate(ms):
-        g = ids[s]
-        ok = (g >= 0) & (g < E)
-        f = torch.where(ok, weights[s].double() * scale[g.clamp(0, E - 1)], torch.zeros((), dtype=torch.float64))
-        ref = hiddens[s].double() * f.sum(1, keepdim=True)
-        assert torch.allclose(outs[s].double(), ref, rtol=1e-5, atol=1e-5), s
+                          rank=0)
 
 
 def test_wire_format_alignment():
@@ -657,34 +498,6 @@ def test_wire_format_alignment():
 
 
 # ---------------------------------------------------------------------------------------- GPU
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["flat", "batched"])
-@pytest.mark.parametrize("graph_safe", [True, False], ids=["graph_safe", "exact"])
-@pytest.mark.parametrize("wire,K", [("f32", 4096), ("bf16", 4096), ("fp8", 4096), ("fp8", 200),
-                                    ("bf16", 200)])
-def test_round_trip_cuda_equals_torch_path(monkeypatch, mode, graph_safe, wire, K):
-    """dsv4-like routing (E=256, k=6) on one GPU through the compiled kernels equals the CPU torch
-    path (to float32 / one bf16 rounding: the GPU may fuse multiply-adds)."""
-    R, T, E, k = 2, 40, 256, 6
-    dtype = torch.float32 if wire == "f32" else torch.bfloat16
-    geo = geometry(R, T, E, K, k, dtype, wire == "fp8")
-    gen = torch.Generator().manual_seed(K + T)
-    owner = owner_table(E, R)
-    ms = (T, 17)
-    hiddens = [torch.randn(m, K, generator=gen).to(dtype) for m in ms]
-    ids = [random_ids(gen, m, E, k, garbage=0.05, dup=(i == 1)) for i, m in enumerate(ms)]
-    weights = [torch.rand(m, k, generator=gen) + 0.1 for m in ms]
-    scale = torch.rand(E, generator=gen, dtype=torch.float64) + 0.5
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    cpu = simulate(geo, owner, "linear", mode, graph_safe, hiddens, ids, weights, scale)
-    cuda = lambda ts: [t.cuda() for t in ts]  # noqa: E731
-    gpu = simulate(geo, owner, "linear", mode, graph_safe, cuda(hiddens), cuda(ids), cuda(weights), scale)
-    for a, b in zip(cpu, gpu):
-        b = b.cpu()
-        tol = 1e-6 if dtype == torch.float32 else 1e-2
-        assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol), (a - b).abs().max()
-
-
 @pytest.mark.gpu
 def test_pack_fp8_bytes_on_cuda_equal_torch():
     """The compiled fp8 quantization (IEEE divisions + integer rounding) gives torch's bytes."""

@@ -8,7 +8,7 @@ on that rank's tokens (routing is per token, so the answers must agree). Rank 1 
 import pytest
 import torch
 
-from test_distributed import spawn_group
+from _spawn import spawn_group
 
 E, TOPK, K, N, T = 8, 2, 32, 16, 6
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_distributed import spawn_group
+from _spawn import spawn_group
 from test_transformers_parity import TINY, build, max_rel
 
 transformers = pytest.importorskip("transformers")

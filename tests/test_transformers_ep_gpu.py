@@ -1,6 +1,6 @@
 """A whole HF MoE model on two GPUs: DP=1 against DP=2/EP=2 over NCCL (spec 04, issue 17).
 
-Run on a machine with two GPUs (one process per GPU through tests/test_distributed.py's harness):
+Run on a machine with two GPUs (one process per GPU through tests/_spawn.py's harness):
 
     .venv/bin/python -m pytest -q -rA tests/test_transformers_ep_gpu.py -s
 
@@ -30,7 +30,7 @@ import os
 import pytest
 import torch
 
-from test_distributed import spawn_group
+from _spawn import spawn_group
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 

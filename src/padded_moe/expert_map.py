@@ -128,18 +128,27 @@ def check_valid_tokens(valid_tokens: object, ref: torch.Tensor) -> Optional[torc
     return valid_tokens
 
 
+def guarded_lookup(topk_ids: torch.Tensor, num_experts: int, table: Optional[torch.Tensor],
+                   fill: int) -> torch.Tensor:
+    """The invalid-id guard of every torch path: `table[id]` where `0 <= id < num_experts`, else
+    `fill` (`table` None: the id itself, int32). The comparison runs in the ids' own dtype (an
+    int64 id is never narrowed into range), and out-of-range ids are replaced by 0 before they
+    index anything. Graph-safe (no host sync). The kernels' twin: `kernels.guard.expert_id_ok`."""
+    in_range = (topk_ids >= 0) & (topk_ids < num_experts)
+    safe = torch.where(in_range, topk_ids, torch.zeros((), dtype=topk_ids.dtype, device=topk_ids.device))
+    safe = safe.to(torch.int32)
+    value = table[safe.long()] if table is not None else safe
+    return torch.where(in_range, value, torch.full((), fill, dtype=value.dtype, device=value.device))
+
+
 def sanitize_torch(topk_ids: torch.Tensor, num_experts: int, num_local: int,
                    emap: Optional[torch.Tensor], valid_tokens: Optional[torch.Tensor]) -> torch.Tensor:
     """Torch path of the guard: int32 local ids in [0, L], same shape as `topk_ids`.
 
     Graph-safe (no host sync); the comparison runs in the ids' own dtype, before narrowing.
     """
-    in_range = (topk_ids >= 0) & (topk_ids < num_experts)
-    # Out-of-range ids are replaced by 0 *before* anything indexes with them or narrows them.
-    safe = torch.where(in_range, topk_ids, torch.zeros((), dtype=topk_ids.dtype, device=topk_ids.device))
-    safe = safe.to(torch.int32)
-    local = emap[safe.long()] if emap is not None else safe
-    keep = in_range & (local >= 0)
+    local = guarded_lookup(topk_ids, num_experts, emap, -1)
+    keep = local >= 0
     if valid_tokens is not None:
         rows = torch.arange(topk_ids.shape[0], device=topk_ids.device)
         keep = keep & (rows < valid_tokens.to(topk_ids.device))[:, None]

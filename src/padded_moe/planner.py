@@ -1,7 +1,8 @@
 """Scratch planner for expert parallelism (spec 04), and the `padded-moe plan` command.
 
-Sizes every buffer one rank needs for one MoE layer under `ExpertParallel` — the EP transport and
-receive buffers exactly as `padded_moe.distributed` reserves them, the expert workspace exactly as
+Sizes every buffer one rank needs for one MoE layer under `ExpertParallel` — the EP buffers from the
+same description the transports allocate from (`padded_moe.ep.wire.ep_buffer_specs`, laid out in
+storages by the transport's policy, `padded_moe.ep.transport.storage_plan`), the expert workspace exactly as
 `fused_experts` (flat) / `batched_experts` (batched) allocates it, combine's output — plus the
 layer's local weights, and says whether that fits the memory given. Worst case on one rank: flat
 mode receives `R*T` tokens, so the GEMM buffers hold `R*T*k` rows (sizing them from `T*k`
@@ -20,7 +21,8 @@ from typing import Optional, Union
 import torch
 
 from padded_moe._util import itemsize
-from padded_moe.distributed import WireFormat, route_block_columns
+from padded_moe.ep.transport import default_name, storage_plan, transport_names
+from padded_moe.ep.wire import EPGeometry, WireFormat, ep_buffer_specs
 from padded_moe.presets import PRESETS, MoEPreset, get_preset
 
 GIB = 1 << 30
@@ -57,6 +59,7 @@ class Plan:
     buffers: tuple
     gpu_mem_bytes: int
     max_tokens_that_fit: int = field(default=0)
+    transport: str = field(default="nccl")
 
     def bytes_of(self, group: str) -> int:
         return sum(b.nbytes for b in self.buffers if b.group == group)
@@ -107,27 +110,21 @@ def _weights(p: MoEPreset, L: int, weight_format: str, dtype: torch.dtype) -> li
     return out
 
 
-def _ep_buffers(R: int, T: int, K: int, k: int, L: int, mode: str, dtype, fp8: bool) -> list:
-    """Mirror of ExpertParallel._alloc_buffers (the CPU test holds the two equal)."""
-    rows = R * T
-    wire = WireFormat(K, k, dtype, fp8)
-    tb = wire.buffer_row_bytes
-    note = f"{wire.row_bytes} B wire rows; combine reuses it"
-    out = [Buffer("dispatch send (x + meta in-band)", (rows, tb), torch.uint8, "ep", note),
-           Buffer("dispatch recv (x + meta in-band)", (rows, tb), torch.uint8, "ep", note),
-           Buffer("combine token rows", (R, T), torch.int32, "ep"),
-           Buffer("received chunk counts", (R,), torch.int32, "ep"),
-           Buffer("pack route counts", (R, route_block_columns(T)), torch.int32, "ep", "per peer, per token block")]
-    if mode == "flat":
-        out += [Buffer("receive x", (rows, K), dtype, "ep"),
-                Buffer("receive topk_ids", (rows, k), torch.int32, "ep"),
-                Buffer("receive topk_weights", (rows, k), torch.float32, "ep"),
-                Buffer("receive valid_tokens", (1,), torch.int32, "ep")]
-    else:
-        out += [Buffer("receive x slabs (+dump row)", (L * rows + 1, K), dtype, "ep", "L x R*T rows"),
-                Buffer("receive counts", (L,), torch.int32, "ep"),
-                Buffer("combine slot rows", (rows, k), torch.int32, "ep"),
-                Buffer("combine slot weights", (rows, k), torch.float32, "ep")]
+def _ep_buffers(R: int, T: int, E: int, K: int, k: int, L: int, mode: str, dtype, fp8: bool, transport: str) -> list:
+    """The EP buffers as `transport` allocates them: one row per storage of its policy."""
+    specs = ep_buffer_specs(EPGeometry(R, T, E, WireFormat(K, k, dtype, fp8)), mode, L)
+    by_name = {s.name: s for s in specs}
+    out = []
+    for st in storage_plan(transport, specs):
+        first = by_name[st.buffers[0]]
+        if len(st.buffers) == 1:
+            out.append(Buffer(first.label, first.shape, first.dtype, "ep", first.note))
+            continue
+        rows = first.shape[0]
+        shape = (rows, st.nbytes // rows) if st.nbytes % rows == 0 else (st.nbytes,)
+        shared = ", ".join(by_name[n].label for n in st.buffers[1:])
+        note = "; ".join(n for n in (first.note, f"{shared} reuses it") if n)
+        out.append(Buffer(first.label, shape, torch.uint8, "ep", note))
     return out
 
 
@@ -157,10 +154,10 @@ def _combine_buffers(R: int, T: int, K: int, mode: str, dtype) -> list:
     return [Buffer("combine output", (T, K), dtype, "combine")]
 
 
-def _buffers(p, R, T, mode, dtype, fp8, weight_format) -> tuple[list, int]:
+def _buffers(p, R, T, mode, dtype, fp8, weight_format, transport) -> tuple[list, int]:
     L = math.ceil(p.num_experts / R)  # the busiest rank (linear placement puts the remainder first)
     bufs = _weights(p, L, weight_format, dtype)
-    bufs += _ep_buffers(R, T, p.hidden_size, p.top_k, L, mode, dtype, fp8)
+    bufs += _ep_buffers(R, T, p.num_experts, p.hidden_size, p.top_k, L, mode, dtype, fp8, transport)
     bufs += _expert_buffers(p, R, T, L, mode, dtype)
     bufs += _combine_buffers(R, T, p.hidden_size, mode, dtype)
     return bufs, L
@@ -168,8 +165,9 @@ def _buffers(p, R, T, mode, dtype, fp8, weight_format) -> tuple[list, int]:
 
 def plan(preset_or_shapes: Union[str, MoEPreset, dict], ranks: int, max_tokens: int, gpu_mem_gb: float, *,
          mode: str = "flat", dtype: torch.dtype = torch.bfloat16, dispatch_dtype: Optional[torch.dtype] = None,
-         weight_format: Optional[str] = None) -> Plan:
-    """Every buffer of one rank for `max_tokens` (T) tokens per rank on `ranks` (R) EP ranks."""
+         weight_format: Optional[str] = None, transport: Optional[str] = None) -> Plan:
+    """Every buffer of one rank for `max_tokens` (T) tokens per rank on `ranks` (R) EP ranks, as
+    `transport` allocates them (None: `ExpertParallel`'s default, `padded_moe.ep.transport.default_name`)."""
     p = _resolve_shapes(preset_or_shapes)
     for name, v, lo in (("ranks", ranks, 1), ("max_tokens", max_tokens, 1)):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -184,16 +182,19 @@ def plan(preset_or_shapes: Union[str, MoEPreset, dict], ranks: int, max_tokens: 
         raise ValueError(f"mode must be 'flat' or 'batched', got {mode!r}")
     if dispatch_dtype not in (None, dtype, torch.float8_e4m3fn):
         raise ValueError(f"dispatch_dtype must be None, dtype or torch.float8_e4m3fn, got {dispatch_dtype}")
+    transport = default_name() if transport is None else transport
+    if transport not in transport_names():
+        raise ValueError(f"transport must be one of {transport_names()}, got {transport!r}")
     fmt = weight_format or p.weight_format
     fp8 = dispatch_dtype == torch.float8_e4m3fn
     mem = int(gpu_mem_gb * GIB)
 
     def total(T):
-        return sum(b.nbytes for b in _buffers(p, ranks, T, mode, dtype, fp8, fmt)[0])
+        return sum(b.nbytes for b in _buffers(p, ranks, T, mode, dtype, fp8, fmt, transport)[0])
 
-    bufs, L = _buffers(p, ranks, max_tokens, mode, dtype, fp8, fmt)
+    bufs, L = _buffers(p, ranks, max_tokens, mode, dtype, fp8, fmt, transport)
     return Plan(p.name, ranks, max_tokens, mode, dtype, torch.float8_e4m3fn if fp8 else dtype, fmt, L,
-                tuple(bufs), mem, _largest_fitting(total, mem))
+                tuple(bufs), mem, _largest_fitting(total, mem), transport)
 
 
 def _largest_fitting(total, mem: int) -> int:
@@ -222,6 +223,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype")
     parser.add_argument("--dispatch-dtype", choices=("same", "fp8"), default="same",
                         help="wire format of dispatched rows")
+    parser.add_argument("--transport", choices=transport_names(), default=None,
+                        help=f"EP transport whose allocations to size (default: ExpertParallel's, {default_name()})")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
 
 
@@ -237,7 +240,7 @@ def _dtype_name(d: torch.dtype) -> str:
 
 
 def plan_to_dict(pl: Plan) -> dict:
-    return dict(preset=pl.preset, ranks=pl.ranks, max_tokens=pl.max_tokens, mode=pl.mode,
+    return dict(preset=pl.preset, ranks=pl.ranks, max_tokens=pl.max_tokens, mode=pl.mode, transport=pl.transport,
                 dtype=_dtype_name(pl.dtype), wire_dtype=_dtype_name(pl.wire_dtype),
                 weight_format=pl.weight_format, num_local=pl.num_local,
                 buffers=[dict(name=b.name, shape=list(b.shape), dtype=_dtype_name(b.dtype), group=b.group,
@@ -263,7 +266,7 @@ def run_cli(args) -> int:
     try:
         pl = plan(args.preset, args.ranks, args.max_tokens, args.gpu_mem, mode=args.mode, dtype=dtype,
                   dispatch_dtype=torch.float8_e4m3fn if args.dispatch_dtype == "fp8" else None,
-                  weight_format=args.weight_format)
+                  weight_format=args.weight_format, transport=getattr(args, "transport", None))
     except (TypeError, ValueError) as exc:
         print(f"padded-moe plan: {exc}")
         return 2
@@ -281,6 +284,7 @@ def _print_table(pl: Plan) -> None:
     from rich.table import Table
 
     title = (f"{pl.preset}: {pl.ranks} ranks, T={pl.max_tokens} tokens/rank, {pl.mode} mode, "
+             f"{pl.transport} transport, "
              f"{_dtype_name(pl.dtype)} activations ({_dtype_name(pl.wire_dtype)} on the wire), "
              f"{pl.weight_format} weights, {pl.num_local} local experts")
     table = Table(title=title)

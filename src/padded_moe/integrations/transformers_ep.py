@@ -200,7 +200,7 @@ def _check_module(family: str, name: str, module: nn.Module, plan) -> None:
 def enable_expert_parallel(model: nn.Module, group=None, *, max_tokens_per_rank: int, mode: str = "flat",
                            placement: str = "linear", weight_format: str = "bf16", layout: Optional[str] = None,
                            backend: str = "auto", dispatch_dtype: Optional[torch.dtype] = None,
-                           graph_safe: bool = True) -> ExpertParallelModel:
+                           graph_safe: bool = True, transport: Optional[str] = None) -> ExpertParallelModel:
     """Serve `model` (an HF transformers MoE model, loaded on every rank) with expert parallelism.
 
     Each sparse MoE block's experts module is replaced, in place, by an `ExpertParallelExperts`
@@ -211,7 +211,8 @@ def enable_expert_parallel(model: nn.Module, group=None, *, max_tokens_per_rank:
 
     `max_tokens_per_rank` bounds the tokens (batch × sequence) one rank feeds the model in one
     forward; the receive buffers are sized for it, shared by all layers of one shape. `mode`,
-    `placement`, `dispatch_dtype` and `graph_safe` go to `ExpertParallel`; `weight_format`
+    `placement`, `dispatch_dtype`, `graph_safe` and `transport` (a name; None = the default) go to
+    `ExpertParallel`; `weight_format`
     ("bf16" or "mxfp4": quantize the local experts), `layout` and `backend` to `FusedMoE`. The
     exchange runs in the experts' dtype (a float dtype); inputs of another dtype are cast.
 
@@ -262,7 +263,8 @@ def enable_expert_parallel(model: nn.Module, group=None, *, max_tokens_per_rank:
         if ep is None:
             ep = shared[key] = ExpertParallel(group, num_experts, k, hidden, max_tokens_per_rank, mode=mode,
                                               placement=placement, dtype=dtype, graph_safe=graph_safe,
-                                              dispatch_dtype=dispatch_dtype, backend=backend, device=device)
+                                              dispatch_dtype=dispatch_dtype, backend=backend, device=device,
+                                              transport=transport)
         moe = FusedMoE(num_experts, k, hidden, inter, activation=plan.activation,
                        activation_config=plan.activation_config, weight_format=weight_format,
                        has_bias=b13 is not None, expert_parallel=ep, layout=layout, backend=backend,

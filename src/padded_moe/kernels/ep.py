@@ -1,6 +1,6 @@
-"""Triton kernels for expert-parallel dispatch / combine (spec 04). Host logic: `padded_moe.distributed`.
+"""Triton kernels for expert-parallel dispatch / combine (spec 04). Host logic: `padded_moe.ep`.
 
-Wire format (see `padded_moe.distributed.WireFormat`): one uint8 row of `row_bytes` per (token, peer),
+Wire format (see `padded_moe.ep.wire.WireFormat`): one uint8 row of `row_bytes` per (token, peer),
 `x` in the wire dtype first, then int32 "meta" columns: `TOP_K` global ids (-1 for slots owned by
 another rank), `TOP_K` router weights (float32 bits), the chunk's valid-row count at column
 `COUNT_COL` (meaningful on a chunk's first row only) and, for an fp8 wire, float32 scales from
@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from padded_moe.kernels.guard import expert_id_ok
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -100,7 +102,7 @@ def _slots_for_peer(ids_ptr, stride_im, stride_ik, owner_ptr, t, tmask, r, E, jj
     dtype before the owner table is read; the table load is masked, so garbage never forms an address."""
     msk = tmask[:, None] & jm[None, :]
     g = tl.load(ids_ptr + t.to(tl.int64)[:, None] * stride_im + jj[None, :] * stride_ik, mask=msk, other=-1)
-    ok = msk & (g >= 0) & (g < E)
+    ok = expert_id_ok(g, msk, E)
     own = tl.load(owner_ptr + tl.where(ok, g, 0), mask=ok, other=-1)
     return g, ok & (own == r)
 
@@ -411,7 +413,7 @@ def _recv_batched_kernel(rx_ptr, stride_rx, rmi_ptr, rmf_ptr, stride_rm, cc_ptr,
     jm = jj < TOP_K
     vm = valid[:, None] & jm[None, :]
     g = tl.load(rmi_ptr + src64[:, None] * stride_rm + jj[None, :], mask=vm, other=-1)
-    ok = vm & (g >= 0) & (g < E)
+    ok = expert_id_ok(g, vm, E)
     loc = tl.load(map_ptr + tl.where(ok, g, 0), mask=ok, other=-1)
     local = ok & (loc >= 0)
     first, row, srow = _slab_rows(tl.where(local, loc, -1), local, jj, counts_ptr, SLAB_ROWS, KP)
@@ -451,7 +453,7 @@ def _local_batched_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr,
         jm = jj < TOP_K
         vm = tm[:, None] & jm[None, :]
         g = tl.load(ids_ptr + t64[:, None] * stride_im + jj[None, :] * stride_ik, mask=vm, other=-1)
-        ok = vm & (g >= 0) & (g < E)  # range check in the ids' own dtype, before the table read
+        ok = expert_id_ok(g, vm, E)  # before the table read
         loc = tl.load(map_ptr + tl.where(ok, g, 0), mask=ok, other=-1)
         local = ok & (loc >= 0)
         first, row, srow = _slab_rows(tl.where(local, loc, -1), local, jj, counts_ptr, SLAB_ROWS, KP)

@@ -37,6 +37,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from padded_moe import layout_codes as codes
 from padded_moe.kernels._codes import GROUPED_CONTIGUOUS, INDEXED
 from padded_moe.kernels._launch import launch as launch_kernel, ptr_key
+from padded_moe.kernels.guard import expert_id_ok
 
 
 
@@ -229,7 +230,7 @@ def _tile_rows(pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num
         row0 = mb * BLOCK_MB + (pid_m % SUB) * BM
         npad = tl.load(npad_ptr)
         e = tl.load(blk_exp_ptr + mb)
-        live = ((row0 < npad) & (e >= 0) & (e < num_local)).to(tl.int32)
+        live = expert_id_ok(e, row0 < npad, num_local).to(tl.int32)
         in_blk = (rm < ROWS) & (row0 + rm < npad)
         ids = tl.load(ids_ptr + row0 + rm, mask=in_blk, other=0)
         valid = in_blk & (ids >= 0) & (ids < mk)

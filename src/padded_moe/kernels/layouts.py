@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from padded_moe.kernels._codes import GROUPED_CONTIGUOUS, GROUPED_MASKED, INDEXED
+from padded_moe.kernels.guard import expert_id_ok
 
 
 @triton.jit
@@ -38,7 +39,7 @@ def _count_kernel(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr,
     g = tl.load(ids_ptr + t.to(tl.int64) * stride_im + j * stride_ik, mask=smask, other=-1)
     # The guard: range check in the ids' own dtype (int64 stays int64) before narrowing or
     # reading the map; the map load itself is masked so an invalid id never forms an address.
-    in_range = smask & (g >= 0) & (g < E)
+    in_range = expert_id_ok(g, smask, E)
     safe = tl.where(in_range, g, 0).to(tl.int32)
     if HAS_MAP:
         loc = tl.load(map_ptr + safe, mask=in_range, other=-1)

@@ -48,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--preset", default="dsv4-flash")
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 1024], help="tokens per rank")
     p.add_argument("--modes", nargs="+", default=["flat", "batched"])
+    p.add_argument("--transports", nargs="+", default=["nccl"],
+                   help="ExpertParallel transports to time (nccl, symm_mem)")
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iters", type=int, default=20)
@@ -206,7 +208,7 @@ def print_timeline(replays: dict, T, mode, chain=4):
             prev_end = max(prev_end, e.time_range.end)
 
 
-def bench_one(preset, mode, T, device, timer, layer, profile=False, timeline=False):
+def bench_one(preset, mode, T, device, timer, layer, profile=False, timeline=False, transport="nccl"):
     from padded_moe.distributed import ExpertParallel
 
     R, rank = dist.get_world_size(), dist.get_rank()
@@ -215,7 +217,7 @@ def bench_one(preset, mode, T, device, timer, layer, profile=False, timeline=Fal
     x = torch.randn(T, K, generator=gen, device=device).to(torch.bfloat16)
     ids = torch.rand(T, E, generator=gen, device=device).argsort(1)[:, :k].to(torch.int32)
     w = torch.rand(T, k, generator=gen, device=device)
-    ep = ExpertParallel(None, E, k, K, T, mode=mode, dtype=torch.bfloat16, device=device)
+    ep = ExpertParallel(None, E, k, K, T, mode=mode, dtype=torch.bfloat16, device=device, transport=transport)
     rows = R * T
     send = torch.randn(rows, K, device=device).to(torch.bfloat16)
     recv = torch.empty_like(send)
@@ -227,12 +229,20 @@ def bench_one(preset, mode, T, device, timer, layer, profile=False, timeline=Fal
         rb, h = ep.dispatch(x, ids, w)
         return ep.combine(rb.x, h)
 
-    res = dict(mode=mode, tokens_per_rank=T, ranks=R, bytes_per_a2a=send.numel() * send.element_size())
+    res = dict(mode=mode, transport=transport, tokens_per_rank=T, ranks=R,
+               bytes_per_a2a=send.numel() * send.element_size())
     res["a2a_ms"] = timer(a2a)
     res["dispatch_combine_ms"] = timer(dispatch_combine)
     if device.type == "cuda":
         g_a2a, g_dc = graphed(a2a, device), graphed(dispatch_combine, device)
         res["a2a_graph_ms"], res["dispatch_combine_graph_ms"] = timer.pair(g_a2a, g_dc)
+        # Dispatch alone: wire bytes this rank sends to its peers (tokens with a slot on a peer).
+        owner = ep._owner.long()
+        peers = torch.arange(R, device=device).view(R, 1, 1)
+        to_peer = (owner[ids.long()].unsqueeze(0) == peers).any(-1)
+        sent_rows = int(to_peer.sum()) - int(to_peer[rank].sum())
+        res["dispatch_graph_ms"] = timer(graphed(lambda: ep.dispatch(x, ids, w), device))
+        res["dispatch_GBps"] = sent_rows * ep.wire.row_bytes / (res["dispatch_graph_ms"] * 1e-3) / 1e9
         if timeline:
             print_timeline({"raw a2a": g_a2a, "dispatch+combine": g_dc}, T, mode)
         if profile:
@@ -281,8 +291,9 @@ def main_worker(args):
     results = []
     for mode in args.modes:
         for T in args.tokens:
-            results.append(bench_one(preset, mode, T, device, timer, not args.no_layer, args.profile,
-                                     args.timeline))
+            for transport in args.transports:
+                results.append(bench_one(preset, mode, T, device, timer, not args.no_layer, args.profile,
+                                         args.timeline, transport))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if dist.get_rank() == 0:
@@ -301,8 +312,9 @@ def report(args, preset, results, path="torch"):
                 ep_free_sms=EP_FREE_SMS, ep_overlap_min_tokens=EP_OVERLAP_MIN_TOKENS)
     with open(os.path.join(args.out, "ep.json"), "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=2)
-    cols = ["mode", "tokens_per_rank", "a2a_ms", "a2a_graph_ms", "dispatch_combine_ms",
-            "dispatch_combine_graph_ms", "layer_ms", "layer_graph_ms", "ratio_vs_2x_a2a"]
+    cols = ["mode", "transport", "tokens_per_rank", "a2a_ms", "a2a_graph_ms", "dispatch_combine_ms",
+            "dispatch_combine_graph_ms", "dispatch_graph_ms", "dispatch_GBps", "layer_ms", "layer_graph_ms",
+            "ratio_vs_2x_a2a"]
     try:
         from rich.console import Console
         from rich.table import Table
@@ -326,9 +338,11 @@ def report(args, preset, results, path="torch"):
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for mode in args.modes:
-        rs = [r for r in results if r["mode"] == mode]
-        ts = [r["tokens_per_rank"] for r in rs]
-        ax.plot(ts, [r["ratio_vs_2x_a2a"] for r in rs], marker="o", label=f"{mode}: 2×a2a / (dispatch+combine)")
+        for transport in args.transports:
+            rs = [r for r in results if r["mode"] == mode and r["transport"] == transport]
+            ts = [r["tokens_per_rank"] for r in rs]
+            ax.plot(ts, [r["ratio_vs_2x_a2a"] for r in rs], marker="o",
+                    label=f"{mode}, {transport}: 2×a2a / (dispatch+combine)")
     ax.axhline(0.8, color="gray", linestyle="--", label="target 0.8")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per rank")

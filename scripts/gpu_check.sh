@@ -37,7 +37,7 @@ for stage in "$@"; do
         gemm-tests)
             step test-gemm python3 -m pytest -q -m gpu tests/test_gemm_gpu.py ;;
         routing)
-            step test-routing python3 -m pytest -q -m gpu tests/test_routing.py ;;
+            step test-routing python3 -m pytest -q -m gpu tests/test_routing_gpu.py ;;
         experts)
             step test-experts python3 -m pytest -q -m gpu tests/test_experts_gpu.py ;;
         layer)
@@ -56,6 +56,16 @@ for stage in "$@"; do
             step test-ep python3 -m pytest -q -rA -m gpu tests/test_distributed_gpu.py
             step bench-ep python3 benchmarks/bench_ep.py --profile --out "$OUT/bench"
             step bench-ep-single-call python3 benchmarks/bench_ep.py --no-layer --chain 1 --iters 40 --out "$OUT/bench-single" ;;
+        ep-all)  # two GPUs: every EP test on every transport, the put stress test, the HF model, the benchmark
+            STEP_TIMEOUT=150 step test-ep-put python3 -m pytest -x -q -rA -s tests/test_ep_put_gpu.py
+            if grep -q " passed" "$OUT/test-ep-put.log"; then
+                step test-ep python3 -m pytest -q -rA -m gpu tests/test_distributed_gpu.py tests/test_ep_engine.py tests/test_ep_kernels.py
+                step test-hf-ep python3 -m pytest -q -rA -s tests/test_transformers_ep_gpu.py
+                STEP_TIMEOUT=120 step sanitizer-ep-put compute-sanitizer --tool memcheck --target-processes all \
+                    --error-exitcode 9 python3 -m pytest -x -q tests/test_ep_put_gpu.py -k "flat and uneven"
+                step bench-ep-put python3 benchmarks/bench_ep.py --profile --transports nccl symm_mem \
+                    --tokens 16 128 1024 4096 --out "$OUT/bench-put"
+            fi ;;
         ep-timeline)  # kernel timeline of chained graph replays (gaps, overlap with NCCL)
             step ep-timeline python3 benchmarks/bench_ep.py --no-layer --timeline --tokens 16 1024 --iters 20 --out "$OUT/timeline" ;;
         ep-kernels)  # one GPU: sweep of the EP kernels' launch shapes
@@ -65,6 +75,8 @@ for stage in "$@"; do
             step bench-compile python3 benchmarks/bench_compile.py --out "$OUT/bench" ;;
         host)  # eager host overhead: per-call launches, allocations, syncs, Python profile
             step profile-host python3 benchmarks/profile_host.py ;;
+        gpu-suite)  # every single-GPU test file in one pytest (4 workers share the GPU)
+            STEP_TIMEOUT=540 step test-gpu-suite python3 -m pytest -q -n 4 -rf -m "gpu and not multigpu" tests ;;
         cpu-suite)
             step test-all-gpu python3 -m pytest -q -x tests ;;
         *) echo "unknown stage $stage" | tee -a "$summary" ;;

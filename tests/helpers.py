@@ -8,7 +8,7 @@ REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 SENTINEL = -12345.0
 
 # Expert-parallel transports the multi-GPU tests run on (one process per GPU).
-GPU_TRANSPORTS = ["nccl"]
+GPU_TRANSPORTS = ["nccl", "symm_mem"]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

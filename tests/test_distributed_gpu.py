@@ -208,6 +208,8 @@ def test_cuda_graph_replay_two_gpus(monkeypatch, overlap, transport):
     """Flat and batched, bf16 and fp8 wire: graph replays equal the reference, and graph_safe=False
     gives identical results. Graph-safe runs both sequences: own chunk kept out of the all_to_all
     and overlapped (side stream, capped grids), and the plain one."""
+    if transport == "symm_mem" and overlap == "own_chunk_kept":
+        pytest.skip("the put transport has no own-chunk path: its pack writes every chunk, the own one too")
     monkeypatch.setenv("PADDED_MOE_EP_OVERLAP_MIN_TOKENS", "0" if overlap == "own_chunk_kept" else "1000000")
     results = spawn_group(2, _graph_worker, dict(seed=SEED, transport=transport), backend="nccl", timeout=540)
     for mode, fp8 in GRAPH_VARIANTS:

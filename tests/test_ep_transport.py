@@ -175,3 +175,30 @@ def test_inprocess_argument_errors():
         tr.exchange("gather", torch.zeros(2, 1), torch.zeros(2, 1))
     with pytest.raises(ValueError, match="send_counts"):
         tr.exchange("dispatch", torch.zeros(2, 1), torch.zeros(2, 1), send_counts=[1])
+
+
+def test_symm_mem_is_registered_and_refused_off_cuda(one_rank_group):
+    """The put transport needs an NCCL group on CUDA: on gloo it is a ValueError that names the
+    alternative, and the default stays the collectives."""
+    assert "symm_mem" in transport_names()
+    with pytest.raises(ValueError, match="transport='nccl'"):
+        ExpertParallel(None, E, TOPK, K, 4, dtype=torch.float32, transport="symm_mem")
+    assert ExpertParallel(None, E, TOPK, K, 4, dtype=torch.float32).transport_name == "nccl"
+
+
+@pytest.mark.parametrize("mode", ["flat", "batched"])
+def test_planner_sizes_the_put_transport_from_the_description(mode):
+    """symm_mem: one symmetric allocation of both directions' receive rows (each on a 256-byte
+    boundary) plus 256 bytes of flags, no send rows; every other buffer as described. Counted here
+    from the description's shapes. (The GPU test checks it against the bytes really allocated.)"""
+    R, T = 2, 6
+    geo = EPGeometry(R, T, E, WireFormat(K, TOPK, torch.bfloat16, False))
+    specs = ep_buffer_specs(geo, mode, E // R)
+    by = {s.name: s for s in specs}
+    up = lambda n: -(-n // 256) * 256  # noqa: E731
+    want = up(R * T * geo.wire.row_bytes) + up(R * T * K * 2) + 256
+    want += sum(s.nbytes for s in specs if s.name not in ("dispatch_send", "dispatch_recv", "combine_send",
+                                                          "combine_recv"))
+    assert by["dispatch_recv"].nbytes == R * T * geo.wire.row_bytes
+    pl = planner.plan(SHAPES, R, T, 1000.0, mode=mode, dtype=torch.bfloat16, transport="symm_mem")
+    assert pl.transport == "symm_mem" and pl.bytes_of("ep") == want

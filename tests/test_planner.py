@@ -92,10 +92,12 @@ def test_largest_fitting_t_is_the_boundary():
     assert not planner.plan("kimi-k3-like", 4, t + 1, 24.0, mode="batched").fits
 
 
-def test_mxfp4_weights_are_a_quarter_plus_scales():
+def test_mxfp4_weights_are_a_quarter_plus_scales_twice():
+    """0.5 byte per element + 1 byte per 32 elements, held twice: the canonical MXFP4 tensor and
+    its prepared GEMM arrangement (dsv4-flash's K and N are whole 64-element blocks: no padding)."""
     bf = planner.plan("dsv4-flash", 2, 64, 139.0, weight_format="bf16").weights_bytes
     fp4 = planner.plan("dsv4-flash", 2, 64, 139.0, weight_format="mxfp4").weights_bytes
-    assert fp4 == bf // 4 + bf // 2 // 32  # 0.5 byte/element + 1 byte per 32 elements
+    assert fp4 == 2 * (bf // 4 + bf // 2 // 32)
 
 
 def _cli(argv):

@@ -21,8 +21,9 @@ from typing import Optional, Union
 import torch
 
 from padded_moe._util import itemsize
-from padded_moe.ep.transport import default_name, storage_plan, transport_names
+from padded_moe.ep.transport import storage_plan, transport_names
 from padded_moe.ep.wire import EPGeometry, WireFormat, ep_buffer_specs
+from padded_moe.mxfp4 import HOPPER_KB
 from padded_moe.presets import PRESETS, MoEPreset, get_preset
 
 GIB = 1 << 30
@@ -101,6 +102,12 @@ def _weights(p: MoEPreset, L: int, weight_format: str, dtype: torch.dtype) -> li
                Buffer("w13 scales (E8M0)", (L, G, K // 32), torch.uint8, "weights"),
                Buffer("w2 blocks (MXFP4)", (L, K, N // 2), torch.uint8, "weights"),
                Buffer("w2 scales (E8M0)", (L, K, N // 32), torch.uint8, "weights")]
+        # The GEMM's prepared arrangement (`Mxfp4Tensor.prepare_for`, done at load on CUDA) is a
+        # second copy of the same bytes, K padded to whole blocks.
+        for name, rows, cols in (("w13", G, K), ("w2", K, N)):
+            kp = -(-cols // HOPPER_KB) * HOPPER_KB
+            out += [Buffer(f"{name} blocks (MXFP4, prepared)", (L, rows, kp // 2), torch.uint8, "weights"),
+                    Buffer(f"{name} scales (E8M0, prepared)", (L, kp // 32, rows), torch.uint8, "weights")]
     elif weight_format == "bf16":
         out = [Buffer("w13", (L, G, K), dtype, "weights"), Buffer("w2", (L, K, N), dtype, "weights")]
     else:
@@ -167,7 +174,9 @@ def plan(preset_or_shapes: Union[str, MoEPreset, dict], ranks: int, max_tokens: 
          mode: str = "flat", dtype: torch.dtype = torch.bfloat16, dispatch_dtype: Optional[torch.dtype] = None,
          weight_format: Optional[str] = None, transport: Optional[str] = None) -> Plan:
     """Every buffer of one rank for `max_tokens` (T) tokens per rank on `ranks` (R) EP ranks, as
-    `transport` allocates them (None: `ExpertParallel`'s default, `padded_moe.ep.transport.default_name`)."""
+    `transport` allocates them (None: "nccl", the collectives. The planner sees no process group, so
+    it never guesses; `ExpertParallel` picks "symm_mem" by itself on one CUDA node: plan that with
+    transport="symm_mem")."""
     p = _resolve_shapes(preset_or_shapes)
     for name, v, lo in (("ranks", ranks, 1), ("max_tokens", max_tokens, 1)):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -182,7 +191,7 @@ def plan(preset_or_shapes: Union[str, MoEPreset, dict], ranks: int, max_tokens: 
         raise ValueError(f"mode must be 'flat' or 'batched', got {mode!r}")
     if dispatch_dtype not in (None, dtype, torch.float8_e4m3fn):
         raise ValueError(f"dispatch_dtype must be None, dtype or torch.float8_e4m3fn, got {dispatch_dtype}")
-    transport = default_name() if transport is None else transport
+    transport = "nccl" if transport is None else transport
     if transport not in transport_names():
         raise ValueError(f"transport must be one of {transport_names()}, got {transport!r}")
     fmt = weight_format or p.weight_format
@@ -224,7 +233,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dispatch-dtype", choices=("same", "fp8"), default="same",
                         help="wire format of dispatched rows")
     parser.add_argument("--transport", choices=transport_names(), default=None,
-                        help=f"EP transport whose allocations to size (default: ExpertParallel's, {default_name()})")
+                        help="EP transport whose allocations to size (default: nccl; ExpertParallel picks symm_mem "
+                             "by itself when every rank is on one CUDA node)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
 
 

@@ -272,6 +272,8 @@ class ExpertParallel:
         self._route_counts = bufs["route_counts"]
         self._side_stream = torch.cuda.Stream(self.device) \
             if self.device.type == "cuda" and self._keeps_own_chunk else None
+        # A put transport: the kernels write into the peers and carry the handshake.
+        self._put = {stage: self.transport.destinations(stage) for stage in ("dispatch", "combine")}
         if self.mode == "flat":
             self._rb_x, self._rb_ids = bufs["rb_x"], bufs["rb_topk_ids"]
             self._rb_w, self._rb_valid = bufs["rb_topk_weights"], bufs["rb_valid_tokens"]
@@ -333,6 +335,8 @@ class ExpertParallel:
                  topk_weights: torch.Tensor) -> tuple[ReceiveBuffer, DispatchHandle]:
         """Send every token to the ranks owning their experts; collective (every rank calls it)."""
         m = self._check_dispatch(hidden, topk_ids, topk_weights)
+        if self._put["dispatch"] is not None:
+            return self._dispatch_put(hidden, topk_ids, topk_weights, m)
         geo = self.geometry
         send_counts = recv_counts = send_base = None
         if not self.graph_safe:
@@ -360,6 +364,24 @@ class ExpertParallel:
         if not self._keeps_own_chunk:
             receive_batched(geo, self._recv_wire, self._chunk_counts, self.graph_safe, self._map, self.num_local,
                             self._slab, self._counts, self._slot_rows, self._slot_weights)
+        x = self._slab[: self.num_local * geo.rows].view(self.num_local, geo.rows, self.hidden_size)
+        return ReceiveBuffer("batched", x, counts=self._counts), handle
+
+    def _dispatch_put(self, hidden, topk_ids, topk_weights, m):
+        """Put transport: the pack writes every chunk into its peer's receive rows and signals;
+        the receive waits for every peer's signal and reads all R chunks. graph_safe=False runs
+        this same path: only real rows move anyway, so there is no count to exchange."""
+        geo, batched, put = self.geometry, self.mode == "batched", self._put["dispatch"]
+        pack_rows(hidden, topk_ids, topk_weights, self._owner, geo, self._send_wire, self._token_rows,
+                  zero_counts=self._counts if batched else None, block_counts=self._route_counts, put=put)
+        handle = DispatchHandle(self, self.mode, m, self._token_rows)
+        if not batched:
+            receive_flat(geo, self._recv_wire, self._chunk_counts, True, self._rb_x, self._rb_ids, self._rb_w,
+                         self._rb_valid, wait=put)
+            return ReceiveBuffer("flat", self._rb_x, topk_ids=self._rb_ids, topk_weights=self._rb_w,
+                                 valid_tokens=self._rb_valid), handle
+        receive_batched(geo, self._recv_wire, self._chunk_counts, True, self._map, self.num_local,
+                        self._slab, self._counts, self._slot_rows, self._slot_weights, wait=put)
         x = self._slab[: self.num_local * geo.rows].view(self.num_local, geo.rows, self.hidden_size)
         return ReceiveBuffer("batched", x, counts=self._counts), handle
 
@@ -420,6 +442,14 @@ class ExpertParallel:
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Return each rank's partial outputs to the token owners and sum them: `[m, K]`."""
         self._check_combine(expert_out, handle)
+        put = self._put["combine"]
+        if put is not None:  # the combine kernel writes into the token owners and signals
+            if self.mode == "flat":
+                combine_flat_rows(self.geometry, self._chunk_counts, expert_out, self._comb_send, put=put)
+            else:
+                combine_batched_rows(self.geometry, self._chunk_counts, True, self._slot_rows, self._slot_weights,
+                                     expert_out, self._comb_send, put=put)
+            return self._reduce(handle)
         if self._keeps_own_chunk:
             if self.mode == "flat":
                 return self._combine_flat_own(expert_out, handle)
@@ -465,5 +495,6 @@ class ExpertParallel:
         m = handle.num_tokens
         out = torch.empty(m, self.hidden_size, dtype=self.dtype, device=self.device)
         reduce_partials(self.geometry, self._comb_recv, handle.token_rows, m, out,
-                        rank=self.ep_rank if own_rows is not None else -1, own_rows=own_rows)
+                        rank=self.ep_rank if own_rows is not None else -1, own_rows=own_rows,
+                        wait=self._put["combine"])
         return out

@@ -14,6 +14,19 @@ from padded_moe.ep.tiles import PACK_ONE_BLOCK_TOKENS, _cdiv, _k_tiles, _next_po
 from padded_moe.ep.wire import FP8_BLOCK, EPGeometry
 
 
+def _put_args(put, placeholder: torch.Tensor) -> tuple:
+    """(destination table, sig, flag table, this rank) for a kernel that writes into peers
+    (`padded_moe.ep.transport.PutTargets`); placeholders (valid pointers, never read) without."""
+    if put is None:
+        return placeholder, placeholder, placeholder, 0
+    return put.table, put.sig, put.flag_table, put.rank
+
+
+def _wait_args(wait, placeholder: torch.Tensor) -> tuple:
+    """(sig, this rank's flags) for a kernel that first waits for the peers' writes."""
+    return (placeholder, placeholder) if wait is None else (wait.sig, wait.flags)
+
+
 def _fp8_tiles(geo: EPGeometry, device, row_programs, elem_size, split=True, per_sm=4):
     """K tiling for a kernel that reads or writes an fp8 wire (a slice never straddles a scale)."""
     w = geo.wire
@@ -30,7 +43,7 @@ def _unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_triton(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base, zero_counts,
-                 rank, block_counts):
+                 rank, block_counts, put=None):
     from padded_moe.kernels.ep import _pack_kernel, _route_count_kernel
 
     R, T, w, dev = geo.ep_size, geo.max_tokens, geo.wire, hidden.device
@@ -62,15 +75,15 @@ def _pack_triton(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_ro
         hidden, hidden.stride(0), topk_ids, topk_ids.stride(0), topk_ids.stride(1),
         topk_weights, topk_weights.stride(0), topk_weights.stride(1), owner,
         x, x.stride(0), meta_i, meta_f, meta_i.stride(0), token_rows, base, block_counts,
-        zero, zero_counts.numel() if zero_counts is not None else 0,
+        zero, zero_counts.numel() if zero_counts is not None else 0, *_put_args(put, token_rows),
         m, T, geo.num_experts, K, kpp, nb, block_counts.stride(0), rank,
         R=R, TOP_K=k, KP=kp, BT=bt, BK=bk, NBP=_next_pow2(nb_max),
         COUNT_COL=w.count_col, SCALE_COL=w.scale_col, HAS_BASE=send_base is not None, FP8=w.fp8,
         ROW_SCALE=w.fp8 and w.scale_group == K, ZERO=zero_counts is not None, ROUTED=routed,
-        num_warps=tile.num_warps)
+        PUT=put is not None, X_BYTES=w.x_bytes, num_warps=tile.num_warps)
 
 
-def _receive_flat_triton(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid, rank) -> None:
+def _receive_flat_triton(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid, rank, wait=None) -> None:
     from padded_moe.kernels.ep import _recv_flat_kernel
 
     R, T, w, dev = geo.ep_size, geo.max_tokens, geo.wire, recv_wire.device
@@ -82,11 +95,11 @@ def _receive_flat_triton(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb
     _recv_flat_kernel[(R * nb, ks)](
         x, x.stride(0), meta_i, meta_f, meta_i.stride(0), chunk_counts,
         rb_x, rb_x.stride(0), rb_ids, rb_ids.stride(0), rb_w, rb_w.stride(0), rb_valid,
-        T, w.hidden_size, kpp, nb, rank,
+        *_wait_args(wait, chunk_counts), T, w.hidden_size, kpp, nb, rank,
         R=R, RP=_next_pow2(R), TOP_K=w.top_k, KP=_next_pow2(w.top_k), BT=bt, BK=bk,
         COUNT_COL=w.count_col, SCALE_COL=w.scale_col, IN_BAND=in_band, FP8=w.fp8,
         ROW_SCALE=w.fp8 and w.scale_group == w.hidden_size, GROUP=w.scale_group if w.fp8 else 1,
-        num_warps=tile.num_warps)
+        WAIT=wait is not None, num_warps=tile.num_warps)
 
 
 def _local_flat_triton(hidden, topk_ids, topk_weights, owner, geo, rank, rb_x, rb_ids, rb_w, token_rows, chunk_counts,
@@ -116,7 +129,7 @@ def _local_flat_triton(hidden, topk_ids, topk_weights, owner, geo, rank, rb_x, r
 
 
 def _receive_batched_triton(geo, recv_wire, chunk_counts, in_band, expert_table, slab, counts, slot_rows,
-                            slot_weights, rank):
+                            slot_weights, rank, wait=None):
     from padded_moe.kernels.ep import _recv_batched_kernel
 
     R, T, w, dev = geo.ep_size, geo.max_tokens, geo.wire, recv_wire.device
@@ -130,12 +143,12 @@ def _receive_batched_triton(geo, recv_wire, chunk_counts, in_band, expert_table,
     bk, _, _ = _fp8_tiles(geo, dev, peers * nb, slab.element_size(), split=False)
     _recv_batched_kernel[(peers * nb,)](
         x, x.stride(0), meta_i, meta_f, meta_i.stride(0), chunk_counts, expert_table,
-        slab, slab.stride(0), counts, slot_rows, slot_weights, slot_rows.stride(0),
+        slab, slab.stride(0), counts, slot_rows, slot_weights, slot_rows.stride(0), *_wait_args(wait, counts),
         T, geo.num_experts, w.hidden_size, nb, geo.rows, rank,
         R=R, RP=_next_pow2(R), TOP_K=w.top_k, KP=_next_pow2(w.top_k), BT=bt, BK=bk,
         COUNT_COL=w.count_col, SCALE_COL=w.scale_col, IN_BAND=in_band, FP8=w.fp8,
         ROW_SCALE=w.fp8 and w.scale_group == w.hidden_size, GROUP=w.scale_group if w.fp8 else 1,
-        num_warps=tile.num_warps)
+        WAIT=wait is not None, num_warps=tile.num_warps)
 
 
 def _local_batched_triton(hidden, topk_ids, topk_weights, geo, rank, expert_table, slab, counts, slot_rows,
@@ -162,7 +175,7 @@ def _local_batched_triton(hidden, topk_ids, topk_weights, geo, rank, expert_tabl
 
 
 def _combine_batched_triton(geo, chunk_counts, graph_safe, slot_rows, slot_weights, expert_out, comb_send,
-                            rank, own_only) -> None:
+                            rank, own_only, put=None) -> None:
     from padded_moe.kernels.ep import _combine_batched_kernel
 
     expert_out = _unit_stride_rows(expert_out)
@@ -177,13 +190,13 @@ def _combine_batched_triton(geo, chunk_counts, graph_safe, slot_rows, slot_weigh
     grid0 = tiles._capped_grid(dev, chunks * nb, ks) if own_only else chunks * nb
     _combine_batched_kernel[(grid0, ks)](
         expert_out, expert_out.stride(0), expert_out.stride(1), expert_out.shape[1], chunk_counts,
-        slot_rows, slot_weights, slot_rows.stride(0), comb_send, comb_send.stride(0),
+        slot_rows, slot_weights, slot_rows.stride(0), comb_send, comb_send.stride(0), *_put_args(put, chunk_counts),
         T, w.hidden_size, kpp, nb, chunks * nb, -1 if own_only else rank, rank if own_only else -1,
-        R=R, RP=_next_pow2(R), TOP_K=w.top_k, BT=bt, BK=bk, GRAPH_SAFE=graph_safe,
+        R=R, RP=_next_pow2(R), TOP_K=w.top_k, BT=bt, BK=bk, GRAPH_SAFE=graph_safe, PUT=put is not None,
         num_warps=tile.num_warps)
 
 
-def _combine_flat_triton(geo, chunk_counts, expert_out, comb_send, rank) -> None:
+def _combine_flat_triton(geo, chunk_counts, expert_out, comb_send, rank, put=None) -> None:
     from padded_moe.kernels.ep import _combine_flat_kernel
 
     expert_out = _unit_stride_rows(expert_out)
@@ -196,19 +209,19 @@ def _combine_flat_triton(geo, chunk_counts, expert_out, comb_send, rank) -> None
     nb = _cdiv(T, bt)
     bk, kpp, ks = _k_tiles(dev, K, expert_out.element_size(), chunks * nb, per_sm=tile.per_sm)
     _combine_flat_kernel[(chunks * nb, ks)](
-        expert_out, expert_out.stride(0), chunk_counts, comb_send, comb_send.stride(0),
-        T, K, kpp, nb, rank, R=R, RP=_next_pow2(R), BT=bt, BK=bk, num_warps=tile.num_warps)
+        expert_out, expert_out.stride(0), chunk_counts, comb_send, comb_send.stride(0), *_put_args(put, chunk_counts),
+        T, K, kpp, nb, rank, R=R, RP=_next_pow2(R), BT=bt, BK=bk, PUT=put is not None, num_warps=tile.num_warps)
 
 
-def _reduce_triton(geo, comb_recv, token_rows, m, out, rank, own_rows) -> None:
+def _reduce_triton(geo, comb_recv, token_rows, m, out, rank, own_rows, wait=None) -> None:
     from padded_moe.kernels.ep import _reduce_kernel
 
     R, rows, K, dev = geo.ep_size, geo.rows, geo.wire.hidden_size, out.device
     tile = _tile("reduce", dev)
     bt = tile.rows
-    nb = _cdiv(m, bt)
+    nb = max(1, _cdiv(m, bt))  # one program at least: an idle rank still waits for its peers
     bk, kpp, ks = _k_tiles(dev, K, out.element_size(), nb, per_sm=tile.per_sm)
     own = _unit_stride_rows(own_rows) if own_rows is not None else comb_recv
     _reduce_kernel[(nb, ks)](comb_recv, comb_recv.stride(0), own, own.stride(0), token_rows, token_rows.stride(0),
-                             out, out.stride(0), m, K, kpp, rows, rank, R=R, BT=bt, BK=bk,
-                             num_warps=tile.num_warps)
+                             out, out.stride(0), *_wait_args(wait, token_rows), m, K, kpp, rows, rank,
+                             R=R, BT=bt, BK=bk, WAIT=wait is not None, num_warps=tile.num_warps)

@@ -52,7 +52,7 @@ def peer_counts(topk_ids: torch.Tensor, owner: torch.Tensor, geo: EPGeometry) ->
 # ---------------------------------------------------------------------------------------- pack
 def pack_rows(hidden, topk_ids, topk_weights, owner, geo: EPGeometry, send_wire, token_rows,
               send_base: Optional[torch.Tensor] = None, zero_counts: Optional[torch.Tensor] = None, *,
-              rank: int = -1, block_counts: Optional[torch.Tensor] = None) -> None:
+              rank: int = -1, block_counts: Optional[torch.Tensor] = None, put=None) -> None:
     """Fill the send rows: chunk r holds the tokens with a slot on peer r, compacted, with their
     peer-masked ids, weights (, fp8 scales) and (graph-safe: `send_base` None) the count column of
     row r*T; `token_rows[r, t]` = send row of (t, r) or R*T. With `send_base` ([R] int32) chunks start
@@ -60,11 +60,15 @@ def pack_rows(hidden, topk_ids, topk_weights, owner, geo: EPGeometry, send_wire,
     zeroed here so the receive kernels can count with atomics. `rank` >= 0: this rank, whose own
     chunk (handled by `local_batched` / `local_flat`) is not packed and its `token_rows` row is left
     as it is. `block_counts` int32 `[R, >= cdiv(m, tile rows)]`: scratch of the Triton path
-    (allocated when None; `ExpertParallel` passes a persistent one, see `route_block_columns`)."""
+    (allocated when None; `ExpertParallel` passes a persistent one, see `route_block_columns`).
+    `put` (`PutTargets`, Triton path only): chunk r goes straight into peer r's receive rows, not
+    `send_wire` (which then only lends its dtype and strides), and the peers are signalled."""
     if use_triton(hidden.device):
         _pack_triton(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base, zero_counts,
-                     rank, block_counts)
+                     rank, block_counts, put)
     else:
+        if put is not None:
+            raise NotImplementedError("the put transport needs the Triton path (a CUDA device)")
         _pack_torch(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base, rank)
         if zero_counts is not None:
             zero_counts.zero_()
@@ -146,15 +150,18 @@ def _decode_rows_torch(geo, wire, src) -> torch.Tensor:
 
 
 def receive_flat(geo: EPGeometry, recv_wire, chunk_counts, in_band: bool, rb_x, rb_ids, rb_w, rb_valid, *,
-                 rank: int = -1) -> None:
+                 rank: int = -1, wait=None) -> None:
     """Compact the R received chunks: rows `[0, valid)` of rb_x / rb_ids / rb_w are the real rows in
     source-rank order; ids -1 and weights 0 on rows `[valid, R*T)` (their x is not written).
     Counts: the in-band column (`in_band`, stored into `chunk_counts`) or `chunk_counts` (exact
     splits: chunks back to back). `rank` >= 0: this rank, whose chunk never travelled; `local_flat`
-    already put its rows first (count in `chunk_counts[rank]`), the others follow by rank."""
+    already put its rows first (count in `chunk_counts[rank]`), the others follow by rank. `wait`
+    (`PutTargets`, Triton path only): first wait until every peer's put of this call has landed."""
     if use_triton(recv_wire.device):
-        _receive_flat_triton(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid, rank)
+        _receive_flat_triton(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid, rank, wait)
     else:
+        if wait is not None:
+            raise NotImplementedError("the put transport needs the Triton path (a CUDA device)")
         _receive_flat_torch(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid, rank)
 
 
@@ -218,16 +225,19 @@ def local_flat(hidden, topk_ids, topk_weights, owner, geo: EPGeometry, rank: int
 
 
 def receive_batched(geo: EPGeometry, recv_wire, chunk_counts, in_band: bool, expert_table, num_local: int,
-                    slab, counts, slot_rows, slot_weights, *, rank: int = -1) -> None:
+                    slab, counts, slot_rows, slot_weights, *, rank: int = -1, wait=None) -> None:
     """Scatter every (received row, local expert) pair into the expert's slab (`slab` rows
     `e*R*T + pos`, one row per (token, expert) even when ids repeat), counting on from `counts`
     (zero before the first writer: the pack step zeroes it), and record each slot's slab row in
     `slot_rows` (-1 for non-local slots) and its router weight in `slot_weights` (0 there); rows of
-    padding are untouched. `rank` >= 0: this rank, whose chunk is not read (`local_batched` did it)."""
+    padding are untouched. `rank` >= 0: this rank, whose chunk is not read (`local_batched` did it).
+    `wait`: as in `receive_flat`."""
     if use_triton(recv_wire.device):
         _receive_batched_triton(geo, recv_wire, chunk_counts, in_band, expert_table, slab, counts, slot_rows,
-                                slot_weights, rank)
+                                slot_weights, rank, wait)
     else:
+        if wait is not None:
+            raise NotImplementedError("the put transport needs the Triton path (a CUDA device)")
         _receive_batched_torch(geo, recv_wire, chunk_counts, in_band, expert_table, num_local, slab, counts,
                                slot_rows, slot_weights, rank)
 
@@ -303,13 +313,16 @@ def _local_batched_torch(hidden, topk_ids, topk_weights, geo, rank, expert_table
 
 
 # ---------------------------------------------------------------------------------------- combine
-def combine_flat_rows(geo: EPGeometry, chunk_counts, expert_out, comb_send, *, rank: int = -1) -> None:
+def combine_flat_rows(geo: EPGeometry, chunk_counts, expert_out, comb_send, *, rank: int = -1, put=None) -> None:
     """Graph-safe flat combine: `comb_send[r*T + p] = expert_out[start_r + p]` for `p < count_r`
     (compacted rows back into chunk order; other rows untouched). `rank` >= 0: this rank's chunk
-    came first in the compaction and stays where it is (the reduction reads it from `expert_out`)."""
+    came first in the compaction and stays where it is (the reduction reads it from `expert_out`).
+    `put`: as in `pack_rows` (chunk r goes into peer r's combine receive rows)."""
     if use_triton(expert_out.device):
-        _combine_flat_triton(geo, chunk_counts, expert_out, comb_send, rank)
+        _combine_flat_triton(geo, chunk_counts, expert_out, comb_send, rank, put)
         return
+    if put is not None:
+        raise NotImplementedError("the put transport needs the Triton path (a CUDA device)")
     R, T = geo.ep_size, geo.max_tokens
     cnt = chunk_counts.long().clamp(0, T)
     order = torch.tensor(_compaction_order(R, rank), device=cnt.device)
@@ -323,17 +336,19 @@ def combine_flat_rows(geo: EPGeometry, chunk_counts, expert_out, comb_send, *, r
 
 
 def combine_batched_rows(geo: EPGeometry, chunk_counts, graph_safe: bool, slot_rows, slot_weights,
-                         expert_out, comb_send, *, rank: int = -1, own_only: bool = False) -> None:
+                         expert_out, comb_send, *, rank: int = -1, own_only: bool = False, put=None) -> None:
     """Batched combine, receiver side: `comb_send[i] = Σ_j slot_weights[i,j] · Y[slot_rows[i,j]]`
     over the local slots of every valid received row `i` (fp32). `rank` >= 0: every chunk but this
     rank's, or (`own_only`) this rank's alone (the overlapped combine does its own chunk while the
-    others travel)."""
+    others travel). `put`: as in `combine_flat_rows`."""
     if own_only and rank < 0:
         raise ValueError("combine_batched_rows: own_only needs rank >= 0 (the chunk to combine)")
     if use_triton(expert_out.device):
         _combine_batched_triton(geo, chunk_counts, graph_safe, slot_rows, slot_weights, expert_out, comb_send,
-                                rank, own_only)
+                                rank, own_only, put)
         return
+    if put is not None:
+        raise NotImplementedError("the put transport needs the Triton path (a CUDA device)")
     k, K, rows, T = geo.wire.top_k, geo.wire.hidden_size, geo.rows, geo.max_tokens
     cnt = chunk_counts.long().clamp(0, T)
     valid = _valid_recv_rows_torch(geo, cnt, graph_safe)
@@ -353,17 +368,20 @@ def combine_batched_rows(geo: EPGeometry, chunk_counts, graph_safe: bool, slot_r
 
 
 def reduce_partials(geo: EPGeometry, comb_recv, token_rows, m: int, out, *, rank: int = -1,
-                    own_rows: Optional[torch.Tensor] = None) -> None:
+                    own_rows: Optional[torch.Tensor] = None, wait=None) -> None:
     """Sender side: `out[t] = Σ_r partial_r[token_rows[r, t]]` over peers that got token t (fp32);
     partials come from `comb_recv`, except this rank's own (`rank` >= 0), which never
-    travelled: rows of `own_rows` (batched: the combine send buffer; flat: the expert output)."""
+    travelled: rows of `own_rows` (batched: the combine send buffer; flat: the expert output).
+    `wait`: as in `receive_flat` (it runs on an idle rank too: m == 0 still waits)."""
     R, rows, K = geo.ep_size, geo.rows, geo.wire.hidden_size
     if rank >= 0 and own_rows is None:
         raise ValueError("reduce_partials: rank >= 0 needs own_rows (where that partial stayed)")
-    if m == 0:
+    if wait is not None and not use_triton(out.device):
+        raise NotImplementedError("the put transport needs the Triton path (a CUDA device)")
+    if m == 0 and wait is None:
         return
     if use_triton(out.device):
-        _reduce_triton(geo, comb_recv, token_rows, m, out, rank, own_rows)
+        _reduce_triton(geo, comb_recv, token_rows, m, out, rank, own_rows, wait)
         return
     tr = token_rows[:, :m].long()
     keep = (tr >= 0) & (tr < rows)

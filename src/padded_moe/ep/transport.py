@@ -15,9 +15,9 @@ A transport moves rows between the ranks of one `ExpertParallel`. The orchestrat
 - `exchange_counts(counts)`: the per-peer row counts both ways (graph_safe=False);
 - `overlaps_own_chunk`: whether the own-chunk path (side stream, own chunk kept home) may be used;
 - `destinations(stage)`: None for a transport that moves rows itself in `exchange`. A transport
-  whose kernels write straight into peers' receive buffers returns the per-peer base addresses
-  (int64 `[R]` on the device) that the pack / combine launchers then write to; its `exchange`
-  only signals and waits.
+  whose kernels write straight into peers' receive buffers (`symm_mem`) returns a `PutTargets`:
+  the per-peer addresses the pack / combine kernels write to and the flags of the device-side
+  handshake that the receive / reduce kernels wait on; the engine then never calls `exchange`.
 
 To add a transport: subclass `Transport`, give it a `name`, implement `exchange` and
 `exchange_counts` (and `_allocate_storage` / `destinations` where the memory differs), and add a
@@ -34,6 +34,23 @@ from typing import Callable, ClassVar, Optional, Sequence
 import torch
 
 STAGES = ("dispatch", "combine")
+
+
+@dataclass(frozen=True)
+class PutTargets:
+    """What the kernels of a put transport need for one stage (`Transport.destinations`).
+
+    `table` int64 `[R]`: for chunk r, the byte address that stands for row 0 of a send buffer, so
+    that send row `r*T + p` lands on peer r's receive row `rank*T + p`. `sig` int32 `[4]` (local):
+    finished programs and call epochs per stage; `flag_table` int64 `[R]`: each peer's flags;
+    `flags` int32 `[2, R]` (this rank's, written by the peers): the latest epoch each source
+    published per stage."""
+
+    table: torch.Tensor
+    sig: torch.Tensor
+    flag_table: torch.Tensor
+    flags: torch.Tensor
+    rank: int
 
 
 @dataclass(frozen=True)
@@ -92,6 +109,11 @@ TRANSPORTS: dict = {
                            "torch.distributed all_to_all (NCCL on GPUs, gloo on CPU); any ranks and nodes"),
     "inprocess": TransportEntry("inprocess", "padded_moe.ep.inprocess:InProcessTransport", reuse_storage,
                                 "R ranks as threads of one process (a test double; no process group)"),
+    # One symmetric allocation holds both directions' receive rows and the flags; no send rows.
+    "symm_mem": TransportEntry("symm_mem", "padded_moe.ep.symm_mem:SymmMemTransport",
+                               lambda specs: importlib.import_module("padded_moe.ep.symm_mem").put_storage(specs),
+                               "kernels write into the peers' receive rows over NVLink (PyTorch symmetric "
+                               "memory); one node, CUDA"),
 }
 
 
@@ -104,10 +126,18 @@ def storage_plan(transport: str, specs: Sequence) -> list:
     return _entry(transport).storage(specs)
 
 
-def default_name(device: Optional[torch.device] = None) -> str:
-    """The transport `ExpertParallel(transport=None)` picks: collectives ("nccl") for now, on
-    every device and across nodes."""
-    return "nccl"
+def default_name(device: Optional[torch.device] = None, group=None) -> str:
+    """The transport `ExpertParallel(transport=None)` picks: "symm_mem" when every rank of an NCCL
+    `group` is on this host and symmetric memory is available (deciding that is collective: it
+    gathers the host names), else the collectives ("nccl"): across nodes, on CPU, and for the
+    planner, which sees no group."""
+    import torch.distributed as dist
+
+    if (device is not None and device.type != "cuda") or not dist.is_initialized():
+        return "nccl"
+    from padded_moe.ep.symm_mem import available
+
+    return "symm_mem" if available(group) else "nccl"
 
 
 def _entry(name: str) -> TransportEntry:
@@ -155,9 +185,9 @@ class Transport:
         return torch.empty(storage.nbytes, dtype=torch.uint8, device=device)
 
     # ------------------------------------------------------------------ movement
-    def destinations(self, stage: str) -> Optional[torch.Tensor]:
-        """Per-peer base addresses the `stage` kernels write to directly; None: `exchange` moves
-        the rows."""
+    def destinations(self, stage: str) -> Optional[PutTargets]:
+        """What the `stage` kernels need to write into the peers directly (`PutTargets`); None:
+        `exchange` moves the rows."""
         return None
 
     def exchange(self, stage: str, send: torch.Tensor, recv: torch.Tensor, *,
@@ -191,7 +221,7 @@ def resolve_transport(transport: object, group, device: Optional[torch.device]) 
     if isinstance(transport, Transport):
         return transport
     if transport is None:
-        transport = default_name(device)
+        transport = default_name(device, group)
     entry = _entry(transport)
     cls = entry.load()
     return cls.from_group(group)

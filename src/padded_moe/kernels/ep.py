@@ -126,6 +126,40 @@ def _load_wire_row_slice(rx_ptr, src64, stride_rx, rmf_ptr, stride_rm, cols, msk
     return x
 
 
+# ------------------------------------------------------------------------------- put signalling
+# The put transport's exchange is a device-side handshake, not a separate barrier launch: the
+# kernels that write into peers (pack, combine) signal when their last program is done, and the
+# kernels that read what peers wrote (receive, reduce) wait for it first. `sig_ptr` int32 [4] is
+# local: programs finished per channel ([CH]) and calls so far per channel ([2 + CH], the epoch).
+# Flags live in every rank's symmetric memory: int32 [2, R], channel CH from source r at CH*R + r,
+# holding the epoch of the source's latest finished call.
+@triton.jit
+def _signal_peers(sig_ptr, flag_tbl_ptr, flag_idx, CH: tl.constexpr, R: tl.constexpr):
+    """Called by every program once its stores are issued: the last program of the launch bumps
+    the epoch and publishes it to every peer (release, system scope). `flag_idx`: this rank."""
+    tl.debug_barrier()  # every thread's stores of this program precede the release below
+    total = tl.num_programs(0) * tl.num_programs(1)
+    done = tl.atomic_add(sig_ptr + CH, 1, sem="acq_rel", scope="sys")
+    if done == total - 1:
+        tl.atomic_xchg(sig_ptr + CH, 0, sem="relaxed", scope="gpu")
+        epoch = tl.atomic_add(sig_ptr + 2 + CH, 1, sem="relaxed", scope="gpu") + 1
+        for r in tl.static_range(R):
+            flag = tl.load(flag_tbl_ptr + r).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(flag + CH * R + flag_idx, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def _wait_peers(sig_ptr, flags_ptr, CH: tl.constexpr, R: tl.constexpr):
+    """Spin until every source has published this rank's current epoch of channel CH (this rank's
+    own signalling kernel ran earlier on the stream, so the local epoch is already this call's)."""
+    epoch = tl.atomic_add(sig_ptr + 2 + CH, 0, sem="relaxed", scope="gpu")
+    for r in tl.static_range(R):
+        seen = tl.atomic_add(flags_ptr + CH * R + r, 0, sem="acquire", scope="sys")
+        while seen < epoch:
+            seen = tl.atomic_add(flags_ptr + CH * R + r, 0, sem="acquire", scope="sys")
+    tl.debug_barrier()  # the acquire precedes every thread's loads
+
+
 # ---------------------------------------------------------------------------------------- dispatch
 @triton.jit
 def _peer_of(i, SKIP):
@@ -150,15 +184,24 @@ def _route_count_kernel(ids_ptr, stride_im, stride_ik, owner_ptr, block_counts_p
 @triton.jit(do_not_specialize=["SKIP"])
 def _pack_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr, stride_wm, stride_wk, owner_ptr,
                  sx_ptr, stride_sx, smi_ptr, smf_ptr, stride_sm, token_rows_ptr, base_ptr,
-                 block_counts_ptr, zero_ptr, n_zero,
+                 block_counts_ptr, zero_ptr, n_zero, put_ptr, sig_ptr, flag_tbl_ptr, flag_idx,
                  m, T, E, K, K_PER_PROG, NB, NB_MAX, SKIP,
                  R: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
                  BK: tl.constexpr, NBP: tl.constexpr, COUNT_COL: tl.constexpr,
                  SCALE_COL: tl.constexpr, HAS_BASE: tl.constexpr, FP8: tl.constexpr,
-                 ROW_SCALE: tl.constexpr, ZERO: tl.constexpr, ROUTED: tl.constexpr):
+                 ROW_SCALE: tl.constexpr, ZERO: tl.constexpr, ROUTED: tl.constexpr,
+                 PUT: tl.constexpr, X_BYTES: tl.constexpr):
+    """PUT: chunk r is written straight into peer r's receive rows: `put_ptr[r]` (int64) is the
+    byte address that plays the role of the send buffer's row 0 for chunk r (the transport folds
+    the chunk offsets into it), so the row arithmetic below is the same for both transports."""
     pid = tl.program_id(0)
     kz = tl.program_id(1)
     r = _peer_of(pid // NB, SKIP)
+    if PUT:
+        row0 = tl.load(put_ptr + r)
+        sx_ptr = row0.to(tl.pointer_type(sx_ptr.dtype.element_ty))
+        smi_ptr = (row0 + X_BYTES).to(tl.pointer_type(tl.int32))
+        smf_ptr = (row0 + X_BYTES).to(tl.pointer_type(tl.float32))
     b = pid % NB
     jj = tl.arange(0, KP)
     jm = jj < TOP_K
@@ -238,17 +281,23 @@ def _pack_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr, stride_w
             cols = k0 + tl.arange(0, BK)
             msk = to_peer[:, None] & (cols < k_hi)[None, :]
             tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=msk), mask=msk)
+    if PUT:
+        _signal_peers(sig_ptr, flag_tbl_ptr, flag_idx, 0, R)
 
 
 @triton.jit(do_not_specialize=["OWN"])
 def _recv_flat_kernel(rx_ptr, stride_rx, rmi_ptr, rmf_ptr, stride_rm, cc_ptr,
-                      ox_ptr, stride_ox, oid_ptr, stride_oid, ow_ptr, stride_ow, ovalid_ptr,
+                      ox_ptr, stride_ox, oid_ptr, stride_oid, ow_ptr, stride_ow, ovalid_ptr, sig_ptr, flags_ptr,
                       T, K, K_PER_PROG, NB, OWN,
                       R: tl.constexpr, RP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, COUNT_COL: tl.constexpr, SCALE_COL: tl.constexpr,
-                      IN_BAND: tl.constexpr, FP8: tl.constexpr, ROW_SCALE: tl.constexpr, GROUP: tl.constexpr):
+                      IN_BAND: tl.constexpr, FP8: tl.constexpr, ROW_SCALE: tl.constexpr, GROUP: tl.constexpr,
+                      WAIT: tl.constexpr):
     """OWN >= 0: chunk OWN's valid rows are already at the front (`_local_flat_kernel`); its
-    programs only write the meta of its share of the padding rows."""
+    programs only write the meta of its share of the padding rows. WAIT: the put transport's
+    handshake first (`_wait_peers`)."""
+    if WAIT:
+        _wait_peers(sig_ptr, flags_ptr, 0, R)
     pid = tl.program_id(0)
     kz = tl.program_id(1)
     r = pid // NB
@@ -391,12 +440,14 @@ def _fp8_scale(amax):
 
 @triton.jit(do_not_specialize=["SKIP"])
 def _recv_batched_kernel(rx_ptr, stride_rx, rmi_ptr, rmf_ptr, stride_rm, cc_ptr, map_ptr,
-                         slab_ptr, stride_slab, counts_ptr, slot_rows_ptr, slot_w_ptr, stride_sr,
+                         slab_ptr, stride_slab, counts_ptr, slot_rows_ptr, slot_w_ptr, stride_sr, sig_ptr, flags_ptr,
                          T, E, K, NB, SLAB_ROWS, SKIP,
                          R: tl.constexpr, RP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                          BT: tl.constexpr, BK: tl.constexpr, COUNT_COL: tl.constexpr, SCALE_COL: tl.constexpr,
                          IN_BAND: tl.constexpr, FP8: tl.constexpr, ROW_SCALE: tl.constexpr,
-                         GROUP: tl.constexpr):
+                         GROUP: tl.constexpr, WAIT: tl.constexpr):
+    if WAIT:  # the put transport's handshake (`_wait_peers`)
+        _wait_peers(sig_ptr, flags_ptr, 0, R)
     pid = tl.program_id(0)
     r = _peer_of(pid // NB, SKIP)
     b = pid % NB
@@ -488,14 +539,18 @@ def _local_batched_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr,
 
 # ---------------------------------------------------------------------------------------- combine
 @triton.jit(do_not_specialize=["OWN"])
-def _combine_flat_kernel(y_ptr, stride_y, cc_ptr, cs_ptr, stride_cs,
+def _combine_flat_kernel(y_ptr, stride_y, cc_ptr, cs_ptr, stride_cs, put_ptr, sig_ptr, flag_tbl_ptr, flag_idx,
                          T, K, K_PER_PROG, NB, OWN,
-                         R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+                         R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         PUT: tl.constexpr):
     """OWN >= 0: chunk OWN came first in the compaction and stays (the reduction reads it from
-    the expert output): programs cover the other chunks only."""
+    the expert output): programs cover the other chunks only. PUT: chunk r goes straight into peer
+    r's combine receive rows (`put_ptr[r]`, as in `_pack_kernel`)."""
     pid = tl.program_id(0)
     kz = tl.program_id(1)
     r = _peer_of(pid // NB, OWN)
+    if PUT:
+        cs_ptr = tl.load(put_ptr + r).to(tl.pointer_type(cs_ptr.dtype.element_ty))
     b = pid % NB
     cnt_r, pre_r, total, _ = _chunk_geometry(cc_ptr, 0, cc_ptr, r, T, OWN, R, RP, 0, False)
     p = b * BT + tl.arange(0, BT)
@@ -509,14 +564,19 @@ def _combine_flat_kernel(y_ptr, stride_y, cc_ptr, cs_ptr, stride_cs,
         msk = valid[:, None] & (cols < k_hi)[None, :]
         x = tl.load(y_ptr + src64[:, None] * stride_y + cols[None, :], mask=msk)
         tl.store(cs_ptr + dst64[:, None] * stride_cs + cols[None, :], x, mask=msk)
+    if PUT:
+        _signal_peers(sig_ptr, flag_tbl_ptr, flag_idx, 1, R)
 
 
 @triton.jit(do_not_specialize=["SKIP", "ONLY"])
 def _combine_batched_kernel(y_ptr, stride_y0, stride_y1, SLAB_ROWS, cc_ptr,
-                            slot_rows_ptr, slot_w_ptr, stride_sr, cs_ptr, stride_cs,
+                            slot_rows_ptr, slot_w_ptr, stride_sr, cs_ptr, stride_cs, put_ptr, sig_ptr, flag_tbl_ptr,
+                            flag_idx,
                             T, K, K_PER_PROG, NB, NBLK, SKIP, ONLY,
                             R: tl.constexpr, RP: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr,
-                            BK: tl.constexpr, GRAPH_SAFE: tl.constexpr):
+                            BK: tl.constexpr, GRAPH_SAFE: tl.constexpr, PUT: tl.constexpr):
+    """PUT: chunk r goes straight into peer r's combine receive rows (`put_ptr[r]`, as in
+    `_pack_kernel`)."""
     kz = tl.program_id(1)
     # NBLK row blocks (NB per chunk); a capped grid (the overlapped own-chunk call) loops over them.
     for i in range(tl.program_id(0), NBLK, tl.num_programs(0)):
@@ -547,17 +607,25 @@ def _combine_batched_kernel(y_ptr, stride_y0, stride_y1, SLAB_ROWS, cc_ptr,
                 y = tl.load(y_ptr + yrow[:, None] + cols[None, :], mask=keep[:, None] & cm[None, :], other=0.0)
                 # Select, never multiply by zero: rows past a count may hold NaN.
                 acc += tl.where(keep[:, None], y.to(tl.float32) * w[:, None], 0.0)
-            tl.store(cs_ptr + src64[:, None] * stride_cs + cols[None, :], acc.to(cs_ptr.dtype.element_ty),
+            if PUT:
+                dst = tl.load(put_ptr + r).to(tl.pointer_type(cs_ptr.dtype.element_ty))
+            else:
+                dst = cs_ptr
+            tl.store(dst + src64[:, None] * stride_cs + cols[None, :], acc.to(cs_ptr.dtype.element_ty),
                      mask=valid[:, None] & cm[None, :])
+    if PUT:
+        _signal_peers(sig_ptr, flag_tbl_ptr, flag_idx, 1, R)
 
 
 @triton.jit(do_not_specialize=["SELF"])
-def _reduce_kernel(cr_ptr, stride_cr, cs_ptr, stride_cs, tr_ptr, stride_tr, out_ptr, stride_o,
+def _reduce_kernel(cr_ptr, stride_cr, cs_ptr, stride_cs, tr_ptr, stride_tr, out_ptr, stride_o, sig_ptr, flags_ptr,
                    m, K, K_PER_PROG, PAD, SELF,
-                   R: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+                   R: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, WAIT: tl.constexpr):
     """Partials of peer r come from the combine receive rows `cr`, except this rank's own
     (r == SELF >= 0), which never travelled: rows of `cs` (batched: the combine send buffer's own
-    chunk; flat: the expert output)."""
+    chunk; flat: the expert output). WAIT: the put transport's handshake first (`_wait_peers`)."""
+    if WAIT:
+        _wait_peers(sig_ptr, flags_ptr, 1, R)
     b = tl.program_id(0)
     kz = tl.program_id(1)
     t = b * BT + tl.arange(0, BT)

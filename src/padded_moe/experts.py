@@ -15,6 +15,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from padded_moe._util import cdiv, next_pow2
 from padded_moe._validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -297,11 +298,15 @@ def _eager_scratch(topk_ids: torch.Tensor, num_experts: int, num_local: int) -> 
             or torch.cuda.is_current_stream_capturing():
         return None
     key = (device, torch.cuda.current_stream(device).cuda_stream, threading.get_ident(), k, num_experts, num_local)
-    buffers = _eager_buffers.get(key)
-    if buffers is None:
-        # block_m 64: the largest default block, so every call's capacity fits.
-        buffers = PermuteScratch(EAGER_CACHE_SLOTS // k, k, num_experts, num_local, device, block_m=64)
-        _eager_buffers[key] = buffers
+    tokens, buffers = _eager_buffers.get(key, (0, None))
+    if tokens < M:
+        # Sized for the call (slots rounded up to a power of two), grown when a bigger call comes:
+        # the cache never holds more than twice what the largest call so far needed, so a small
+        # model or a decode loop does not carry a 4096-slot workspace. block_m 64: the largest
+        # default block, so every call's capacity fits.
+        tokens = cdiv(min(EAGER_CACHE_SLOTS, next_pow2(max(M * k, 64))), k)
+        buffers = PermuteScratch(tokens, k, num_experts, num_local, device, block_m=64)
+        _eager_buffers[key] = (tokens, buffers)
     return buffers
 
 

@@ -32,6 +32,7 @@ no multimem operation is issued).
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 from typing import Optional, Sequence
@@ -62,7 +63,7 @@ def available(group) -> bool:
     if not dist.is_initialized() or dist.get_backend(group) != "nccl" or not torch.cuda.is_available():
         return False
     try:
-        import torch.distributed._symmetric_memory  # noqa: F401
+        importlib.import_module("torch.distributed._symmetric_memory")
     except ImportError:
         return False
     hosts = [None] * dist.get_world_size(group)

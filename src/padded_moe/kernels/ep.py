@@ -249,13 +249,7 @@ def _pack_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr, stride_w
     dst = sx_ptr + row64[:, None] * stride_sx
     if FP8:
         if ROW_SCALE:  # one scale per row (K % 128 != 0): amax pass, then quantize (KS == 1)
-            amax = tl.zeros([BT], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                cols = k0 + tl.arange(0, BK)
-                msk = to_peer[:, None] & (cols < K)[None, :]
-                x = tl.load(src + cols[None, :], mask=msk, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-            scale = _fp8_scale(amax)
+            scale = _row_fp8_scale(src, to_peer, K, BT, BK)
             tl.store(smf_ptr + row64 * stride_sm + SCALE_COL, scale, mask=to_peer)
             for k0 in range(0, K, BK):
                 cols = k0 + tl.arange(0, BK)
@@ -379,12 +373,7 @@ def _local_flat_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr, st
         tl.store(ow_ptr + pos64[:, None] * stride_ow + jj[None, :], tl.where(mine, w.to(tl.float32), 0.0), mask=mm)
         src = h_ptr + t64[:, None] * stride_h
         if FP8 and ROW_SCALE:
-            amax = tl.zeros([BT], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                cols = k0 + tl.arange(0, BK)
-                x = tl.load(src + cols[None, :], mask=keep[:, None] & (cols < K)[None, :], other=0.0)
-                amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-            row_scale = _fp8_scale(amax)
+            row_scale = _row_fp8_scale(src, keep, K, BT, BK)
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
             msk = keep[:, None] & (cols < K)[None, :]
@@ -425,6 +414,18 @@ def _store_slab_rows(slab_ptr, stride_slab, x, first, row, jj, cols, cm, TOP_K: 
         fj = tl.max(tl.where(sel & first, 1, 0), axis=1) > 0
         rj = tl.sum(tl.where(sel, row, 0), axis=1).to(tl.int64)
         tl.store(slab_ptr + rj[:, None] * stride_slab + cols[None, :], x, mask=fj[:, None] & cm[None, :])
+
+
+@triton.jit
+def _row_fp8_scale(src, rows, K, BT: tl.constexpr, BK: tl.constexpr):
+    """One fp8 scale per row (K % 128 != 0): the amax of rows `src[:, 0:K]` (where `rows`), in
+    BK-column slices, through `_fp8_scale`."""
+    amax = tl.zeros([BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        x = tl.load(src + cols[None, :], mask=rows[:, None] & (cols < K)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    return _fp8_scale(amax)
 
 
 @triton.jit
@@ -518,12 +519,7 @@ def _local_batched_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr,
         tl.store(cc_ptr + me, m, mask=b == 0)
         src = h_ptr + t64[:, None] * stride_h
         if FP8 and ROW_SCALE:
-            amax = tl.zeros([BT], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                cols = k0 + tl.arange(0, BK)
-                x = tl.load(src + cols[None, :], mask=any_first[:, None] & (cols < K)[None, :], other=0.0)
-                amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-            row_scale = _fp8_scale(amax)
+            row_scale = _row_fp8_scale(src, any_first, K, BT, BK)
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
             cm = cols < K

@@ -45,3 +45,22 @@ def extreme_mxfp4_weight(gen, K=96, finite=True, device="cpu"):
 
     scales = torch.stack(rows_scales).to(torch.uint8).unsqueeze(0)
     return Mxfp4Tensor(blocks.contiguous(), scales).to(device)
+
+
+# fp8 wire oracle, written here (not taken from the library): see spec 04's per-128-channel scaling.
+def fp8_reference(x):
+    """Written here, not taken from the library: per-block amax / 448 scales (blocks of 128 channels,
+    or the whole row when K is not a multiple of 128) and the values divided by them, rounded to
+    e4m3 by torch; (uint8 bytes [n, K], float32 scales [n, blocks])."""
+    n, K = x.shape
+    g = 128 if K % 128 == 0 else K
+    blocks = x.float().view(n, K // g, g)
+    scales = blocks.abs().amax(-1).clamp(min=1e-12) / 448.0
+    q = (blocks / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).view(n, K).view(torch.uint8)
+    return q, scales
+
+
+def fp8_dequant_reference(q, scales, dtype):
+    n, K = q.shape
+    vals = q.view(torch.float8_e4m3fn).float().view(n, scales.shape[1], K // scales.shape[1]) * scales.unsqueeze(-1)
+    return vals.view(n, K).to(dtype)

@@ -14,7 +14,7 @@ import traceback
 import pytest
 import torch
 
-from helpers import GPU_TRANSPORTS, REL_TOL, rel_err
+from helpers import GPU_TRANSPORTS, REL_TOL, fp8_dequant_reference, fp8_reference, rel_err
 from _spawn import spawn_group
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
@@ -126,7 +126,7 @@ GRAPH_VARIANTS = [("flat", False), ("batched", False), ("flat", True), ("batched
 def _graph_worker(rank, world, payload):
     """Every variant: capture dispatch → experts → combine once, replay with new tokens and routes;
     compare with the float64 reference and with graph_safe=False run eagerly (must be identical)."""
-    from padded_moe.distributed import ExpertParallel, _dequantize_fp8, _quantize_fp8
+    from padded_moe.distributed import ExpertParallel
     from padded_moe.experts import batched_experts, fused_experts
     from padded_moe.layouts import PermuteScratch
     from padded_moe.reference.moe import reference_moe
@@ -188,8 +188,8 @@ def _graph_worker(rank, world, payload):
                 torch.cuda.synchronize()
                 x_ref = sx
                 if fp8:
-                    q, s = _quantize_fp8(sx)
-                    x_ref = _dequantize_fp8(q, s, torch.bfloat16)
+                    q, s = fp8_reference(sx)
+                    x_ref = fp8_dequant_reference(q, s, torch.bfloat16)
                 ref = reference_moe(x_ref, W13, W2, sw, sids, activation="silu")
                 errs.append(rel_err(out, ref))
                 exact = step(ep_exact, None)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import fp8_dequant_reference, fp8_reference
+
 from padded_moe import distributed as D
 from padded_moe.expert_map import ExpertMap
 
@@ -78,12 +80,6 @@ def expected_chunks(hidden, ids, weights, owner, geo):
                              [float(weights[t, j]) if mine[j] else 0.0 for j in range(k)]))
         chunks.append(rows)
     return chunks
-
-
-def fp8_reference(x):
-    """Per-block (128 or whole row) amax/448 scales and e4m3 values (torch's rounding)."""
-    q, scales = D._quantize_fp8(x)
-    return q, scales
 
 
 # ---------------------------------------------------------------------------------------- pack
@@ -193,7 +189,7 @@ def received_wire(gen, geo, counts, *, local_ids, exact=False, with_garbage=True
             mf[row, k:2 * k] = torch.rand(k, generator=gen) + 0.1
             vals = torch.randn(K, generator=gen)
             if geo.wire.fp8:
-                q, s = D._quantize_fp8(vals.view(1, K))
+                q, s = fp8_reference(vals.view(1, K))
                 geo.wire.x_bytes_view(wire)[row] = q[0]
                 mf[row, geo.wire.scale_col:geo.wire.scale_col + s.shape[1]] = s[0]
             else:
@@ -267,8 +263,8 @@ def test_local_flat_matches_reference(cpu_path, gen, m, fp8, K):
     D.local_flat(hidden, ids, weights, owner, geo, me, rb_x, rb_ids, rb_w, token_rows, cc, block_counts)
     x = hidden
     if fp8 and m:
-        q, sc = D._quantize_fp8(hidden)
-        x = D._dequantize_fp8(q, sc, torch.float32)
+        q, sc = fp8_reference(hidden)
+        x = fp8_dequant_reference(q, sc, torch.float32)
     row = 0
     for t in range(m):
         mine = [owner_of(int(ids[t, j]), owner, E) == me for j in range(k)]
@@ -374,8 +370,8 @@ def test_local_batched_matches_reference(cpu_path, gen, case, fp8, K):
     D.local_batched(hidden, ids, weights, geo, me, emap.map, L, slab, cnt, slot_rows, slot_w, token_rows, cc)
     x = hidden
     if fp8:
-        q, sc = D._quantize_fp8(hidden)
-        x = D._dequantize_fp8(q, sc, torch.float32)
+        q, sc = fp8_reference(hidden)
+        x = fp8_dequant_reference(q, sc, torch.float32)
     expect_cnt = start.tolist()
     used = set()
     for t in range(m):

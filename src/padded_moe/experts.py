@@ -286,6 +286,20 @@ _eager_pipeline = torch.compiler.disable(_pipeline)
 # goes back to the pool).
 EAGER_CACHE_SLOTS = 4096
 _eager_buffers: dict = {}
+_no_cache = threading.local()
+
+
+class eager_cache_off:
+    """Within this block (this thread), eager calls do not use or fill the buffer cache: custom ops
+    that run the pipeline inside a compiled graph use it, because the graph's warm-up may allocate
+    from a CUDA-graph memory pool that a cache must never keep."""
+
+    def __enter__(self):
+        self._prev = getattr(_no_cache, "on", False)
+        _no_cache.on = True
+
+    def __exit__(self, *exc):
+        _no_cache.on = self._prev
 
 
 def _eager_scratch(topk_ids: torch.Tensor, num_experts: int, num_local: int) -> Optional[PermuteScratch]:
@@ -295,7 +309,7 @@ def _eager_scratch(topk_ids: torch.Tensor, num_experts: int, num_local: int) -> 
     device = topk_ids.device
     M, k = topk_ids.shape
     if device.type != "cuda" or M * k > EAGER_CACHE_SLOTS or torch.compiler.is_compiling() \
-            or torch.cuda.is_current_stream_capturing():
+            or getattr(_no_cache, "on", False) or torch.cuda.is_current_stream_capturing():
         return None
     key = (device, torch.cuda.current_stream(device).cuda_stream, threading.get_ident(), k, num_experts, num_local)
     tokens, buffers = _eager_buffers.get(key, (0, None))

@@ -7,7 +7,9 @@ The router turns logits into `(topk_weights, topk_ids)` with the functions of
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from typing import Callable, Optional, Union
 
 import torch
@@ -16,7 +18,7 @@ from torch import nn
 from padded_moe import routing
 from padded_moe._validation import FLOAT_DTYPES, require_int, require_tensor
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
-from padded_moe.experts import batched_experts, fused_experts
+from padded_moe.experts import batched_experts, eager_cache_off, fused_experts
 from padded_moe.mxfp4 import Mxfp4Tensor, quantize_mxfp4
 from padded_moe.presets import MoEPreset, get_preset
 
@@ -56,6 +58,8 @@ class FusedMoE(nn.Module):
         self.router, self.routed_scaling_factor = router, routed_scaling_factor
         self.weight_format, self.layout, self.backend = weight_format, layout, backend
         self.expert_parallel = expert_parallel
+        if expert_parallel is not None:
+            self._ep_id = _register_ep_layer(self)
         self.shared_experts = shared_experts
         self.num_local = expert_parallel.expert_map.num_local if expert_parallel is not None else num_experts
         factory = dict(dtype=dtype, device=device)
@@ -223,12 +227,21 @@ class FusedMoE(nn.Module):
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """Routed experts only (no router, no shared experts) on `x [M, K]`."""
+        if self.expert_parallel is not None:
+            if torch.compiler.is_compiling():
+                # One opaque op for dispatch → local experts → combine: the compiler never traces
+                # the exchange (persistent buffers viewed with other dtypes, collectives, flags).
+                return torch.ops.padded_moe.ep_experts(x, topk_weights, topk_ids, self._ep_id)
+            return self._ep_experts(x, topk_weights, topk_ids)
+        w13, w2 = self.expert_weights()
+        return fused_experts(x, w13, w2, topk_weights, topk_ids, layout=self.layout, w13_bias=self.w13_bias,
+                             w2_bias=self.w2_bias, activation=self.activation,
+                             activation_config=self.activation_config, backend=self.backend)
+
+    def _ep_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         w13, w2 = self.expert_weights()
         common = dict(activation=self.activation, activation_config=self.activation_config, backend=self.backend)
         ep = self.expert_parallel
-        if ep is None:
-            return fused_experts(x, w13, w2, topk_weights, topk_ids, layout=self.layout,
-                                 w13_bias=self.w13_bias, w2_bias=self.w2_bias, **common)
         rb, handle = ep.dispatch(x, topk_ids, topk_weights)
         if ep.mode == "flat":
             y = fused_experts(rb.x, w13, w2, rb.topk_weights, rb.topk_ids, expert_map=ep.expert_map,
@@ -239,6 +252,34 @@ class FusedMoE(nn.Module):
                 raise NotImplementedError("expert biases are not supported in batched expert-parallel mode; use mode='flat'")
             y = batched_experts(rb.x, rb.counts, w13, w2, **common)
         return ep.combine(y, handle)
+
+
+# Layers with expert parallelism by id, for the custom op below (an op takes tensors and numbers,
+# not modules). Weak references: a layer that is gone leaves the table.
+_EP_LAYERS: "weakref.WeakValueDictionary[int, FusedMoE]" = weakref.WeakValueDictionary()
+_EP_IDS = itertools.count()
+
+
+def _register_ep_layer(layer: "FusedMoE") -> int:
+    i = next(_EP_IDS)
+    _EP_LAYERS[i] = layer
+    return i
+
+
+@torch.library.custom_op("padded_moe::ep_experts", mutates_args=())
+def _ep_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_id: int) -> torch.Tensor:
+    """`FusedMoE.experts` with expert parallelism, as the compiler sees it: dispatch → local experts
+    → combine of layer `layer_id`, with a fresh `[m, K]` output."""
+    layer = _EP_LAYERS.get(layer_id)
+    if layer is None:
+        raise RuntimeError(f"padded_moe::ep_experts: no live FusedMoE with expert parallelism has id {layer_id}")
+    with eager_cache_off():
+        return layer._ep_experts(x, topk_weights, topk_ids)
+
+
+@_ep_experts_op.register_fake
+def _(x, topk_weights, topk_ids, layer_id):
+    return x.new_empty(x.shape)
 
 
 def _check_sizes(num_experts, top_k, hidden_size, intermediate_size, dtype) -> None:

@@ -161,9 +161,12 @@ class ExpertParallel:
     torch.float8_e4m3fn to send fp8 rows with per-128-channel scales; deferred to the backend in
     flat mode when the backend quantizes its own inputs); `backend` (name or object with
     `quantizes_inputs`, only used for that decision); `device` (default: the transport's, i.e.
-    the current CUDA device for NCCL groups, else CPU); `transport` (None = the default for the
-    device, a name of `padded_moe.ep.transport.TRANSPORTS`, or a `Transport` object, e.g.
-    `InProcessWorld(R).transport(rank)`; this rank and the number of ranks come from it);
+    the current CUDA device for NCCL groups, else CPU); `transport` (None = the default:
+    "symm_mem" when every rank of an NCCL group is on this host, else "nccl" — see
+    `padded_moe.ep.transport.default_name`; a name of `padded_moe.ep.transport.TRANSPORTS`; or a
+    `Transport` object, e.g. `InProcessWorld(R).transport(rank)`; this rank and the number of ranks
+    come from it; with "symm_mem" graph_safe=False takes the graph-safe path, since only real rows
+    move anyway, and there is no own-chunk path);
     `keep_own_chunk` (None = automatic: graph-safe, with peers, on the kernels' path and
     `T >= EP_OVERLAP_MIN_TOKENS`; True / False force the own-chunk path on / off).
 

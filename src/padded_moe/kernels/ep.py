@@ -160,6 +160,32 @@ def _wait_peers(sig_ptr, flags_ptr, CH: tl.constexpr, R: tl.constexpr):
     tl.debug_barrier()  # the acquire precedes every thread's loads
 
 
+@triton.jit
+def _chunk_rows(r, b, T, pre_r, cnt_r, FIXED: tl.constexpr, BT: tl.constexpr):
+    """Row block b of received chunk r: the chunk's first row (`r*T` with fixed chunks, `pre_r`
+    with chunks back to back), the block's positions in the chunk, and which are real rows."""
+    if FIXED:
+        base = r * T
+    else:
+        base = pre_r
+    p = b * BT + tl.arange(0, BT)
+    return base, p, p < cnt_r
+
+
+@triton.jit
+def _k_range(kz, K_PER_PROG, K):
+    """The columns [k_lo, k_hi) of K that program kz of a K-split grid handles."""
+    k_lo = kz * K_PER_PROG
+    return k_lo, tl.minimum(k_lo + K_PER_PROG, K)
+
+
+@triton.jit
+def _k_cols(k0, k_hi, BK: tl.constexpr):
+    """One BK-column slice from k0 and its in-range mask."""
+    cols = k0 + tl.arange(0, BK)
+    return cols, cols < k_hi
+
+
 # ---------------------------------------------------------------------------------------- dispatch
 @triton.jit
 def _peer_of(i, SKIP):
@@ -258,8 +284,7 @@ def _pack_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr, stride_w
                 q = _round_to_e4m3(tl.math.div_rn(x, scale[:, None]))
                 tl.store(dst + cols[None, :], q.to(sx_ptr.dtype.element_ty), mask=msk)
         else:  # BK == 128: every slice is one scale block
-            k_lo = kz * K_PER_PROG
-            k_hi = tl.minimum(k_lo + K_PER_PROG, K)
+            k_lo, k_hi = _k_range(kz, K_PER_PROG, K)
             for k0 in range(k_lo, k_hi, BK):
                 cols = k0 + tl.arange(0, BK)
                 msk = to_peer[:, None] & (cols < k_hi)[None, :]
@@ -269,8 +294,7 @@ def _pack_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr, stride_w
                 q = _round_to_e4m3(tl.math.div_rn(x, scale[:, None]))
                 tl.store(dst + cols[None, :], q.to(sx_ptr.dtype.element_ty), mask=msk)
     else:
-        k_lo = kz * K_PER_PROG
-        k_hi = tl.minimum(k_lo + K_PER_PROG, K)
+        k_lo, k_hi = _k_range(kz, K_PER_PROG, K)
         for k0 in range(k_lo, k_hi, BK):
             cols = k0 + tl.arange(0, BK)
             msk = to_peer[:, None] & (cols < k_hi)[None, :]
@@ -298,13 +322,8 @@ def _recv_flat_kernel(rx_ptr, stride_rx, rmi_ptr, rmf_ptr, stride_rm, cc_ptr,
     b = pid % NB
     cnt_r, pre_r, total, pad_before = _chunk_geometry(rmi_ptr, stride_rm, cc_ptr, r, T, OWN, R, RP, COUNT_COL,
                                                       IN_BAND)
-    if IN_BAND:
-        base = r * T
-    else:
-        base = pre_r
-    p = b * BT + tl.arange(0, BT)
+    base, p, valid = _chunk_rows(r, b, T, pre_r, cnt_r, IN_BAND, BT)
     pm = p < T
-    valid = p < cnt_r
     copy = valid & (r != OWN)
     src64 = (base + p).to(tl.int64)
     # Valid rows go to the compact prefix; the invalid positions of chunk r map one to one onto
@@ -322,8 +341,7 @@ def _recv_flat_kernel(rx_ptr, stride_rx, rmi_ptr, rmf_ptr, stride_rm, cc_ptr,
         if IN_BAND:
             tl.store(cc_ptr + r, cnt_r, mask=(b == 0) & (r != OWN))
         tl.store(ovalid_ptr, total, mask=pid == 0)
-    k_lo = kz * K_PER_PROG
-    k_hi = tl.minimum(k_lo + K_PER_PROG, K)
+    k_lo, k_hi = _k_range(kz, K_PER_PROG, K)
     for k0 in range(k_lo, k_hi, BK):
         cols = k0 + tl.arange(0, BK)
         msk = copy[:, None] & (cols < k_hi)[None, :]
@@ -371,19 +389,12 @@ def _local_flat_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr, st
         tl.store(oid_ptr + pos64[:, None] * stride_oid + jj[None, :], tl.where(mine, g, -1).to(tl.int32), mask=mm)
         w = tl.load(w_ptr + t64[:, None] * stride_wm + jj[None, :] * stride_wk, mask=mm, other=0.0)
         tl.store(ow_ptr + pos64[:, None] * stride_ow + jj[None, :], tl.where(mine, w.to(tl.float32), 0.0), mask=mm)
-        src = h_ptr + t64[:, None] * stride_h
-        if FP8 and ROW_SCALE:
-            row_scale = _row_fp8_scale(src, keep, K, BT, BK)
+        src, row_scale = _own_rows(h_ptr, t64, stride_h, keep, K, FP8, ROW_SCALE, BT, BK)
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
             msk = keep[:, None] & (cols < K)[None, :]
             x = tl.load(src + cols[None, :], mask=msk, other=0.0)
-            if FP8:
-                x = x.to(tl.float32)
-                if ROW_SCALE:
-                    x = _fp8_round_trip(x, row_scale)
-                else:  # BK == 128: one scale block
-                    x = _fp8_round_trip(x, _fp8_scale(tl.max(tl.abs(x), axis=1)))
+            x = _wire_rounding(x, row_scale, FP8, ROW_SCALE)
             tl.store(ox_ptr + pos64[:, None] * stride_ox + cols[None, :], x.to(ox_ptr.dtype.element_ty), mask=msk)
 
 
@@ -426,6 +437,32 @@ def _row_fp8_scale(src, rows, K, BT: tl.constexpr, BK: tl.constexpr):
         x = tl.load(src + cols[None, :], mask=rows[:, None] & (cols < K)[None, :], other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
     return _fp8_scale(amax)
+
+
+@triton.jit
+def _own_rows(h_ptr, t64, stride_h, rows, K, FP8: tl.constexpr, ROW_SCALE: tl.constexpr, BT: tl.constexpr,
+              BK: tl.constexpr):
+    """This rank's own tokens `t64` of `h`: their row pointers, and their fp8 row scale when the
+    wire has one scale per row (ones otherwise, unused)."""
+    src = h_ptr + t64[:, None] * stride_h
+    row_scale = tl.full([BT], 1.0, tl.float32)
+    if FP8 and ROW_SCALE:
+        row_scale = _row_fp8_scale(src, rows, K, BT, BK)
+    return src, row_scale
+
+
+@triton.jit
+def _wire_rounding(x, row_scale, FP8: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """A row slice as a peer would receive it: with an fp8 wire, quantized and dequantized (one
+    scale per row: `row_scale`; else one per 128-column slice, BK == 128). The own tokens never
+    travel, yet must equal what travelling would give."""
+    if FP8:
+        x = x.to(tl.float32)
+        if ROW_SCALE:
+            x = _fp8_round_trip(x, row_scale)
+        else:
+            x = _fp8_round_trip(x, _fp8_scale(tl.max(tl.abs(x), axis=1)))
+    return x
 
 
 @triton.jit
@@ -517,19 +554,12 @@ def _local_batched_kernel(h_ptr, stride_h, ids_ptr, stride_im, stride_ik, w_ptr,
         any_first = tl.max(first.to(tl.int32), axis=1) > 0
         tl.store(token_rows_ptr + me * T + t, tl.where(any_first, me * T + t, PAD), mask=tm)
         tl.store(cc_ptr + me, m, mask=b == 0)
-        src = h_ptr + t64[:, None] * stride_h
-        if FP8 and ROW_SCALE:
-            row_scale = _row_fp8_scale(src, any_first, K, BT, BK)
+        src, row_scale = _own_rows(h_ptr, t64, stride_h, any_first, K, FP8, ROW_SCALE, BT, BK)
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
             cm = cols < K
             x = tl.load(src + cols[None, :], mask=any_first[:, None] & cm[None, :], other=0.0)
-            if FP8:
-                x = x.to(tl.float32)
-                if ROW_SCALE:
-                    x = _fp8_round_trip(x, row_scale)
-                else:  # BK == 128: one scale block
-                    x = _fp8_round_trip(x, _fp8_scale(tl.max(tl.abs(x), axis=1)))
+            x = _wire_rounding(x, row_scale, FP8, ROW_SCALE)
             _store_slab_rows(slab_ptr, stride_slab, x.to(slab_ptr.dtype.element_ty), first, row, jj, cols, cm, TOP_K)
 
 
@@ -553,8 +583,7 @@ def _combine_flat_kernel(y_ptr, stride_y, cc_ptr, cs_ptr, stride_cs, put_ptr, si
     valid = p < cnt_r
     src64 = (pre_r + p).to(tl.int64)
     dst64 = (r * T + p).to(tl.int64)
-    k_lo = kz * K_PER_PROG
-    k_hi = tl.minimum(k_lo + K_PER_PROG, K)
+    k_lo, k_hi = _k_range(kz, K_PER_PROG, K)
     for k0 in range(k_lo, k_hi, BK):
         cols = k0 + tl.arange(0, BK)
         msk = valid[:, None] & (cols < k_hi)[None, :]
@@ -581,18 +610,11 @@ def _combine_batched_kernel(y_ptr, stride_y0, stride_y1, SLAB_ROWS, cc_ptr,
             r = ONLY + 0 * r
         b = i % NB
         cnt_r, pre_r, total, _ = _chunk_geometry(cc_ptr, 0, cc_ptr, r, T, -1, R, RP, 0, False)
-        if GRAPH_SAFE:
-            base = r * T
-        else:
-            base = pre_r
-        p = b * BT + tl.arange(0, BT)
-        valid = p < cnt_r
+        base, p, valid = _chunk_rows(r, b, T, pre_r, cnt_r, GRAPH_SAFE, BT)
         src64 = (base + p).to(tl.int64)
-        k_lo = kz * K_PER_PROG
-        k_hi = tl.minimum(k_lo + K_PER_PROG, K)
+        k_lo, k_hi = _k_range(kz, K_PER_PROG, K)
         for k0 in range(k_lo, k_hi, BK):
-            cols = k0 + tl.arange(0, BK)
-            cm = cols < k_hi
+            cols, cm = _k_cols(k0, k_hi, BK)
             acc = tl.zeros([BT, BK], dtype=tl.float32)
             for j in tl.static_range(TOP_K):
                 sr = tl.load(slot_rows_ptr + src64 * stride_sr + j, mask=valid, other=-1)
@@ -626,11 +648,9 @@ def _reduce_kernel(cr_ptr, stride_cr, cs_ptr, stride_cs, tr_ptr, stride_tr, out_
     kz = tl.program_id(1)
     t = b * BT + tl.arange(0, BT)
     tm = t < m
-    k_lo = kz * K_PER_PROG
-    k_hi = tl.minimum(k_lo + K_PER_PROG, K)
+    k_lo, k_hi = _k_range(kz, K_PER_PROG, K)
     for k0 in range(k_lo, k_hi, BK):
-        cols = k0 + tl.arange(0, BK)
-        cm = cols < k_hi
+        cols, cm = _k_cols(k0, k_hi, BK)
         acc = tl.zeros([BT, BK], dtype=tl.float32)
         for r in tl.static_range(R):
             row = tl.load(tr_ptr + r * stride_tr + t, mask=tm, other=PAD)

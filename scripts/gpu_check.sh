@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device run: GPU tests and benchmarks for the named stages, logs under $OUT (or ./gpu-out).
-# Usage: bash scripts/gpu_check.sh activation layouts gemm experts layer ep
+# Usage: bash scripts/gpu_check.sh activation layouts gemm experts layer ep hf-e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-out}"
@@ -50,6 +50,8 @@ for stage in "$@"; do
                 --out "$OUT/bench-humming" ;;
         hf)
             step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py ;;
+        hf-e2e)  # HF models end to end, padded_moe vs grouped_mm (issue 18's table); report written per model
+            STEP_TIMEOUT=540 step bench-hf python3 benchmarks/bench_hf.py --out "$OUT/bench-hf" ;;
         ep)
             step test-ep-kernels python3 -m pytest -q -m gpu tests/test_ep_kernels.py
             step sanitizer-ep compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_ep_kernels.py -k cuda_equals

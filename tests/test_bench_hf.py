@@ -1,0 +1,81 @@
+"""The end-to-end HF benchmark (benchmarks/bench_hf.py) runs every column on the CPU.
+
+Tiny shapes, padded_moe's torch path: the numbers mean nothing here; the test proves the script
+builds each model, switches implementations, fills every cell with a finite positive time, and
+computes the logits check, so a GPU run of the real shapes does not fail on plumbing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_hf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-hf")
+    mp = pytest.MonkeyPatch()
+    # conftest turns the Triton interpreter on for CPU machines; the smoke run is the torch path.
+    mp.setenv("TRITON_INTERPRET", "0")
+    try:
+        report = bench_hf.main(["--device", "cpu", "--tiny", "--iters", "1", "--out", str(out)])
+    finally:
+        mp.undo()
+    return report, out
+
+
+def test_every_model_and_column_has_finite_positive_times(tiny_run):
+    report, _ = tiny_run
+    assert [r["key"] for r in report["rows"]] == list(bench_hf.MODELS)
+    assert report["columns"] == list(bench_hf.COLUMNS)
+    for row in report["rows"]:
+        assert set(row["times_ms"]) == set(bench_hf.COLUMNS)
+        for col, times in row["times_ms"].items():
+            assert set(times) == set(bench_hf.IMPLS), (row["model"], col)
+            assert all(math.isfinite(t) and t > 0 for t in times.values()), (row["model"], col, times)
+            assert math.isfinite(row["speedup"][col]) and row["speedup"][col] > 0
+
+
+def test_logits_check_is_computed(tiny_run):
+    report, _ = tiny_run
+    for row in report["rows"]:
+        check = row["logits"]
+        assert check["padded_moe_calls_per_forward"] >= 1
+        for impl in ("padded_moe", "grouped_mm", "batched_mm"):
+            assert 0 < check[f"{impl}_vs_fp32_median"] < 0.1, (row["model"], impl, check)
+            assert check[f"{impl}_vs_fp32_max"] >= check[f"{impl}_vs_fp32_median"]
+        assert check["within_spread"], (row["model"], check)
+
+
+def test_reports_written_with_every_column(tiny_run):
+    report, out = tiny_run
+    data = json.loads((out / "hf_e2e.json").read_text())
+    assert data["columns"] == list(bench_hf.COLUMNS)
+    md = (out / "hf_e2e.md").read_text()
+    header = md.splitlines()[4]
+    for label in bench_hf.column_labels(bench_hf.TINY).values():
+        assert label in header
+    assert "logits vs fp32" in header
+    for name, _ in bench_hf.MODELS.values():
+        assert name in md
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--device", "cpu", "--tiny", "--models", "llama"], "--models"),
+    (["--device", "cpu", "--tiny", "--columns", "prefill_b2"], "--columns"),
+    (["--device", "cpu"], "--tiny"),
+    (["--device", "tpu", "--tiny"], "--device"),
+    (["--device", "cpu", "--tiny", "--iters", "0"], "--iters"),
+])
+def test_bad_arguments_raise_value_error(argv, match):
+    with pytest.raises(ValueError, match=match):
+        bench_hf.main(argv)

@@ -35,14 +35,16 @@ def triton_on(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def round_trip(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, scale, keep_own=None):
+def round_trip(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, scale, keep_own=None, put=False,
+               calls=1):
     """R ranks of `ExpertParallel` (one thread each, `InProcessTransport`): dispatch, experts
     (expert e multiplies its rows by scale[e]; rows past counts / valid NaN), combine. `keep_own`
     (default: graph_safe) keeps each rank's own chunk out of the exchange. Returns each rank's
-    output; runs on the inputs' device."""
+    output; runs on the inputs' device. `put`: the put transport's in-process double (its kernels
+    write into the other ranks' tensors); `calls` > 1 repeats the round trip (the last output)."""
     R, T, E, K, k = geo.ep_size, geo.max_tokens, geo.num_experts, geo.wire.hidden_size, geo.wire.top_k
     dtype, rows, dev = geo.wire.dtype, geo.rows, hiddens[0].device
-    keep_own = graph_safe if keep_own is None else keep_own
+    keep_own = (graph_safe and not put) if keep_own is None else keep_own
     if not torch.equal(owner, D.ExpertParallel._owner_table(E, R, placement)):
         raise ValueError("owner must be the placement's owner table")
     scale = scale.to(dev)
@@ -54,6 +56,13 @@ def round_trip(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, s
         for name, t in ep.buffers().items():
             if name in POISON:
                 t.fill_(POISON[name])
+        for _ in range(calls):
+            out = one_call(ep, rank)
+        if ep._keeps_own_chunk != keep_own:
+            raise AssertionError(f"rank {rank}: own chunk kept {ep._keeps_own_chunk}, asked {keep_own}")
+        return out
+
+    def one_call(ep, rank):
         rb, handle = ep.dispatch(hiddens[rank], ids[rank], weights[rank])
         if mode == "flat":
             v = int(rb.valid_tokens)
@@ -69,12 +78,9 @@ def round_trip(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, s
             for e in range(ep.num_local):
                 c = int(rb.counts[e])
                 y[e, :c] = (rb.x[e, :c].double() * float(sc[e])).to(dtype)
-        out = ep.combine(y, handle)
-        if ep._keeps_own_chunk != keep_own:
-            raise AssertionError(f"rank {rank}: own chunk kept {ep._keeps_own_chunk}, asked {keep_own}")
-        return out
+        return ep.combine(y, handle)
 
-    return InProcessWorld(R, dev).run(rank_fn)
+    return InProcessWorld(R, dev, put=put).run(rank_fn)
 
 
 @pytest.mark.parametrize("mode", ["flat", "batched"])
@@ -110,6 +116,50 @@ def test_round_trip_matches_reference(cpu_path, gen, mode, graph_safe, keep_own,
             err = ((outs[s].double() - ref).norm() / ref.norm()).item()
             tol = 1e-6 if dtype == torch.float32 else 2e-2
             assert err <= tol, (s, err)
+
+
+@pytest.mark.parametrize("mode", ["flat", "batched"])
+@pytest.mark.parametrize("wire,ms", [("f32", (5, 0, 7)), ("fp8", (4, 6, 2)), ("bf16", (0, 0, 0))], ids=str)
+def test_put_transport_round_trip_matches_reference(triton_on, gen, mode, wire, ms):
+    """The put transport's kernels (pack and combine writing into the other ranks' rows through
+    the destination tables, the epoch handshake) on 3 in-process ranks, 3 calls on the same
+    buffers: each equals the float64 reference, an idle rank and all-idle included."""
+    R, T, E, k = 3, 7, 10, 3
+    K = 256 if wire == "fp8" else 40
+    dtype = torch.bfloat16 if wire in ("bf16", "fp8") else torch.float32
+    geo = geometry(R, T, E, K, k, dtype, wire == "fp8")
+    owner = owner_table(E, R)
+    hiddens = [torch.randn(m, K, generator=gen).to(dtype) for m in ms]
+    ids = [random_ids(gen, m, E, k, dup=True) for m in ms]
+    weights = [torch.rand(m, k, generator=gen) + 0.1 for m in ms]
+    scale = torch.rand(E, generator=gen, dtype=torch.float64) + 0.5
+    outs = round_trip(geo, owner, "linear", mode, True, hiddens, ids, weights, scale, put=True, calls=3)
+    for s, m in enumerate(ms):
+        x = hiddens[s].float()
+        if wire == "fp8":
+            q, sc = fp8_reference(x)
+            x = fp8_dequant_reference(q, sc, torch.float32)
+        g = ids[s]
+        ok = (g >= 0) & (g < E)
+        f = torch.where(ok, weights[s].double() * scale[g.clamp(0, E - 1)], torch.zeros((), dtype=torch.float64))
+        ref = x.double() * f.sum(1, keepdim=True)
+        assert outs[s].shape == (m, K)
+        if m:
+            err = ((outs[s].double() - ref).norm() / ref.norm()).item()
+            assert err <= (1e-6 if dtype == torch.float32 else 2e-2), (s, err)
+
+
+def test_put_transport_needs_the_kernels(gen, monkeypatch):
+    """On the torch path (no Triton kernels) a put transport is refused with NotImplementedError,
+    never run through code that would ignore its destinations."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    R, T, E, k, K = 2, 4, 6, 2, 16
+    geo = geometry(R, T, E, K, k)
+    ms = (3, 2)
+    with pytest.raises(NotImplementedError, match="Triton path"):
+        round_trip(geo, owner_table(E, R), "linear", "flat", True, [torch.randn(m, K, generator=gen) for m in ms],
+                   [random_ids(gen, m, E, k) for m in ms], [torch.rand(m, k, generator=gen) for m in ms],
+                   torch.ones(E, dtype=torch.float64), put=True)
 
 
 @pytest.mark.parametrize("mode", ["flat", "batched"])

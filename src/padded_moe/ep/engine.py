@@ -377,6 +377,7 @@ class ExpertParallel:
         geo, batched, put = self.geometry, self.mode == "batched", self._put["dispatch"]
         pack_rows(hidden, topk_ids, topk_weights, self._owner, geo, self._send_wire, self._token_rows,
                   zero_counts=self._counts if batched else None, block_counts=self._route_counts, put=put)
+        self.transport.put_written("dispatch")
         handle = DispatchHandle(self, self.mode, m, self._token_rows)
         if not batched:
             receive_flat(geo, self._recv_wire, self._chunk_counts, True, self._rb_x, self._rb_ids, self._rb_w,
@@ -452,6 +453,7 @@ class ExpertParallel:
             else:
                 combine_batched_rows(self.geometry, self._chunk_counts, True, self._slot_rows, self._slot_weights,
                                      expert_out, self._comb_send, put=put)
+            self.transport.put_written("combine")
             return self._reduce(handle)
         if self._keeps_own_chunk:
             if self.mode == "flat":

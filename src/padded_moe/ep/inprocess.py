@@ -25,10 +25,11 @@ WAIT_TIMEOUT_S = 120.0
 class InProcessWorld:
     """The shared state of `size` in-process ranks: a barrier, the baton and one posting slot per rank."""
 
-    def __init__(self, size: int, device: torch.device | str = "cpu"):
+    def __init__(self, size: int, device: torch.device | str = "cpu", *, put: bool = False):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be an int >= 1, got {size!r}")
         self.size = size
+        self.put = bool(put)
         self.device = torch.device(device)
         self._barrier = threading.Barrier(size)
         self._baton = threading.Lock()
@@ -36,7 +37,9 @@ class InProcessWorld:
         self._slots: list = [None] * size
 
     def transport(self, rank: int) -> "InProcessTransport":
-        return InProcessTransport(self, rank)
+        """Rank `rank`'s transport: the collectives' double, or with `put=True` the put transport's
+        (its kernels write into the other ranks' tensors, which share this process's memory)."""
+        return (InProcessPutTransport if self.put else InProcessTransport)(self, rank)
 
     def run(self, fn: Callable, timeout: float = WAIT_TIMEOUT_S) -> list:
         """`fn(rank, transport)` on every rank, one thread each; the per-rank results in rank order.
@@ -147,3 +150,38 @@ class InProcessTransport(Transport):
         counts = counts.to(torch.int64)
         got = self.world._all_gather(self.rank, counts.clone())
         return torch.stack([g[self.rank] for g in got])
+
+
+class InProcessPutTransport(InProcessTransport):
+    """Rank `rank` of an `InProcessWorld(put=True)`: the symmetric-memory transport's layout, tables,
+    kernels and handshake, with the ranks' shared allocations as plain tensors of one process (on
+    CPU the kernels run in the Triton interpreter). `put_written` is where a rank hands the turn on
+    (the world runs one rank at a time), so a reading kernel finds its peers' flags already set:
+    the handshake's epochs and addresses are exercised, its waiting is not."""
+
+    name = "inprocess_put"
+    overlaps_own_chunk = False
+
+    def allocate(self, specs, device: torch.device) -> dict:
+        from padded_moe.ep.symm_mem import put_layout, put_storage
+
+        raw = torch.empty(put_storage(specs)[0].nbytes, dtype=torch.uint8, device=device)
+        ptrs = self.world._all_gather(self.rank, raw.data_ptr())
+        out, self._targets = put_layout(specs, raw, ptrs, self.rank, self.size)
+        self._raw = raw
+        self.world._sync()  # every rank's flags are zero before anyone signals
+        return out
+
+    def destinations(self, stage: str):
+        check_stage(stage)
+        return self._targets[stage]
+
+    def put_written(self, stage: str) -> None:
+        check_stage(stage)
+        self.world._sync()
+
+    def exchange(self, stage, send, recv, *, send_counts=None, recv_counts=None, skip_own=False) -> None:
+        raise NotImplementedError("a put transport moves no rows itself: its kernels write into the peers")
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("a put transport never needs exact counts: only real rows move")

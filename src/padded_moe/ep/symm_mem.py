@@ -57,6 +57,44 @@ def put_storage(specs: Sequence) -> list:
     return out + [Storage(s.name, s.nbytes, (s.name,), s.exchanged) for s in specs if s.name not in _SHARED]
 
 
+def put_layout(specs: Sequence, raw: torch.Tensor, ptrs: Sequence, rank: int, size: int) -> tuple:
+    """Every buffer of `specs` for a put transport and its `PutTargets` per stage: the receive rows
+    of both directions and the flags are views of `raw` (this rank's shared allocation, laid out as
+    `put_storage` says; its flags are zeroed here), `ptrs` are the byte addresses of every rank's
+    `raw` as this rank sees them; the other buffers are allocated on `raw`'s device."""
+    by_name = {s.name: s for s in specs}
+    storages = put_storage(specs)
+    if raw.numel() != storages[0].nbytes:
+        raise ValueError(f"raw must hold {storages[0].nbytes} bytes, got {raw.numel()}")
+    device = raw.device
+    out = {}
+    for st in storages[1:]:
+        spec = by_name[st.name]
+        t = torch.empty(spec.nbytes, dtype=torch.uint8, device=device).view(spec.dtype).view(spec.shape)
+        if spec.fill is not None:
+            t.fill_(spec.fill)
+        out[st.name] = t
+    d, c = by_name["dispatch_recv"], by_name["combine_recv"]
+    at_c = round_up(d.nbytes, ALIGN)
+    at_f = at_c + round_up(c.nbytes, ALIGN)
+    out["dispatch_recv"] = out["dispatch_send"] = raw[: d.nbytes].view(d.dtype).view(d.shape)
+    out["combine_recv"] = out["combine_send"] = raw[at_c: at_c + c.nbytes].view(c.dtype).view(c.shape)
+    flags = raw[at_f: at_f + 2 * size * 4].view(torch.int32)
+    flags.zero_()
+    sig = torch.zeros(4, dtype=torch.int32, device=device)
+    T = d.shape[0] // size
+    flag_table = torch.tensor([p + at_f for p in ptrs], dtype=torch.int64, device=device)
+
+    def table(at: int, row_bytes: int) -> torch.Tensor:
+        # Send row r*T + p of chunk r lands on peer r's receive row rank*T + p.
+        return torch.tensor([ptrs[r] + at + (rank - r) * T * row_bytes for r in range(size)],
+                            dtype=torch.int64, device=device)
+
+    targets = {"dispatch": PutTargets(table(0, d.shape[1] * d.dtype.itemsize), sig, flag_table, flags, rank),
+               "combine": PutTargets(table(at_c, c.shape[1] * c.dtype.itemsize), sig, flag_table, flags, rank)}
+    return out, targets
+
+
 def available(group) -> bool:
     """True when the put transport can run on `group`: NCCL on CUDA, every rank on this host, and a
     torch build with symmetric memory. Collective (it gathers the host names)."""
@@ -99,39 +137,11 @@ class SymmMemTransport(Transport):
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed._symmetric_memory as symm_mem
 
-        by_name = {s.name: s for s in specs}
-        storages = put_storage(specs)
-        out = {}
-        for st in storages[1:]:
-            spec = by_name[st.name]
-            t = torch.empty(spec.nbytes, dtype=torch.uint8, device=device).view(spec.dtype).view(spec.shape)
-            if spec.fill is not None:
-                t.fill_(spec.fill)
-            out[st.name] = t
         if symm_mem.get_backend(device) is None:
             symm_mem.set_backend("CUDA")
-        raw = symm_mem.empty(storages[0].nbytes, dtype=torch.uint8, device=device)
+        raw = symm_mem.empty(put_storage(specs)[0].nbytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(raw, self.group)
-        d, c = by_name["dispatch_recv"], by_name["combine_recv"]
-        at_c = round_up(d.nbytes, ALIGN)
-        at_f = at_c + round_up(c.nbytes, ALIGN)
-        out["dispatch_recv"] = out["dispatch_send"] = raw[: d.nbytes].view(d.dtype).view(d.shape)
-        out["combine_recv"] = out["combine_send"] = raw[at_c: at_c + c.nbytes].view(c.dtype).view(c.shape)
-        flags = raw[at_f: at_f + 2 * self.size * 4].view(torch.int32)
-        flags.zero_()
-        sig = torch.zeros(4, dtype=torch.int32, device=device)
-        ptrs = [int(p) for p in handle.buffer_ptrs]
-        R, me, T = self.size, self.rank, d.shape[0] // self.size
-        flag_table = torch.tensor([p + at_f for p in ptrs], dtype=torch.int64, device=device)
-
-        def table(at: int, row_bytes: int) -> torch.Tensor:
-            # Send row r*T + p of chunk r lands on peer r's receive row me*T + p.
-            return torch.tensor([ptrs[r] + at + (me - r) * T * row_bytes for r in range(R)],
-                                dtype=torch.int64, device=device)
-
-        self._targets = {
-            "dispatch": PutTargets(table(0, d.shape[1] * d.dtype.itemsize), sig, flag_table, flags, me),
-            "combine": PutTargets(table(at_c, c.shape[1] * c.dtype.itemsize), sig, flag_table, flags, me)}
+        out, self._targets = put_layout(specs, raw, [int(p) for p in handle.buffer_ptrs], self.rank, self.size)
         self._handle = handle  # keeps the peers' mappings alive
         torch.cuda.synchronize(device)
         handle.barrier(channel=0)  # every rank's flags are zero before anyone signals

@@ -109,6 +109,9 @@ TRANSPORTS: dict = {
                            "torch.distributed all_to_all (NCCL on GPUs, gloo on CPU); any ranks and nodes"),
     "inprocess": TransportEntry("inprocess", "padded_moe.ep.inprocess:InProcessTransport", reuse_storage,
                                 "R ranks as threads of one process (a test double; no process group)"),
+    "inprocess_put": TransportEntry("inprocess_put", "padded_moe.ep.inprocess:InProcessPutTransport",
+                                    lambda specs: importlib.import_module("padded_moe.ep.symm_mem").put_storage(specs),
+                                    "the put transport's kernels and layout on R in-process ranks (a test double)"),
     # One symmetric allocation holds both directions' receive rows and the flags; no send rows.
     "symm_mem": TransportEntry("symm_mem", "padded_moe.ep.symm_mem:SymmMemTransport",
                                lambda specs: importlib.import_module("padded_moe.ep.symm_mem").put_storage(specs),
@@ -189,6 +192,11 @@ class Transport:
         """What the `stage` kernels need to write into the peers directly (`PutTargets`); None:
         `exchange` moves the rows."""
         return None
+
+    def put_written(self, stage: str) -> None:
+        """Called by the engine between a put stage's writing kernel and its reading kernel. The
+        symmetric-memory transport has nothing to do (the kernels carry the handshake); the
+        in-process double hands the turn to the other ranks there."""
 
     def exchange(self, stage: str, send: torch.Tensor, recv: torch.Tensor, *,
                  send_counts: Optional[list] = None, recv_counts: Optional[list] = None,

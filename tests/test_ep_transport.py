@@ -202,3 +202,8 @@ def test_planner_sizes_the_put_transport_from_the_description(mode):
     assert by["dispatch_recv"].nbytes == R * T * geo.wire.row_bytes
     pl = planner.plan(SHAPES, R, T, 1000.0, mode=mode, dtype=torch.bfloat16, transport="symm_mem")
     assert pl.transport == "symm_mem" and pl.bytes_of("ep") == want
+    # The in-process double allocates by the same layout: what it holds is what was planned.
+    eps = InProcessWorld(R, put=True).run(
+        lambda rank, tr: ExpertParallel(None, E, TOPK, K, T, mode=mode, dtype=torch.bfloat16, transport=tr))
+    assert [ep.transport_name for ep in eps] == ["inprocess_put"] * R
+    assert max(ep.buffer_bytes() for ep in eps) == want

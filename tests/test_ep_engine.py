@@ -83,6 +83,27 @@ def round_trip(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, s
     return InProcessWorld(R, dev, put=put).run(rank_fn)
 
 
+def check_round_trip(outs, hiddens, ids, weights, scale, wire):
+    """Each rank's output against the float64 reference of `round_trip`'s experts (expert e scales
+    its rows by scale[e]; fp8 wire: the inputs rounded as the wire rounds them)."""
+    E = scale.shape[0]
+    for s, (out, h) in enumerate(zip(outs, hiddens)):
+        m, K = h.shape
+        x = h.float()
+        if wire == "fp8":
+            q, sc = fp8_reference(x)
+            x = fp8_dequant_reference(q, sc, torch.float32)
+        g = ids[s]
+        ok = (g >= 0) & (g < E)
+        f = torch.where(ok, weights[s].double() * scale[g.clamp(0, E - 1)], torch.zeros((), dtype=torch.float64))
+        ref = x.double() * f.sum(1, keepdim=True)
+        assert out.shape == (m, K)
+        if m:
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            tol = 1e-6 if h.dtype == torch.float32 else 2e-2
+            assert err <= tol, (s, err)
+
+
 @pytest.mark.parametrize("mode", ["flat", "batched"])
 @pytest.mark.parametrize("graph_safe,keep_own", [(True, True), (True, False), (False, False)],
                          ids=["graph_safe_own_kept", "graph_safe", "exact"])
@@ -102,20 +123,7 @@ def test_round_trip_matches_reference(cpu_path, gen, mode, graph_safe, keep_own,
     weights = [torch.rand(m, k, generator=gen) + 0.1 for m in ms]
     scale = torch.rand(E, generator=gen, dtype=torch.float64) + 0.5
     outs = round_trip(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, scale, keep_own)
-    for s, m in enumerate(ms):
-        x = hiddens[s].float()
-        if wire == "fp8":
-            q, sc = fp8_reference(x)
-            x = fp8_dequant_reference(q, sc, torch.float32)
-        g = ids[s]
-        ok = (g >= 0) & (g < E)
-        f = torch.where(ok, weights[s].double() * scale[g.clamp(0, E - 1)], torch.zeros((), dtype=torch.float64))
-        ref = x.double() * f.sum(1, keepdim=True)
-        assert outs[s].shape == (m, K)
-        if m:
-            err = ((outs[s].double() - ref).norm() / ref.norm()).item()
-            tol = 1e-6 if dtype == torch.float32 else 2e-2
-            assert err <= tol, (s, err)
+    check_round_trip(outs, hiddens, ids, weights, scale, wire)
 
 
 @pytest.mark.parametrize("mode", ["flat", "batched"])
@@ -134,19 +142,7 @@ def test_put_transport_round_trip_matches_reference(triton_on, gen, mode, wire, 
     weights = [torch.rand(m, k, generator=gen) + 0.1 for m in ms]
     scale = torch.rand(E, generator=gen, dtype=torch.float64) + 0.5
     outs = round_trip(geo, owner, "linear", mode, True, hiddens, ids, weights, scale, put=True, calls=3)
-    for s, m in enumerate(ms):
-        x = hiddens[s].float()
-        if wire == "fp8":
-            q, sc = fp8_reference(x)
-            x = fp8_dequant_reference(q, sc, torch.float32)
-        g = ids[s]
-        ok = (g >= 0) & (g < E)
-        f = torch.where(ok, weights[s].double() * scale[g.clamp(0, E - 1)], torch.zeros((), dtype=torch.float64))
-        ref = x.double() * f.sum(1, keepdim=True)
-        assert outs[s].shape == (m, K)
-        if m:
-            err = ((outs[s].double() - ref).norm() / ref.norm()).item()
-            assert err <= (1e-6 if dtype == torch.float32 else 2e-2), (s, err)
+    check_round_trip(outs, hiddens, ids, weights, scale, wire)
 
 
 def test_put_transport_needs_the_kernels(gen, monkeypatch):

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from padded_moe.ep.transport import Transport, check_exchange_args, check_stage
+from padded_moe.ep.transport import PutTransport, Transport, check_exchange_args, check_stage
 
 WAIT_TIMEOUT_S = 120.0
 
@@ -152,7 +152,7 @@ class InProcessTransport(Transport):
         return torch.stack([g[self.rank] for g in got])
 
 
-class InProcessPutTransport(InProcessTransport):
+class InProcessPutTransport(PutTransport, InProcessTransport):
     """Rank `rank` of an `InProcessWorld(put=True)`: the symmetric-memory transport's layout, tables,
     kernels and handshake, with the ranks' shared allocations as plain tensors of one process (on
     CPU the kernels run in the Triton interpreter). `put_written` is where a rank hands the turn on
@@ -160,7 +160,6 @@ class InProcessPutTransport(InProcessTransport):
     the handshake's epochs and addresses are exercised, its waiting is not."""
 
     name = "inprocess_put"
-    overlaps_own_chunk = False
 
     def allocate(self, specs, device: torch.device) -> dict:
         from padded_moe.ep.symm_mem import put_layout, put_storage
@@ -172,16 +171,6 @@ class InProcessPutTransport(InProcessTransport):
         self.world._sync()  # every rank's flags are zero before anyone signals
         return out
 
-    def destinations(self, stage: str):
-        check_stage(stage)
-        return self._targets[stage]
-
     def put_written(self, stage: str) -> None:
         check_stage(stage)
         self.world._sync()
-
-    def exchange(self, stage, send, recv, *, send_counts=None, recv_counts=None, skip_own=False) -> None:
-        raise NotImplementedError("a put transport moves no rows itself: its kernels write into the peers")
-
-    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("a put transport never needs exact counts: only real rows move")

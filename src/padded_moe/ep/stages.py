@@ -49,6 +49,12 @@ def peer_counts(topk_ids: torch.Tensor, owner: torch.Tensor, geo: EPGeometry) ->
     return (slot_owner.unsqueeze(0) == peers).any(-1).sum(1)
 
 
+def _refuse_put(targets) -> None:
+    """The torch path has no put: a put transport's destinations are honoured by the kernels only."""
+    if targets is not None:
+        raise NotImplementedError("the put transport needs the Triton path (a CUDA device)")
+
+
 # ---------------------------------------------------------------------------------------- pack
 def pack_rows(hidden, topk_ids, topk_weights, owner, geo: EPGeometry, send_wire, token_rows,
               send_base: Optional[torch.Tensor] = None, zero_counts: Optional[torch.Tensor] = None, *,
@@ -67,8 +73,7 @@ def pack_rows(hidden, topk_ids, topk_weights, owner, geo: EPGeometry, send_wire,
         _pack_triton(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base, zero_counts,
                      rank, block_counts, put)
     else:
-        if put is not None:
-            raise NotImplementedError("the put transport needs the Triton path (a CUDA device)")
+        _refuse_put(put)
         _pack_torch(hidden, topk_ids, topk_weights, owner, geo, send_wire, token_rows, send_base, rank)
         if zero_counts is not None:
             zero_counts.zero_()
@@ -160,8 +165,7 @@ def receive_flat(geo: EPGeometry, recv_wire, chunk_counts, in_band: bool, rb_x, 
     if use_triton(recv_wire.device):
         _receive_flat_triton(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid, rank, wait)
     else:
-        if wait is not None:
-            raise NotImplementedError("the put transport needs the Triton path (a CUDA device)")
+        _refuse_put(wait)
         _receive_flat_torch(geo, recv_wire, chunk_counts, in_band, rb_x, rb_ids, rb_w, rb_valid, rank)
 
 
@@ -236,8 +240,7 @@ def receive_batched(geo: EPGeometry, recv_wire, chunk_counts, in_band: bool, exp
         _receive_batched_triton(geo, recv_wire, chunk_counts, in_band, expert_table, slab, counts, slot_rows,
                                 slot_weights, rank, wait)
     else:
-        if wait is not None:
-            raise NotImplementedError("the put transport needs the Triton path (a CUDA device)")
+        _refuse_put(wait)
         _receive_batched_torch(geo, recv_wire, chunk_counts, in_band, expert_table, num_local, slab, counts,
                                slot_rows, slot_weights, rank)
 
@@ -321,8 +324,7 @@ def combine_flat_rows(geo: EPGeometry, chunk_counts, expert_out, comb_send, *, r
     if use_triton(expert_out.device):
         _combine_flat_triton(geo, chunk_counts, expert_out, comb_send, rank, put)
         return
-    if put is not None:
-        raise NotImplementedError("the put transport needs the Triton path (a CUDA device)")
+    _refuse_put(put)
     R, T = geo.ep_size, geo.max_tokens
     cnt = chunk_counts.long().clamp(0, T)
     order = torch.tensor(_compaction_order(R, rank), device=cnt.device)
@@ -347,8 +349,7 @@ def combine_batched_rows(geo: EPGeometry, chunk_counts, graph_safe: bool, slot_r
         _combine_batched_triton(geo, chunk_counts, graph_safe, slot_rows, slot_weights, expert_out, comb_send,
                                 rank, own_only, put)
         return
-    if put is not None:
-        raise NotImplementedError("the put transport needs the Triton path (a CUDA device)")
+    _refuse_put(put)
     k, K, rows, T = geo.wire.top_k, geo.wire.hidden_size, geo.rows, geo.max_tokens
     cnt = chunk_counts.long().clamp(0, T)
     valid = _valid_recv_rows_torch(geo, cnt, graph_safe)
@@ -376,8 +377,8 @@ def reduce_partials(geo: EPGeometry, comb_recv, token_rows, m: int, out, *, rank
     R, rows, K = geo.ep_size, geo.rows, geo.wire.hidden_size
     if rank >= 0 and own_rows is None:
         raise ValueError("reduce_partials: rank >= 0 needs own_rows (where that partial stayed)")
-    if wait is not None and not use_triton(out.device):
-        raise NotImplementedError("the put transport needs the Triton path (a CUDA device)")
+    if not use_triton(out.device):
+        _refuse_put(wait)
     if m == 0 and wait is None:
         return
     if use_triton(out.device):

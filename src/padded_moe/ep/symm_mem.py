@@ -35,13 +35,13 @@ from __future__ import annotations
 import importlib
 import os
 import socket
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from padded_moe._util import round_up
-from padded_moe.ep.transport import PutTargets, Storage, Transport, check_stage
+from padded_moe.ep.transport import PutTargets, PutTransport, Storage
 
 ALIGN = 256          # every region of the symmetric allocation starts on a 256-byte boundary
 FLAGS_BYTES = 256    # int32 flags [2 channels, R] per rank: up to 32 ranks
@@ -109,9 +109,8 @@ def available(group) -> bool:
     return len(set(hosts)) == 1 and len(hosts) <= torch.cuda.device_count() and 2 * len(hosts) * 4 <= FLAGS_BYTES
 
 
-class SymmMemTransport(Transport):
+class SymmMemTransport(PutTransport):
     name = "symm_mem"
-    overlaps_own_chunk = False  # every chunk, the own one too, is written by the pack kernel
 
     def __init__(self, group=None):
         if not dist.is_initialized() or dist.get_backend(group) != "nccl":
@@ -146,14 +145,3 @@ class SymmMemTransport(Transport):
         torch.cuda.synchronize(device)
         handle.barrier(channel=0)  # every rank's flags are zero before anyone signals
         return out
-
-    def destinations(self, stage: str) -> Optional[PutTargets]:
-        check_stage(stage)
-        return self._targets[stage]
-
-    def exchange(self, stage, send, recv, *, send_counts=None, recv_counts=None, skip_own=False) -> None:
-        raise NotImplementedError("the symm_mem transport moves no rows itself: its pack and combine kernels "
-                                  "write into the peers (see destinations)")
-
-    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("the symm_mem transport never needs exact counts: only real rows move")

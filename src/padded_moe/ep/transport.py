@@ -208,6 +208,26 @@ class Transport:
         raise NotImplementedError(f"{type(self).__name__}.exchange_counts")
 
 
+class PutTransport(Transport):
+    """Base of the transports whose kernels write into the peers (`symm_mem` and its in-process
+    double): `allocate` fills `_targets` (one `PutTargets` per stage); rows never move outside the
+    kernels, so there is nothing to exchange and no own-chunk path."""
+
+    overlaps_own_chunk: ClassVar[bool] = False  # every chunk, the own one too, is written by the pack
+    _targets: dict
+
+    def destinations(self, stage: str) -> Optional[PutTargets]:
+        check_stage(stage)
+        return self._targets[stage]
+
+    def exchange(self, stage, send, recv, *, send_counts=None, recv_counts=None, skip_own=False) -> None:
+        raise NotImplementedError(f"the {self.name} transport moves no rows itself: its pack and combine kernels "
+                                  "write into the peers (see destinations)")
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"the {self.name} transport never needs exact counts: only real rows move")
+
+
 def check_stage(stage: str) -> None:
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")

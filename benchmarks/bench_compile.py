@@ -36,12 +36,29 @@ def loop_us(fn, calls: int = 50) -> float:
     return best
 
 
+def profile_calls(title: str, fn, calls: int = 10) -> None:
+    """torch.profiler table of `calls` back-to-back calls: where device and host time go."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    print(f"\n=== {title}: {calls} calls", flush=True)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b", "dsv4-flash:bf16", "dsv4-flash:mxfp4",
                                                     "mixtral-8x7b", "gpt-oss-120b"])
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 1024])
     p.add_argument("--out", default="bench-out")
+    p.add_argument("--profile", action="store_true",
+                   help="also print each case's kernels and host events, eager vs compiled (torch.profiler)")
     args = p.parse_args()
     headers = ["preset", "weights", "T", "eager us", "compiled us", "reduce-overhead us", "own graph us",
                "compiled/eager", "r-o/own graph"]
@@ -61,6 +78,11 @@ def main() -> None:
                 ro = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
                 reduce = loop_us(lambda: ro(x))
                 own = bench_graph_us(lambda: layer(x))
+                if args.profile:
+                    torch._dynamo.reset()
+                    comp = torch.compile(layer, fullgraph=True)
+                    for label, fn in (("eager", lambda: layer(x)), ("compiled", lambda: comp(x))):
+                        profile_calls(f"{preset} {layer.weight_format} T={T} {label}", fn)
             row = [preset, layer.weight_format, T, eager, compiled, reduce, own, compiled / eager, reduce / own]
             rows.append(row)
             print(row, flush=True)

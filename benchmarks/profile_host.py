@@ -106,15 +106,49 @@ def run_case(name: str, T: int, prof_calls: int) -> None:
     print("\n".join(s.getvalue().splitlines()[:45]))
 
 
+def python_profile(title: str, fn, calls: int) -> None:
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
+    print(f"\n--- {title}: Python profile of {calls} calls")
+    print("\n".join(s.getvalue().splitlines()[:45]))
+
+
+def run_layer(preset: str, T: int, calls: int) -> None:
+    """`FusedMoE` eager vs `torch.compile(fullgraph=True)`: time per call and where the host time goes."""
+    from padded_moe import FusedMoE
+    from padded_moe import experts as X
+
+    layer = FusedMoE.from_preset(preset, device="cuda", dtype=torch.bfloat16)
+    layer.randomize(seed=0, std=0.02)
+    x = torch.randn(T, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    comp = torch.compile(layer, fullgraph=True)
+    with torch.no_grad():
+        for label, fn in (("eager", lambda: layer(x)), ("compiled", lambda: comp(x))):
+            us = eager_us(fn)
+            plans = 0 if X._PLANS is None else len(X._PLANS)
+            print(f"\n=== layer {preset} T={T} {label}: {us:.1f} us/call (launch plans held: {plans})")
+            python_profile(f"layer {preset} T={T} {label}", fn, calls)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--cases", nargs="+", default=["dsv4:1", "dsv4:16", "dsv4mx:1", "qwen3:1", "qwen3:2048"])
+    p.add_argument("--cases", nargs="*", default=["dsv4:1", "dsv4:16", "dsv4mx:1", "qwen3:1", "qwen3:2048"])
+    p.add_argument("--layers", nargs="*", default=[], help="PRESET:T cases of FusedMoE, eager and compiled")
     p.add_argument("--calls", type=int, default=50)
     args = p.parse_args()
     print(f"launch floor (noop Triton kernel, 33 args): {launch_floor_us():.1f} us")
     for case in args.cases:
         name, T = case.split(":")
         run_case(name, int(T), args.calls)
+    for case in args.layers:
+        preset, T = case.rsplit(":", 1)
+        run_layer(preset, int(T), args.calls)
 
 
 if __name__ == "__main__":

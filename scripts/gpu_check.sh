@@ -77,6 +77,14 @@ for stage in "$@"; do
             step bench-compile python3 benchmarks/bench_compile.py --out "$OUT/bench" ;;
         host)  # eager host overhead: per-call launches, allocations, syncs, Python profile
             step profile-host python3 benchmarks/profile_host.py ;;
+        plans)  # eager launch plans: replay == full path, no sync; the compiled layer (tests, ratios); HF end to end
+            step test-plans python3 -m pytest -q -x -m gpu tests/test_launch_plan_gpu.py
+            STEP_TIMEOUT=400 step test-compile python3 -m pytest -q -m gpu tests/test_compile_gpu.py
+            step bench-compile python3 benchmarks/bench_compile.py --out "$OUT/bench"
+            step profile-host python3 benchmarks/profile_host.py --cases dsv4:1 qwen3:1 --layers qwen3-30b-a3b:16 ;;
+        compile-profile)  # where compiled calls spend time next to eager ones (kernels, host events)
+            step profile-compile python3 benchmarks/bench_compile.py --profile --presets qwen3-30b-a3b dsv4-flash:bf16 \
+                --tokens 16 1024 --out "$OUT/bench-compile" ;;
         gpu-suite)  # every single-GPU test file in one pytest (4 workers share the GPU)
             STEP_TIMEOUT=540 step test-gpu-suite python3 -m pytest -q -n 4 -rf -m "gpu and not multigpu" tests ;;
         cpu-suite)

@@ -9,6 +9,7 @@ captures in a CUDA graph.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -33,6 +34,7 @@ from padded_moe.activation import (
 from padded_moe.expert_map import ExpertMap, check_topk_ids, check_valid_tokens
 from padded_moe.gemm import expert_gemm
 from padded_moe.layouts import (
+    LAYOUT_ENV,
     GemmLayout,
     GroupedMaskedMeta,
     PermuteScratch,
@@ -146,6 +148,20 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
     eagerly (a graph break: `fullgraph=True` refuses it), the callable included; `activation_config`
     must then be None.
     """
+    if scratch is None and output_transform is None and expert_map is None and not torch.compiler.is_compiling():
+        key = _plan_key(hidden_states, w13, w2, topk_weights, topk_ids, activation, activation_config, layout,
+                        w13_bias, w2_bias, valid_tokens, backend)
+        if key is not None:
+            return _planned(key, (hidden_states, topk_weights, topk_ids, valid_tokens), lambda: _fused_experts(
+                hidden_states, w13, w2, topk_weights, topk_ids, activation, activation_config, None, layout,
+                w13_bias, w2_bias, valid_tokens, backend, None, None))
+    return _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, activation_config, expert_map,
+                          layout, w13_bias, w2_bias, valid_tokens, backend, scratch, output_transform)
+
+
+def _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, activation_config, expert_map, layout,
+                   w13_bias, w2_bias, valid_tokens, backend, scratch, output_transform) -> torch.Tensor:
+    """`fused_experts` without the launch-plan shortcut: checks, then the pipeline."""
     custom = callable(activation) and not isinstance(activation, (str, MoEActivation))
     act = None if custom else resolve_supported(activation)
     if output_transform is not None and not callable(output_transform):
@@ -186,6 +202,76 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
     # Eager calls skip the dispatcher (tens of µs of host time per call).
     return _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, _Step(act), cfg, chosen, num_experts,
                      num_local, table, w13_bias, w2_bias, valid_tokens, backend, scratch)
+
+
+def _launch_plans():
+    """The process's launch plans (`padded_moe.launch_plan`), made on the first CUDA call: importing
+    the kernels' modules any earlier would fix Triton's interpreter choice too soon."""
+    global _PLANS
+    if _PLANS is None:
+        from padded_moe.launch_plan import LaunchPlans
+
+        _PLANS = LaunchPlans(enabled=os.environ.get("PADDED_MOE_LAUNCH_PLANS", "1") != "0")
+    return _PLANS
+
+
+_PLANS = None
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _planned(key: tuple, inputs: tuple, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`call()`, or the replay of its launch plan once it has one (`padded_moe.launch_plan`)."""
+    plans = _launch_plans()
+    plan = plans.get(key)
+    if plan is not None:
+        return plan.run(inputs)
+    return plans.call(key, key[0], inputs, call)
+
+
+def _plan_key(x, w13, w2, topk_weights, topk_ids, activation, activation_config, layout, w13_bias, w2_bias,
+              valid_tokens, backend, *, table=None, num_experts=None, eager_cache: bool = True) -> Optional[tuple]:
+    """The key under which a call may replay a launch plan: every value the call's host code
+    reads (shapes, strides, dtypes, devices, 16-byte alignment of the per-call tensors, the
+    addresses of the weights, biases and expert table, options, whether the eager buffer cache is
+    used, the layout variable, device, stream, thread). None where plans do not apply — not CUDA,
+    graph capture, the compiler tracing, launch hooks, the eager cache switched off around a call
+    that would use it, or an argument of an unusual type — and the full path checks and runs the
+    call."""
+    if type(x) is not torch.Tensor or not x.is_cuda or type(topk_ids) is not torch.Tensor \
+            or type(topk_weights) is not torch.Tensor or (valid_tokens is not None and type(valid_tokens) is not torch.Tensor) \
+            or not isinstance(activation, (str, MoEActivation)) or not isinstance(backend, str) \
+            or not (activation_config is None or type(activation_config) is ApplyMoEActivationConfig) \
+            or not (layout is None or isinstance(layout, (str, GemmLayout))) or x.shape[0] == 0:
+        return None
+    from padded_moe.kernels import _launch
+
+    if not _launch.fast_path() or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() \
+            or (eager_cache and getattr(_no_cache, "on", False)):
+        return None
+    weights = (_weight_key(w13), _weight_key(w2), _weight_key(w13_bias), _weight_key(w2_bias), _weight_key(table))
+    if False in weights:
+        return None
+    device = torch.cuda.current_device()
+    return (device, _launch.current_stream(device), threading.get_ident(), os.environ.get(LAYOUT_ENV),
+            activation, activation_config, layout, backend, num_experts, eager_cache, *weights, _input_key(x),
+            _input_key(topk_weights), _input_key(topk_ids), None if valid_tokens is None else _input_key(valid_tokens))
+
+
+def _input_key(t: torch.Tensor) -> tuple:
+    return t.device, t.dtype, t.shape, t.stride(), t.data_ptr() & 15
+
+
+def _weight_key(w) -> object:
+    """A weight's (or bias's) identity for a plan key, None for None, False for a type plans skip."""
+    if w is None:
+        return None
+    if type(w) in _PLAIN:
+        return w.device, w.dtype, w.shape, w.stride(), w.data_ptr()
+    if type(w) is Mxfp4Tensor and type(w.blocks) in _PLAIN and type(w.scales) in _PLAIN:
+        h = w.hopper
+        hk = None if h is None else (_weight_key(h.blocks), _weight_key(h.scales), h.k)
+        return _weight_key(w.blocks), _weight_key(w.scales), hk
+    return False
 
 
 def _activation_config(cfg: Optional[ApplyMoEActivationConfig]) -> ApplyMoEActivationConfig:
@@ -344,11 +430,19 @@ def _fused_experts_op(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: Optio
     cfg = ApplyMoEActivationConfig(clamp_limit, alpha, beta, situ_beta, situ_linear_beta)
     w13w = _weight_from_parts(w13, w13_scales, w13_hopper_blocks, w13_hopper_scales)
     w2w = _weight_from_parts(w2, w2_scales, w2_hopper_blocks, w2_hopper_scales)
-    return _pipeline(hidden, w13w, w2w, topk_weights, topk_ids, _Step(MoEActivation(activation)), cfg, layout,
-                     num_experts, w13.shape[0], expert_table, w13_bias, w2_bias, valid_tokens, backend, None,
-                     # A compiled graph's memory (CUDA-graph pools included) must not leak into a
-                     # cache that outlives the call.
-                     eager_cache=False)
+
+    def call() -> torch.Tensor:
+        return _pipeline(hidden, w13w, w2w, topk_weights, topk_ids, _Step(MoEActivation(activation)), cfg, layout,
+                         num_experts, w13.shape[0], expert_table, w13_bias, w2_bias, valid_tokens, backend, None,
+                         # A compiled graph's memory (CUDA-graph pools included) must not leak into a
+                         # cache that outlives the call.
+                         eager_cache=False)
+
+    # A plan made here holds no memory (every buffer is a per-call allocation), so it is safe
+    # inside a compiled graph; under CUDA-graph capture the key is None and the call runs in full.
+    key = _plan_key(hidden, w13w, w2w, topk_weights, topk_ids, activation, cfg, layout, w13_bias, w2_bias,
+                    valid_tokens, backend, table=expert_table, num_experts=num_experts, eager_cache=False)
+    return call() if key is None else _planned(key, (hidden, topk_weights, topk_ids, valid_tokens), call)
 
 
 @_fused_experts_op.register_fake

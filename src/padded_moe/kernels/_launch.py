@@ -15,6 +15,8 @@ takes Triton's own path.
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import Any, Sequence
 
 import torch
@@ -25,6 +27,32 @@ from padded_moe.kernels import INTERPRETED
 
 _CACHE: dict = {}
 _MAX_ENTRIES = 8192  # one entry per (kernel, shape key); cleared wholesale if a caller churns shapes
+_RECORD = threading.local()  # .events: the list a `recording` block appends launches to
+
+
+@contextmanager
+def recording(events: list):
+    """Within this block (this thread) every `launch` also appends `("launch", (kernel, grid,
+    args))` to `events` — `kernel` the compiled kernel, `grid` three ints, `args` the arguments
+    the launcher takes after its fixed ones — or `("launch", None)` for a launch that cannot be
+    repeated without Triton's own path (interpreter, launch hooks, a kernel the cache refuses).
+    `padded_moe.launch_plan` builds replays from it."""
+    previous = getattr(_RECORD, "events", None)
+    _RECORD.events = events
+    try:
+        yield events
+    finally:
+        _RECORD.events = previous
+
+
+def fast_path() -> bool:
+    """Whether launches take the cached path (compiled kernels, no launch hook installed)."""
+    return not (INTERPRETED or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook))
+
+
+def current_stream(device: int) -> int:
+    """The raw CUDA stream launches on `device` go to now."""
+    return driver.active.get_current_stream(device)
 
 
 def launch(fn, grid: Sequence[int], key: tuple, args: tuple, constexprs: dict[str, Any], *,
@@ -32,23 +60,31 @@ def launch(fn, grid: Sequence[int], key: tuple, args: tuple, constexprs: dict[st
     """`fn[grid](*args, **constexprs, num_warps=..., num_stages=...)`, fast after the first call
     with this `key`. `constexprs` must be the kernel's trailing parameters, in declaration order."""
     options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
-    if INTERPRETED or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+    events = getattr(_RECORD, "events", None)
+    if not fast_path():
         fn[grid](*args, **constexprs, **options)
+        if events is not None:
+            events.append(("launch", None))
         return
     device = torch.cuda.current_device()
     full_key = (fn, device, key, num_warps, num_stages, *constexprs.values())
     kernel = _CACHE.get(full_key)
+    g3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     if kernel is None:
         kernel = fn[grid](*args, **constexprs, **options)
-        if kernel is not None and tuple(fn.arg_names[len(args):]) == tuple(constexprs):
+        cacheable = kernel is not None and tuple(fn.arg_names[len(args):]) == tuple(constexprs)
+        if cacheable:
             if len(_CACHE) >= _MAX_ENTRIES:
                 _CACHE.clear()
             _CACHE[full_key] = kernel
+        if events is not None:
+            events.append(("launch", (kernel, g3, (*args, *constexprs.values())) if cacheable else None))
         return
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    kernel.run(grid[0], g1, g2, driver.active.get_current_stream(device), kernel.function,
-               kernel.packed_metadata, None, None, None, *args, *constexprs.values())
+    full_args = (*args, *constexprs.values())
+    kernel.run(g3[0], g3[1], g3[2], driver.active.get_current_stream(device), kernel.function,
+               kernel.packed_metadata, None, None, None, *full_args)
+    if events is not None:
+        events.append(("launch", (kernel, g3, full_args)))
 
 
 def _hooked(hook) -> bool:

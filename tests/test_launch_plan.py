@@ -1,0 +1,211 @@
+"""Launch plans on CPU: recording, rebinding of pointers and the rules that refuse a plan, with a
+stand-in kernel whose launcher records what it is given (the CUDA replay is test_launch_plan_gpu)."""
+
+import gc
+
+import pytest
+import torch
+
+from padded_moe import launch_plan as LP
+from padded_moe.kernels import _launch
+
+
+class FakeKernel:
+    """What `_launch.recording` hands over for a compiled kernel: `run`, `function`, metadata."""
+
+    function = "fn"
+    packed_metadata = "meta"
+
+    def __init__(self):
+        self.calls = []
+        self.run = self._run
+
+    def _run(self, g0, g1, g2, stream, function, metadata, launch_meta, enter, exit_, *args):
+        self.calls.append(((g0, g1, g2), stream, args))
+
+
+@pytest.fixture(autouse=True)
+def _stream(monkeypatch):
+    monkeypatch.setattr(_launch, "current_stream", lambda device: 1234)
+
+
+def _launch_event(kernel, grid, args):
+    """What `_launch.launch` does for a compiled kernel, minus the launch itself."""
+    events = getattr(_launch._RECORD, "events", None)
+    if events is not None:
+        events.append(("launch", (kernel, grid, tuple(args))))
+
+
+def make_call(kernel, static, *, extra_op=False, temp=True):
+    """A 'call': a temporary and an output allocated, one launch reading the input at an offset,
+    the static tensor (through a view), the temporary and the output."""
+    def call(x):
+        t = torch.empty(8, dtype=torch.int32) if temp else None
+        out = torch.empty(x.shape[0], 4)
+        if extra_op:
+            out.fill_(0)
+        args = [x[1:], static[2:], 7, 0.5, None, out] + ([t] if temp else [])
+        _launch_event(kernel, (3, 1, 1), args)
+        return out
+    return call
+
+
+def test_plan_after_two_agreeing_recordings_rebinds_inputs_and_allocations():
+    kernel, plans, static = FakeKernel(), LP.LaunchPlans(), torch.zeros(16)
+    call = make_call(kernel, static)
+    xs = [torch.randn(5, 4) for _ in range(4)]
+    for x in xs[:3]:
+        assert plans.get("k") is None
+        plans.call("k", 0, (x, None), lambda: call(x))
+    plan = plans.get("k")
+    assert plan is not None and len(plans) == 1
+    kernel.calls.clear()
+    out = plan.run((xs[3], None))
+    (grid, stream, args), = kernel.calls
+    assert grid == (3, 1, 1) and stream == 1234
+    assert args[0] == xs[3].data_ptr() + 4 * xs[3].element_size()  # x[1:], rebound to the new input
+    assert args[1] == static.data_ptr() + 2 * static.element_size()  # kept: long-lived
+    assert args[2:5] == (7, 0.5, None)
+    assert args[5] == out.data_ptr() and out.shape == (5, 4)  # the result: a fresh allocation
+    assert args[6] not in (0, out.data_ptr())  # the temporary: allocated by the replay too
+    assert len(plan.allocs) == 2
+
+
+def test_other_device_work_makes_the_key_unplannable():
+    kernel, plans, static = FakeKernel(), LP.LaunchPlans(), torch.zeros(16)
+    call = make_call(kernel, static, extra_op=True)
+    for _ in range(5):
+        x = torch.randn(5, 4)
+        plans.call("k", 0, (x,), lambda: call(x))
+    assert plans.get("k") is None and len(plans) == 0
+
+
+def test_unrepeatable_launch_makes_the_key_unplannable():
+    plans = LP.LaunchPlans()
+
+    def call(x):
+        events = getattr(_launch._RECORD, "events", None)
+        if events is not None:
+            events.append(("launch", None))
+        return torch.empty(2)
+    for _ in range(4):
+        x = torch.randn(3)
+        plans.call("k", 0, (x,), lambda: call(x))
+    assert plans.get("k") is None
+
+
+def test_disagreeing_recordings_give_no_plan_until_two_agree():
+    kernel, plans, static = FakeKernel(), LP.LaunchPlans(), torch.zeros(16)
+    grids = iter([(1, 1, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1), (3, 1, 1)])
+
+    def call(x):
+        out = torch.empty(2)
+        _launch_event(kernel, next(grids), [x, out])
+        return out
+    for n in range(5):
+        x = torch.randn(3)
+        plans.call("k", 0, (x,), lambda: call(x))
+        assert (plans.get("k") is not None) == (n == 4)
+
+
+def test_plan_dropped_when_a_kept_tensor_is_freed():
+    kernel, plans = FakeKernel(), LP.LaunchPlans()
+    static = torch.zeros(16)
+    call = make_call(kernel, static)
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        plans.call("k", 0, (x,), lambda: call(x))
+    assert plans.get("k") is not None
+    del static, call
+    gc.collect()
+    assert plans.get("k") is None
+
+
+def test_result_not_allocated_in_the_call_gives_no_plan():
+    kernel, plans = FakeKernel(), LP.LaunchPlans()
+
+    def call(x):
+        _launch_event(kernel, (1, 1, 1), [x])
+        return x[1:]
+    for _ in range(4):
+        x = torch.randn(4)
+        plans.call("k", 0, (x,), lambda: call(x))
+    assert plans.get("k") is None
+
+
+def test_pointer_holding_objects_are_refused():
+    kernel, plans = FakeKernel(), LP.LaunchPlans()
+
+    class Descriptor:
+        pass
+
+    def call(x):
+        out = torch.empty(1)
+        _launch_event(kernel, (1, 1, 1), [Descriptor(), out])
+        return out
+    for _ in range(4):
+        x = torch.randn(4)
+        plans.call("k", 0, (x,), lambda: call(x))
+    assert plans.get("k") is None
+
+
+def test_fused_experts_takes_no_plan_on_cpu(cpu_path):
+    from padded_moe import experts as X
+
+    x = torch.randn(3, 8)
+    w13, w2 = torch.randn(4, 6, 8), torch.randn(4, 8, 3)
+    tw, ids = torch.rand(3, 2), torch.randint(0, 4, (3, 2), dtype=torch.int32)
+    assert X._plan_key(x, w13, w2, tw, ids, "silu", None, None, None, None, None, "auto") is None
+
+
+def test_tensor_descriptors_are_rebuilt_over_inputs_and_kept_over_long_lived_tensors():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    kernel, plans = FakeKernel(), LP.LaunchPlans()
+    weight = torch.randn(8, 16)
+
+    def call(x):
+        out = torch.empty(4)
+        _launch_event(kernel, (1, 1, 1), [TensorDescriptor(x, [4, 16], [16, 1], [4, 16]),
+                                          TensorDescriptor(weight, [8, 16], [16, 1], [8, 16]), out])
+        return out
+    for _ in range(3):
+        x = torch.randn(4, 16)
+        plans.call("k", 0, (x,), lambda: call(x))
+    plan = plans.get("k")
+    assert plan is not None
+    x = torch.randn(4, 16)
+    kernel.calls.clear()
+    plan.run((x,))
+    (_, _, (xd, wd, _)), = kernel.calls
+    assert xd.base.data_ptr() == x.data_ptr() and xd.block_shape == [4, 16]
+    assert wd.base.data_ptr() == weight.data_ptr() and not isinstance(wd.base, torch.Tensor)
+    del weight, call
+    gc.collect()
+    assert plans.get("k") is None  # the plan held no reference to the weight
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_reshape_counts_as_device_work_only_when_it_copies(contiguous):
+    """Inside a custom op the dispatch mode sees `aten.reshape` itself: a view when the input
+    allows one (plannable), a copy otherwise (no plan)."""
+    kernel, plans = FakeKernel(), LP.LaunchPlans()
+
+    def call(x):
+        out = torch.empty(4)
+        torch.ops.aten.reshape.default(x if contiguous else x.t(), (-1,))
+        _launch_event(kernel, (1, 1, 1), [x, out])
+        return out
+    for _ in range(3):
+        x = torch.randn(2, 3)
+        plans.call("k", 0, (x,), lambda: call(x))
+    assert (plans.get("k") is not None) == contiguous
+
+
+def test_disabled_plans_record_nothing():
+    kernel, plans, static = FakeKernel(), LP.LaunchPlans(enabled=False), torch.zeros(16)
+    call = make_call(kernel, static)
+    for _ in range(4):
+        x = torch.randn(5, 4)
+        plans.call("k", 0, (x,), lambda: call(x))
+    assert plans.get("k") is None

@@ -95,15 +95,7 @@ def run_case(name: str, T: int, prof_calls: int) -> None:
     print(f"\n=== {name} T={T}: eager {e_us:.1f} us/call, graph {g_us:.1f} us, host overhead "
           f"{e_us - g_us:.1f} us; per call: {kernels / prof_calls:.1f} launches, "
           f"{allocs / prof_calls:.1f} empty, syncs/memcpy {({n: c / prof_calls for n, c in syncs.items()})}")
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(prof_calls):
-        fn()
-    torch.cuda.synchronize()
-    pr.disable()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
-    print("\n".join(s.getvalue().splitlines()[:45]))
+    python_profile(f"{name} T={T}", fn, prof_calls)
 
 
 def python_profile(title: str, fn, calls: int) -> None:

@@ -182,10 +182,8 @@ def _build(device: int, inputs: Sequence[Optional[torch.Tensor]], events: list, 
                     return None
                 p = base.data_ptr()
                 desc = dataclasses.replace(a, base=_Address(p, base.dtype))
-                role = _role(p, ranges, allocs)
+                role = _locate(base, ranges, allocs, refs)
                 if role is None:
-                    root = base if base._base is None else base._base
-                    refs.setdefault(id(root), weakref.ref(root))
                     template.append(desc)
                 else:
                     template.append(None)
@@ -197,10 +195,8 @@ def _build(device: int, inputs: Sequence[Optional[torch.Tensor]], events: list, 
                 template.append(a)
                 continue
             p = a.data_ptr()
-            role = _role(p, ranges, allocs)
+            role = _locate(a, ranges, allocs, refs)
             if role is None:
-                root = a if a._base is None else a._base
-                refs.setdefault(id(root), weakref.ref(root))
                 template.append(p)
             else:
                 r, base = role
@@ -224,6 +220,16 @@ def _build(device: int, inputs: Sequence[Optional[torch.Tensor]], events: list, 
     launches = [(*head, tuple((i, renumber[r], off, d) for i, r, off, d in holes)) for *head, holes in launches]
     specs = [(tuple(allocs[j].shape), tuple(allocs[j].stride()), allocs[j].dtype, allocs[j].device) for j in kept]
     return LaunchPlan(device, specs, launches, renumber[res], list(refs.values()))
+
+
+def _locate(t: torch.Tensor, ranges: list, allocs: list, refs: dict) -> Optional[tuple[int, int]]:
+    """`_role` of `t`'s address; for a kept pointer (None) a weak reference to the tensor that
+    owns the memory goes into `refs`."""
+    role = _role(t.data_ptr(), ranges, allocs)
+    if role is None:
+        root = t if t._base is None else t._base
+        refs.setdefault(id(root), weakref.ref(root))
+    return role
 
 
 def _role(p: int, ranges: list, allocs: list) -> Optional[tuple[int, int]]:

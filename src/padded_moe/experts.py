@@ -148,13 +148,12 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
     eagerly (a graph break: `fullgraph=True` refuses it), the callable included; `activation_config`
     must then be None.
     """
-    if scratch is None and output_transform is None and expert_map is None and not torch.compiler.is_compiling():
+    if scratch is None and output_transform is None and expert_map is None:
         key = _plan_key(hidden_states, w13, w2, topk_weights, topk_ids, activation, activation_config, layout,
                         w13_bias, w2_bias, valid_tokens, backend)
-        if key is not None:
-            return _planned(key, (hidden_states, topk_weights, topk_ids, valid_tokens), lambda: _fused_experts(
-                hidden_states, w13, w2, topk_weights, topk_ids, activation, activation_config, None, layout,
-                w13_bias, w2_bias, valid_tokens, backend, None, None))
+        return _planned(key, (hidden_states, topk_weights, topk_ids, valid_tokens), lambda: _fused_experts(
+            hidden_states, w13, w2, topk_weights, topk_ids, activation, activation_config, None, layout,
+            w13_bias, w2_bias, valid_tokens, backend, None, None))
     return _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, activation_config, expert_map,
                           layout, w13_bias, w2_bias, valid_tokens, backend, scratch, output_transform)
 
@@ -219,8 +218,11 @@ _PLANS = None
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _planned(key: tuple, inputs: tuple, call: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """`call()`, or the replay of its launch plan once it has one (`padded_moe.launch_plan`)."""
+def _planned(key: Optional[tuple], inputs: tuple, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`call()`, or the replay of its launch plan once it has one (`padded_moe.launch_plan`); a
+    None key (plans do not apply) always runs `call()`."""
+    if key is None:
+        return call()
     plans = _launch_plans()
     plan = plans.get(key)
     if plan is not None:
@@ -237,6 +239,9 @@ def _plan_key(x, w13, w2, topk_weights, topk_ids, activation, activation_config,
     graph capture, the compiler tracing, launch hooks, the eager cache switched off around a call
     that would use it, or an argument of an unusual type — and the full path checks and runs the
     call."""
+    # First, so that the compiler never traces the checks below (a guard on the token count).
+    if torch.compiler.is_compiling():
+        return None
     if type(x) is not torch.Tensor or not x.is_cuda or type(topk_ids) is not torch.Tensor \
             or type(topk_weights) is not torch.Tensor or (valid_tokens is not None and type(valid_tokens) is not torch.Tensor) \
             or not isinstance(activation, (str, MoEActivation)) or not isinstance(backend, str) \
@@ -245,7 +250,7 @@ def _plan_key(x, w13, w2, topk_weights, topk_ids, activation, activation_config,
         return None
     from padded_moe.kernels import _launch
 
-    if not _launch.fast_path() or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() \
+    if not _launch.fast_path() or torch.cuda.is_current_stream_capturing() \
             or (eager_cache and getattr(_no_cache, "on", False)):
         return None
     weights = (_weight_key(w13), _weight_key(w2), _weight_key(w13_bias), _weight_key(w2_bias), _weight_key(table))
@@ -442,7 +447,7 @@ def _fused_experts_op(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: Optio
     # inside a compiled graph; under CUDA-graph capture the key is None and the call runs in full.
     key = _plan_key(hidden, w13w, w2w, topk_weights, topk_ids, activation, cfg, layout, w13_bias, w2_bias,
                     valid_tokens, backend, table=expert_table, num_experts=num_experts, eager_cache=False)
-    return call() if key is None else _planned(key, (hidden, topk_weights, topk_ids, valid_tokens), call)
+    return _planned(key, (hidden, topk_weights, topk_ids, valid_tokens), call)
 
 
 @_fused_experts_op.register_fake

@@ -81,7 +81,7 @@ def launch(fn, grid: Sequence[int], key: tuple, args: tuple, constexprs: dict[st
             events.append(("launch", (kernel, g3, (*args, *constexprs.values())) if cacheable else None))
         return
     full_args = (*args, *constexprs.values())
-    kernel.run(g3[0], g3[1], g3[2], driver.active.get_current_stream(device), kernel.function,
+    kernel.run(g3[0], g3[1], g3[2], current_stream(device), kernel.function,
                kernel.packed_metadata, None, None, None, *full_args)
     if events is not None:
         events.append(("launch", (kernel, g3, full_args)))

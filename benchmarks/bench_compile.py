@@ -47,8 +47,14 @@ def profile_calls(title: str, fn, calls: int = 10) -> None:
             fn()
         torch.cuda.synchronize()
     print(f"\n=== {title}: {calls} calls", flush=True)
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+    avg = prof.key_averages()
+    print(avg.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(avg.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+    waits = {e.key: e.count for e in avg
+             if any(w in e.key for w in ("Synchronize", "_local_scalar_dense", "DtoH", "EventQuery"))}
+    launches = sum(e.count for e in avg if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    print(f"per call: {launches / calls:.1f} kernel launches; host waits {waits or 'none'} "
+          f"(the last synchronize is the loop's own)")
 
 
 def main() -> None:

@@ -2,14 +2,18 @@
 
 Spawns `world` processes that join one process group (gloo on CPU, NCCL with one GPU each), runs
 `target(rank, world, payload)` in each and returns the per-rank results; a hang fails after a
-timeout. Import as `from _spawn import spawn_group` (tests/ is on sys.path).
+timeout, after every child has printed the Python stacks of its threads to stderr (so a hang says
+where it is). `PADDED_MOE_SPAWN_TIMEOUT` (seconds) overrides every group's timeout. Import as
+`from _spawn import spawn_group` (tests/ is on sys.path).
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import socket
+import sys
 import tempfile
 import time
 
@@ -30,9 +34,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, backend, target, payload, outdir):
-    """Child process: join the group, run `target(rank, world, payload)`, save its result."""
+def _entry(rank, world, port, backend, target, payload, outdir, stacks_after):
+    """Child process: join the group, run `target(rank, world, payload)`, save its result; print
+    its threads' stacks if it is still running after `stacks_after` seconds."""
     os.environ.update(CHILD_ENV)
+    faulthandler.dump_traceback_later(stacks_after, exit=False, file=sys.stderr)
     # CPU children run the library's torch path unless the payload asks for the interpreted Triton
     # kernels (one 2-rank run exercises them end to end; every scenario that way would cost minutes).
     interpret = isinstance(payload, dict) and payload.get("triton_interpret", False)
@@ -52,8 +58,10 @@ def _entry(rank, world, port, backend, target, payload, outdir):
 def spawn_group(world: int, target, payload, *, backend: str = "gloo", timeout: float = JOIN_TIMEOUT_S):
     """Run `target` on `world` spawned ranks; returns the per-rank results. Hangs fail."""
     os.environ.update(CHILD_ENV)  # inherited by the children from the start
+    timeout = float(os.environ.get("PADDED_MOE_SPAWN_TIMEOUT") or timeout)
+    stacks_after = max(1.0, timeout - min(15.0, timeout / 4))
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), backend, target, payload, outdir),
+        ctx = mp.start_processes(_entry, args=(world, free_port(), backend, target, payload, outdir, stacks_after),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

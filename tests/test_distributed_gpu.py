@@ -225,7 +225,9 @@ def test_cuda_graph_replay_two_gpus(monkeypatch, overlap, transport):
 
 def _compile_worker(rank, world, payload):
     """FusedMoE with expert parallelism under torch.compile(fullgraph, mode="reduce-overhead"):
-    10 calls with fresh tokens (an idle rank included) against the same layer called eagerly."""
+    10 calls with fresh tokens (an idle rank included) against the same layer called eagerly.
+    The compiled graphs are dropped before the group is destroyed: a live CUDA graph holding NCCL
+    work makes `destroy_process_group` hang (pytorch/pytorch#115388; docs/compile-and-eager.md)."""
     from padded_moe import FusedMoE
     from padded_moe.distributed import ExpertParallel
 
@@ -249,6 +251,9 @@ def _compile_worker(rank, world, payload):
         return dict(errs=errs)
     except Exception:
         return dict(error=traceback.format_exc())
+    finally:
+        compiled = None
+        torch._dynamo.reset()  # also frees the CUDA graphs of mode="reduce-overhead"
 
 
 @pytest.mark.parametrize("transport", GPU_TRANSPORTS)

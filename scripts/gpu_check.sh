@@ -82,6 +82,16 @@ for stage in "$@"; do
             STEP_TIMEOUT=400 step test-compile python3 -m pytest -q -m gpu tests/test_compile_gpu.py
             step bench-compile python3 benchmarks/bench_compile.py --out "$OUT/bench"
             step profile-host python3 benchmarks/profile_host.py --cases dsv4:1 qwen3:1 --layers qwen3-30b-a3b:16 ;;
+        compile-host)  # the compiled layer's host cost: op registration + plans (tests, ratios, one profile)
+            step test-plans python3 -m pytest -q -x -m gpu tests/test_launch_plan_gpu.py
+            STEP_TIMEOUT=400 step test-compile python3 -m pytest -q -m gpu tests/test_compile_gpu.py tests/test_activation_gpu.py -k "compile or graph"
+            step bench-compile python3 benchmarks/bench_compile.py --out "$OUT/bench"
+            step profile-compile python3 benchmarks/bench_compile.py --profile --presets qwen3-30b-a3b --tokens 16 \
+                --out "$OUT/bench-compile-profile" ;;
+        compile-stress)  # issue 19's stability criterion: every compiled case, 50 calls each, in 5 fresh processes
+            for i in 1 2 3 4 5; do
+                STEP_TIMEOUT=200 step "compile-process-$i" python3 -m pytest -q -x -m gpu tests/test_compile_gpu.py -k matches_eager
+            done ;;
         compile-profile)  # where compiled calls spend time next to eager ones (kernels, host events)
             step profile-compile python3 benchmarks/bench_compile.py --profile --presets qwen3-30b-a3b dsv4-flash:bf16 \
                 --tokens 16 1024 --out "$OUT/bench-compile" ;;

@@ -120,6 +120,18 @@ def test_layer_compiles_with_inductor(weight_format):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
+def test_layer_compiles_with_grad_enabled():
+    """Outside `torch.no_grad()` (the gate's weight requires grad, so the router weights do), the
+    compiled layer's forward equals eager: the ops are inference-only, with no backward to trace."""
+    layer = FusedMoE.from_preset("tiny", dtype=torch.float32)
+    layer.randomize(seed=4)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(6, layer.hidden_size, generator=torch.Generator().manual_seed(6))
+    got = compiled(x)
+    assert got.requires_grad  # through the gate
+    torch.testing.assert_close(got, layer(x), rtol=0, atol=0)
+
+
 def test_layer_never_quantizes_inside_the_graph():
     """MXFP4 copies are built eagerly (randomize / load / state dict), so a compiled forward only
     reads them; a state-dict load replaces them."""

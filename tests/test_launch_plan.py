@@ -155,7 +155,7 @@ def test_fused_experts_takes_no_plan_on_cpu(cpu_path):
     x = torch.randn(3, 8)
     w13, w2 = torch.randn(4, 6, 8), torch.randn(4, 8, 3)
     tw, ids = torch.rand(3, 2), torch.randint(0, 4, (3, 2), dtype=torch.int32)
-    assert X._plan_key(x, w13, w2, tw, ids, "silu", None, None, None, None, None, "auto") is None
+    assert X._plan_key(x, tw, ids, None, (w13, w2, None, None), X._plain_options("silu", None, None, "auto")) is None
 
 
 def test_tensor_descriptors_are_rebuilt_over_inputs_and_kept_over_long_lived_tensors():

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from padded_moe import _platform
+from padded_moe._ops import custom_op, register_fake
 from padded_moe._util import cdiv, next_pow2
 from padded_moe._validation import (FLOAT_DTYPES, INDEX_DTYPES, require_dtype, require_last_dim_contiguous,
                                     require_rank, require_real, require_same_device, require_tensor)
@@ -276,7 +277,7 @@ def _tuning(tuning: Optional[Mapping]) -> dict:
 # The custom op: opaque to torch.compile (fake impl mutates nothing observable), capturable.
 
 
-@torch.library.custom_op("padded_moe::moe_activation", mutates_args={"output"})
+@custom_op("padded_moe::moe_activation", mutates_args={"output"})
 def _moe_activation_op(activation: str, output: torch.Tensor, input: torch.Tensor,
                        counts: Optional[torch.Tensor], limit: Optional[float], alpha: float,
                        beta: float, situ_beta: float, situ_lambda: Optional[float]) -> None:
@@ -293,7 +294,7 @@ def _run(act: MoEActivation, output: torch.Tensor, input: torch.Tensor, counts: 
         _run_torch(act, output, input, counts, params)
 
 
-@_moe_activation_op.register_fake
+@register_fake("padded_moe::moe_activation")
 def _moe_activation_fake(activation, output, input, counts, limit, alpha, beta, situ_beta, situ_lambda) -> None:
     return None
 

@@ -16,6 +16,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from padded_moe._ops import custom_op, register_fake
 from padded_moe._util import cdiv, next_pow2
 from padded_moe._validation import (
     FLOAT_DTYPES,
@@ -149,8 +150,8 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
     must then be None.
     """
     if scratch is None and output_transform is None and expert_map is None:
-        key = _plan_key(hidden_states, w13, w2, topk_weights, topk_ids, activation, activation_config, layout,
-                        w13_bias, w2_bias, valid_tokens, backend)
+        key = _plan_key(hidden_states, topk_weights, topk_ids, valid_tokens, (w13, w2, w13_bias, w2_bias),
+                        _plain_options(activation, activation_config, layout, backend))
         return _planned(key, (hidden_states, topk_weights, topk_ids, valid_tokens), lambda: _fused_experts(
             hidden_states, w13, w2, topk_weights, topk_ids, activation, activation_config, None, layout,
             w13_bias, w2_bias, valid_tokens, backend, None, None))
@@ -230,36 +231,45 @@ def _planned(key: Optional[tuple], inputs: tuple, call: Callable[[], torch.Tenso
     return plans.call(key, key[0], inputs, call)
 
 
-def _plan_key(x, w13, w2, topk_weights, topk_ids, activation, activation_config, layout, w13_bias, w2_bias,
-              valid_tokens, backend, *, table=None, num_experts=None, eager_cache: bool = True) -> Optional[tuple]:
+def _plan_key(x, topk_weights, topk_ids, valid_tokens, weights: tuple, options: Optional[tuple], *,
+              eager_cache: bool = True) -> Optional[tuple]:
     """The key under which a call may replay a launch plan: every value the call's host code
     reads (shapes, strides, dtypes, devices, 16-byte alignment of the per-call tensors, the
-    addresses of the weights, biases and expert table, options, whether the eager buffer cache is
-    used, the layout variable, device, stream, thread). None where plans do not apply — not CUDA,
-    graph capture, the compiler tracing, launch hooks, the eager cache switched off around a call
-    that would use it, or an argument of an unusual type — and the full path checks and runs the
-    call."""
+    addresses of `weights` — weights, biases, expert table, each a tensor, an `Mxfp4Tensor` or
+    None — the `options` (hashable plain values, None when an option is of an unusual type),
+    whether the eager buffer cache is used, the layout variable, device, stream, thread). None where
+    plans do not apply — not CUDA, graph capture, the compiler tracing, launch hooks, the eager
+    cache switched off around a call that would use it, or an argument of an unusual type — and the
+    full path checks and runs the call."""
     # First, so that the compiler never traces the checks below (a guard on the token count).
     if torch.compiler.is_compiling():
         return None
-    if type(x) is not torch.Tensor or not x.is_cuda or type(topk_ids) is not torch.Tensor \
+    if options is None or type(x) is not torch.Tensor or not x.is_cuda or type(topk_ids) is not torch.Tensor \
             or type(topk_weights) is not torch.Tensor or (valid_tokens is not None and type(valid_tokens) is not torch.Tensor) \
-            or not isinstance(activation, (str, MoEActivation)) or not isinstance(backend, str) \
-            or not (activation_config is None or type(activation_config) is ApplyMoEActivationConfig) \
-            or not (layout is None or isinstance(layout, (str, GemmLayout))) or x.shape[0] == 0:
+            or x.shape[0] == 0:
         return None
     from padded_moe.kernels import _launch
 
     if not _launch.fast_path() or torch.cuda.is_current_stream_capturing() \
             or (eager_cache and getattr(_no_cache, "on", False)):
         return None
-    weights = (_weight_key(w13), _weight_key(w2), _weight_key(w13_bias), _weight_key(w2_bias), _weight_key(table))
-    if False in weights:
+    weight_keys = tuple(_weight_key(w) for w in weights)
+    if False in weight_keys:
         return None
     device = torch.cuda.current_device()
-    return (device, _launch.current_stream(device), threading.get_ident(), os.environ.get(LAYOUT_ENV),
-            activation, activation_config, layout, backend, num_experts, eager_cache, *weights, _input_key(x),
-            _input_key(topk_weights), _input_key(topk_ids), None if valid_tokens is None else _input_key(valid_tokens))
+    return (device, _launch.current_stream(device), threading.get_ident(), os.environ.get(LAYOUT_ENV), eager_cache,
+            options, weight_keys, _input_key(x), _input_key(topk_weights), _input_key(topk_ids),
+            None if valid_tokens is None else _input_key(valid_tokens))
+
+
+def _plain_options(activation, activation_config, layout, backend) -> Optional[tuple]:
+    """`fused_experts`' options as a plan key's part, or None when one is of a type plans skip (a
+    callable activation, a subclass): the full path then checks them."""
+    if not isinstance(activation, (str, MoEActivation)) or not isinstance(backend, str) \
+            or not (activation_config is None or type(activation_config) is ApplyMoEActivationConfig) \
+            or not (layout is None or isinstance(layout, (str, GemmLayout))):
+        return None
+    return activation, activation_config, layout, backend
 
 
 def _input_key(t: torch.Tensor) -> tuple:
@@ -421,7 +431,7 @@ def _eager_scratch(topk_ids: torch.Tensor, num_experts: int, num_local: int) -> 
 # layout metadata is ever traced, and every buffer the pipeline makes lives and dies inside the op.
 
 
-@torch.library.custom_op("padded_moe::fused_experts", mutates_args=())
+@custom_op("padded_moe::fused_experts", mutates_args=())
 def _fused_experts_op(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: Optional[torch.Tensor],
                       w2: torch.Tensor, w2_scales: Optional[torch.Tensor], topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, expert_table: Optional[torch.Tensor], num_experts: int,
@@ -432,11 +442,10 @@ def _fused_experts_op(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: Optio
                       w13_hopper_blocks: Optional[torch.Tensor] = None, w13_hopper_scales: Optional[torch.Tensor] = None,
                       w2_hopper_blocks: Optional[torch.Tensor] = None,
                       w2_hopper_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
-    cfg = ApplyMoEActivationConfig(clamp_limit, alpha, beta, situ_beta, situ_linear_beta)
-    w13w = _weight_from_parts(w13, w13_scales, w13_hopper_blocks, w13_hopper_scales)
-    w2w = _weight_from_parts(w2, w2_scales, w2_hopper_blocks, w2_hopper_scales)
-
     def call() -> torch.Tensor:
+        cfg = ApplyMoEActivationConfig(clamp_limit, alpha, beta, situ_beta, situ_linear_beta)
+        w13w = _weight_from_parts(w13, w13_scales, w13_hopper_blocks, w13_hopper_scales)
+        w2w = _weight_from_parts(w2, w2_scales, w2_hopper_blocks, w2_hopper_scales)
         return _pipeline(hidden, w13w, w2w, topk_weights, topk_ids, _Step(MoEActivation(activation)), cfg, layout,
                          num_experts, w13.shape[0], expert_table, w13_bias, w2_bias, valid_tokens, backend, None,
                          # A compiled graph's memory (CUDA-graph pools included) must not leak into a
@@ -445,12 +454,15 @@ def _fused_experts_op(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: Optio
 
     # A plan made here holds no memory (every buffer is a per-call allocation), so it is safe
     # inside a compiled graph; under CUDA-graph capture the key is None and the call runs in full.
-    key = _plan_key(hidden, w13w, w2w, topk_weights, topk_ids, activation, cfg, layout, w13_bias, w2_bias,
-                    valid_tokens, backend, table=expert_table, num_experts=num_experts, eager_cache=False)
+    # The key reads the op's arguments as they come: a replay builds no weight or config object.
+    weights = (w13, w13_scales, w13_hopper_blocks, w13_hopper_scales, w2, w2_scales, w2_hopper_blocks,
+               w2_hopper_scales, w13_bias, w2_bias, expert_table)
+    options = (activation, clamp_limit, alpha, beta, situ_beta, situ_linear_beta, layout, backend, num_experts)
+    key = _plan_key(hidden, topk_weights, topk_ids, valid_tokens, weights, options, eager_cache=False)
     return _planned(key, (hidden, topk_weights, topk_ids, valid_tokens), call)
 
 
-@_fused_experts_op.register_fake
+@register_fake("padded_moe::fused_experts")
 def _fused_experts_fake(hidden, *args) -> torch.Tensor:
     return hidden.new_empty(hidden.shape)
 
@@ -517,7 +529,7 @@ def _batched_pipeline(x, counts, w13, w2, act: MoEActivation, cfg: ApplyMoEActiv
     expert_gemm(act_out, w2, meta, stage="w2", out=out, backend=backend)
 
 
-@torch.library.custom_op("padded_moe::batched_experts", mutates_args={"out"})
+@custom_op("padded_moe::batched_experts", mutates_args={"out"})
 def _batched_experts_op(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w13_scales: Optional[torch.Tensor],
                         w2: torch.Tensor, w2_scales: Optional[torch.Tensor], activation: str,
                         clamp_limit: Optional[float], alpha: Optional[float], beta: Optional[float],
@@ -532,6 +544,6 @@ def _batched_experts_op(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor
                       MoEActivation(activation), cfg, backend, out)
 
 
-@_batched_experts_op.register_fake
+@register_fake("padded_moe::batched_experts")
 def _batched_experts_fake(*args) -> None:
     return None

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from padded_moe import routing
+from padded_moe._ops import custom_op, register_fake
 from padded_moe._validation import FLOAT_DTYPES, require_int, require_tensor
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
 from padded_moe.experts import batched_experts, eager_cache_off, fused_experts
@@ -266,7 +267,7 @@ def _register_ep_layer(layer: "FusedMoE") -> int:
     return i
 
 
-@torch.library.custom_op("padded_moe::ep_experts", mutates_args=())
+@custom_op("padded_moe::ep_experts", mutates_args=())
 def _ep_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_id: int) -> torch.Tensor:
     """`FusedMoE.experts` with expert parallelism, as the compiler sees it: dispatch → local experts
     → combine of layer `layer_id`, with a fresh `[m, K]` output."""
@@ -277,7 +278,7 @@ def _ep_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
         return layer._ep_experts(x, topk_weights, topk_ids)
 
 
-@_ep_experts_op.register_fake
+@register_fake("padded_moe::ep_experts")
 def _(x, topk_weights, topk_ids, layer_id):
     return x.new_empty(x.shape)
 

@@ -68,7 +68,36 @@ def test_plan_after_two_agreeing_recordings_rebinds_inputs_and_allocations():
     assert args[2:5] == (7, 0.5, None)
     assert args[5] == out.data_ptr() and out.shape == (5, 4)  # the result: a fresh allocation
     assert args[6] not in (0, out.data_ptr())  # the temporary: allocated by the replay too
-    assert len(plan.allocs) == 2
+    # The result is a tensor of its own; the temporary lies in the replay's shared buffer.
+    assert plan.offsets == [0, None] and plan.workspace_bytes == LP._ALIGN  # 8 int32 = 32 B, aligned up
+    assert plan.result_spec == ((5, 4), (4, 1), torch.float32, torch.device("cpu"))
+
+
+def test_replay_places_the_temporaries_apart_in_one_buffer():
+    """Temporaries of several sizes and dtypes (one passed as a view at an offset) get disjoint,
+    aligned places in the replay's shared buffer, at the recorded offsets into each."""
+    kernel, plans = FakeKernel(), LP.LaunchPlans()
+
+    def call(x):
+        a = torch.empty(3, 5, dtype=torch.float16)
+        b = torch.empty(100, dtype=torch.int64)
+        out = torch.empty_like(x)
+        c = torch.empty(7, dtype=torch.int32)
+        _launch_event(kernel, (1, 1, 1), [x, a, b[10:], out, c])
+        return out
+
+    for _ in range(3):
+        x = torch.randn(4)
+        plans.call("k", 0, (x,), lambda: call(x))
+    plan = plans.get("k")
+    kernel.calls.clear()
+    out = plan.run((torch.randn(4),))
+    (_, _, (_, pa, pb, po, pc)), = kernel.calls
+    assert po == out.data_ptr()
+    A = LP._ALIGN
+    assert plan.offsets == [0, A, None, A + 4 * A]  # a: 30 B, b: 800 B -> 4 blocks, then c
+    assert plan.workspace_bytes == 6 * A
+    assert pb == pa + A + 10 * 8 and pc == pa + 5 * A
 
 
 def test_other_device_work_makes_the_key_unplannable():

@@ -28,7 +28,6 @@ no launch hooks); see `padded_moe.experts`.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import weakref
 from typing import Callable, Optional, Sequence
@@ -56,19 +55,33 @@ _MAYBE_VIEWS = {_aten.reshape.default, _aten.flatten.using_ints, _aten.contiguou
 
 _MAX_KEYS = 512  # plans and pending recordings each; cleared wholesale past this (shape churn)
 _MAX_ATTEMPTS = 4  # recordings of one key that may disagree before the key is given up
+_ALIGN = 256  # bytes: each allocation's offset in a replay's shared buffer (TMA wants 16)
 
 
 class LaunchPlan:
     """The launches of one recorded call. `run(inputs)` replays them for new inputs of the same
     signature and returns the call's result (a fresh tensor)."""
 
-    __slots__ = ("device", "allocs", "launches", "result", "kept")
+    __slots__ = ("device", "result_spec", "offsets", "workspace_bytes", "launches", "kept")
 
-    def __init__(self, device: int, allocs: list, launches: list, result: int, kept: list):
+    def __init__(self, device: int, num_inputs: int, allocs: list, launches: list, result: int, kept: list):
         self.device = device
-        self.allocs = allocs  # (shape, stride, dtype, device) of each allocation the replay makes
+        # Of the allocations the replay makes (`(shape, stride, dtype, device)` each, role order
+        # after the inputs), the result is a tensor of its own; every other one is only ever a
+        # pointer handed to a launch, so they share one byte buffer per call (one allocation
+        # instead of several), each at a 256-byte aligned offset. The buffer is freed when `run`
+        # returns, as the separate tensors were: the launches are already queued on the stream.
+        self.result_spec = allocs[result - num_inputs]
+        self.offsets: list = []  # per allocation role: byte offset in the buffer, None for the result
+        size = 0
+        for n, (shape, stride, dtype, _) in enumerate(allocs):
+            if num_inputs + n == result:
+                self.offsets.append(None)
+                continue
+            self.offsets.append(size)
+            size += -(-_extent(shape, stride) * dtype.itemsize // _ALIGN) * _ALIGN
+        self.workspace_bytes = size
         self.launches = launches  # (run, g0, g1, g2, function, metadata, template, holes)
-        self.result = result  # index into bases: the returned allocation
         self.kept = kept  # weak references to the tensors whose pointers the launches keep
 
     def alive(self) -> bool:
@@ -80,8 +93,12 @@ class LaunchPlan:
 
     def run(self, inputs: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
         bases = [0 if t is None else t.data_ptr() for t in inputs]
-        made = [torch.empty_strided(shape, stride, dtype=dtype, device=dev) for shape, stride, dtype, dev in self.allocs]
-        bases.extend(t.data_ptr() for t in made)
+        shape, stride, dtype, dev = self.result_spec
+        out = torch.empty_strided(shape, stride, dtype=dtype, device=dev)
+        workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=dev) if self.workspace_bytes else None
+        o = out.data_ptr()
+        w = 0 if workspace is None else workspace.data_ptr()
+        bases.extend(o if off is None else w + off for off in self.offsets)
         stream = _launch.current_stream(self.device)
         for run, g0, g1, g2, function, metadata, template, holes in self.launches:
             args = template
@@ -89,13 +106,13 @@ class LaunchPlan:
                 args = list(template)
                 for i, role, offset, desc in holes:
                     p = bases[role] + offset
-                    args[i] = p if desc is None else dataclasses.replace(desc, base=_Address(p, desc.base.dtype))
+                    args[i] = p if desc is None else _rebased(desc, p)
             run(g0, g1, g2, stream, function, metadata, None, None, None, *args)
-        return made[self.result - len(inputs)]
+        return out
 
     def signature(self) -> tuple:
         """What two recordings must share to be the same plan."""
-        return (self.device, tuple(self.allocs), self.result,
+        return (self.device, self.result_spec, tuple(self.offsets),
                 tuple((id(r), g0, g1, g2, tuple(_comparable(a) for a in t), tuple(_comparable_hole(h) for h in hs))
                       for r, g0, g1, g2, _, _, t, hs in self.launches))
 
@@ -111,6 +128,16 @@ def _comparable(a: object) -> object:
 def _comparable_hole(hole: tuple) -> tuple:
     i, role, offset, desc = hole
     return i, role, offset, None if desc is None else _comparable(desc)[2:]
+
+
+def _rebased(desc: TensorDescriptor, ptr: int) -> TensorDescriptor:
+    """`desc` over the address `ptr` (same element type). No re-validation: the recorded
+    descriptor passed Triton's checks, and the new address keeps the recorded one's alignment (an
+    input's alignment is part of the key; allocations and offsets are 256-byte aligned)."""
+    new = object.__new__(TensorDescriptor)
+    new.__dict__.update(desc.__dict__)
+    new.base = _Address(ptr, desc.base.dtype)
+    return new
 
 
 class _Address:
@@ -151,9 +178,14 @@ def _aliases(out: object, src: object) -> bool:
 
 def _span(t: torch.Tensor) -> int:
     """Bytes from `t.data_ptr()` to one past its last element."""
-    if t.numel() == 0:
+    return _extent(t.shape, t.stride()) * t.element_size()
+
+
+def _extent(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """Elements from the first to one past the last of a strided layout (0 when empty)."""
+    if 0 in shape:
         return 0
-    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+    return sum((n - 1) * s for n, s in zip(shape, stride)) + 1
 
 
 def _build(device: int, inputs: Sequence[Optional[torch.Tensor]], events: list, result: object) -> Optional[LaunchPlan]:
@@ -181,7 +213,7 @@ def _build(device: int, inputs: Sequence[Optional[torch.Tensor]], events: list, 
                 if not isinstance(base, torch.Tensor):
                     return None
                 p = base.data_ptr()
-                desc = dataclasses.replace(a, base=_Address(p, base.dtype))
+                desc = _rebased(a, p)
                 role = _locate(base, ranges, allocs, refs)
                 if role is None:
                     template.append(desc)
@@ -219,7 +251,7 @@ def _build(device: int, inputs: Sequence[Optional[torch.Tensor]], events: list, 
     renumber.update({r: r for r in range(len(inputs))})
     launches = [(*head, tuple((i, renumber[r], off, d) for i, r, off, d in holes)) for *head, holes in launches]
     specs = [(tuple(allocs[j].shape), tuple(allocs[j].stride()), allocs[j].dtype, allocs[j].device) for j in kept]
-    return LaunchPlan(device, specs, launches, renumber[res], list(refs.values()))
+    return LaunchPlan(device, len(inputs), specs, launches, renumber[res], list(refs.values()))
 
 
 def _locate(t: torch.Tensor, ranges: list, allocs: list, refs: dict) -> Optional[tuple[int, int]]:

@@ -88,6 +88,11 @@ for stage in "$@"; do
             step bench-compile python3 benchmarks/bench_compile.py --out "$OUT/bench"
             step profile-compile python3 benchmarks/bench_compile.py --profile --presets qwen3-30b-a3b --tokens 16 \
                 --out "$OUT/bench-compile-profile" ;;
+        plans-quick)  # a launch-plan change: replay == full path, compiled == eager (two presets), host cost
+            step test-plans python3 -m pytest -q -x -m gpu tests/test_launch_plan_gpu.py
+            step test-compile python3 -m pytest -q -x -m gpu tests/test_compile_gpu.py -k "matches_eager and fullgraph and (qwen3 or gpt)"
+            step bench-compile python3 benchmarks/bench_compile.py --presets qwen3-30b-a3b --tokens 16 --out "$OUT/bench"
+            step profile-host python3 benchmarks/profile_host.py --cases dsv4:1 qwen3:1 ;;
         compile-stress)  # issue 19's stability criterion: every compiled case, 50 calls each, in 5 fresh processes
             for i in 1 2 3 4 5; do
                 STEP_TIMEOUT=200 step "compile-process-$i" python3 -m pytest -q -x -m gpu tests/test_compile_gpu.py -k matches_eager

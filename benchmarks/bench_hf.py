@@ -20,12 +20,17 @@ Both implementations run in the same process, interleaved sample by sample (the 
 sample), on the same model: `set_experts_implementation` switches between samples, outside the
 timed region. CUDA events time each sample; the median of N samples after warm-up is reported.
 
-Logits check: on one prompt, bf16 logits of padded_moe, grouped_mm and batched_mm are compared
-per position against an fp32 copy of the same weights run with HF's eager experts:
-‖out_t − ref_t‖ / ‖ref_t‖, median and max over positions. padded_moe is "within HF's bf16
-spread" when its median is ≤ 1.5× grouped_mm's (+1e-3) and at most 5% of its positions exceed
-10× grouped_mm's median (a router near-tie can move one token in either bf16 run) — the criteria of
-tests/test_transformers_parity.py.
+Logits check: on one prompt, per-position differences ‖a_t − b_t‖ / ‖b_t‖ of bf16 logits.
+padded_moe is "within HF's bf16 spread" when its difference from grouped_mm is within 1.5× (+1e-3)
+of HF's own spread, at the median and at the 90th percentile. HF's spread is the larger of two
+differences: its eager experts (bf16) against grouped_mm, and grouped_mm against its fp32 result.
+The second one matters where HF's two bf16 paths compute the same sums: they then agree exactly,
+yet any other bf16 summation order differs by about one bf16 rounding. Two independent roundings
+differ by about √2 of one, hence the 1.5. The tail is a percentile, not the maximum, because a
+router near-tie can send a token to other experts in any bf16 run and move its logits a lot. Also
+reported: every bf16 run (padded_moe, grouped_mm, eager, batched_mm) against an fp32 copy of the
+same weights run with HF's eager experts, the median and the max, and the criteria of
+tests/test_transformers_parity.py on those (`fp32_criteria`).
 
 One command (GPU): `python benchmarks/bench_hf.py --out results/hf`
 Smoke run (CPU, tiny shapes, padded_moe's torch path, seconds): `python benchmarks/bench_hf.py --device cpu --tiny`
@@ -367,11 +372,12 @@ def _count_padded_calls(model, ids: torch.Tensor) -> int:
 
 def logits_check(model, config, ids: torch.Tensor, device: torch.device, seed: int, notes: list,
                  label: str) -> dict:
-    """Per-position logit errors against an fp32 copy of the same weights (HF's eager experts)."""
+    """Per-position logit differences: padded_moe and HF's eager experts against grouped_mm (all
+    bf16), and every bf16 run against an fp32 copy of the same weights (HF's eager experts)."""
     result: dict = {}
     logits = {}
     tokens = ids.numel()
-    for impl in ("grouped_mm", "batched_mm", "padded_moe"):
+    for impl in ("grouped_mm", "eager", "batched_mm", "padded_moe"):
         if impl == "batched_mm":
             # batched_mm gathers one weight matrix per routed slot; skip it where that is too big.
             experts = [m for m in model.modules() if hasattr(m, "gate_up_proj") and m.gate_up_proj.dim() == 3]
@@ -405,15 +411,30 @@ def logits_check(model, config, ids: torch.Tensor, device: torch.device, seed: i
         result["argmax_agree_batched_mm"] = (top["batched_mm"] == top["grouped_mm"]).double().mean().item()
     ours, hf = errs["padded_moe"], errs["grouped_mm"]
     hf_median = hf.median().item()
-    result["within_spread"] = bool(ours.median().item() <= 1.5 * hf_median + 1e-3
+    result["fp32_criteria"] = bool(ours.median().item() <= 1.5 * hf_median + 1e-3
                                    and (ours > 10 * hf_median).double().mean().item() <= 0.05)
+    # HF's own spread (see the module docstring) against padded_moe's difference from grouped_mm.
+    diffs = {"eager_vs_grouped_mm": position_errors(logits["eager"], logits["grouped_mm"]),
+             "grouped_mm_vs_fp32": hf,
+             "padded_moe_vs_grouped_mm": position_errors(logits["padded_moe"], logits["grouped_mm"])}
+    for name, e in diffs.items():
+        result[f"{name}_median"] = e.median().item()
+        result[f"{name}_p90"] = torch.quantile(e.double(), 0.9).item()
+    within = True
+    for stat in ("median", "p90"):
+        spread = max(result[f"eager_vs_grouped_mm_{stat}"], result[f"grouped_mm_vs_fp32_{stat}"])
+        result[f"hf_spread_{stat}"] = spread
+        within &= result[f"padded_moe_vs_grouped_mm_{stat}"] <= 1.5 * spread + 1e-3
+    result["within_spread"] = bool(within)
     return result
 
 
 def logit_summary(check: dict) -> str:
     ok = "ok" if check["within_spread"] else "OUTSIDE"
-    return (f"{ok}: median {check['padded_moe_vs_fp32_median']:.2e} vs HF "
-            f"{check['grouped_mm_vs_fp32_median']:.2e}")
+    return (f"{ok}: vs grouped_mm median / p90 {check['padded_moe_vs_grouped_mm_median']:.2e} / "
+            f"{check['padded_moe_vs_grouped_mm_p90']:.2e}, HF's spread {check['hf_spread_median']:.2e} / "
+            f"{check['hf_spread_p90']:.2e}; vs fp32 median {check['padded_moe_vs_fp32_median']:.2e} "
+            f"(grouped_mm {check['grouped_mm_vs_fp32_median']:.2e})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,13 +503,15 @@ def _fmt(v: float) -> str:
 
 def speedup_table(rows: list, columns: Sequence[str], shapes: Shapes) -> tuple:
     labels = column_labels(shapes)
-    headers = ["model", *(labels[c] for c in columns), "logits vs fp32 (ours / grouped_mm median)"]
+    headers = ["model", *(labels[c] for c in columns),
+               "logits vs grouped_mm, median / p90 (ours; HF's spread)"]
     body = []
     for r in rows:
         lg = r["logits"]
         body.append([f"{r['model']} ({r['config']})", *(_fmt(r["speedup"][c]) for c in columns),
-                     f"{'ok' if lg['within_spread'] else 'OUTSIDE'} {lg['padded_moe_vs_fp32_median']:.2e} / "
-                     f"{lg['grouped_mm_vs_fp32_median']:.2e}"])
+                     f"{'ok' if lg['within_spread'] else 'OUTSIDE'} {lg['padded_moe_vs_grouped_mm_median']:.1e} / "
+                     f"{lg['padded_moe_vs_grouped_mm_p90']:.1e}; {lg['hf_spread_median']:.1e} / "
+                     f"{lg['hf_spread_p90']:.1e}"])
     return headers, body
 
 

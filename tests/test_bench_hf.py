@@ -50,9 +50,11 @@ def test_logits_check_is_computed(tiny_run):
     for row in report["rows"]:
         check = row["logits"]
         assert check["padded_moe_calls_per_forward"] >= 1
-        for impl in ("padded_moe", "grouped_mm", "batched_mm"):
+        for impl in ("padded_moe", "grouped_mm", "eager", "batched_mm"):
             assert 0 < check[f"{impl}_vs_fp32_median"] < 0.1, (row["model"], impl, check)
             assert check[f"{impl}_vs_fp32_max"] >= check[f"{impl}_vs_fp32_median"]
+        for name in ("eager_vs_grouped_mm", "grouped_mm_vs_fp32", "padded_moe_vs_grouped_mm", "hf_spread"):
+            assert 0 <= check[f"{name}_median"] <= check[f"{name}_p90"] < 0.1, (row["model"], name, check)
         assert check["within_spread"], (row["model"], check)
 
 
@@ -64,7 +66,7 @@ def test_reports_written_with_every_column(tiny_run):
     header = md.splitlines()[4]
     for label in bench_hf.column_labels(bench_hf.TINY).values():
         assert label in header
-    assert "logits vs fp32" in header
+    assert "logits vs grouped_mm" in header
     for name, _ in bench_hf.MODELS.values():
         assert name in md
 

@@ -157,14 +157,28 @@ def _ep_layer(mode, T=8):
     return layer
 
 
+def _by_hand(layer):
+    """dispatch → local experts → combine as an engine composing its own layer would write it:
+    `ExpertParallel.dispatch` / `combine` called inside the compiled function (the layer's own
+    sequence, `FusedMoE._ep_experts`, not its `ep_experts` op)."""
+
+    def step(x):
+        weights, ids = layer.route(layer.gate(x))
+        return layer._ep_experts(x, weights, ids)
+
+    return step
+
+
+@pytest.mark.parametrize("by_hand", [False, True], ids=["layer", "by-hand"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("mode", ["flat", "batched"])
-def test_layer_with_expert_parallelism_compiles(one_rank_group, mode, backend):
+def test_layer_with_expert_parallelism_compiles(one_rank_group, mode, backend, by_hand):
     """FusedMoE with an ExpertParallel under fullgraph and dynamic token counts: dispatch → local
-    experts → combine is one custom op (`padded_moe::ep_experts`), so the compiler never traces the
+    experts → combine is one custom op (`padded_moe::ep_experts`), or, written by hand, one op for
+    each of dispatch and combine (`ep_dispatch`, `ep_combine`); the compiler never traces the
     exchange's buffers; one graph for every count, results equal to eager."""
     layer = _ep_layer(mode)
-    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=backend)
+    compiled = torch.compile(_by_hand(layer) if by_hand else layer, fullgraph=True, dynamic=True, backend=backend)
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for M in (3, 8, 5):
@@ -178,7 +192,8 @@ def _ep_compile_worker(rank, world, payload):
 
     try:
         layer = _ep_layer(payload["mode"], T=6)
-        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        compiled = torch.compile(_by_hand(layer) if payload["by_hand"] else layer, fullgraph=True,
+                                 backend="aot_eager")
         gen = torch.Generator().manual_seed(40 + rank)
         errs = []
         with torch.no_grad():
@@ -192,11 +207,38 @@ def _ep_compile_worker(rank, world, payload):
         return dict(error=traceback.format_exc())
 
 
+@pytest.mark.parametrize("by_hand", [False, True], ids=["layer", "by-hand"])
 @pytest.mark.parametrize("mode", ["flat", "batched"])
-def test_layer_with_expert_parallelism_compiles_on_two_ranks(mode):
-    """The compiled layer on 2 gloo ranks, idle rank and uneven counts included, equals eager."""
+def test_layer_with_expert_parallelism_compiles_on_two_ranks(mode, by_hand):
+    """The compiled layer (or its dispatch / combine by hand) on 2 gloo ranks, idle rank and uneven
+    counts included, equals eager."""
     from _spawn import spawn_group
 
-    for rank, r in enumerate(spawn_group(2, _ep_compile_worker, dict(mode=mode))):
+    for rank, r in enumerate(spawn_group(2, _ep_compile_worker, dict(mode=mode, by_hand=by_hand))):
         assert "error" not in r, f"rank {rank}:\n{r.get('error')}"
         assert max(r["errs"]) <= 1e-5, (rank, r["errs"])
+
+
+def test_combine_without_its_dispatch_is_refused(one_rank_group):
+    """The ops pair up through the ExpertParallel: a combine op with no dispatch op before it fails."""
+    ep = _ep_layer("flat", T=4).expert_parallel
+    with pytest.raises(RuntimeError, match="every combine needs the dispatch before it"):
+        torch.ops.padded_moe.ep_combine(torch.zeros(ep.ep_size * 4, ep.hidden_size), 2, ep._op_id)
+
+
+@pytest.mark.parametrize("mode", ["flat", "batched"])
+def test_dispatch_and_combine_ops_pass_opcheck(one_rank_group, mode):
+    """torch.library.opcheck: schema, fake implementation (shapes, dtypes) against the real op."""
+    ep = _ep_layer(mode, T=4).expert_parallel
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(3, ep.hidden_size, generator=gen)
+    w, ids = _routes(gen, 3, ep.num_experts, ep.top_k)
+    # Not opcheck's value comparisons across calls: the receive rows past the counts are
+    # unspecified (stale or never written), so two calls need not agree there.
+    torch.library.opcheck(torch.ops.padded_moe.ep_dispatch.default,
+                          (x, ids, w, ep._op_id, mode == "flat", ep.geometry.rows, ep.num_local),
+                          test_utils=("test_schema", "test_faketensor"))
+    rb, handle = ep.dispatch(x, ids, w)
+    y = torch.randn(rb.x.shape, generator=gen)
+    ep._op_handle = handle  # what the dispatch op leaves for the combine op (one real call below)
+    torch.library.opcheck(torch.ops.padded_moe.ep_combine.default, (y, 3, ep._op_id), test_utils=("test_faketensor",))

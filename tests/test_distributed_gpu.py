@@ -238,7 +238,13 @@ def _compile_worker(rank, world, payload):
                             transport=payload["transport"])
         layer = FusedMoE(e, k, hid, n, dtype=torch.bfloat16, device=dev, expert_parallel=ep)
         layer.randomize(seed=payload["seed"])
-        compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+
+        def by_hand(x):  # ExpertParallel.dispatch / combine inside the compiled region (one op each)
+            weights, ids = layer.route(layer.gate(x))
+            return layer._ep_experts(x, weights, ids)
+
+        compiled = torch.compile(layer if payload["entry"] == "layer" else by_hand, fullgraph=True,
+                                 mode="reduce-overhead")
         m = payload["ms"][rank]
         gen = torch.Generator(device=dev).manual_seed(payload["seed"] + rank)
         errs = []
@@ -258,11 +264,13 @@ def _compile_worker(rank, world, payload):
 
 @pytest.mark.parametrize("transport", GPU_TRANSPORTS)
 @pytest.mark.parametrize("mode", ["flat", "batched"])
-@pytest.mark.parametrize("ms", [(16, 5), (16, 0)], ids=["uneven", "idle"])
-def test_compiled_layer_two_gpus(mode, transport, ms):
-    """The expert-parallel layer compiles (one `padded_moe::ep_experts` op) and its CUDA-graph
+@pytest.mark.parametrize("entry,ms", [("layer", (16, 5)), ("layer", (16, 0)), ("dispatch_combine", (16, 5))],
+                         ids=["uneven", "idle", "by-hand-uneven"])
+def test_compiled_layer_two_gpus(mode, transport, entry, ms):
+    """The expert-parallel layer compiles (one `padded_moe::ep_experts` op), and so do dispatch →
+    experts → combine written by hand (`padded_moe::ep_dispatch` / `ep_combine`); CUDA-graph
     replays under mode="reduce-overhead" equal eager calls, idle rank included."""
-    results = spawn_group(2, _compile_worker, dict(seed=SEED, mode=mode, transport=transport, ms=ms),
+    results = spawn_group(2, _compile_worker, dict(seed=SEED, mode=mode, transport=transport, ms=ms, entry=entry),
                           backend="nccl", timeout=540)
     for rank, r in enumerate(results):
         assert "error" not in r, f"seed {SEED}, rank {rank}:\n{r.get('error')}"

@@ -15,6 +15,8 @@ have no backward either way; autograd's fallback handles inputs that require gra
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Callable, Iterable
 
 import torch
@@ -57,3 +59,25 @@ def _library() -> torch.library.Library:
     if _LIB is None:
         _LIB = torch.library.Library(_NAMESPACE, "FRAGMENT")
     return _LIB
+
+
+class OpObjects:
+    """Objects that an op's implementation needs (a layer, an `ExpertParallel`), by the int id
+    the op takes instead: an op's arguments are tensors and numbers, not Python objects. Weak
+    references: an object that is gone leaves the table, and an op naming it raises."""
+
+    def __init__(self, kind: str):
+        self._kind = kind
+        self._objects: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+        self._ids = itertools.count()
+
+    def add(self, obj: object) -> int:
+        i = next(self._ids)
+        self._objects[i] = obj
+        return i
+
+    def get(self, i: int, op: str) -> object:
+        obj = self._objects.get(i)
+        if obj is None:
+            raise RuntimeError(f"padded_moe::{op}: no live {self._kind} has id {i}")
+        return obj

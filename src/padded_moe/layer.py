@@ -7,16 +7,14 @@ The router turns logits into `(topk_weights, topk_ids)` with the functions of
 
 from __future__ import annotations
 
-import itertools
 import math
-import weakref
 from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
 
 from padded_moe import routing
-from padded_moe._ops import custom_op, register_fake
+from padded_moe._ops import OpObjects, custom_op, register_fake
 from padded_moe._validation import FLOAT_DTYPES, require_int, require_tensor
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
 from padded_moe.experts import batched_experts, eager_cache_off, fused_experts
@@ -60,7 +58,7 @@ class FusedMoE(nn.Module):
         self.weight_format, self.layout, self.backend = weight_format, layout, backend
         self.expert_parallel = expert_parallel
         if expert_parallel is not None:
-            self._ep_id = _register_ep_layer(self)
+            self._ep_id = _EP_LAYERS.add(self)
         self.shared_experts = shared_experts
         self.num_local = expert_parallel.expert_map.num_local if expert_parallel is not None else num_experts
         factory = dict(dtype=dtype, device=device)
@@ -255,25 +253,15 @@ class FusedMoE(nn.Module):
         return ep.combine(y, handle)
 
 
-# Layers with expert parallelism by id, for the custom op below (an op takes tensors and numbers,
-# not modules). Weak references: a layer that is gone leaves the table.
-_EP_LAYERS: "weakref.WeakValueDictionary[int, FusedMoE]" = weakref.WeakValueDictionary()
-_EP_IDS = itertools.count()
-
-
-def _register_ep_layer(layer: "FusedMoE") -> int:
-    i = next(_EP_IDS)
-    _EP_LAYERS[i] = layer
-    return i
+# Layers with expert parallelism by id, for the custom op below.
+_EP_LAYERS = OpObjects("FusedMoE with expert parallelism")
 
 
 @custom_op("padded_moe::ep_experts", mutates_args=())
 def _ep_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_id: int) -> torch.Tensor:
     """`FusedMoE.experts` with expert parallelism, as the compiler sees it: dispatch → local experts
     → combine of layer `layer_id`, with a fresh `[m, K]` output."""
-    layer = _EP_LAYERS.get(layer_id)
-    if layer is None:
-        raise RuntimeError(f"padded_moe::ep_experts: no live FusedMoE with expert parallelism has id {layer_id}")
+    layer = _EP_LAYERS.get(layer_id, "ep_experts")
     with eager_cache_off():
         return layer._ep_experts(x, topk_weights, topk_ids)
 

@@ -51,6 +51,14 @@ both variants run the same kernels, so the results are identical.
 
 A `ReceiveBuffer` and a `DispatchHandle` alias the persistent buffers: they are valid until the
 next `dispatch`.
+
+Under `torch.compile` each of `dispatch` and `combine` is one opaque custom op
+(`padded_moe::ep_dispatch`, `padded_moe::ep_combine`), so the compiler never traces the exchange
+(persistent buffers viewed with other dtypes, collectives, device flags). The dispatch op returns
+copies of the receive buffer's tensors (an op cannot return views of memory it does not take as
+an input); the handle it hands to `combine` names this object, which keeps the real handle between
+the two ops. The copies cost one read and one write of the receive buffer per call; a layer that
+runs dispatch → experts → combine as one op (`FusedMoE` with `expert_parallel=`) pays none.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ from typing import Optional, Union
 
 import torch
 
+from padded_moe._ops import OpObjects, custom_op, register_fake
 from padded_moe._platform import use_triton
 from padded_moe._validation import (
     FLOAT_DTYPES,
@@ -225,6 +234,8 @@ class ExpertParallel:
         self._map = self.expert_map.map_for(self.device)
         self._keeps_own_chunk = self._own_chunk_rule(keep_own_chunk)
         self._alloc_buffers()
+        self._op_id = _EPS.add(self)  # the compiled dispatch / combine ops name this object
+        self._op_handle: Optional[DispatchHandle] = None  # between those two ops
 
     @property
     def rank(self) -> int:
@@ -338,6 +349,14 @@ class ExpertParallel:
                  topk_weights: torch.Tensor) -> tuple[ReceiveBuffer, DispatchHandle]:
         """Send every token to the ranks owning their experts; collective (every rank calls it)."""
         m = self._check_dispatch(hidden, topk_ids, topk_weights)
+        if torch.compiler.is_compiling():
+            parts = torch.ops.padded_moe.ep_dispatch(hidden, topk_ids, topk_weights, self._op_id, self.mode == "flat",
+                                                     self.geometry.rows, self.num_local)
+            handle = DispatchHandle(self, self.mode, m, self._token_rows)
+            if self.mode == "flat":
+                x, ids, weights, valid = parts
+                return ReceiveBuffer("flat", x, topk_ids=ids, topk_weights=weights, valid_tokens=valid), handle
+            return ReceiveBuffer("batched", parts[0], counts=parts[1]), handle
         if self._put["dispatch"] is not None:
             return self._dispatch_put(hidden, topk_ids, topk_weights, m)
         geo = self.geometry
@@ -446,6 +465,8 @@ class ExpertParallel:
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Return each rank's partial outputs to the token owners and sum them: `[m, K]`."""
         self._check_combine(expert_out, handle)
+        if torch.compiler.is_compiling():
+            return torch.ops.padded_moe.ep_combine(expert_out, handle.num_tokens, self._op_id)
         put = self._put["combine"]
         if put is not None:  # the combine kernel writes into the token owners and signals
             if self.mode == "flat":
@@ -503,3 +524,54 @@ class ExpertParallel:
                         rank=self.ep_rank if own_rows is not None else -1, own_rows=own_rows,
                         wait=self._put["combine"])
         return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom ops of a compiled dispatch / combine (see the module docstring).
+
+_EPS = OpObjects("ExpertParallel")
+
+
+def _receive_views(ep: ExpertParallel) -> list:
+    """The receive buffer's tensors as a dispatch returns them, in the dispatch op's output order."""
+    if ep.mode == "flat":
+        return [ep._rb_x, ep._rb_ids, ep._rb_w, ep._rb_valid]
+    rows = ep.geometry.rows
+    return [ep._slab[: ep.num_local * rows].view(ep.num_local, rows, ep.hidden_size), ep._counts]
+
+
+# The object's id, the mode and the sizes travel as arguments so that the fake implementation
+# needs no object (under dynamic shapes the compiler may pass the id as a symbolic int).
+@custom_op("padded_moe::ep_dispatch", mutates_args=())
+def _ep_dispatch_op(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    ep_id: int, flat: bool, rows: int, num_local: int) -> list[torch.Tensor]:
+    """`ExpertParallel.dispatch` of object `ep_id`, as the compiler sees it: copies of the receive
+    buffer's tensors (flat: x, topk_ids, topk_weights, valid_tokens; batched: x, counts)."""
+    ep = _EPS.get(ep_id, "ep_dispatch")
+    _, ep._op_handle = ep.dispatch(hidden, topk_ids, topk_weights)
+    return [t.clone() for t in _receive_views(ep)]
+
+
+@register_fake("padded_moe::ep_dispatch")
+def _(hidden, topk_ids, topk_weights, ep_id, flat, rows, num_local):
+    K, k = hidden.shape[1], topk_ids.shape[1]
+    if flat:
+        return [hidden.new_empty((rows, K)), hidden.new_empty((rows, k), dtype=torch.int32),
+                hidden.new_empty((rows, k), dtype=torch.float32), hidden.new_empty((1,), dtype=torch.int32)]
+    return [hidden.new_empty((num_local, rows, K)), hidden.new_empty((num_local,), dtype=torch.int32)]
+
+
+@custom_op("padded_moe::ep_combine", mutates_args=())
+def _ep_combine_op(expert_out: torch.Tensor, num_tokens: int, ep_id: int) -> torch.Tensor:
+    """`ExpertParallel.combine` of object `ep_id` for the handle of its last dispatch op."""
+    ep = _EPS.get(ep_id, "ep_combine")
+    handle, ep._op_handle = ep._op_handle, None
+    if handle is None or handle.num_tokens != num_tokens:
+        raise RuntimeError("padded_moe::ep_combine: every combine needs the dispatch before it on the same "
+                           "ExpertParallel (one dispatch in flight), with the same token count")
+    return ep.combine(expert_out, handle)
+
+
+@register_fake("padded_moe::ep_combine")
+def _(expert_out, num_tokens, ep_id):
+    return expert_out.new_empty((num_tokens, expert_out.shape[-1]))

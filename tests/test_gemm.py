@@ -640,6 +640,25 @@ def test_mxfp4_hopper_upcast_is_exact(monkeypatch, finite, gen):
     assert bool(torch.isnan(out[0]).any()) != finite
 
 
+@pytest.mark.parametrize("K", [96, 192, 256])
+def test_mxfp4_hopper_wide_iteration_is_exact(monkeypatch, gen, K):
+    """The WIDE loop (one dot per nibble plane over all BK/64 blocks of an iteration, scales widened
+    per 32 columns) gives the upcast weights bit for bit, with K a multiple of neither BK nor 64
+    (blocks past K_PAD in the last iteration, columns past K inside the last block): identity
+    activations make each output one product."""
+    require_interpreter(monkeypatch)
+    from padded_moe.backends import get_backend
+    from padded_moe.kernels import gemm as kg
+
+    q = extreme_mxfp4_weight(gen, K, True)
+    meta = masked_meta([K], K)
+    a = torch.eye(K, dtype=torch.float32).unsqueeze(0)
+    wide = dataclasses.replace(kg.INTERPRET_HOPPER_CONFIG, BK=128, mx_wide=True)
+    out = get_backend("triton").gemm(a, prepared_only(q), meta, stage="w13", bias=None,
+                                     out=torch.full((1, K, q.shape[1]), SENTINEL, dtype=torch.float32), config=wide)
+    assert torch.equal(out[0], dequantize_mxfp4(q, torch.float32)[0].T)
+
+
 def test_mxfp4_hopper_config_errors(monkeypatch, gen):
     require_interpreter(monkeypatch)
     from padded_moe.backends import get_backend

@@ -36,7 +36,7 @@ for layout, cfg in json.loads(sys.argv[1]):
            "ids_ptr": "*i32", "blk_exp_ptr": "*i32", "npad_ptr": "*i32", "off_ptr": "*i64", "cnt_ptr": "*i32"}
     sig.update({n: "i32" for n in ints})
     const = dict(LAYOUT=layout, HAS_BIAS=True, A_DIV=1, BLOCK_MB=cfg.BM, SUB=1, ROWS=cfg.BM, L_POW2=128,
-                 FP32_DOT=False, K_TAIL=True, UPCAST_PTX=cfg.mx_ptx, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+                 FP32_DOT=False, K_TAIL=True, UPCAST_PTX=cfg.mx_ptx, WIDE=cfg.mx_wide, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
                  GROUP_M=cfg.GROUP_M)
     sig.update({k: "constexpr" for k in const})
     names = fn.arg_names
@@ -68,13 +68,16 @@ def test_hopper_kernel_compiles_for_sm90():
 
     tuned = [kg.TUNED[("mxfp4_hopper", r)] for r in ("decode", "prefill")]
     ptx = dataclasses.replace(tuned[0], mx_ptx=True)
-    cases = [(1, c) for c in tuned + [ptx]] + [(0, tuned[0]), (2, tuned[0])]
+    wide = [c for cands in kg.SWEEP_MXFP4_HOPPER.values() for c in cands if c.mx_wide]  # sweep-only variant
+    cases = [(1, c) for c in tuned + [ptx] + wide] + [(0, tuned[0]), (2, tuned[0])]
     arg = json.dumps([(lay, dataclasses.asdict(c)) for lay, c in cases])
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, "-c", SCRIPT, arg], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    for r in json.loads(res.stdout.strip().splitlines()[-1]):
+    results = json.loads(res.stdout.strip().splitlines()[-1])
+    print("\n".join(str(r) for r in results))
+    for r in results:
         assert r["cubin"] > 0 and r["wgmma"] > 0, r
         assert r["async_copies"] > 0, f"main loop not pipelined: {r}"
         assert r["a_in_registers"], f"wgmma reads the upcast weights from shared memory: {r}"

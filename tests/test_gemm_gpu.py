@@ -341,7 +341,10 @@ def test_mxfp4_hopper_every_sweep_config(layout, cfg):
 @pytest.mark.parametrize("cfg", [None, GemmConfig(16, 64, 256, 1, 4, 3, mx_hopper=True),
                                  GemmConfig(64, 128, 64, 1, 8, 3, mx_hopper=True),
                                  GemmConfig(16, 128, 128, 1, 4, 4, mx_hopper=True, mx_ptx=True),
-                                 GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True)],
+                                 GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True),
+                                 GemmConfig(16, 128, 256, 1, 4, 3, mx_hopper=True, mx_wide=True),
+                                 GemmConfig(16, 128, 256, 1, 4, 3, mx_hopper=True, mx_ptx=True, mx_wide=True),
+                                 GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True, mx_wide=True)],
                          ids=lambda c: "tuned" if c is None else c.short())
 @pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf_nan"])
 def test_mxfp4_hopper_upcast_is_exact(finite, cfg):

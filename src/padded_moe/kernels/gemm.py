@@ -63,10 +63,14 @@ class GemmConfig:
     # (`_e2m1_planes_ptx`, about half the instructions of the portable float32 form). The
     # interpreter and other dtypes run the portable form.
     mx_ptx: bool = False
+    # mx_hopper only: one pair of dots per loop iteration, each over half of BK (the low, then the
+    # high nibble planes of all BK/64 layout blocks side by side), instead of a pair of K=32 dots
+    # per block. Fewer, longer wgmma chains; the scales are widened per 32 columns.
+    mx_wide: bool = False
 
     def short(self) -> str:
         tag = ("_tma" if self.tma else "") + ("" if self.mx_native else "_bitdq") + ("_swap" if self.swap_ab else "")
-        tag += ("_hop" if self.mx_hopper else "") + ("_ptx" if self.mx_ptx else "")
+        tag += ("_hop" if self.mx_hopper else "") + ("_ptx" if self.mx_ptx else "") + ("_wide" if self.mx_wide else "")
         return f"BM{self.BM}_BN{self.BN}_BK{self.BK}_G{self.GROUP_M}_w{self.num_warps}_s{self.num_stages}{tag}"
 
 
@@ -139,22 +143,25 @@ SWEEP_MXFP4: dict[str, list[GemmConfig]] = {
 
 # Prepared-MXFP4 (Hopper kernel) candidates, the table entry first. BM is the MMA's N side (token
 # rows), BN its M side (weight rows: 64 per warpgroup), BK covers BK/64 layout blocks per iteration.
-_H = lambda bm, bn, bk, g, w, st, ptx=False: GemmConfig(bm, bn, bk, g, w, st, mx_hopper=True, mx_ptx=ptx)  # noqa: E731
+_H = lambda bm, bn, bk, g, w, st, ptx=False, wide=False: GemmConfig(  # noqa: E731
+    bm, bn, bk, g, w, st, mx_hopper=True, mx_ptx=ptx, mx_wide=wide)
 SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
     "decode": [_H(16, 128, 128, 1, 4, 4), _H(16, 64, 128, 1, 4, 4), _H(16, 64, 256, 1, 4, 3),
                _H(16, 128, 64, 1, 4, 4), _H(16, 128, 256, 1, 4, 3), _H(16, 256, 128, 1, 8, 3),
                _H(32, 64, 128, 1, 4, 4), _H(32, 128, 128, 1, 4, 4), _H(32, 128, 64, 1, 4, 3),
                _H(32, 256, 128, 1, 8, 3),
-               _H(16, 128, 128, 1, 4, 4, True), _H(16, 64, 256, 1, 4, 3, True), _H(32, 128, 128, 1, 4, 4, True)],
+               _H(16, 128, 128, 1, 4, 4, True), _H(16, 64, 256, 1, 4, 3, True), _H(32, 128, 128, 1, 4, 4, True),
+               _H(16, 128, 128, 1, 4, 4, True, True), _H(16, 128, 256, 1, 4, 3, True, True),
+               _H(32, 128, 256, 1, 4, 3, True, True)],
     "small": [_H(64, 128, 128, 4, 4, 3), _H(32, 128, 128, 4, 4, 4), _H(64, 128, 64, 4, 4, 4),
               _H(64, 256, 128, 4, 8, 3), _H(64, 64, 128, 4, 4, 4), _H(128, 128, 128, 4, 8, 3),
-              _H(64, 128, 128, 4, 4, 3, True)],
+              _H(64, 128, 128, 4, 4, 3, True), _H(64, 128, 256, 4, 4, 3, True, True)],
     "medium": [_H(128, 128, 128, 8, 8, 3), _H(64, 128, 128, 8, 4, 3), _H(128, 128, 64, 8, 8, 4),
                _H(128, 256, 64, 8, 8, 3), _H(128, 64, 128, 8, 4, 3), _H(64, 256, 128, 8, 8, 3),
-               _H(128, 128, 128, 8, 8, 3, True)],
+               _H(128, 128, 128, 8, 8, 3, True), _H(128, 128, 128, 8, 8, 3, True, True)],
     "prefill": [_H(128, 128, 128, 8, 8, 3), _H(128, 256, 64, 8, 8, 3), _H(128, 128, 64, 8, 8, 4),
                 _H(128, 256, 128, 8, 8, 3), _H(64, 256, 128, 8, 8, 3), _H(128, 128, 128, 16, 8, 4),
-                _H(128, 128, 128, 8, 8, 3, True)],
+                _H(128, 128, 128, 8, 8, 3, True), _H(128, 128, 128, 8, 8, 3, True, True)],
 }
 
 
@@ -375,8 +382,8 @@ def _expert_gemm_kernel(
 
 @triton.jit
 def _e2m1_plane(p32, f, SHIFT: tl.constexpr):
-    """One nibble plane of packed bytes (`p32`: the bytes as uint32 [BN, 32]; SHIFT 0 = low nibbles,
-    4 = high) times its group's scale factor `f` [BN] (float32 2^(s-127)) -> float32 [BN, 32].
+    """One nibble plane of packed bytes (`p32`: the bytes as uint32 [BN, C]; SHIFT 0 = low nibbles,
+    4 = high) times its scale factor `f` (float32 2^(s-127), [BN, 1] or [BN, C]) -> float32 [BN, C].
 
     The 3 magnitude bits go to float32 bits 24..22 and the sign to bit 31: that float is the e2m1
     value times 2^-126 for every code (e=0 lands on the float32 subnormals, where m=1 is 2^-127,
@@ -386,7 +393,7 @@ def _e2m1_plane(p32, f, SHIFT: tl.constexpr):
     """
     bits = ((p32 << (22 - SHIFT)) & 0x01C00000) | ((p32 << (28 - SHIFT)) & 0x80000000)
     v = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
-    return v * f[:, None]
+    return v * f
 
 
 def _e2m1_ptx_asm() -> str:
@@ -427,11 +434,37 @@ def _e2m1_planes_ptx(packed, sc_lo, sc_hi):
 
 
 @triton.jit
-def _scale_bf16(s, BN: tl.constexpr):
-    """E8M0 bytes [BN] -> bf16 2^(s-127) [BN, 32] (s=0: the bf16 subnormal 2^-127; 255: NaN)."""
+def _scale_bf16(s):
+    """E8M0 bytes -> bf16 2^(s-127), same shape (s=0: the bf16 subnormal 2^-127; 255: NaN)."""
     s16 = s.to(tl.uint16)
     b = tl.where(s16 == 0, 0x40, tl.where(s16 == 255, 0x7FC0, s16 << 7)).to(tl.uint16)
-    return tl.broadcast_to(b.to(tl.bfloat16, bitcast=True)[:, None], (BN, 32))
+    return b.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _per_row(x, PER_COLUMN: tl.constexpr):
+    """Scales [BN, C] as they are (one per column), or [BN] (one per row) as [BN, 1]."""
+    if PER_COLUMN:
+        y = x
+    else:
+        y = x[:, None]
+    return y
+
+
+@triton.jit
+def _upcast_planes(packed, s_lo, s_hi, dtype: tl.constexpr, UPCAST_PTX: tl.constexpr, PER_COLUMN: tl.constexpr):
+    """Both nibble planes of uint8 `packed` [BN, C] in `dtype`, each times its E8M0 scales
+    (`s_lo` / `s_hi`: [BN, C] with PER_COLUMN, else [BN] for the whole plane)."""
+    if UPCAST_PTX:
+        shape: tl.constexpr = packed.shape
+        w_lo, w_hi = _e2m1_planes_ptx(packed, tl.broadcast_to(_per_row(_scale_bf16(s_lo), PER_COLUMN), shape),
+                                      tl.broadcast_to(_per_row(_scale_bf16(s_hi), PER_COLUMN), shape))
+    else:
+        # Rounded to the activation dtype like `dequantize_mxfp4(q, a.dtype)` (exact for bf16).
+        p32 = packed.to(tl.uint32)
+        w_lo = _e2m1_plane(p32, _per_row(_scale_factor(s_lo), PER_COLUMN), 0).to(dtype)
+        w_hi = _e2m1_plane(p32, _per_row(_scale_factor(s_hi), PER_COLUMN), 4).to(dtype)
+    return w_lo, w_hi
 
 
 @triton.jit
@@ -442,6 +475,33 @@ def _scale_factor(s):
 
 
 @triton.jit
+def _block_scales(s_base, stride_sg, k0, n_ok, K_PAD, K_TAIL: tl.constexpr, HI: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr):
+    """E8M0 scale of every column of one nibble plane of a WIDE iteration, [BN, BK/2]: block b's
+    low plane is scale group k0/32 + 2b, its high plane the next one. One byte per block is
+    loaded, then widened over its 32 columns."""
+    NB: tl.constexpr = BK // 64
+    blocks = tl.arange(0, NB)
+    ok = n_ok[:, None]
+    if K_TAIL:
+        ok = ok & (k0 + 64 * blocks < K_PAD)[None, :]
+    s = tl.load(s_base[:, None] + (k0 // 32 + 2 * blocks + HI)[None, :] * stride_sg, mask=ok, other=127)
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (BN, NB, 32)), (BN, BK // 2))
+
+
+@triton.jit
+def _dot_planes(acc, w_lo, w_hi, x_lo, x_hi, FP32_DOT: tl.constexpr):
+    """acc^T += W_lo x_lo^T + W_hi x_hi^T (the weight planes are the MMA's left operand)."""
+    if FP32_DOT:  # fp32 activations, or the interpreter (its bf16 tl.dot is wrong in 3.6)
+        acc = tl.dot(w_lo.to(tl.float32), tl.trans(x_lo.to(tl.float32)), acc, input_precision="ieee")
+        acc = tl.dot(w_hi.to(tl.float32), tl.trans(x_hi.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(w_lo, tl.trans(x_lo), acc)
+        acc = tl.dot(w_hi, tl.trans(x_hi), acc)
+    return acc
+
+
+@triton.jit
 def _expert_gemm_mx_hopper_kernel(
     a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr,
     ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr,
@@ -449,11 +509,15 @@ def _expert_gemm_mx_hopper_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_sg, stride_be, stride_cm,
     LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, A_DIV: tl.constexpr,
     BLOCK_MB: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, L_POW2: tl.constexpr,
-    FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr, UPCAST_PTX: tl.constexpr,
+    FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr, UPCAST_PTX: tl.constexpr, WIDE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """MXFP4 weights in the `HopperMxfp4` arrangement (mxfp4.py): per 64-element K block, byte j
     holds columns j (low nibble) and 32+j (high nibble); scales are `[L, K_PAD/32, N]`.
+
+    WIDE: the NB = BK/64 blocks of an iteration are one tile of BK/2 bytes; its low nibbles are
+    columns kb + 64*b + j and its high nibbles those + 32 (block b, byte j), so one dot per plane
+    covers the whole iteration, with the activation columns loaded in the same order.
 
     The weight tile is the left operand: acc^T [BN, BM] += W_plane [BN, 32] @ x_plane^T [32, BM]
     for the two planes of each block, so on sm90 the upcast values can feed wgmma from registers
@@ -472,32 +536,40 @@ def _expert_gemm_mx_hopper_kernel(
     w_base = w_ptr + e64 * stride_we + rn.to(tl.int64)[:, None] * stride_wn
     s_base = s_ptr + e64 * stride_se + rn
     acc = tl.zeros((BN, BM), dtype=tl.float32)
+    if WIDE:
+        cols = tl.arange(0, BK // 2)
+        # Masks are constant over each block's 32 columns, so the loads stay vectorized.
+        blk_col = 64 * (cols // 32)  # each column's block start, relative to the iteration's k0
+        x_off = blk_col + cols % 32
     for k0 in range(0, K_PAD, BK):
-        for j in tl.static_range(BK // 64):
-            kb = k0 + j * 64
-            w_ok = n_ok
+        if WIDE:
+            kblk = k0 + blk_col
+            w_ok = n_ok[:, None]
             if K_TAIL:  # the last iteration may hold blocks past K_PAD: they read nothing
-                w_ok = n_ok & (kb < K_PAD)
-            packed = tl.load(w_base + (kb // 2 + rh)[None, :], mask=w_ok[:, None], other=0)
-            s_lo = tl.load(s_base + (kb // 32) * stride_sg, mask=w_ok, other=127)
-            s_hi = tl.load(s_base + (kb // 32 + 1) * stride_sg, mask=w_ok, other=127)
-            # K is a multiple of 32, so each 32-column plane is wholly inside or past K: one
-            # scalar condition per plane keeps the row loads vectorizable.
-            x_lo = tl.load(a_base + (kb + rh)[None, :], mask=valid[:, None] & (kb < K), other=0.0)
-            x_hi = tl.load(a_base + (kb + 32 + rh)[None, :], mask=valid[:, None] & (kb + 32 < K), other=0.0)
-            if UPCAST_PTX:
-                w_lo, w_hi = _e2m1_planes_ptx(packed, _scale_bf16(s_lo, BN), _scale_bf16(s_hi, BN))
-            else:
-                # Rounded to the activation dtype like `dequantize_mxfp4(q, a.dtype)` (exact for bf16).
-                p32 = packed.to(tl.uint32)
-                w_lo = _e2m1_plane(p32, _scale_factor(s_lo), 0).to(x_lo.dtype)
-                w_hi = _e2m1_plane(p32, _scale_factor(s_hi), 4).to(x_lo.dtype)
-            if FP32_DOT:  # fp32 activations, or the interpreter (its bf16 tl.dot is wrong in 3.6)
-                acc = tl.dot(w_lo.to(tl.float32), tl.trans(x_lo.to(tl.float32)), acc, input_precision="ieee")
-                acc = tl.dot(w_hi.to(tl.float32), tl.trans(x_hi.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w_lo, tl.trans(x_lo), acc)
-                acc = tl.dot(w_hi, tl.trans(x_hi), acc)
+                w_ok = w_ok & (kblk < K_PAD)[None, :]
+            packed = tl.load(w_base + (k0 // 2 + cols)[None, :], mask=w_ok, other=0)
+            s_lo = _block_scales(s_base, stride_sg, k0, n_ok, K_PAD, K_TAIL, 0, BN, BK)
+            s_hi = _block_scales(s_base, stride_sg, k0, n_ok, K_PAD, K_TAIL, 1, BN, BK)
+            x_lo = tl.load(a_base + (k0 + x_off)[None, :], mask=valid[:, None] & (kblk < K)[None, :], other=0.0)
+            x_hi = tl.load(a_base + (k0 + x_off + 32)[None, :], mask=valid[:, None] & (kblk + 32 < K)[None, :],
+                           other=0.0)
+            w_lo, w_hi = _upcast_planes(packed, s_lo, s_hi, x_lo.dtype, UPCAST_PTX, True)
+            acc = _dot_planes(acc, w_lo, w_hi, x_lo, x_hi, FP32_DOT)
+        else:
+            for j in tl.static_range(BK // 64):
+                kb = k0 + j * 64
+                w_ok = n_ok
+                if K_TAIL:  # the last iteration may hold blocks past K_PAD: they read nothing
+                    w_ok = n_ok & (kb < K_PAD)
+                packed = tl.load(w_base + (kb // 2 + rh)[None, :], mask=w_ok[:, None], other=0)
+                s_lo = tl.load(s_base + (kb // 32) * stride_sg, mask=w_ok, other=127)
+                s_hi = tl.load(s_base + (kb // 32 + 1) * stride_sg, mask=w_ok, other=127)
+                # K is a multiple of 32, so each 32-column plane is wholly inside or past K: one
+                # scalar condition per plane keeps the row loads vectorizable.
+                x_lo = tl.load(a_base + (kb + rh)[None, :], mask=valid[:, None] & (kb < K), other=0.0)
+                x_hi = tl.load(a_base + (kb + 32 + rh)[None, :], mask=valid[:, None] & (kb + 32 < K), other=0.0)
+                w_lo, w_hi = _upcast_planes(packed, s_lo, s_hi, x_lo.dtype, UPCAST_PTX, False)
+                acc = _dot_planes(acc, w_lo, w_hi, x_lo, x_hi, FP32_DOT)
 
     acc = tl.trans(acc)
     _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, HAS_BIAS)
@@ -588,7 +660,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
             LAYOUT=layout, HAS_BIAS=bias is not None, A_DIV=a_div,
             BLOCK_MB=block_m, SUB=SUB, ROWS=ROWS, L_POW2=max(2, triton.next_power_of_2(num_local)),
             FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda, K_TAIL=k_pad % BK != 0,
-            UPCAST_PTX=cfg.mx_ptx and a2.is_cuda and a2.dtype == torch.bfloat16,
+            UPCAST_PTX=cfg.mx_ptx and a2.is_cuda and a2.dtype == torch.bfloat16, WIDE=cfg.mx_wide,
             BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M)
         launch_kernel(_expert_gemm_mx_hopper_kernel, grid, ints + ptr_key(*ptrs), ptrs + ints, constexprs,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -93,6 +93,10 @@ for stage in "$@"; do
             step test-compile python3 -m pytest -q -x -m gpu tests/test_compile_gpu.py -k "matches_eager and fullgraph and (qwen3 or gpt)"
             step bench-compile python3 benchmarks/bench_compile.py --presets qwen3-30b-a3b --tokens 16 --out "$OUT/bench"
             step profile-host python3 benchmarks/profile_host.py --cases dsv4:1 qwen3:1 ;;
+        mx-wide)  # prepared-MXFP4 kernel incl. the mx_wide candidates: exactness on the GPU, then the sweep
+            step test-hopper python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k hopper
+            STEP_TIMEOUT=400 step bench-mx-hopper python3 benchmarks/bench_gemm.py --mxfp4-hopper --models gpt-oss \
+                --rows 1,8,32,128,512 --out "$OUT/bench-mx-hopper" ;;
         compile-stress)  # issue 19's stability criterion: every compiled case, 50 calls each, in 5 fresh processes
             for i in 1 2 3 4 5; do
                 STEP_TIMEOUT=200 step "compile-process-$i" python3 -m pytest -q -x -m gpu tests/test_compile_gpu.py -k matches_eager

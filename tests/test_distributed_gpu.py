@@ -16,6 +16,7 @@ import torch
 
 from helpers import GPU_TRANSPORTS, REL_TOL, fp8_dequant_reference, fp8_reference, rel_err
 from _spawn import spawn_group
+from padded_moe._graphs import capture_warm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -171,16 +172,7 @@ def _graph_worker(rank, world, payload):
                 return ep_.combine(eo, h)
 
             refill(0)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    step(ep, scratch)  # warm-up: NCCL communicators, Triton compilation
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                out = step(ep, scratch)
+            graph, out = capture_warm(lambda: step(ep, scratch))
             errs, same = [], []
             for call in range(1, 4):  # replays with new tokens and routes
                 refill(call)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from _spawn import spawn_group
+from padded_moe._graphs import capture_warm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -71,16 +72,7 @@ def _stress_worker(rank, world, payload):
             return ep.combine(rb.x, h)  # identity experts
 
         refill()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = step()
+        graph, out = capture_warm(step)
         worst, bad = 0.0, []
         for i in range(REPLAYS):
             refill()

@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from padded_moe._graphs import capture_warm
 from padded_moe._validation import FLOAT_DTYPES, require_int
 
 MODES = ("flat", "batched")
@@ -109,18 +110,9 @@ class ExpertParallelExperts(nn.Module):
                             ids=torch.full((tokens, moe.top_k), -1, dtype=torch.int64, device=dev),
                             w=torch.zeros(tokens, moe.top_k, dtype=torch.float32, device=dev))
         s = self._static
-        # Warm-up outside the graph (NCCL communicators, Triton compilation, cached MXFP4 weights);
-        # every rank does it here, at the same layer, so the collectives pair up.
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                moe.experts(s["x"], s["w"], s["ids"])
-        torch.cuda.current_stream(dev).wait_stream(side)
-        torch.cuda.synchronize(dev)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            s["out"] = moe.experts(s["x"], s["w"], s["ids"])
-        self._graph, self.graph_tokens = graph, tokens
+        # Every rank warms up and captures here, at the same layer, so the collectives pair up.
+        self._graph, s["out"] = capture_warm(lambda: moe.experts(s["x"], s["w"], s["ids"]), device=dev, side=side)
+        self.graph_tokens = tokens
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Where a FusedMoE forward spends its GPU time: per-kernel totals from torch.profiler.
 
     python benchmarks/profile_layer.py --preset dsv4-flash --weights bf16 --tokens 1024 8192
+    python benchmarks/profile_layer.py --preset qwen3-30b-a3b --tokens 1 16 --graph
 
 Prints, per token count, each kernel's share of the device time of one forward (averaged over a
 few calls after warm-up) — the input for deciding which stage to speed up next. Not a benchmark
@@ -15,6 +16,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from padded_moe._graphs import capture_warm
 from padded_moe.layer import FusedMoE
 
 
@@ -30,12 +32,29 @@ def kernel_times(fn, calls: int) -> dict:
     return totals
 
 
+def graph_time(graph: torch.cuda.CUDAGraph, replays: int = 50) -> float:
+    """Median µs of one replay over 5 samples of `replays` back-to-back replays."""
+    samples = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(1000 * start.elapsed_time(end) / replays)
+    return sorted(samples)[len(samples) // 2]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--preset", default="dsv4-flash")
     p.add_argument("--weights", default="bf16")
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
     p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--graph", action="store_true",
+                   help="profile CUDA-graph replays of the forward and print the replay time next to the "
+                        "sum of kernel times (the difference is launch gaps inside the graph)")
     args = p.parse_args()
     layer = FusedMoE.from_preset(args.preset, weight_format=args.weights, device="cuda", dtype=torch.bfloat16)
     layer.randomize(seed=0, std=0.02)
@@ -45,12 +64,16 @@ def main() -> None:
         fn = torch.no_grad()(lambda: layer(x))
         for _ in range(3):
             fn()
+        replay = ""
+        if args.graph:
+            graph, _ = capture_warm(fn)
+            fn = graph.replay
+            replay = f", graph replay {graph_time(graph):.1f} µs"
         totals = kernel_times(fn, args.calls)
         total = sum(totals.values())
-        print(f"\n{args.preset} {args.weights} tokens={m}: {total:.0f} µs of kernels per forward")
+        print(f"\n{args.preset} {args.weights} tokens={m}: {total:.1f} µs of kernels per forward{replay}")
         for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:15]:
             print(f"  {us:9.1f} µs {100 * us / total:5.1f}%  {name}")
-
 
 if __name__ == "__main__":
     main()

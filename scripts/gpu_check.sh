@@ -44,6 +44,11 @@ for stage in "$@"; do
             step bench-layer python3 benchmarks/bench_layer.py --out "$OUT/bench" ;;
         profile)
             step profile-layer python3 benchmarks/profile_layer.py --tokens 16 1024 8192 ;;
+        decode-profile)  # decode-sized forwards as graph replays: replay time vs the sum of kernel times, per kernel
+            for pw in qwen3-30b-a3b:bf16 gpt-oss-120b:bf16 dsv4-flash:bf16 mixtral-8x7b:bf16 gpt-oss-120b:mxfp4; do
+                step "profile-${pw%%:*}-${pw##*:}" python3 benchmarks/profile_layer.py --graph --preset "${pw%%:*}" \
+                    --weights "${pw##*:}" --tokens 1 8 32
+            done ;;
         humming)  # MXFP4 vs humming-kernels on two shapes (its JIT takes minutes per config)
             step bench-humming env HUMMING_CACHE_DIR=/tmp/humming-cache python3 benchmarks/bench_gemm.py \
                 --humming --stages w13,w2 --experts 32 --rows "${HUMMING_ROWS:-8,512}" --no-sweep --no-masked \
@@ -101,6 +106,9 @@ for stage in "$@"; do
             for i in 1 2 3 4 5; do
                 STEP_TIMEOUT=200 step "compile-process-$i" python3 -m pytest -q -x -m gpu tests/test_compile_gpu.py -k matches_eager
             done ;;
+        compile-two)  # two GPUs: the compiled layer with expert parallelism (automatic and by-hand dispatch/combine)
+            STEP_TIMEOUT=400 step test-compile-two env PADDED_MOE_SPAWN_TIMEOUT=200 python3 -m pytest -q -rA -m gpu \
+                tests/test_distributed_gpu.py -k compiled_layer_two_gpus ;;
         compile-profile)  # where compiled calls spend time next to eager ones (kernels, host events)
             step profile-compile python3 benchmarks/bench_compile.py --profile --presets qwen3-30b-a3b dsv4-flash:bf16 \
                 --tokens 16 1024 --out "$OUT/bench-compile" ;;

@@ -319,6 +319,38 @@ def test_paths_give_bitwise_identical_metadata(monkeypatch):
     check_meta(metas["1"][1], ref)
 
 
+@pytest.mark.parametrize("M,k,E,R", [(1, 8, 128, 1), (3, 6, 256, 2), (16, 8, 128, 1), (40, 3, 9, 1)])
+def test_one_program_build_equals_three_launches(monkeypatch, M, k, E, R):
+    """Up to ONE_PROGRAM_SLOTS slots the interpreted kernels build in one program; forcing the
+    three-launch path on the same input gives bitwise identical metadata, and both match the
+    reference. (40, 3) has 120 slots: the largest one-program chunk, with a 128-wide rank tile.)"""
+    from padded_moe import layouts as layouts_module
+    from padded_moe._platform import kernels_interpreted
+
+    if not kernels_interpreted():
+        pytest.skip("interpreter not in use")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(M * 1000 + k)
+    m = ExpertMap(E, R - 1, R, "round_robin")
+    ids = torch.randint(-2, E + 2, (M, k), generator=gen)
+    vt = torch.tensor([max(M - 1, 0)], dtype=torch.int32)
+    assert M * k <= layouts_module.ONE_PROGRAM_SLOTS
+    metas = {}
+    for limit in (layouts_module.ONE_PROGRAM_SLOTS, 0):
+        monkeypatch.setattr(layouts_module, "ONE_PROGRAM_SLOTS", limit)
+        metas[limit] = [build_layout(lay, ids, m, valid_tokens=vt, block_m=4, max_tokens_per_expert=2,
+                                     drop_overflow=True) for lay in LAYOUTS]
+    one, three = metas.values()
+    for a, b in zip(one, three):
+        for name in ("slot_expert", "activation_counts", "sorted_ids", "block_expert", "num_padded",
+                     "offsets", "inv", "src", "counts", "overflow"):
+            if hasattr(a, name):
+                assert torch.equal(getattr(a, name), getattr(b, name)), f"{a.layout} {name}"
+    for lay, meta in zip(LAYOUTS, one):
+        check_meta(meta, ref_layout(lay, ids.tolist(), E, m.map.tolist(), m.num_local, M - 1, 4,
+                                    2 if lay == GemmLayout.GROUPED_MASKED else None))
+
+
 # ----------------------------------------------------------------------------------------------
 # Scratch
 # ----------------------------------------------------------------------------------------------

@@ -566,6 +566,11 @@ def _check_capacity(t_max: int, M: int, k: int, drop_overflow: object) -> None:
             "to accept dropping them (meta.overflow counts the dropped slots)")
 
 
+# Calls of up to this many slots (tokens × k, at most one counting chunk) build their layout in one
+# program (`_build_one_chunk_kernel`) instead of three launches.
+ONE_PROGRAM_SLOTS = 128
+
+
 def _build_triton(layout: GemmLayout, topk_ids, num_experts, L, table, valid_tokens, bufs, *, block_m, t_max) -> None:
     from padded_moe.kernels import layouts as K
     from padded_moe.kernels._launch import launch, ptr_key
@@ -578,6 +583,23 @@ def _build_triton(layout: GemmLayout, topk_ids, num_experts, L, table, valid_tok
     has_vt = valid_tokens is not None
     vt = valid_tokens if has_vt else bufs["act_count"]  # any valid pointer; never read when HAS_VT=False
     ids_map = table if table is not None else bufs["counts"]  # likewise, when HAS_MAP=False
+    pblk = 1024
+    cap = bufs["sorted_ids"].numel()
+    n_pos = cdiv(_META[layout]._placed_positions(S, cap), pblk)
+    search_steps = max(1, l_pad.bit_length())
+    if 0 < S <= ONE_PROGRAM_SLOTS:
+        one_chunk = max(16, next_pow2(S))
+        ptrs = (topk_ids, ids_map, vt, bufs["slot_expert"], bufs["rank"], bufs["chunk_cnt"], bufs["chunk_base"],
+                bufs["counts"], bufs["offs32"], bufs["offsets"], bufs["num_padded"], bufs["act_count"],
+                bufs["overflow"], bufs["inv"], bufs["src"], bufs["sorted_ids"], bufs["block_expert"])
+        ints = (S, num_experts, L, M, t_max, cap, n_pos)
+        strides = (topk_ids.stride(0), topk_ids.stride(1))
+        launch(K._build_one_chunk_kernel, (1,), strides + ints + ptr_key(*ptrs[:3]),
+               ptrs[:1] + strides + ptrs[1:] + ints,
+               dict(LAYOUT=code, BLOCK_M=block_m, TOP_K=k, HAS_MAP=table is not None, HAS_VT=has_vt,
+                    CHUNK=one_chunk, L_PAD=l_pad, BIN_TILE=min(l_pad, 8192 // one_chunk), PBLK=pblk,
+                    SEARCH_STEPS=search_steps), num_warps=4)
+        return
     if nc > 0:
         ptrs = (topk_ids, ids_map, vt, bufs["slot_expert"], bufs["rank"], bufs["chunk_cnt"])
         ints = (topk_ids.stride(0), topk_ids.stride(1), S, num_experts, L)
@@ -592,16 +614,13 @@ def _build_triton(layout: GemmLayout, topk_ids, num_experts, L, table, valid_tok
     ints = (nc, L, M, t_max)
     launch(K._scan_kernel, (1,), ints + ptr_key(vt), ptrs + ints,
            dict(LAYOUT=code, BLOCK_M=block_m, TOP_K=k, HAS_VT=has_vt, L_PAD=l_pad, NB_TILE=nb_tile), num_warps=8)
-    pblk = 1024
-    cap = bufs["sorted_ids"].numel()
-    n_pos = cdiv(_META[layout]._placed_positions(S, cap), pblk)
     if nc + n_pos > 0:
         ptrs = (bufs["slot_expert"], bufs["rank"], bufs["chunk_base"], bufs["counts"], bufs["offs32"],
                 bufs["inv"], bufs["src"], bufs["sorted_ids"], bufs["block_expert"])
         ints = (S, L, nc, t_max, cap)
         launch(K._place_kernel, (nc + n_pos,), ints, ptrs + ints,
                dict(LAYOUT=code, BLOCK_M=block_m, CHUNK=max(chunk, 1), PBLK=pblk,
-                    SEARCH_STEPS=max(1, l_pad.bit_length())), num_warps=4)
+                    SEARCH_STEPS=search_steps), num_warps=4)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -90,16 +90,16 @@ TUNED: dict[tuple[str, str], GemmConfig] = {
     ("mxfp4", "prefill"): GemmConfig(256, 128, 64, 8, 8, 3),
 }
 
-# MXFP4 weights prepared with `Mxfp4Tensor.prepare_for()` (the Hopper kernel). Decode is the sweep
-# winner on the GPT-OSS shapes at 1, 4 and 32 rows per expert (BM 16 tiles would read an expert's
-# weights twice at 32 rows). Small / medium / prefill are unmeasured: 128x128 tiles on two
-# warpgroups, the shape that keeps the upcast weight tile in registers; `bench_gemm.py
-# --mxfp4-hopper` sweeps them (SWEEP_MXFP4_HOPPER).
+# MXFP4 weights prepared with `Mxfp4Tensor.prepare_for()` (the Hopper kernel): the winners of
+# `bench_gemm.py --mxfp4-hopper`'s sweep (SWEEP_MXFP4_HOPPER) on the GPT-OSS shapes at 1, 8, 32,
+# 128 and 512 rows per expert. Decode: BM 16 tiles would read an expert's weights twice at 32 rows.
+# Medium: the inline-PTX upcast took 0.61x the time of the portable one (compute-bound there).
+# Prefill takes the medium tile (same regime of arithmetic intensity).
 TUNED.update({
     ("mxfp4_hopper", "decode"): GemmConfig(32, 128, 64, 1, 4, 3, mx_hopper=True),
-    ("mxfp4_hopper", "small"): GemmConfig(64, 128, 128, 4, 4, 3, mx_hopper=True),
-    ("mxfp4_hopper", "medium"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True),
-    ("mxfp4_hopper", "prefill"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True),
+    ("mxfp4_hopper", "small"): GemmConfig(64, 128, 64, 4, 4, 4, mx_hopper=True),
+    ("mxfp4_hopper", "medium"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True),
+    ("mxfp4_hopper", "prefill"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True),
 })
 
 # Every layout uses the same table. For GROUPED_MASKED a 64-row tile would waste less of a mostly
@@ -153,15 +153,16 @@ SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
                _H(16, 128, 128, 1, 4, 4, True), _H(16, 64, 256, 1, 4, 3, True), _H(32, 128, 128, 1, 4, 4, True),
                _H(16, 128, 128, 1, 4, 4, True, True), _H(16, 128, 256, 1, 4, 3, True, True),
                _H(32, 128, 256, 1, 4, 3, True, True)],
-    "small": [_H(64, 128, 128, 4, 4, 3), _H(32, 128, 128, 4, 4, 4), _H(64, 128, 64, 4, 4, 4),
+    "small": [_H(64, 128, 64, 4, 4, 4), _H(32, 128, 128, 4, 4, 4), _H(64, 128, 128, 4, 4, 3),
               _H(64, 256, 128, 4, 8, 3), _H(64, 64, 128, 4, 4, 4), _H(128, 128, 128, 4, 8, 3),
               _H(64, 128, 128, 4, 4, 3, True), _H(64, 128, 256, 4, 4, 3, True, True)],
-    "medium": [_H(128, 128, 128, 8, 8, 3), _H(64, 128, 128, 8, 4, 3), _H(128, 128, 64, 8, 8, 4),
+    "medium": [_H(128, 128, 128, 8, 8, 3, True), _H(64, 128, 128, 8, 4, 3), _H(128, 128, 64, 8, 8, 4),
                _H(128, 256, 64, 8, 8, 3), _H(128, 64, 128, 8, 4, 3), _H(64, 256, 128, 8, 8, 3),
-               _H(128, 128, 128, 8, 8, 3, True), _H(128, 128, 128, 8, 8, 3, True, True)],
-    "prefill": [_H(128, 128, 128, 8, 8, 3), _H(128, 256, 64, 8, 8, 3), _H(128, 128, 64, 8, 8, 4),
-                _H(128, 256, 128, 8, 8, 3), _H(64, 256, 128, 8, 8, 3), _H(128, 128, 128, 16, 8, 4),
-                _H(128, 128, 128, 8, 8, 3, True), _H(128, 128, 128, 8, 8, 3, True, True)],
+               _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True),
+               _H(128, 256, 64, 8, 8, 3, True), _H(128, 128, 64, 8, 8, 4, True)],
+    "prefill": [_H(128, 128, 128, 8, 8, 3, True), _H(128, 256, 64, 8, 8, 3, True), _H(128, 128, 64, 8, 8, 4, True),
+                _H(128, 256, 128, 8, 8, 3, True), _H(64, 256, 128, 8, 8, 3, True), _H(128, 128, 128, 16, 8, 4, True),
+                _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True)],
 }
 
 

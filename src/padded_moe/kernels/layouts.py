@@ -11,6 +11,11 @@ deterministic and identical to the torch path (within an expert, slots keep incr
    (`inv`, `src`, `sorted_ids`); the position programs write the sentinels of padding rows and
    `block_expert`. The two sets of programs write disjoint addresses, so they need no ordering.
 
+Up to one chunk of slots (decode batches), `_build_one_chunk_kernel` does the three steps in one
+program, with a block barrier between them: one launch instead of three, where each launch costs
+more than its work. Both paths share the step bodies (`_count_chunk`, `_scan`, `_place_chunk`,
+`_place_positions`) and give identical buffers.
+
 `_permute_kernel` reads each token's row once and stores it to its k destinations;
 `_unpermute_kernel` gathers a token's k rows and accumulates in fp32. Both stride over tokens.
 """
@@ -25,12 +30,11 @@ from padded_moe.kernels.guard import expert_id_ok
 
 
 @triton.jit
-def _count_kernel(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr,
-                  slot_expert_ptr, rank_ptr, chunk_cnt_ptr,
-                  S, E, L,
-                  TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr,
-                  CHUNK: tl.constexpr, L_PAD: tl.constexpr, BIN_TILE: tl.constexpr):
-    c = tl.program_id(0)
+def _count_chunk(c, ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr,
+                 slot_expert_ptr, rank_ptr, chunk_cnt_ptr,
+                 S, E, L,
+                 TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr,
+                 CHUNK: tl.constexpr, L_PAD: tl.constexpr, BIN_TILE: tl.constexpr):
     i = tl.arange(0, CHUNK)
     s = c * CHUNK + i
     smask = s < S
@@ -63,11 +67,21 @@ def _count_kernel(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr,
 
 
 @triton.jit
-def _scan_kernel(chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr, offsets64_ptr,
-                 num_padded_ptr, act_ptr, overflow_ptr, vt_ptr,
-                 NB, L, M, T_MAX,
-                 LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, TOP_K: tl.constexpr,
-                 HAS_VT: tl.constexpr, L_PAD: tl.constexpr, NB_TILE: tl.constexpr):
+def _count_kernel(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr,
+                  slot_expert_ptr, rank_ptr, chunk_cnt_ptr,
+                  S, E, L,
+                  TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr,
+                  CHUNK: tl.constexpr, L_PAD: tl.constexpr, BIN_TILE: tl.constexpr):
+    _count_chunk(tl.program_id(0), ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, slot_expert_ptr, rank_ptr,
+                 chunk_cnt_ptr, S, E, L, TOP_K, HAS_MAP, HAS_VT, CHUNK, L_PAD, BIN_TILE)
+
+
+@triton.jit
+def _scan(chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr, offsets64_ptr,
+          num_padded_ptr, act_ptr, overflow_ptr, vt_ptr,
+          NB, L, M, T_MAX,
+          LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, TOP_K: tl.constexpr,
+          HAS_VT: tl.constexpr, L_PAD: tl.constexpr, NB_TILE: tl.constexpr):
     cols = tl.arange(0, L_PAD)
     cmask = cols < L
     carry = tl.zeros([L_PAD], dtype=tl.int32)
@@ -108,6 +122,63 @@ def _scan_kernel(chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr, offsets6
 
 
 @triton.jit
+def _scan_kernel(chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr, offsets64_ptr,
+                 num_padded_ptr, act_ptr, overflow_ptr, vt_ptr,
+                 NB, L, M, T_MAX,
+                 LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, TOP_K: tl.constexpr,
+                 HAS_VT: tl.constexpr, L_PAD: tl.constexpr, NB_TILE: tl.constexpr):
+    _scan(chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr, offsets64_ptr, num_padded_ptr, act_ptr,
+          overflow_ptr, vt_ptr, NB, L, M, T_MAX, LAYOUT, BLOCK_M, TOP_K, HAS_VT, L_PAD, NB_TILE)
+
+
+@triton.jit
+def _place_chunk(c, slot_expert_ptr, rank_ptr, chunk_base_ptr, offs32_ptr, inv_ptr, src_ptr, sorted_ids_ptr,
+                 S, L, T_MAX, LAYOUT: tl.constexpr, CHUNK: tl.constexpr):
+    s = c * CHUNK + tl.arange(0, CHUNK)
+    smask = s < S
+    e = tl.load(slot_expert_ptr + s, mask=smask, other=L)
+    kept = smask & (e < L)
+    r = tl.load(rank_ptr + s, mask=kept, other=0) + tl.load(chunk_base_ptr + c * L + e, mask=kept, other=0)
+    if LAYOUT == GROUPED_MASKED:
+        fits = kept & (r < T_MAX)
+        tl.store(inv_ptr + s, tl.where(fits, e * T_MAX + r, L * T_MAX), mask=smask)
+    else:
+        pos = tl.load(offs32_ptr + e, mask=kept, other=0) + r
+        if LAYOUT == GROUPED_CONTIGUOUS:
+            tl.store(inv_ptr + s, tl.where(kept, pos, S), mask=smask)
+            tl.store(src_ptr + pos, s, mask=kept)
+        else:
+            tl.store(sorted_ids_ptr + pos, s, mask=kept)
+
+
+@triton.jit
+def _place_positions(q, counts_ptr, offs32_ptr, src_ptr, sorted_ids_ptr, block_expert_ptr, S, L, CAP,
+                     LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, PBLK: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    p = q * PBLK + tl.arange(0, PBLK)
+    total = tl.load(offs32_ptr + L)
+    if LAYOUT == GROUPED_CONTIGUOUS:
+        tl.store(src_ptr + p, S, mask=(p < S) & (p >= total))
+    else:
+        pm = p < CAP
+        # Owner of position p: the largest e in [0, L) with padded_offset[e] <= p
+        # (empty experts share their offset with the next one, so "largest" picks the owner).
+        lo = tl.zeros([PBLK], dtype=tl.int32)
+        hi = tl.zeros([PBLK], dtype=tl.int32) + (L - 1)
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi + 1) // 2
+            v = tl.load(offs32_ptr + mid, mask=pm & (mid >= 0), other=0)
+            go = v <= p
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid - 1)
+        used = pm & (p < total)
+        start = tl.load(offs32_ptr + lo, mask=used, other=0)
+        cnt = tl.load(counts_ptr + lo, mask=used, other=0)
+        padding = pm & ((p >= total) | (p - start >= cnt))
+        tl.store(sorted_ids_ptr + p, S, mask=padding)
+        tl.store(block_expert_ptr + p // BLOCK_M, tl.where(used, lo, -1), mask=pm & (p % BLOCK_M == 0))
+
+
+@triton.jit
 def _place_kernel(slot_expert_ptr, rank_ptr, chunk_base_ptr, counts_ptr, offs32_ptr,
                   inv_ptr, src_ptr, sorted_ids_ptr, block_expert_ptr,
                   S, L, NB, T_MAX, CAP,
@@ -115,44 +186,37 @@ def _place_kernel(slot_expert_ptr, rank_ptr, chunk_base_ptr, counts_ptr, offs32_
                   PBLK: tl.constexpr, SEARCH_STEPS: tl.constexpr):
     pid = tl.program_id(0)
     if pid < NB:
-        s = pid * CHUNK + tl.arange(0, CHUNK)
-        smask = s < S
-        e = tl.load(slot_expert_ptr + s, mask=smask, other=L)
-        kept = smask & (e < L)
-        r = tl.load(rank_ptr + s, mask=kept, other=0) + tl.load(chunk_base_ptr + pid * L + e, mask=kept, other=0)
-        if LAYOUT == GROUPED_MASKED:
-            fits = kept & (r < T_MAX)
-            tl.store(inv_ptr + s, tl.where(fits, e * T_MAX + r, L * T_MAX), mask=smask)
-        else:
-            pos = tl.load(offs32_ptr + e, mask=kept, other=0) + r
-            if LAYOUT == GROUPED_CONTIGUOUS:
-                tl.store(inv_ptr + s, tl.where(kept, pos, S), mask=smask)
-                tl.store(src_ptr + pos, s, mask=kept)
-            else:
-                tl.store(sorted_ids_ptr + pos, s, mask=kept)
+        _place_chunk(pid, slot_expert_ptr, rank_ptr, chunk_base_ptr, offs32_ptr, inv_ptr, src_ptr, sorted_ids_ptr,
+                     S, L, T_MAX, LAYOUT, CHUNK)
     else:
-        p = (pid - NB) * PBLK + tl.arange(0, PBLK)
-        total = tl.load(offs32_ptr + L)
-        if LAYOUT == GROUPED_CONTIGUOUS:
-            tl.store(src_ptr + p, S, mask=(p < S) & (p >= total))
-        else:
-            pm = p < CAP
-            # Owner of position p: the largest e in [0, L) with padded_offset[e] <= p
-            # (empty experts share their offset with the next one, so "largest" picks the owner).
-            lo = tl.zeros([PBLK], dtype=tl.int32)
-            hi = tl.zeros([PBLK], dtype=tl.int32) + (L - 1)
-            for _ in tl.static_range(SEARCH_STEPS):
-                mid = (lo + hi + 1) // 2
-                v = tl.load(offs32_ptr + mid, mask=pm & (mid >= 0), other=0)
-                go = v <= p
-                lo = tl.where(go, mid, lo)
-                hi = tl.where(go, hi, mid - 1)
-            used = pm & (p < total)
-            start = tl.load(offs32_ptr + lo, mask=used, other=0)
-            cnt = tl.load(counts_ptr + lo, mask=used, other=0)
-            padding = pm & ((p >= total) | (p - start >= cnt))
-            tl.store(sorted_ids_ptr + p, S, mask=padding)
-            tl.store(block_expert_ptr + p // BLOCK_M, tl.where(used, lo, -1), mask=pm & (p % BLOCK_M == 0))
+        _place_positions(pid - NB, counts_ptr, offs32_ptr, src_ptr, sorted_ids_ptr, block_expert_ptr, S, L, CAP,
+                         LAYOUT, BLOCK_M, PBLK, SEARCH_STEPS)
+
+
+@triton.jit
+def _build_one_chunk_kernel(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr,
+                            slot_expert_ptr, rank_ptr, chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr,
+                            offsets64_ptr, num_padded_ptr, act_ptr, overflow_ptr,
+                            inv_ptr, src_ptr, sorted_ids_ptr, block_expert_ptr,
+                            S, E, L, M, T_MAX, CAP, N_POS,
+                            LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, TOP_K: tl.constexpr,
+                            HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr, CHUNK: tl.constexpr,
+                            L_PAD: tl.constexpr, BIN_TILE: tl.constexpr, PBLK: tl.constexpr,
+                            SEARCH_STEPS: tl.constexpr):
+    # The three kernels' work for S <= CHUNK in one program. Each phase reads what the previous
+    # one stored to global memory; the barrier (bar.sync) makes a block's global stores visible to
+    # all of its threads.
+    _count_chunk(0, ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, slot_expert_ptr, rank_ptr, chunk_cnt_ptr,
+                 S, E, L, TOP_K, HAS_MAP, HAS_VT, CHUNK, L_PAD, BIN_TILE)
+    tl.debug_barrier()
+    _scan(chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr, offsets64_ptr, num_padded_ptr, act_ptr,
+          overflow_ptr, vt_ptr, 1, L, M, T_MAX, LAYOUT, BLOCK_M, TOP_K, HAS_VT, L_PAD, 1)
+    tl.debug_barrier()
+    _place_chunk(0, slot_expert_ptr, rank_ptr, chunk_base_ptr, offs32_ptr, inv_ptr, src_ptr, sorted_ids_ptr,
+                 S, L, T_MAX, LAYOUT, CHUNK)
+    for q in range(N_POS):
+        _place_positions(q, counts_ptr, offs32_ptr, src_ptr, sorted_ids_ptr, block_expert_ptr, S, L, CAP,
+                         LAYOUT, BLOCK_M, PBLK, SEARCH_STEPS)
 
 
 @triton.jit

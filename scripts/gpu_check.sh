@@ -49,6 +49,14 @@ for stage in "$@"; do
                 step "profile-${pw%%:*}-${pw##*:}" python3 benchmarks/profile_layer.py --graph --preset "${pw%%:*}" \
                     --weights "${pw##*:}" --tokens 1 8 32
             done ;;
+        decode-check)  # one-program layouts on the GPU (tests, sanitizer, replays), prepared-MXFP4 table, decode profile
+            step test-layouts python3 -m pytest -q -m gpu tests/test_layouts_gpu.py
+            step sanitizer-layouts compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_layouts_gpu.py -k "sanitizer or (cuda_matches and 3-6-256)"
+            step test-plans python3 -m pytest -q -x -m gpu tests/test_launch_plan_gpu.py
+            step test-hopper python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k hopper
+            step profile-qwen3 python3 benchmarks/profile_layer.py --graph --preset qwen3-30b-a3b --tokens 1 8
+            STEP_TIMEOUT=200 step bench-mx-hopper python3 benchmarks/bench_gemm.py --mxfp4-hopper --models gpt-oss \
+                --rows 1,32,2048 --out "$OUT/bench-mx-hopper" ;;
         humming)  # MXFP4 vs humming-kernels on two shapes (its JIT takes minutes per config)
             step bench-humming env HUMMING_CACHE_DIR=/tmp/humming-cache python3 benchmarks/bench_gemm.py \
                 --humming --stages w13,w2 --experts 32 --rows "${HUMMING_ROWS:-8,512}" --no-sweep --no-masked \

@@ -25,12 +25,14 @@ def devices():
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def extreme_mxfp4_weight(gen, K=96, finite=True, device="cpu"):
-    """Rows at scale exponents 0..3 (float32/bf16 subnormal products), around 127, and up to 254,
-    each with every code that stays finite at its scale (finite=True), or rows at 254/255 holding
-    codes that overflow to inf and NaN scales (finite=False)."""
+def extreme_mxfp4_weight(gen, K=96, finite=True, device="cpu", max_scale=254):
+    """Rows at scale exponents 0..3 (float32/bf16 subnormal products), around 127, and up to
+    `max_scale` (at most 254), each with every code that stays finite at its scale (finite=True),
+    or rows at 254/255 holding codes that overflow to inf and NaN scales (finite=False).
+    max_scale=128 gives weights whose prepared scales fold (`HopperMxfp4.folded`)."""
     lut = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-    scales = [0, 1, 2, 3, 100, 126, 127, 128, 200, 252, 253, 254] if finite else [254, 255, 254, 127]
+    scales = ([s for s in (0, 1, 2, 3, 100, 126, 127, 128, 200, 252, 253, 254) if s <= max_scale] if finite
+              else [254, 255, 254, 127])
     rows_codes, rows_scales = [], []
     for i, s in enumerate(scales):
         ok = [c for c in range(16) if lut[c & 7] * 2.0 ** (s - 127) < 2.0**128] if finite else list(range(16))

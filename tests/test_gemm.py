@@ -616,8 +616,9 @@ def test_mxfp4_hopper_other_activation_dtypes(monkeypatch, dtype, gen):
     run_and_check(a, prepared_only(q), dequantize_mxfp4(q, dtype).double(), meta, "w13", backend="triton")
 
 
-@pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf_nan"])
-def test_mxfp4_hopper_upcast_is_exact(monkeypatch, finite, gen):
+@pytest.mark.parametrize("finite,folded", [(True, False), (False, False), (True, True)],
+                         ids=["finite", "inf_nan", "folded"])
+def test_mxfp4_hopper_upcast_is_exact(monkeypatch, finite, folded, gen):
     """Identity activations make the GEMM output the upcast weights themselves (one product per
     output, the other terms +-0): they must equal dequantize_mxfp4 bit for bit, including the
     subnormal products of scales 0..3, the largest finite values, and inf/NaN where the
@@ -628,7 +629,8 @@ def test_mxfp4_hopper_upcast_is_exact(monkeypatch, finite, gen):
     version of this check runs on the GPU only (tests/test_gemm_gpu.py)."""
     require_interpreter(monkeypatch)
     K = 96
-    q = extreme_mxfp4_weight(gen, K, finite)
+    q = extreme_mxfp4_weight(gen, K, finite, max_scale=128 if folded else 254)
+    assert prepare_hopper(q).folded == folded  # scales up to 128 fold: one multiply per element
     meta = masked_meta([K], K)
     a = torch.eye(K, dtype=torch.float32).unsqueeze(0)
     out = torch.full((1, K, q.shape[1]), SENTINEL, dtype=torch.float32)

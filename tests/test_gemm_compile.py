@@ -30,13 +30,13 @@ ints = ["N", "K", "K_PAD", "R_a", "num_local", "mk", "T_max", "num_pid_m", "stri
 # What the launcher's specialisation sees on model shapes: 16-aligned pointers, strides and K.
 aligned = {"N", "K", "K_PAD", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_sg", "stride_be", "stride_cm"}
 out = []
-for layout, cfg in json.loads(sys.argv[1]):
+for layout, cfg, folded in json.loads(sys.argv[1]):
     cfg = kg.GemmConfig(**cfg)
-    sig = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*bf16", "c_ptr": "*bf16",
+    sig = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*i16" if folded else "*u8", "bias_ptr": "*bf16", "c_ptr": "*bf16",
            "ids_ptr": "*i32", "blk_exp_ptr": "*i32", "npad_ptr": "*i32", "off_ptr": "*i64", "cnt_ptr": "*i32"}
     sig.update({n: "i32" for n in ints})
     const = dict(LAYOUT=layout, HAS_BIAS=True, A_DIV=1, BLOCK_MB=cfg.BM, SUB=1, ROWS=cfg.BM, L_POW2=128,
-                 FP32_DOT=False, K_TAIL=True, UPCAST_PTX=cfg.mx_ptx, WIDE=cfg.mx_wide, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+                 FP32_DOT=False, K_TAIL=True, UPCAST_PTX=cfg.mx_ptx, WIDE=cfg.mx_wide, FOLDED=folded, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
                  GROUP_M=cfg.GROUP_M)
     sig.update({k: "constexpr" for k in const})
     names = fn.arg_names
@@ -46,7 +46,8 @@ for layout, cfg in json.loads(sys.argv[1]):
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     ptx = k.asm["ptx"]
     wgmma = [l for l in ptx.splitlines() if "wgmma.mma_async" in l]
-    out.append(dict(config=cfg.short(), layout=layout, shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
+    out.append(dict(config=cfg.short(), layout=layout, folded=folded, shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
+                    bf16x2_muls=ptx.count("mul.rn.bf16x2"),
                     async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
                     wgmma=len(wgmma),
                     # `wgmma ... {acc}, {a regs}, b_desc, ...` when A comes from registers, `{acc}, a_desc, ...` from shared
@@ -69,8 +70,10 @@ def test_hopper_kernel_compiles_for_sm90():
     tuned = [kg.TUNED[("mxfp4_hopper", r)] for r in ("decode", "prefill")]
     ptx = dataclasses.replace(tuned[0], mx_ptx=True)
     wide = [c for cands in kg.SWEEP_MXFP4_HOPPER.values() for c in cands if c.mx_wide]  # sweep-only variant
-    cases = [(1, c) for c in tuned + [ptx] + wide] + [(0, tuned[0]), (2, tuned[0])]
-    arg = json.dumps([(lay, dataclasses.asdict(c)) for lay, c in cases])
+    unfolded_ptx = [c for c in tuned + [ptx] if c.mx_ptx]
+    cases = ([(1, c, True) for c in tuned + [ptx] + wide] + [(1, c, False) for c in tuned + unfolded_ptx]
+             + [(0, tuned[0], True), (2, tuned[0], True)])
+    arg = json.dumps([(lay, dataclasses.asdict(c), folded) for lay, c, folded in cases])
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, "-c", SCRIPT, arg], capture_output=True, text=True, env=env, timeout=600)
@@ -82,3 +85,8 @@ def test_hopper_kernel_compiles_for_sm90():
         assert r["async_copies"] > 0, f"main loop not pipelined: {r}"
         assert r["a_in_registers"], f"wgmma reads the upcast weights from shared memory: {r}"
         assert r["shared"] <= 227 * 1024, r
+    # Folded scales drop the 2^126 multiply: the inline-PTX upcast has half the bf16x2 multiplies.
+    by_key = {(r["config"], r["layout"], r["folded"]): r for r in results}
+    for c in unfolded_ptx:
+        folded, plain = by_key[(c.short(), 1, True)], by_key[(c.short(), 1, False)]
+        assert 0 < folded["bf16x2_muls"] and 2 * folded["bf16x2_muls"] == plain["bf16x2_muls"], (folded, plain)

@@ -346,14 +346,17 @@ def test_mxfp4_hopper_every_sweep_config(layout, cfg):
                                  GemmConfig(16, 128, 256, 1, 4, 3, mx_hopper=True, mx_ptx=True, mx_wide=True),
                                  GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True, mx_wide=True)],
                          ids=lambda c: "tuned" if c is None else c.short())
-@pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf_nan"])
-def test_mxfp4_hopper_upcast_is_exact(finite, cfg):
+@pytest.mark.parametrize("finite,folded", [(True, False), (False, False), (True, True)],
+                         ids=["finite", "inf_nan", "folded"])
+def test_mxfp4_hopper_upcast_is_exact(finite, folded, cfg):
     """bf16 identity activations: the output is the upcast weight itself and must equal
     dequantize_mxfp4(q, bf16) bit for bit — scales 0..3 with subnormal products (a flush-to-zero
     multiply or conversion would show here), the largest finite values, inf/NaN as the canonical
     dequantization gives them (0 * inf = NaN spreads over a row, as in float64)."""
     K = 96
-    q = extreme_mxfp4_weight(torch.Generator().manual_seed(5), K, finite, device=DEV)
+    q = extreme_mxfp4_weight(torch.Generator().manual_seed(5), K, finite, device=DEV,
+                             max_scale=128 if folded else 254)
+    assert prepared_only(q).hopper.folded == folded  # scales up to 128 fold: one multiply per element
     c = torch.tensor([K], dtype=torch.int32, device=DEV)
     meta = GroupedMaskedMeta(num_tokens=K, top_k=1, num_local=1, slot_expert=torch.zeros(K, dtype=torch.int32, device=DEV),
                              activation_counts=c, counts=c, inv=torch.zeros(K, dtype=torch.int32, device=DEV),

@@ -187,19 +187,24 @@ def decode_hopper_slow(h: HopperMxfp4, e: int) -> torch.Tensor:
             byte = int(h.blocks[e, r, k0 // 2 + off % 32])
             nib = (byte >> (4 * (off // 32))) & 0xF
             s = int(h.scales[e, k // 32, r])
+            if h.folded:  # bf16 bits of 2^(s-1): exponent field s - 1 + 127
+                assert s & 0x7F == 0 and 0 < s < 0x7F80, s
+                s = (s >> 7) - 126
             mag = E2M1[nib & 7] * (math.nan if s == 255 else 2.0 ** (s - 127))
             out[r, k] = -mag if nib & 8 else mag
     return out
 
 
+@pytest.mark.parametrize("folded", [False, True], ids=["bytes", "folded"])
 @pytest.mark.parametrize("K", [32, 64, 96, 128])
-def test_hopper_layout_matches_canonical(K, gen):
+def test_hopper_layout_matches_canonical(K, folded, gen):
     L, rows = 2, 3
     blocks = torch.randint(0, 256, (L, rows, K // 2), generator=gen, dtype=torch.uint8)
-    scales = torch.randint(0, 255, (L, rows, K // 32), generator=gen, dtype=torch.uint8)
-    scales[0, 0, 0] = 255
+    scales = torch.randint(0, 129 if folded else 255, (L, rows, K // 32), generator=gen, dtype=torch.uint8)
+    scales[0, 0, 0] = 128 if folded else 255
     q = Mxfp4Tensor(blocks, scales)
     h = prepare_hopper(q)
+    assert h.folded == folded and h.scales.dtype == (torch.int16 if folded else torch.uint8)
     kp = -(-K // 64) * 64
     assert h.k == K and h.k_padded == kp
     assert tuple(h.blocks.shape) == (L, rows, kp // 2) and tuple(h.scales.shape) == (L, kp // 32, rows)
@@ -211,9 +216,23 @@ def test_hopper_layout_matches_canonical(K, gen):
         assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
     if kp > K:  # padding decodes to zeros (code 0 with a finite scale)
         b = h.blocks.view(L, rows, kp // 64, 32)[:, :, -1]
-        assert ((b >> 4) == 0).all() and (h.scales[:, -1] == 127).all()
+        assert ((b >> 4) == 0).all() and (h.scales[:, -1] == (253 << 7 if folded else 127)).all()
     back = unprepare_hopper(h)
     assert torch.equal(back.blocks, blocks) and torch.equal(back.scales, scales)
+
+
+def test_prepare_hopper_fold_argument(gen):
+    """fold=None folds when every scale allows it; fold=False keeps bytes; fold=True refuses a
+    scale above 128 (2^(s-1) would not be a finite bf16) with a ValueError naming the maximum."""
+    q = quantize_mxfp4(torch.randn(2, 4, 64, generator=gen))
+    assert prepare_hopper(q).folded and not prepare_hopper(q, fold=False).folded
+    assert torch.equal(unprepare_hopper(prepare_hopper(q)).scales, q.scales)
+    big = Mxfp4Tensor(q.blocks, torch.full_like(q.scales, 129))
+    assert not prepare_hopper(big).folded
+    with pytest.raises(ValueError, match="fold=True needs every scale <= 128, got a maximum of 129"):
+        prepare_hopper(big, fold=True)
+    with pytest.raises(TypeError, match="fold must be a bool or None"):
+        prepare_hopper(q, fold=1)
 
 
 def test_prepare_for_caches_and_travels(gen):

@@ -94,10 +94,12 @@ def test_largest_fitting_t_is_the_boundary():
 
 def test_mxfp4_weights_are_a_quarter_plus_scales_twice():
     """0.5 byte per element + 1 byte per 32 elements, held twice: the canonical MXFP4 tensor and
-    its prepared GEMM arrangement (dsv4-flash's K and N are whole 64-element blocks: no padding)."""
+    its prepared GEMM arrangement, whose scales are 2-byte bf16 factors (dsv4-flash's K and N are
+    whole 64-element blocks: no padding)."""
     bf = planner.plan("dsv4-flash", 2, 64, 139.0, weight_format="bf16").weights_bytes
     fp4 = planner.plan("dsv4-flash", 2, 64, 139.0, weight_format="mxfp4").weights_bytes
-    assert fp4 == 2 * (bf // 4 + bf // 2 // 32)
+    elements = bf // 2
+    assert fp4 == 2 * (elements // 2) + elements // 32 + 2 * (elements // 32)
 
 
 def _cli(argv):

@@ -22,6 +22,13 @@ GROUP = 32  # K elements sharing one E8M0 scale
 SCALE_BIAS = 127
 SCALE_NAN = 255
 HOPPER_KB = 64  # K elements per block of the prepared Hopper layout (two nibble planes of 32)
+# Prepared scales are "folded" when every scale is at most this: `HopperMxfp4.scales` then holds
+# the bf16 bits of 2^(s-1) as int16 instead of the E8M0 byte s. The GEMM places an e2m1 code's bits
+# into a bf16 whose value is the code's value times 2^-126; one multiply by 2^(s-1) then gives the
+# weight exactly, and 2^(s-1) is a finite bf16 up to s = 128. Larger scales (weights of magnitude
+# 2 and up, never seen in real checkpoints) keep the byte and cost the GEMM a second multiply.
+FOLD_MAX_SCALE = 128
+_BF16_EXP_BIAS = 127
 
 # E2M1 magnitudes for nibble codes 0..7; codes 8..15 are the negatives.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -109,7 +116,8 @@ class Mxfp4Tensor:
         """Arrange the weights once for the Triton GEMM and return the tensor to use from then on.
 
         Builds `hopper` (`prepare_hopper`: values re-ordered within 64-element K blocks, scales
-        transposed; the same bytes again, so the device holds the weights twice) unless it is
+        transposed and, for scales up to `FOLD_MAX_SCALE`, stored as the bf16 factor the kernel
+        multiplies by; the same bytes again, so the device holds the weights twice) unless it is
         already there. With `device` other than this tensor's, moves first and returns the moved
         copy; otherwise prepares in place and returns `self`. Call it at load time, not per forward:
         `fused_experts` / `expert_gemm` use the prepared form whenever it is present.
@@ -202,8 +210,9 @@ class HopperMxfp4:
       j (0..31) of the block holds element k0+j in its low nibble and k0+32+j in its high nibble.
       A kernel then gets two contiguous 32-column planes with one mask or one shift each, and each
       plane lies in one 32-element scale group.
-    - `scales uint8 [L, k_padded/32, rows]`: the E8M0 scales transposed, so a tile's scales of one
-      group are one contiguous load over rows.
+    - `scales [L, k_padded/32, rows]`: the E8M0 scales transposed, so a tile's scales of one
+      group are one contiguous load over rows. uint8 E8M0 bytes, or, when `folded`, int16 holding
+      the bf16 bits of 2^(s-1) (see `FOLD_MAX_SCALE`).
     """
 
     blocks: torch.Tensor
@@ -214,6 +223,11 @@ class HopperMxfp4:
     def k_padded(self) -> int:
         return self.blocks.shape[-1] * 2
 
+    @property
+    def folded(self) -> bool:
+        """Whether `scales` hold bf16 2^(s-1) (int16) rather than E8M0 bytes (uint8)."""
+        return self.scales.dtype == torch.int16
+
     def to(self, device) -> "HopperMxfp4":
         return HopperMxfp4(self.blocks.to(device), self.scales.to(device), self.k)
 
@@ -221,10 +235,16 @@ class HopperMxfp4:
         return HopperMxfp4(self.blocks[idx], self.scales[idx], self.k)
 
 
-def prepare_hopper(q: Mxfp4Tensor) -> HopperMxfp4:
-    """The `HopperMxfp4` arrangement of `q` (on q's device; the same values, see `unprepare_hopper`)."""
+def prepare_hopper(q: Mxfp4Tensor, fold: Optional[bool] = None) -> HopperMxfp4:
+    """The `HopperMxfp4` arrangement of `q` (on q's device; the same values, see `unprepare_hopper`).
+
+    `fold`: store the scales folded (`FOLD_MAX_SCALE`); None (default) folds when every scale
+    allows it, which reads the scales back to the host once. True with a larger scale is a
+    ValueError; False keeps the E8M0 bytes."""
     if not isinstance(q, Mxfp4Tensor):
         raise TypeError(f"q must be an Mxfp4Tensor, got {type(q).__name__}")
+    if fold is not None and not isinstance(fold, bool):
+        raise TypeError(f"fold must be a bool or None, got {type(fold).__name__}")
     L, rows, K = q.shape
     kp = -(-K // HOPPER_KB) * HOPPER_KB
     half = HOPPER_KB // 2
@@ -233,8 +253,13 @@ def prepare_hopper(q: Mxfp4Tensor) -> HopperMxfp4:
     codes = torch.nn.functional.pad(codes, (0, kp - K))  # code 0 = +0
     codes = codes.view(L, rows, kp // HOPPER_KB, 2, half)  # [.., block, plane (lo/hi), j]
     blocks = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(L, rows, kp // 2)
-    scales = torch.nn.functional.pad(q.scales, (0, (kp - K) // GROUP), value=SCALE_BIAS)
-    return HopperMxfp4(blocks.contiguous(), scales.transpose(1, 2).contiguous(), K)
+    scales = torch.nn.functional.pad(q.scales, (0, (kp - K) // GROUP), value=SCALE_BIAS).transpose(1, 2)
+    foldable = q.scales.numel() == 0 or int(q.scales.max()) <= FOLD_MAX_SCALE
+    if fold and not foldable:
+        raise ValueError(f"fold=True needs every scale <= {FOLD_MAX_SCALE}, got a maximum of {int(q.scales.max())}")
+    if foldable if fold is None else fold:
+        scales = ((scales.to(torch.int32) + (_BF16_EXP_BIAS - 1)) << 7).to(torch.int16)
+    return HopperMxfp4(blocks.contiguous(), scales.contiguous(), K)
 
 
 def unprepare_hopper(h: HopperMxfp4) -> Mxfp4Tensor:
@@ -246,7 +271,10 @@ def unprepare_hopper(h: HopperMxfp4) -> Mxfp4Tensor:
     b = h.blocks.view(L, rows, kp // HOPPER_KB, 1, HOPPER_KB // 2)
     codes = torch.cat([b & 0x0F, b >> 4], dim=3).reshape(L, rows, kp)[..., :h.k]
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    scales = h.scales.transpose(1, 2)[..., :h.k // GROUP]
+    scales = h.scales
+    if h.folded:
+        scales = ((scales.to(torch.int32) >> 7) - (_BF16_EXP_BIAS - 1)).to(torch.uint8)
+    scales = scales.transpose(1, 2)[..., :h.k // GROUP]
     return Mxfp4Tensor(blocks.contiguous(), scales.contiguous())
 
 

@@ -106,8 +106,10 @@ def _weights(p: MoEPreset, L: int, weight_format: str, dtype: torch.dtype) -> li
         # second copy of the same bytes, K padded to whole blocks.
         for name, rows, cols in (("w13", G, K), ("w2", K, N)):
             kp = -(-cols // HOPPER_KB) * HOPPER_KB
+            # Its scales are bf16 factors (2 bytes) when every scale is at most FOLD_MAX_SCALE, as
+            # in real checkpoints; counted at that size, an upper bound.
             out += [Buffer(f"{name} blocks (MXFP4, prepared)", (L, rows, kp // 2), torch.uint8, "weights"),
-                    Buffer(f"{name} scales (E8M0, prepared)", (L, kp // 32, rows), torch.uint8, "weights")]
+                    Buffer(f"{name} scales (bf16 factors, prepared)", (L, kp // 32, rows), torch.int16, "weights")]
     elif weight_format == "bf16":
         out = [Buffer("w13", (L, G, K), dtype, "weights"), Buffer("w2", (L, K, N), dtype, "weights")]
     else:

@@ -92,14 +92,15 @@ TUNED: dict[tuple[str, str], GemmConfig] = {
 
 # MXFP4 weights prepared with `Mxfp4Tensor.prepare_for()` (the Hopper kernel): the winners of
 # `bench_gemm.py --mxfp4-hopper`'s sweep (SWEEP_MXFP4_HOPPER) on the GPT-OSS shapes at 1, 8, 32,
-# 128 and 512 rows per expert. Decode: BM 16 tiles would read an expert's weights twice at 32 rows.
-# Medium: the inline-PTX upcast took 0.61x the time of the portable one (compute-bound there).
-# Prefill takes the medium tile (same regime of arithmetic intensity).
+# 128, 512 and 2048 rows per expert. The inline-PTX upcast wins every regime but small (0.61x the
+# portable form's time at 512 rows, 0.69x at 2048); decode takes BN 64, which also doubles the
+# programs of a call that hits few experts. BM 16 decode tiles would read an expert's weights
+# twice at 32 rows.
 TUNED.update({
-    ("mxfp4_hopper", "decode"): GemmConfig(32, 128, 64, 1, 4, 3, mx_hopper=True),
+    ("mxfp4_hopper", "decode"): GemmConfig(32, 64, 64, 1, 4, 3, mx_hopper=True, mx_ptx=True),
     ("mxfp4_hopper", "small"): GemmConfig(64, 128, 64, 4, 4, 4, mx_hopper=True),
     ("mxfp4_hopper", "medium"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True),
-    ("mxfp4_hopper", "prefill"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True),
+    ("mxfp4_hopper", "prefill"): GemmConfig(128, 128, 64, 8, 8, 4, mx_hopper=True, mx_ptx=True),
 })
 
 # Every layout uses the same table. For GROUPED_MASKED a 64-row tile would waste less of a mostly
@@ -146,22 +147,19 @@ SWEEP_MXFP4: dict[str, list[GemmConfig]] = {
 _H = lambda bm, bn, bk, g, w, st, ptx=False, wide=False: GemmConfig(  # noqa: E731
     bm, bn, bk, g, w, st, mx_hopper=True, mx_ptx=ptx, mx_wide=wide)
 SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
-    "decode": [_H(16, 128, 128, 1, 4, 4), _H(16, 64, 128, 1, 4, 4), _H(16, 64, 256, 1, 4, 3),
-               _H(16, 128, 64, 1, 4, 4), _H(16, 128, 256, 1, 4, 3), _H(16, 256, 128, 1, 8, 3),
-               _H(32, 64, 128, 1, 4, 4), _H(32, 128, 128, 1, 4, 4), _H(32, 128, 64, 1, 4, 3),
-               _H(32, 256, 128, 1, 8, 3),
-               _H(16, 128, 128, 1, 4, 4, True), _H(16, 64, 256, 1, 4, 3, True), _H(32, 128, 128, 1, 4, 4, True),
-               _H(16, 128, 128, 1, 4, 4, True, True), _H(16, 128, 256, 1, 4, 3, True, True),
-               _H(32, 128, 256, 1, 4, 3, True, True),
-               _H(32, 128, 64, 1, 4, 3, True), _H(32, 128, 64, 1, 4, 4, True), _H(32, 64, 64, 1, 4, 3, True)],
-    "small": [_H(64, 128, 64, 4, 4, 4), _H(32, 128, 128, 4, 4, 4), _H(64, 128, 128, 4, 4, 3),
+    "decode": [_H(32, 64, 64, 1, 4, 3, True), _H(32, 128, 64, 1, 4, 3), _H(32, 128, 64, 1, 4, 3, True),
+               _H(32, 64, 64, 1, 4, 4, True), _H(16, 64, 64, 1, 4, 3, True), _H(32, 64, 128, 1, 4, 3, True),
+               _H(16, 128, 64, 1, 4, 4), _H(16, 128, 128, 1, 4, 4, True, True), _H(16, 128, 256, 1, 4, 3, True, True),
+               _H(32, 128, 256, 1, 4, 3, True, True)],
+    "small": [_H(64, 128, 64, 4, 4, 4), _H(64, 128, 64, 4, 4, 4, True), _H(64, 64, 64, 4, 4, 4, True),
+              _H(32, 128, 128, 4, 4, 4), _H(64, 128, 128, 4, 4, 3),
               _H(64, 256, 128, 4, 8, 3), _H(64, 64, 128, 4, 4, 4), _H(128, 128, 128, 4, 8, 3),
               _H(64, 128, 128, 4, 4, 3, True), _H(64, 128, 256, 4, 4, 3, True, True)],
     "medium": [_H(128, 128, 128, 8, 8, 3, True), _H(64, 128, 128, 8, 4, 3), _H(128, 128, 64, 8, 8, 4),
                _H(128, 256, 64, 8, 8, 3), _H(128, 64, 128, 8, 4, 3), _H(64, 256, 128, 8, 8, 3),
                _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True),
                _H(128, 256, 64, 8, 8, 3, True), _H(128, 128, 64, 8, 8, 4, True)],
-    "prefill": [_H(128, 128, 128, 8, 8, 3, True), _H(128, 256, 64, 8, 8, 3, True), _H(128, 128, 64, 8, 8, 4, True),
+    "prefill": [_H(128, 128, 64, 8, 8, 4, True), _H(128, 256, 64, 8, 8, 3, True), _H(128, 128, 128, 8, 8, 3, True),
                 _H(128, 256, 128, 8, 8, 3, True), _H(64, 256, 128, 8, 8, 3, True), _H(128, 128, 128, 16, 8, 4, True),
                 _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True)],
 }
@@ -383,7 +381,7 @@ def _expert_gemm_kernel(
 
 
 @triton.jit
-def _e2m1_plane(p32, f, SHIFT: tl.constexpr):
+def _e2m1_plane(p32, f, SHIFT: tl.constexpr, FOLDED: tl.constexpr):
     """One nibble plane of packed bytes (`p32`: the bytes as uint32 [BN, C]; SHIFT 0 = low nibbles,
     4 = high) times its scale factor `f` (float32 2^(s-127), [BN, 1] or [BN, C]) -> float32 [BN, C].
 
@@ -391,31 +389,36 @@ def _e2m1_plane(p32, f, SHIFT: tl.constexpr):
     value times 2^-126 for every code (e=0 lands on the float32 subnormals, where m=1 is 2^-127,
     i.e. 0.5 * 2^-126). Multiplying by 2^126 first restores the value exactly, so the scale multiply
     is the same float32 product as `dequantize_mxfp4` (a single 2^(s-1) factor would overflow
-    float32 for s > 128).
+    float32 for s > 128). FOLDED: `f` already is 2^(s-1) (folded scales, s <= 128), one multiply.
     """
     bits = ((p32 << (22 - SHIFT)) & 0x01C00000) | ((p32 << (28 - SHIFT)) & 0x80000000)
-    v = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+    v = bits.to(tl.float32, bitcast=True)
+    if not FOLDED:
+        v = v * 8.507059173023462e37  # 2^126
     return v * f
 
 
-def _e2m1_ptx_asm() -> str:
-    """The PTX body of `_e2m1_planes_ptx`: the same seven instructions for each output register,
-    which differ only in the source pair (t0: bytes 0-1, t1: bytes 2-3), the plane (low nibble:
-    shifts 6/12; high nibble: 2/8) and the scale operand."""
+def _e2m1_ptx_asm(folded: bool) -> str:
+    """The PTX body of `_e2m1_planes_ptx`: the same instructions for each output register, which
+    differ only in the source pair (t0: bytes 0-1, t1: bytes 2-3), the plane (low nibble: shifts
+    6/12; high nibble: 2/8) and the scale operand. Folded scales (2^(s-1)) need no multiply by
+    2^126 first."""
     lines = ["{", ".reg .b32 t0, t1, u, v, k;", "mov.b32 k, 0x7E807E80;",
              "prmt.b32 t0, $4, 0, 0x4140;", "prmt.b32 t1, $4, 0, 0x4342;"]
     for out, (src, shift, scale) in enumerate((("t0", 6, 5), ("t1", 6, 6), ("t0", 2, 7), ("t1", 2, 8))):
         lines += [f"shl.b32 u, {src}, {shift};", "and.b32 u, u, 0x01C001C0;",
-                  f"shl.b32 v, {src}, {shift + 6};", "and.b32 v, v, 0x80008000;", "or.b32 u, u, v;",
-                  "mul.rn.bf16x2 u, u, k;", f"mul.rn.bf16x2 ${out}, u, ${scale};"]
+                  f"shl.b32 v, {src}, {shift + 6};", "and.b32 v, v, 0x80008000;", "or.b32 u, u, v;"]
+        lines += [] if folded else ["mul.rn.bf16x2 u, u, k;"]
+        lines += [f"mul.rn.bf16x2 ${out}, u, ${scale};"]
     return "\n        ".join(lines) + "\n        }"
 
 
-_E2M1_PTX_ASM = tl.constexpr(_e2m1_ptx_asm())
+_E2M1_PTX_ASM = tl.constexpr(_e2m1_ptx_asm(False))
+_E2M1_PTX_FOLDED_ASM = tl.constexpr(_e2m1_ptx_asm(True))
 
 
 @triton.jit
-def _e2m1_planes_ptx(packed, sc_lo, sc_hi):
+def _e2m1_planes_ptx(packed, sc_lo, sc_hi, FOLDED: tl.constexpr):
     """Both nibble planes of uint8 `packed` [BN, 32] as bf16, times bf16 scales `sc_lo` / `sc_hi`
     (2^(s-127) broadcast to [BN, 32]), four bytes per call, two elements per register op.
 
@@ -423,10 +426,11 @@ def _e2m1_planes_ptx(packed, sc_lo, sc_hi):
     placement as `_e2m1_plane`, but in bf16 (bits 8..6 and 15): the value times 2^-126, subnormal
     codes included. Then two bf16x2 multiplies, by 2^126 and by the scale: both exact (e2m1 values
     and their scaled products have 2 significant bits; bf16 keeps subnormals down to 2^-133), so
-    the result equals `dequantize_mxfp4(q, bf16)`, inf and NaN included.
+    the result equals `dequantize_mxfp4(q, bf16)`, inf and NaN included. FOLDED: the scales are
+    2^(s-1) (s <= 128) and one multiply does both, as exactly.
     """
     return tl.inline_asm_elementwise(
-        asm=_E2M1_PTX_ASM,
+        asm=_E2M1_PTX_FOLDED_ASM if FOLDED else _E2M1_PTX_ASM,
         constraints="=r,=r,=r,=r,r,r,r,r,r",
         args=[packed, sc_lo, sc_hi],
         dtype=(tl.bfloat16, tl.bfloat16),
@@ -454,18 +458,32 @@ def _per_row(x, PER_COLUMN: tl.constexpr):
 
 
 @triton.jit
-def _upcast_planes(packed, s_lo, s_hi, dtype: tl.constexpr, UPCAST_PTX: tl.constexpr, PER_COLUMN: tl.constexpr):
-    """Both nibble planes of uint8 `packed` [BN, C] in `dtype`, each times its E8M0 scales
-    (`s_lo` / `s_hi`: [BN, C] with PER_COLUMN, else [BN] for the whole plane)."""
+def _upcast_planes(packed, s_lo, s_hi, dtype: tl.constexpr, UPCAST_PTX: tl.constexpr, PER_COLUMN: tl.constexpr,
+                   FOLDED: tl.constexpr):
+    """Both nibble planes of uint8 `packed` [BN, C] in `dtype`, each times its scales (`s_lo` /
+    `s_hi`: [BN, C] with PER_COLUMN, else [BN] for the whole plane): E8M0 bytes, or with FOLDED
+    the int16 bf16 bits of 2^(s-1) (`HopperMxfp4.folded`)."""
     if UPCAST_PTX:
         shape: tl.constexpr = packed.shape
-        w_lo, w_hi = _e2m1_planes_ptx(packed, tl.broadcast_to(_per_row(_scale_bf16(s_lo), PER_COLUMN), shape),
-                                      tl.broadcast_to(_per_row(_scale_bf16(s_hi), PER_COLUMN), shape))
+        if FOLDED:
+            f_lo = s_lo.to(tl.bfloat16, bitcast=True)
+            f_hi = s_hi.to(tl.bfloat16, bitcast=True)
+        else:
+            f_lo = _scale_bf16(s_lo)
+            f_hi = _scale_bf16(s_hi)
+        w_lo, w_hi = _e2m1_planes_ptx(packed, tl.broadcast_to(_per_row(f_lo, PER_COLUMN), shape),
+                                      tl.broadcast_to(_per_row(f_hi, PER_COLUMN), shape), FOLDED)
     else:
         # Rounded to the activation dtype like `dequantize_mxfp4(q, a.dtype)` (exact for bf16).
         p32 = packed.to(tl.uint32)
-        w_lo = _e2m1_plane(p32, _per_row(_scale_factor(s_lo), PER_COLUMN), 0).to(dtype)
-        w_hi = _e2m1_plane(p32, _per_row(_scale_factor(s_hi), PER_COLUMN), 4).to(dtype)
+        if FOLDED:  # bf16 bits -> the same power of two in float32
+            f_lo = (s_lo.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            f_hi = (s_hi.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            f_lo = _scale_factor(s_lo)
+            f_hi = _scale_factor(s_hi)
+        w_lo = _e2m1_plane(p32, _per_row(f_lo, PER_COLUMN), 0, FOLDED).to(dtype)
+        w_hi = _e2m1_plane(p32, _per_row(f_hi, PER_COLUMN), 4, FOLDED).to(dtype)
     return w_lo, w_hi
 
 
@@ -478,7 +496,7 @@ def _scale_factor(s):
 
 @triton.jit
 def _block_scales(s_base, stride_sg, k0, n_ok, K_PAD, K_TAIL: tl.constexpr, HI: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr):
+                  BN: tl.constexpr, BK: tl.constexpr, S_ONE: tl.constexpr):
     """E8M0 scale of every column of one nibble plane of a WIDE iteration, [BN, BK/2]: block b's
     low plane is scale group k0/32 + 2b, its high plane the next one. One byte per block is
     loaded, then widened over its 32 columns."""
@@ -487,7 +505,7 @@ def _block_scales(s_base, stride_sg, k0, n_ok, K_PAD, K_TAIL: tl.constexpr, HI: 
     ok = n_ok[:, None]
     if K_TAIL:
         ok = ok & (k0 + 64 * blocks < K_PAD)[None, :]
-    s = tl.load(s_base[:, None] + (k0 // 32 + 2 * blocks + HI)[None, :] * stride_sg, mask=ok, other=127)
+    s = tl.load(s_base[:, None] + (k0 // 32 + 2 * blocks + HI)[None, :] * stride_sg, mask=ok, other=S_ONE)
     return tl.reshape(tl.broadcast_to(s[:, :, None], (BN, NB, 32)), (BN, BK // 2))
 
 
@@ -512,7 +530,7 @@ def _expert_gemm_mx_hopper_kernel(
     LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, A_DIV: tl.constexpr,
     BLOCK_MB: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, L_POW2: tl.constexpr,
     FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr, UPCAST_PTX: tl.constexpr, WIDE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    FOLDED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """MXFP4 weights in the `HopperMxfp4` arrangement (mxfp4.py): per 64-element K block, byte j
     holds columns j (low nibble) and 32+j (high nibble); scales are `[L, K_PAD/32, N]`.
@@ -538,6 +556,8 @@ def _expert_gemm_mx_hopper_kernel(
     w_base = w_ptr + e64 * stride_we + rn.to(tl.int64)[:, None] * stride_wn
     s_base = s_ptr + e64 * stride_se + rn
     acc = tl.zeros((BN, BM), dtype=tl.float32)
+    # The scale of masked rows and padding blocks: 1 (E8M0 127), or folded 2^126 (bf16 bits 253 << 7).
+    S_ONE: tl.constexpr = 32384 if FOLDED else 127
     if WIDE:
         cols = tl.arange(0, BK // 2)
         # Masks are constant over each block's 32 columns, so the loads stay vectorized.
@@ -550,12 +570,12 @@ def _expert_gemm_mx_hopper_kernel(
             if K_TAIL:  # the last iteration may hold blocks past K_PAD: they read nothing
                 w_ok = w_ok & (kblk < K_PAD)[None, :]
             packed = tl.load(w_base + (k0 // 2 + cols)[None, :], mask=w_ok, other=0)
-            s_lo = _block_scales(s_base, stride_sg, k0, n_ok, K_PAD, K_TAIL, 0, BN, BK)
-            s_hi = _block_scales(s_base, stride_sg, k0, n_ok, K_PAD, K_TAIL, 1, BN, BK)
+            s_lo = _block_scales(s_base, stride_sg, k0, n_ok, K_PAD, K_TAIL, 0, BN, BK, S_ONE)
+            s_hi = _block_scales(s_base, stride_sg, k0, n_ok, K_PAD, K_TAIL, 1, BN, BK, S_ONE)
             x_lo = tl.load(a_base + (k0 + x_off)[None, :], mask=valid[:, None] & (kblk < K)[None, :], other=0.0)
             x_hi = tl.load(a_base + (k0 + x_off + 32)[None, :], mask=valid[:, None] & (kblk + 32 < K)[None, :],
                            other=0.0)
-            w_lo, w_hi = _upcast_planes(packed, s_lo, s_hi, x_lo.dtype, UPCAST_PTX, True)
+            w_lo, w_hi = _upcast_planes(packed, s_lo, s_hi, x_lo.dtype, UPCAST_PTX, True, FOLDED)
             acc = _dot_planes(acc, w_lo, w_hi, x_lo, x_hi, FP32_DOT)
         else:
             for j in tl.static_range(BK // 64):
@@ -564,13 +584,13 @@ def _expert_gemm_mx_hopper_kernel(
                 if K_TAIL:  # the last iteration may hold blocks past K_PAD: they read nothing
                     w_ok = n_ok & (kb < K_PAD)
                 packed = tl.load(w_base + (kb // 2 + rh)[None, :], mask=w_ok[:, None], other=0)
-                s_lo = tl.load(s_base + (kb // 32) * stride_sg, mask=w_ok, other=127)
-                s_hi = tl.load(s_base + (kb // 32 + 1) * stride_sg, mask=w_ok, other=127)
+                s_lo = tl.load(s_base + (kb // 32) * stride_sg, mask=w_ok, other=S_ONE)
+                s_hi = tl.load(s_base + (kb // 32 + 1) * stride_sg, mask=w_ok, other=S_ONE)
                 # K is a multiple of 32, so each 32-column plane is wholly inside or past K: one
                 # scalar condition per plane keeps the row loads vectorizable.
                 x_lo = tl.load(a_base + (kb + rh)[None, :], mask=valid[:, None] & (kb < K), other=0.0)
                 x_hi = tl.load(a_base + (kb + 32 + rh)[None, :], mask=valid[:, None] & (kb + 32 < K), other=0.0)
-                w_lo, w_hi = _upcast_planes(packed, s_lo, s_hi, x_lo.dtype, UPCAST_PTX, False)
+                w_lo, w_hi = _upcast_planes(packed, s_lo, s_hi, x_lo.dtype, UPCAST_PTX, False, FOLDED)
                 acc = _dot_planes(acc, w_lo, w_hi, x_lo, x_hi, FP32_DOT)
 
     acc = tl.trans(acc)
@@ -663,7 +683,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
             BLOCK_MB=block_m, SUB=SUB, ROWS=ROWS, L_POW2=max(2, triton.next_power_of_2(num_local)),
             FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda, K_TAIL=k_pad % BK != 0,
             UPCAST_PTX=cfg.mx_ptx and a2.is_cuda and a2.dtype == torch.bfloat16, WIDE=cfg.mx_wide,
-            BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M)
+            FOLDED=w_hopper.folded, BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M)
         launch_kernel(_expert_gemm_mx_hopper_kernel, grid, ints + ptr_key(*ptrs), ptrs + ints, constexprs,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out2

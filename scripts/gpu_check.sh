@@ -57,6 +57,12 @@ for stage in "$@"; do
             step profile-qwen3 python3 benchmarks/profile_layer.py --graph --preset qwen3-30b-a3b --tokens 1 8
             STEP_TIMEOUT=200 step bench-mx-hopper python3 benchmarks/bench_gemm.py --mxfp4-hopper --models gpt-oss \
                 --rows 1,32,2048 --out "$OUT/bench-mx-hopper" ;;
+        mx-table)  # prepared-MXFP4 kernel and table: GPU exactness (folded and byte scales), sanitizer, the GPT-OSS sweep
+            step test-hopper python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k hopper
+            step sanitizer-hopper compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_gemm_gpu.py -k "hopper_small_sanitizer"
+            STEP_TIMEOUT=200 step bench-mx-hopper python3 benchmarks/bench_gemm.py --mxfp4-hopper --models gpt-oss \
+                --rows 1,32,128,512,2048 --out "$OUT/bench-mx-hopper" ;;
         humming)  # MXFP4 vs humming-kernels on two shapes (its JIT takes minutes per config)
             step bench-humming env HUMMING_CACHE_DIR=/tmp/humming-cache python3 benchmarks/bench_gemm.py \
                 --humming --stages w13,w2 --experts 32 --rows "${HUMMING_ROWS:-8,512}" --no-sweep --no-masked \

@@ -31,6 +31,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 if "--tiny" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -194,16 +195,31 @@ def sweep(store, stage, L, r, a, w, q, meta, out, dev, backend):
                         lambda cfg: backend.gemm(a, wt, meta, stage=stage, bias=None, out=out, config=cfg))
 
 
-def time_candidates(store, key, cands, dev, run):
+def time_candidates(store, key, cands, dev, run, check=None):
     """Time `run(cfg)` for each candidate into `store[key][cfg.short()]`; a candidate that fails
-    (e.g. out of shared memory for a big tile) is reported and skipped."""
+    (e.g. out of shared memory for a big tile) is reported and skipped. `check(cfg)`, when given,
+    returns None or what is wrong with the candidate's results; a wrong candidate is reported,
+    recorded under `store["wrong"]` and never timed, so it cannot win."""
     for cfg in cands:
         try:
+            wrong = check(cfg) if check is not None else None
+            if wrong is not None:
+                print(f"    sweep {key} {cfg.short()}: WRONG RESULTS ({wrong}): excluded")
+                store.setdefault("wrong", {}).setdefault(key, []).append(f"{cfg.short()}: {wrong}")
+                continue
             ms = timed(lambda: run(cfg), dev)
         except Exception as exc:
             print(f"    sweep {key} {cfg.short()}: failed {type(exc).__name__}: {str(exc)[:120]}")
             continue
         store.setdefault(key, {}).setdefault(cfg.short(), []).append(ms)
+
+
+def result_error(got: torch.Tensor, want: torch.Tensor) -> Optional[str]:
+    """None when `got` is finite and within 2e-2 relative (Frobenius) error of `want`, else why not."""
+    if not bool(torch.isfinite(got).all()):
+        return f"{int((~torch.isfinite(got)).sum())} non-finite values"
+    err = ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
+    return None if err <= 2e-2 else f"relative error {err:.3g}"
 
 
 def report_sweep(store):
@@ -212,6 +228,8 @@ def report_sweep(store):
     print("\nBlock-config sweep (sum of ms over the swept shapes; lower is better):")
     winners = {}
     for key, by_cfg in sorted(store.items()):
+        if key == "wrong":
+            continue
         totals = {c: sum(v) for c, v in by_cfg.items()}
         best = min(totals, key=totals.get)
         kind, reg = key.split("/")
@@ -337,8 +355,22 @@ def run_hopper(args) -> dict:
                 if not args.no_sweep:
                     cands = [kg.INTERPRET_HOPPER_CONFIG] if args.tiny else kg.SWEEP_MXFP4_HOPPER[kg.regime(r)]
                     key = f"mxfp4_hopper/{kg.regime(r)}"
+                    # Reference: the dot_scaled kernel on the canonical weights (another kernel, the same
+                    # e2m1 values); each candidate must match it on all three layouts before it is timed.
+                    want = expert_gemm(a, q, meta, out=torch.empty_like(out), backend="triton").clone()
+
+                    def check(c):
+                        for m_, a_, o_ in ((meta, a, out), (imeta, a, out), (mmeta, am, om)):
+                            o_.fill_(float("nan"))
+                            be.gemm(a_, qh, m_, stage=stage, bias=None, out=o_, config=c)
+                            wrong = result_error(out, want)
+                            if wrong is not None:
+                                return f"{m_.layout.value}: {wrong}"
+                        return None
+
                     time_candidates(results["sweep"], key, cands, dev,
-                                    lambda c: be.gemm(a, qh, meta, stage=stage, bias=None, out=out, config=c))
+                                    lambda c: be.gemm(a, qh, meta, stage=stage, bias=None, out=out, config=c),
+                                    check=check)
                 del a, out, am, om
             del w, q, qh
             if dev.type == "cuda":

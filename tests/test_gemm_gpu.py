@@ -311,6 +311,22 @@ def test_mxfp4_hopper_real_shapes(shape, stage, layout, weights):
     check(a, None, meta, stage, out, bias, w_ref=q)
 
 
+# Every medium / prefill candidate on the model shapes where one big tile (since taken out of the
+# sweep) gave non-finite outputs: INDEXED at 1024 rows per expert (the kernel tile is then BM 64)
+# and GROUPED_MASKED on DeepSeek-V4 shapes (256 mostly empty 576-row slabs).
+BIG_TILES = sorted({c for reg in ("medium", "prefill") for c in kg.SWEEP_MXFP4_HOPPER[reg]}, key=lambda c: c.short())
+
+
+@pytest.mark.parametrize("cfg", BIG_TILES, ids=lambda c: c.short())
+@pytest.mark.parametrize("shape,layout", [(SHAPES[2], GemmLayout.INDEXED), (SHAPES[0], GemmLayout.GROUPED_MASKED)],
+                         ids=["indexed-prefill", "masked-dsv4"])
+def test_mxfp4_hopper_big_tiles_on_model_shapes(shape, layout, cfg, weights):
+    q, meta, a, bias, out = real_shape_case(shape, "w13", layout, weights, "mxfp4")
+    get_backend("triton").gemm(a, prepared_only(q), meta, stage="w13", bias=bias, out=out, config=cfg)
+    torch.cuda.synchronize()
+    check(a, None, meta, "w13", out, bias, w_ref=q)
+
+
 # Every sweep candidate on GROUPED_CONTIGUOUS (the layouts share the row selection, `_tile_rows`),
 # and the tuned entries on the other two layouts.
 HOPPER_CONFIGS = sorted({c for cands in kg.SWEEP_MXFP4_HOPPER.values() for c in cands}, key=lambda c: c.short())

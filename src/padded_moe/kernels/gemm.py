@@ -146,6 +146,8 @@ SWEEP_MXFP4: dict[str, list[GemmConfig]] = {
 
 # Prepared-MXFP4 (Hopper kernel) candidates, the table entry first. BM is the MMA's N side (token
 # rows), BN its M side (weight rows: 64 per warpgroup), BK covers BK/64 layout blocks per iteration.
+# BM128_BN128_BK64_w8_s4 with the inline-PTX upcast is left out: it gave non-finite outputs on two
+# model shapes (see TUNED above) and stays out until that is understood.
 _H = lambda bm, bn, bk, g, w, st, ptx=False, wide=False: GemmConfig(  # noqa: E731
     bm, bn, bk, g, w, st, mx_hopper=True, mx_ptx=ptx, mx_wide=wide)
 SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
@@ -160,8 +162,8 @@ SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
     "medium": [_H(128, 128, 128, 8, 8, 3, True), _H(64, 128, 128, 8, 4, 3), _H(128, 128, 64, 8, 8, 4),
                _H(128, 256, 64, 8, 8, 3), _H(128, 64, 128, 8, 4, 3), _H(64, 256, 128, 8, 8, 3),
                _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True),
-               _H(128, 256, 64, 8, 8, 3, True), _H(128, 128, 64, 8, 8, 4, True)],
-    "prefill": [_H(128, 128, 128, 8, 8, 3, True), _H(128, 256, 64, 8, 8, 3, True), _H(128, 128, 64, 8, 8, 4, True),
+               _H(128, 256, 64, 8, 8, 3, True)],
+    "prefill": [_H(128, 128, 128, 8, 8, 3, True), _H(128, 256, 64, 8, 8, 3, True),
                 _H(128, 256, 128, 8, 8, 3, True), _H(64, 256, 128, 8, 8, 3, True), _H(128, 128, 128, 16, 8, 4, True),
                 _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True)],
 }

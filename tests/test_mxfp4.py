@@ -235,6 +235,20 @@ def test_prepare_hopper_fold_argument(gen):
         prepare_hopper(q, fold=1)
 
 
+def test_prepare_hopper_does_not_read_back_under_tracing(gen):
+    """Inside torch.compile tracing the scales' maximum cannot be read back: fold=None keeps the
+    bytes (same values) instead of failing or breaking the graph."""
+    q = quantize_mxfp4(torch.randn(2, 4, 64, generator=gen))
+
+    def scales_dtype_code(blocks, scales):
+        h = prepare_hopper(Mxfp4Tensor(blocks, scales))
+        return torch.full((1,), 16 if h.folded else 8)
+
+    compiled = torch.compile(scales_dtype_code, backend="eager", fullgraph=True)
+    assert compiled(q.blocks, q.scales).item() == 8
+    assert scales_dtype_code(q.blocks, q.scales).item() == 16
+
+
 def test_prepare_for_caches_and_travels(gen):
     q = quantize_mxfp4(torch.randn(4, 8, 96, generator=gen))
     assert q.hopper is None

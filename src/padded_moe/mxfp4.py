@@ -239,8 +239,10 @@ def prepare_hopper(q: Mxfp4Tensor, fold: Optional[bool] = None) -> HopperMxfp4:
     """The `HopperMxfp4` arrangement of `q` (on q's device; the same values, see `unprepare_hopper`).
 
     `fold`: store the scales folded (`FOLD_MAX_SCALE`); None (default) folds when every scale
-    allows it, which reads the scales back to the host once. True with a larger scale is a
-    ValueError; False keeps the E8M0 bytes."""
+    allows it, which reads their maximum back to the host once — unless that read is not allowed
+    here (CUDA-graph capture, `torch.compile` tracing, `torch.cuda.set_sync_debug_mode` set): then
+    it keeps the bytes, which gives the same results, a little slower. True with a larger scale is
+    a ValueError; False keeps the E8M0 bytes."""
     if not isinstance(q, Mxfp4Tensor):
         raise TypeError(f"q must be an Mxfp4Tensor, got {type(q).__name__}")
     if fold is not None and not isinstance(fold, bool):
@@ -254,12 +256,23 @@ def prepare_hopper(q: Mxfp4Tensor, fold: Optional[bool] = None) -> HopperMxfp4:
     codes = codes.view(L, rows, kp // HOPPER_KB, 2, half)  # [.., block, plane (lo/hi), j]
     blocks = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(L, rows, kp // 2)
     scales = torch.nn.functional.pad(q.scales, (0, (kp - K) // GROUP), value=SCALE_BIAS).transpose(1, 2)
-    foldable = q.scales.numel() == 0 or int(q.scales.max()) <= FOLD_MAX_SCALE
+    if fold is None and not _may_read_back(q.scales):
+        fold = False
+    foldable = fold is False or q.scales.numel() == 0 or int(q.scales.max()) <= FOLD_MAX_SCALE
     if fold and not foldable:
         raise ValueError(f"fold=True needs every scale <= {FOLD_MAX_SCALE}, got a maximum of {int(q.scales.max())}")
     if foldable if fold is None else fold:
         scales = ((scales.to(torch.int32) + (_BF16_EXP_BIAS - 1)) << 7).to(torch.int16)
     return HopperMxfp4(blocks.contiguous(), scales.contiguous(), K)
+
+
+def _may_read_back(t: torch.Tensor) -> bool:
+    """Whether reading a value of `t` back to the host is allowed here (a CPU tensor, or a CUDA one
+    outside graph capture, compiler tracing and sync-debug mode)."""
+    if t.device.type != "cuda":
+        return not torch.compiler.is_compiling()
+    return not (torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling()
+                or torch.cuda.get_sync_debug_mode() != 0)
 
 
 def unprepare_hopper(h: HopperMxfp4) -> Mxfp4Tensor:

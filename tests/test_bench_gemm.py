@@ -1,0 +1,59 @@
+"""The GEMM benchmark's sweep (benchmarks/bench_gemm.py) never lets a candidate with wrong results win.
+
+Runs on the CPU: unit checks of the candidate filter, then a tiny `--mxfp4-hopper` run under the
+interpreter in which every swept call is corrupted on purpose, so the check must reject it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_gemm  # noqa: E402
+from padded_moe.kernels import gemm as kg  # noqa: E402
+
+
+def test_result_error_flags_non_finite_and_far_results():
+    want = torch.randn(8, 16)
+    assert bench_gemm.result_error(want.clone(), want) is None
+    bad = want.clone()
+    bad[3, 4] = float("nan")
+    assert bench_gemm.result_error(bad, want) == "1 non-finite values"
+    assert bench_gemm.result_error(want * 1.1, want).startswith("relative error 0.1")
+
+
+def test_wrong_candidate_is_never_timed_and_cannot_win(monkeypatch):
+    monkeypatch.setattr(bench_gemm, "timed", lambda fn, dev: 1.0 if fn() == "fast-but-wrong" else 2.0)
+    right, wrong = kg.GemmConfig(16, 32, 64, 1, 4, 1), kg.GemmConfig(32, 32, 64, 1, 4, 1)
+    store = {}
+    bench_gemm.time_candidates(store, "mxfp4_hopper/decode", [wrong, right], torch.device("cpu"),
+                               lambda c: "fast-but-wrong" if c == wrong else "ok",
+                               check=lambda c: "relative error 3" if c == wrong else None)
+    assert list(store["mxfp4_hopper/decode"]) == [right.short()]
+    assert store["wrong"] == {"mxfp4_hopper/decode": [f"{wrong.short()}: relative error 3"]}
+    bench_gemm.report_sweep(store)
+    assert store["winners"] == {"mxfp4_hopper/decode": right.short()}
+
+
+def test_tiny_hopper_sweep_rejects_corrupted_results(monkeypatch, tmp_path):
+    """Every swept call (those that pass a config) leaves NaN in its output: the check must see it
+    on the first layout it tries and exclude the candidate, so no regime gets a winner."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    real = bench_gemm.get_backend("triton")
+
+    class Corrupting:
+        def gemm(self, a, w, meta, *, out, config=None, **kw):
+            res = real.gemm(a, w, meta, out=out, config=config, **kw)
+            if config is not None:
+                out.view(-1, out.shape[-1])[0, 0] = float("nan")
+            return res
+
+    monkeypatch.setattr(bench_gemm, "get_backend", lambda name: Corrupting())
+    args = bench_gemm.argparse.Namespace(tiny=True, models="gpt-oss", rows="1", no_sweep=False)
+    results = bench_gemm.run_hopper(args)
+    wrong = results["sweep"]["wrong"]["mxfp4_hopper/decode"]
+    assert len(wrong) == 2 and all("grouped_contiguous: 1 non-finite values" in w for w in wrong), wrong
+    assert results["sweep"]["winners"] == {}

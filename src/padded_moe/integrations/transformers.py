@@ -267,8 +267,9 @@ def padded_moe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     shape = hidden_states.shape
     hidden = hidden_states.reshape(-1, shape[-1])
     ids = top_k_index.reshape(-1, top_k_index.shape[-1])
-    # Spec 03 takes fp32 router weights; HF routers may hand them over in the model dtype.
-    weights = top_k_weights.reshape(ids.shape).to(torch.float32)
+    # HF routers may hand the weights over in the model dtype: the combine reads them as they are
+    # and multiplies in fp32 (the same values a cast would give, without a kernel per layer).
+    weights = top_k_weights.reshape(ids.shape)
     plan = experts_plan(self)
     w13, w2, b13, b2 = expert_weights(self)
     # The composed path is fused_experts too, given the module's own gate and post-expert norm

@@ -66,7 +66,8 @@ for stage in "$@"; do
         owed)  # what the last CPU-only changes still need on a GPU: prepared-MXFP4 table + big tiles, the plug-in
             step test-hopper python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k hopper
             step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py
-            step test-plans python3 -m pytest -q -x -m gpu tests/test_launch_plan_gpu.py tests/test_compile_gpu.py -k "sync or plan" ;;
+            step test-plans python3 -m pytest -q -x -m gpu tests/test_launch_plan_gpu.py
+            step test-no-sync python3 -m pytest -q -m gpu tests/test_compile_gpu.py -k never_syncs ;;
         humming)  # MXFP4 vs humming-kernels on two shapes (its JIT takes minutes per config)
             step bench-humming env HUMMING_CACHE_DIR=/tmp/humming-cache python3 benchmarks/bench_gemm.py \
                 --humming --stages w13,w2 --experts 32 --rows "${HUMMING_ROWS:-8,512}" --no-sweep --no-masked \

@@ -25,8 +25,9 @@ HOPPER_KB = 64  # K elements per block of the prepared Hopper layout (two nibble
 # Prepared scales are "folded" when every scale is at most this: `HopperMxfp4.scales` then holds
 # the bf16 bits of 2^(s-1) as int16 instead of the E8M0 byte s. The GEMM places an e2m1 code's bits
 # into a bf16 whose value is the code's value times 2^-126; one multiply by 2^(s-1) then gives the
-# weight exactly, and 2^(s-1) is a finite bf16 up to s = 128. Larger scales (weights of magnitude
-# 2 and up, never seen in real checkpoints) keep the byte and cost the GEMM a second multiply.
+# weight exactly, and 2^(s-1) is a finite bf16 up to s = 128. Larger scales (with `quantize_mxfp4`'s
+# rule: a 32-group whose largest |w| is 16 or more; real checkpoints stay far below) keep the byte
+# and cost the GEMM a second multiply.
 FOLD_MAX_SCALE = 128
 _BF16_EXP_BIAS = 127
 
@@ -256,14 +257,18 @@ def prepare_hopper(q: Mxfp4Tensor, fold: Optional[bool] = None) -> HopperMxfp4:
     codes = codes.view(L, rows, kp // HOPPER_KB, 2, half)  # [.., block, plane (lo/hi), j]
     blocks = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(L, rows, kp // 2)
     scales = torch.nn.functional.pad(q.scales, (0, (kp - K) // GROUP), value=SCALE_BIAS).transpose(1, 2)
-    if fold is None and not _may_read_back(q.scales):
-        fold = False
-    foldable = fold is False or q.scales.numel() == 0 or int(q.scales.max()) <= FOLD_MAX_SCALE
-    if fold and not foldable:
-        raise ValueError(f"fold=True needs every scale <= {FOLD_MAX_SCALE}, got a maximum of {int(q.scales.max())}")
-    if foldable if fold is None else fold:
+    if fold is None:
+        fold = _may_read_back(q.scales) and _max_scale(q) <= FOLD_MAX_SCALE
+    elif fold and _max_scale(q) > FOLD_MAX_SCALE:
+        raise ValueError(f"fold=True needs every scale <= {FOLD_MAX_SCALE}, got a maximum of {_max_scale(q)}")
+    if fold:
         scales = ((scales.to(torch.int32) + (_BF16_EXP_BIAS - 1)) << 7).to(torch.int16)
     return HopperMxfp4(blocks.contiguous(), scales.contiguous(), K)
+
+
+def _max_scale(q: Mxfp4Tensor) -> int:
+    """The largest E8M0 scale of `q` (a read back to the host), 0 for an empty tensor."""
+    return int(q.scales.max()) if q.scales.numel() else 0
 
 
 def _may_read_back(t: torch.Tensor) -> bool:

@@ -319,11 +319,14 @@ def test_paths_give_bitwise_identical_metadata(monkeypatch):
     check_meta(metas["1"][1], ref)
 
 
-@pytest.mark.parametrize("M,k,E,R", [(1, 8, 128, 1), (3, 6, 256, 2), (16, 8, 128, 1), (40, 3, 9, 1)])
-def test_one_program_build_equals_three_launches(monkeypatch, M, k, E, R):
+@pytest.mark.parametrize("M,k,E,R,bm", [(1, 8, 128, 1, 4), (3, 6, 256, 2, 4), (16, 8, 128, 1, 4), (40, 3, 9, 1, 4),
+                                        (1, 8, 128, 1, 16), (3, 6, 256, 1, 16)])
+def test_one_program_build_equals_three_launches(monkeypatch, M, k, E, R, bm):
     """Up to ONE_PROGRAM_SLOTS slots the interpreted kernels build in one program; forcing the
     three-launch path on the same input gives bitwise identical metadata, and both match the
-    reference. (40, 3) has 120 slots: the largest one-program chunk, with a 128-wide rank tile.)"""
+    reference. (40, 3) has 120 slots: the largest one-program chunk, with a 128-wide rank tile.
+    block_m 16 on 128 / 256 experts: an INDEXED capacity of several 1024-position tiles, all but
+    the first past the last expert's rows (filled without the owner search)."""
     from padded_moe import layouts as layouts_module
     from padded_moe._platform import kernels_interpreted
 
@@ -338,7 +341,7 @@ def test_one_program_build_equals_three_launches(monkeypatch, M, k, E, R):
     metas = {}
     for limit in (layouts_module.ONE_PROGRAM_SLOTS, 0):
         monkeypatch.setattr(layouts_module, "ONE_PROGRAM_SLOTS", limit)
-        metas[limit] = [build_layout(lay, ids, m, valid_tokens=vt, block_m=4, max_tokens_per_expert=2,
+        metas[limit] = [build_layout(lay, ids, m, valid_tokens=vt, block_m=bm, max_tokens_per_expert=2,
                                      drop_overflow=True) for lay in LAYOUTS]
     one, three = metas.values()
     for a, b in zip(one, three):
@@ -347,7 +350,7 @@ def test_one_program_build_equals_three_launches(monkeypatch, M, k, E, R):
             if hasattr(a, name):
                 assert torch.equal(getattr(a, name), getattr(b, name)), f"{a.layout} {name}"
     for lay, meta in zip(LAYOUTS, one):
-        check_meta(meta, ref_layout(lay, ids.tolist(), E, m.map.tolist(), m.num_local, M - 1, 4,
+        check_meta(meta, ref_layout(lay, ids.tolist(), E, m.map.tolist(), m.num_local, M - 1, bm,
                                     2 if lay == GemmLayout.GROUPED_MASKED else None))
 
 

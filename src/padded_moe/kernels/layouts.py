@@ -160,22 +160,28 @@ def _place_positions(q, counts_ptr, offs32_ptr, src_ptr, sorted_ids_ptr, block_e
         tl.store(src_ptr + p, S, mask=(p < S) & (p >= total))
     else:
         pm = p < CAP
-        # Owner of position p: the largest e in [0, L) with padded_offset[e] <= p
-        # (empty experts share their offset with the next one, so "largest" picks the owner).
-        lo = tl.zeros([PBLK], dtype=tl.int32)
-        hi = tl.zeros([PBLK], dtype=tl.int32) + (L - 1)
-        for _ in tl.static_range(SEARCH_STEPS):
-            mid = (lo + hi + 1) // 2
-            v = tl.load(offs32_ptr + mid, mask=pm & (mid >= 0), other=0)
-            go = v <= p
-            lo = tl.where(go, mid, lo)
-            hi = tl.where(go, hi, mid - 1)
-        used = pm & (p < total)
-        start = tl.load(offs32_ptr + lo, mask=used, other=0)
-        cnt = tl.load(counts_ptr + lo, mask=used, other=0)
-        padding = pm & ((p >= total) | (p - start >= cnt))
-        tl.store(sorted_ids_ptr + p, S, mask=padding)
-        tl.store(block_expert_ptr + p // BLOCK_M, tl.where(used, lo, -1), mask=pm & (p % BLOCK_M == 0))
+        if q * PBLK < total:
+            # Owner of position p: the largest e in [0, L) with padded_offset[e] <= p
+            # (empty experts share their offset with the next one, so "largest" picks the owner).
+            lo = tl.zeros([PBLK], dtype=tl.int32)
+            hi = tl.zeros([PBLK], dtype=tl.int32) + (L - 1)
+            for _ in tl.static_range(SEARCH_STEPS):
+                mid = (lo + hi + 1) // 2
+                v = tl.load(offs32_ptr + mid, mask=pm & (mid >= 0), other=0)
+                go = v <= p
+                lo = tl.where(go, mid, lo)
+                hi = tl.where(go, hi, mid - 1)
+            used = pm & (p < total)
+            start = tl.load(offs32_ptr + lo, mask=used, other=0)
+            cnt = tl.load(counts_ptr + lo, mask=used, other=0)
+            padding = pm & ((p >= total) | (p - start >= cnt))
+            tl.store(sorted_ids_ptr + p, S, mask=padding)
+            tl.store(block_expert_ptr + p // BLOCK_M, tl.where(used, lo, -1), mask=pm & (p % BLOCK_M == 0))
+        else:
+            # The whole tile lies past the last expert's padded rows (most of the capacity at
+            # decode, which reserves BLOCK_M-1 padding rows per expert): no owner to search for.
+            tl.store(sorted_ids_ptr + p, S, mask=pm)
+            tl.store(block_expert_ptr + p // BLOCK_M, tl.full([PBLK], -1, tl.int32), mask=pm & (p % BLOCK_M == 0))
 
 
 @triton.jit

@@ -63,7 +63,9 @@ for stage in "$@"; do
                 tests/test_gemm_gpu.py -k "hopper_small_sanitizer"
             STEP_TIMEOUT=200 step bench-mx-hopper python3 benchmarks/bench_gemm.py --mxfp4-hopper --models gpt-oss \
                 --rows 1,32,128,512,2048 --out "$OUT/bench-mx-hopper" ;;
-        owed)  # what the last CPU-only changes still need on a GPU: prepared-MXFP4 table + big tiles, the plug-in
+        owed)  # what the last CPU-only changes still need on a GPU: layouts, prepared-MXFP4 table + big tiles, the plug-in
+            step test-layouts python3 -m pytest -q -m gpu tests/test_layouts_gpu.py
+            step sanitizer-layouts compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_layouts_gpu.py -k "sanitizer or (cuda_matches and 3-6-256)"
             step test-hopper python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k hopper
             step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py
             step test-plans python3 -m pytest -q -x -m gpu tests/test_launch_plan_gpu.py

@@ -1,7 +1,8 @@
-"""Expert GEMM benchmark (spec 03 targets) on DSV4 shapes; one run also sweeps the kernel's block
-configs per regime and prints the winners for `padded_moe.kernels.gemm.TUNED`.
+"""Expert GEMM benchmark (spec 03 targets) on model shapes (DSV4 by default); one run also sweeps the
+kernel's block configs per regime and prints the winners for `padded_moe.kernels.gemm.TUNED`.
 
     python benchmarks/bench_gemm.py [--out docs/] [--humming] [--no-sweep]
+    python benchmarks/bench_gemm.py --presets qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b --no-masked
     python benchmarks/bench_gemm.py --tiny          # CPU dry run under TRITON_INTERPRET=1
     python benchmarks/bench_gemm.py --mxfp4-hopper [--models gpt-oss,dsv4-flash] [--rows 1,2,...]
                                     [--no-sweep] [--tiny]
@@ -13,8 +14,10 @@ and larger), GROUPED_CONTIGUOUS for all three plus the prepared kernel on INDEXE
 GROUPED_MASKED; prints weight bytes read / time as a fraction of copy bandwidth, and sweeps
 `SWEEP_MXFP4_HOPPER` per regime (winners for `TUNED[("mxfp4_hopper", regime)]`).
 
-Shapes: w13 (K=4096 -> 2N=4096) and w2 (N=2048 -> K=4096), 32 and 128 local experts, {8, 32, 128,
-512, 2048} rows per expert, GROUPED_CONTIGUOUS (the layout torch._grouped_mm also computes) plus
+Shapes: per preset (`--presets`, default dsv4-flash), w13 (K=hidden -> 2N) and w2 (N -> hidden);
+dsv4-flash: K=4096, N=2048 on 32 and 128 local experts, the other presets on all their experts
+(`--experts` overrides); {8, 32, 128, 512, 2048} rows per expert, GROUPED_CONTIGUOUS (the layout
+torch._grouped_mm also computes) plus
 our INDEXED, and GROUPED_MASKED slabs at 10% vs 100% valid. Ceilings measured in the same run:
 device copy bandwidth (read + write of 1 GiB) and a dense bf16 matmul (8192^3).
 
@@ -43,6 +46,7 @@ from padded_moe.gemm import expert_gemm
 from padded_moe.kernels import gemm as kg
 from padded_moe.layouts import GemmLayout, GroupedContiguousMeta, GroupedMaskedMeta, build_layout
 from padded_moe.mxfp4 import Mxfp4Tensor, quantize_mxfp4
+from padded_moe.presets import get_preset
 
 
 def timed(fn, dev) -> float:
@@ -101,15 +105,19 @@ def run(args) -> dict:
     ceil = ceilings(dev, args.tiny)
     print(f"copy bandwidth {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, dense bf16 {ceil['dense_tflops']:.0f} TFLOP/s")
     if args.tiny:
-        stages = {"w13": (64, 64), "w2": (32, 64)}
-        experts, row_set, slab_set = [4], [8, 32], [64]
+        models = {"tiny": ({"w13": (64, 64), "w2": (32, 64)}, [4])}
+        row_set, slab_set = [8, 32], [64]
     else:
-        stages = {"w13": (4096, 4096), "w2": (2048, 4096)}  # (K, Nout)
-        experts, row_set, slab_set = [32, 128], [8, 32, 128, 512, 2048], [512, 2048]
-        if args.stages:
-            stages = {k: v for k, v in stages.items() if k in args.stages.split(",")}
-        if args.experts:
-            experts = [int(x) for x in args.experts.split(",")]
+        models = {}
+        for name in args.presets.split(","):
+            pre = get_preset(name)
+            stages = {"w13": (pre.hidden_size, pre.w13_rows), "w2": (pre.intermediate_size, pre.hidden_size)}  # (K, Nout)
+            if args.stages:
+                stages = {k: v for k, v in stages.items() if k in args.stages.split(",")}
+            experts = ([int(x) for x in args.experts.split(",")] if args.experts
+                       else [32, 128] if name == "dsv4-flash" else [pre.num_experts])
+            models[name] = (stages, experts)
+        row_set, slab_set = [8, 32, 128, 512, 2048], [512, 2048]
         if args.rows:
             row_set = [int(x) for x in args.rows.split(",")]
         if args.no_masked:
@@ -117,70 +125,71 @@ def run(args) -> dict:
     results = {"ceilings": ceil, "rows": [], "masked": [], "sweep": {}}
     has_gmm = dev.type == "cuda" and hasattr(torch, "_grouped_mm")
 
-    for stage, (K, n_out) in stages.items():
-        for L in experts:
-            w, q = weight_pair(L, n_out, K, dev)
-            for r in row_set:
-                meta = contiguous_meta(L, r, dev)
-                a = torch.randn(L * r, K, device=dev, dtype=torch.bfloat16)
-                out = torch.empty(L * r, n_out, device=dev, dtype=torch.bfloat16)
-                ids = (torch.arange(L * r, device=dev, dtype=torch.int32) // r).view(-1, 1)
-                bm_idx = kg.pick_config(r, False, args.tiny).BM
-                imeta = build_layout(GemmLayout.INDEXED, ids, L, block_m=max(16, bm_idx))
-                row = {"stage": stage, "L": L, "rows_per_expert": r, "K": K, "N": n_out,
-                       "regime": kg.regime(r)}
-                flops = 2.0 * L * r * K * n_out
-                row["ours_bf16_ms"] = timed(lambda: expert_gemm(a, w, meta, out=out, backend="triton"), dev)
-                row["ours_bf16_indexed_ms"] = timed(lambda: expert_gemm(a, w, imeta, out=out, backend="triton"), dev)
-                row["ours_mxfp4_ms"] = timed(lambda: expert_gemm(a, q, meta, out=out, backend="triton"), dev)
-                if has_gmm:
-                    offs = meta.offsets[1:].to(torch.int32)
-                    wt = w.transpose(-2, -1)
-                    row["grouped_mm_ms"] = timed(lambda: torch._grouped_mm(a, wt, offs=offs), dev)
-                if args.humming:
-                    try:
-                        row["humming_mxfp4_ms"] = timed(lambda: expert_gemm(a, q, meta, out=out, backend="humming"), dev)
-                    except Exception as exc:  # report, keep benchmarking
-                        row["humming_error"] = repr(exc)[:200]
-                for key in [k for k in list(row) if k.endswith("_ms")]:
-                    ms = row[key]
-                    row[key.replace("_ms", "_tflops")] = flops / (ms * 1e-3) / 1e12
-                    wb = wbytes(q) if "mxfp4" in key else wbytes(w)
-                    row[key.replace("_ms", "_wbw_frac")] = wb / (ms * 1e-3) / ceil["copy_bytes_per_s"]
-                if "grouped_mm_ms" in row:
-                    row["ours_vs_grouped_mm"] = row["grouped_mm_ms"] / row["ours_bf16_ms"]
-                if "humming_mxfp4_ms" in row:
-                    row["mxfp4_vs_humming"] = row["humming_mxfp4_ms"] / row["ours_mxfp4_ms"]
-                results["rows"].append(row)
-                print_row(row)
-                if not args.no_sweep and L == experts[0]:
-                    sweep(results["sweep"], stage, L, r, a, w, q, meta, out, dev, triton_be)
-                del a, out
-            for T in slab_set:
-                am = torch.randn(L, T, K, device=dev, dtype=torch.bfloat16)
-                om = torch.empty(L, T, n_out, device=dev, dtype=torch.bfloat16)
-                m100 = masked_meta(L, T, T, dev)
-                full = timed(lambda: expert_gemm(am, w, m100, out=om), dev)
-                m10 = masked_meta(L, T, max(1, T // 10), dev)
-                part = timed(lambda: expert_gemm(am, w, m10, out=om), dev)
-                rec = {"stage": stage, "L": L, "T_max": T, "full_ms": full, "valid10_ms": part,
-                       "ratio": part / full,
-                       "config": kg.pick_config(T, False, args.tiny).short()}
-                if not args.tiny:  # the trade-off of the masked table's BM=64 against the 128-row tile
-                    big = kg.TUNED[("bf16", kg.regime(T))]
-                    run_big = lambda m: triton_be.gemm(am, w, m, stage=stage, bias=None, out=om, config=big)  # noqa: E731
-                    rec["bm128_full_ms"] = timed(lambda: run_big(m100), dev)
-                    rec["bm128_valid10_ms"] = timed(lambda: run_big(m10), dev)
-                    rec["bm128_config"] = big.short()
-                results["masked"].append(rec)
-                print(f"  masked {stage} L={L} T={T} [{rec['config']}]: full {full:.3f} ms, 10% valid "
-                      f"{part:.3f} ms -> {100 * part / full:.1f}% (target <= 15%)"
-                      + (f" | {rec['bm128_config']}: full {rec['bm128_full_ms']:.3f} ms, 10% "
-                         f"{rec['bm128_valid10_ms']:.3f} ms" if "bm128_config" in rec else ""))
-                del am, om
-            del w, q
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+    for model, (stages, experts) in models.items():
+        for stage, (K, n_out) in stages.items():
+            for L in experts:
+                w, q = weight_pair(L, n_out, K, dev)
+                for r in row_set:
+                    meta = contiguous_meta(L, r, dev)
+                    a = torch.randn(L * r, K, device=dev, dtype=torch.bfloat16)
+                    out = torch.empty(L * r, n_out, device=dev, dtype=torch.bfloat16)
+                    ids = (torch.arange(L * r, device=dev, dtype=torch.int32) // r).view(-1, 1)
+                    bm_idx = kg.pick_config(r, False, args.tiny).BM
+                    imeta = build_layout(GemmLayout.INDEXED, ids, L, block_m=max(16, bm_idx))
+                    row = {"model": model, "stage": stage, "L": L, "rows_per_expert": r, "K": K, "N": n_out,
+                           "regime": kg.regime(r)}
+                    flops = 2.0 * L * r * K * n_out
+                    row["ours_bf16_ms"] = timed(lambda: expert_gemm(a, w, meta, out=out, backend="triton"), dev)
+                    row["ours_bf16_indexed_ms"] = timed(lambda: expert_gemm(a, w, imeta, out=out, backend="triton"), dev)
+                    row["ours_mxfp4_ms"] = timed(lambda: expert_gemm(a, q, meta, out=out, backend="triton"), dev)
+                    if has_gmm:
+                        offs = meta.offsets[1:].to(torch.int32)
+                        wt = w.transpose(-2, -1)
+                        row["grouped_mm_ms"] = timed(lambda: torch._grouped_mm(a, wt, offs=offs), dev)
+                    if args.humming:
+                        try:
+                            row["humming_mxfp4_ms"] = timed(lambda: expert_gemm(a, q, meta, out=out, backend="humming"), dev)
+                        except Exception as exc:  # report, keep benchmarking
+                            row["humming_error"] = repr(exc)[:200]
+                    for key in [k for k in list(row) if k.endswith("_ms")]:
+                        ms = row[key]
+                        row[key.replace("_ms", "_tflops")] = flops / (ms * 1e-3) / 1e12
+                        wb = wbytes(q) if "mxfp4" in key else wbytes(w)
+                        row[key.replace("_ms", "_wbw_frac")] = wb / (ms * 1e-3) / ceil["copy_bytes_per_s"]
+                    if "grouped_mm_ms" in row:
+                        row["ours_vs_grouped_mm"] = row["grouped_mm_ms"] / row["ours_bf16_ms"]
+                    if "humming_mxfp4_ms" in row:
+                        row["mxfp4_vs_humming"] = row["humming_mxfp4_ms"] / row["ours_mxfp4_ms"]
+                    results["rows"].append(row)
+                    print_row(row)
+                    if not args.no_sweep and L == experts[0]:
+                        sweep(results["sweep"], stage, L, r, a, w, q, meta, out, dev, triton_be)
+                    del a, out
+                for T in slab_set:
+                    am = torch.randn(L, T, K, device=dev, dtype=torch.bfloat16)
+                    om = torch.empty(L, T, n_out, device=dev, dtype=torch.bfloat16)
+                    m100 = masked_meta(L, T, T, dev)
+                    full = timed(lambda: expert_gemm(am, w, m100, out=om), dev)
+                    m10 = masked_meta(L, T, max(1, T // 10), dev)
+                    part = timed(lambda: expert_gemm(am, w, m10, out=om), dev)
+                    rec = {"model": model, "stage": stage, "L": L, "T_max": T, "full_ms": full, "valid10_ms": part,
+                           "ratio": part / full,
+                           "config": kg.pick_config(T, False, args.tiny).short()}
+                    if not args.tiny:  # the trade-off of the masked table's BM=64 against the 128-row tile
+                        big = kg.TUNED[("bf16", kg.regime(T))]
+                        run_big = lambda m: triton_be.gemm(am, w, m, stage=stage, bias=None, out=om, config=big)  # noqa: E731
+                        rec["bm128_full_ms"] = timed(lambda: run_big(m100), dev)
+                        rec["bm128_valid10_ms"] = timed(lambda: run_big(m10), dev)
+                        rec["bm128_config"] = big.short()
+                    results["masked"].append(rec)
+                    print(f"  masked {model} {stage} L={L} T={T} [{rec['config']}]: full {full:.3f} ms, 10% valid "
+                          f"{part:.3f} ms -> {100 * part / full:.1f}% (target <= 15%)"
+                          + (f" | {rec['bm128_config']}: full {rec['bm128_full_ms']:.3f} ms, 10% "
+                             f"{rec['bm128_valid10_ms']:.3f} ms" if "bm128_config" in rec else ""))
+                    del am, om
+                del w, q
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
     report_sweep(results["sweep"])
     return results
 
@@ -245,7 +254,7 @@ def print_row(row):
     def f(key, fmt="{:.3f}"):
         return fmt.format(row[key]) if key in row else "-"
 
-    print(f"{row['stage']:4s} L={row['L']:4d} rows/e={row['rows_per_expert']:5d} [{row['regime']:7s}] "
+    print(f"{row['model']:14s} {row['stage']:4s} L={row['L']:4d} rows/e={row['rows_per_expert']:5d} [{row['regime']:7s}] "
           f"ours bf16 {f('ours_bf16_ms')} ms ({f('ours_bf16_tflops', '{:.0f}')} TF, "
           f"wbw {f('ours_bf16_wbw_frac', '{:.0%}')}) | idx {f('ours_bf16_indexed_ms')} | "
           f"mxfp4 {f('ours_mxfp4_ms')} ms (wbw {f('ours_mxfp4_wbw_frac', '{:.0%}')}) | "
@@ -268,16 +277,16 @@ def plot(results, path: Path):
             ("ours_mxfp4_tflops", "ours mxfp4"), ("grouped_mm_tflops", "torch._grouped_mm"),
             ("humming_mxfp4_tflops", "humming mxfp4")]
     for ax, stage in zip(axes, ("w13", "w2")):
-        for L in sorted({r["L"] for r in results["rows"]}):
-            rows = [r for r in results["rows"] if r["stage"] == stage and r["L"] == L]
+        for model, L in sorted({(r["model"], r["L"]) for r in results["rows"]}):
+            rows = [r for r in results["rows"] if r["stage"] == stage and r["L"] == L and r["model"] == model]
             for key, label in keys:
                 pts = [(r["rows_per_expert"], r[key]) for r in rows if key in r]
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=f"{label} L={L}")
+                    ax.plot(*zip(*pts), marker="o", label=f"{label} {model} L={L}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("rows per expert")
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"DSV4 {stage}")
+        ax.set_title(stage)
         ax.axhline(results["ceilings"]["dense_tflops"], color="k", ls=":", lw=0.8)
         ax.legend(fontsize=6)
     fig.tight_layout()
@@ -290,7 +299,7 @@ def write_markdown(results, out: Path, suffix: str) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from _common import device_line, markdown_table
 
-    cols = [("stage", "stage"), ("L", "L"), ("rows_per_expert", "rows/expert"),
+    cols = [("model", "model"), ("stage", "stage"), ("L", "L"), ("rows_per_expert", "rows/expert"),
             ("ours_bf16_ms", "ours bf16 ms"), ("ours_bf16_indexed_ms", "ours bf16 indexed ms"),
             ("ours_mxfp4_ms", "ours mxfp4 ms"), ("grouped_mm_ms", "torch._grouped_mm ms"),
             ("ours_vs_grouped_mm", "grouped_mm time / ours"), ("ours_bf16_wbw_frac", "ours bf16 weight BW / copy BW"),
@@ -386,7 +395,10 @@ def main():
     p.add_argument("--no-sweep", action="store_true", help="skip the block-config sweep")
     p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU under the interpreter (dry run)")
     p.add_argument("--stages", help="subset of w13,w2 (default both)")
-    p.add_argument("--experts", help="comma list of local expert counts (default 32,128)")
+    p.add_argument("--presets", default="dsv4-flash",
+                   help="comma list of presets whose expert shapes to time (padded_moe.presets; default dsv4-flash)")
+    p.add_argument("--experts", help="comma list of local expert counts (default 32,128 for dsv4-flash, "
+                                     "else the preset's expert count)")
     p.add_argument("--rows", help="comma list of rows per expert (default 8,32,128,512,2048)")
     p.add_argument("--no-masked", action="store_true", help="skip the grouped_masked 10%%-valid slabs")
     p.add_argument("--mxfp4-hopper", action="store_true",

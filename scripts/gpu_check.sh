@@ -70,6 +70,9 @@ for stage in "$@"; do
             step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py
             step test-plans python3 -m pytest -q -x -m gpu tests/test_launch_plan_gpu.py
             step test-no-sync python3 -m pytest -q -m gpu tests/test_compile_gpu.py -k never_syncs ;;
+        gemm-models)  # bf16 expert GEMMs on the Qwen3-MoE, Mixtral and GPT-OSS shapes (all their experts) + the sweep
+            STEP_TIMEOUT=500 step bench-gemm-models python3 benchmarks/bench_gemm.py --presets qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b \
+                --no-masked --out "$OUT/bench-gemm-models" ;;
         humming)  # MXFP4 vs humming-kernels on two shapes (its JIT takes minutes per config)
             step bench-humming env HUMMING_CACHE_DIR=/tmp/humming-cache python3 benchmarks/bench_gemm.py \
                 --humming --stages w13,w2 --experts 32 --rows "${HUMMING_ROWS:-8,512}" --no-sweep --no-masked \

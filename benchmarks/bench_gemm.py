@@ -11,7 +11,9 @@ kernel's block configs per regime and prints the winners for `padded_moe.kernels
 same canonical weights through tl.dot_scaled vs bf16 weights, on the GPT-OSS (E=128, K=N=2880) and
 dsv4-flash (E=256, K=4096, N=2048) expert shapes, every expert holding `rows` rows (decode 1..32
 and larger), GROUPED_CONTIGUOUS for all three plus the prepared kernel on INDEXED and
-GROUPED_MASKED; prints weight bytes read / time as a fraction of copy bandwidth, and sweeps
+GROUPED_MASKED and on the 4-plane arrangement (`prepare_for(planes=4)`); every prepared result is
+first checked against the dot_scaled one; prints weight bytes read / time as a fraction of copy
+bandwidth, and sweeps
 `SWEEP_MXFP4_HOPPER` per regime (winners for `TUNED[("mxfp4_hopper", regime)]`).
 
 Shapes: per preset (`--presets`, default dsv4-flash), w13 (K=hidden -> 2N) and w2 (N -> hidden);
@@ -332,6 +334,7 @@ def run_hopper(args) -> dict:
         for stage, (K, n_out) in (("w13", (hidden, 2 * inter)), ("w2", (inter, hidden))):
             w, q = weight_pair(E, n_out, K, dev)
             qh = Mxfp4Tensor(q.blocks, q.scales).prepare_for()  # q itself stays canonical: dot_scaled path
+            qh4 = Mxfp4Tensor(q.blocks, q.scales).prepare_for(planes=4)  # the 4-plane arrangement
             mx_bytes = wbytes(q)
             for r in row_set:
                 meta = contiguous_meta(E, r, dev)
@@ -342,9 +345,19 @@ def run_hopper(args) -> dict:
                 imeta = build_layout(GemmLayout.INDEXED, ids, E, block_m=max(16, cfg.BM))
                 mmeta = masked_meta(E, r, r, dev)
                 am, om = a.view(E, r, K), out.view(E, r, n_out)
+                # Reference: the dot_scaled kernel on the canonical weights (another kernel, the same
+                # e2m1 values); the prepared kernels, and each sweep candidate, must match it.
+                want = expert_gemm(a, q, meta, out=torch.empty_like(out), backend="triton").clone()
+                checks = {}
+                for name, wt in (("hopper", qh), ("hopper4", qh4)):
+                    out.fill_(float("nan"))
+                    checks[name] = result_error(expert_gemm(a, wt, meta, out=out, backend="triton"), want)
+                    if checks[name] is not None:
+                        print(f"    {name} {model} {stage} rows/e={r}: WRONG RESULTS ({checks[name]})")
                 row = {"model": model, "stage": stage, "E": E, "K": K, "N": n_out, "rows_per_expert": r,
-                       "regime": kg.regime(r), "hopper_config": cfg.short(),
+                       "regime": kg.regime(r), "hopper_config": cfg.short(), "wrong": checks,
                        "hopper_ms": timed(lambda: expert_gemm(a, qh, meta, out=out, backend="triton"), dev),
+                       "hopper4_ms": timed(lambda: expert_gemm(a, qh4, meta, out=out, backend="triton"), dev),
                        "hopper_indexed_ms": timed(lambda: expert_gemm(a, qh, imeta, out=out, backend="triton"), dev),
                        "hopper_masked_ms": timed(lambda: expert_gemm(am, qh, mmeta, out=om, backend="triton"), dev),
                        "dot_scaled_ms": timed(lambda: expert_gemm(a, q, meta, out=out, backend="triton"), dev),
@@ -356,7 +369,8 @@ def run_hopper(args) -> dict:
                 row["hopper_speedup_vs_bf16"] = row["bf16_ms"] / row["hopper_ms"]
                 results["hopper_rows"].append(row)
                 print(f"{model:10s} {stage:3s} E={E} K={K} N={n_out} rows/e={r:5d} [{row['regime']:7s}] "
-                      f"hopper {row['hopper_ms']:.3f} ms (wbw {row['hopper_wbw_frac']:.0%}; idx "
+                      f"hopper {row['hopper_ms']:.3f} ms (wbw {row['hopper_wbw_frac']:.0%}; 4-plane "
+                      f"{row['hopper4_ms']:.3f}; idx "
                       f"{row['hopper_indexed_ms']:.3f}, masked {row['hopper_masked_ms']:.3f}) | dot_scaled "
                       f"{row['dot_scaled_ms']:.3f} ms (wbw {row['dot_scaled_wbw_frac']:.0%}) | bf16 "
                       f"{row['bf16_ms']:.3f} ms (wbw {row['bf16_wbw_frac']:.0%}) | x{row['hopper_speedup_vs_dot_scaled']:.2f}"
@@ -364,10 +378,6 @@ def run_hopper(args) -> dict:
                 if not args.no_sweep:
                     cands = [kg.INTERPRET_HOPPER_CONFIG] if args.tiny else kg.SWEEP_MXFP4_HOPPER[kg.regime(r)]
                     key = f"mxfp4_hopper/{kg.regime(r)}"
-                    # Reference: the dot_scaled kernel on the canonical weights (another kernel, the same
-                    # e2m1 values); each candidate must match it on all three layouts before it is timed.
-                    want = expert_gemm(a, q, meta, out=torch.empty_like(out), backend="triton").clone()
-
                     def check(c):
                         for m_, a_, o_ in ((meta, a, out), (imeta, a, out), (mmeta, am, om)):
                             o_.fill_(float("nan"))
@@ -381,7 +391,7 @@ def run_hopper(args) -> dict:
                                     lambda c: be.gemm(a, qh, meta, stage=stage, bias=None, out=out, config=c),
                                     check=check)
                 del a, out, am, om
-            del w, q, qh
+            del w, q, qh, qh4
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     report_sweep(results["sweep"])

@@ -67,6 +67,10 @@ for stage in "$@"; do
             step test-layouts python3 -m pytest -q -m gpu tests/test_layouts_gpu.py
             step sanitizer-layouts compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_layouts_gpu.py -k "sanitizer or (cuda_matches and 3-6-256)"
             step test-hopper python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k hopper
+            step sanitizer-hopper compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_gemm_gpu.py -k "hopper_small_sanitizer"
+            step bench-mx-planes python3 benchmarks/bench_gemm.py --mxfp4-hopper --models gpt-oss,dsv4-flash \
+                --rows 1,32,512 --no-sweep --out "$OUT/bench-mx-planes"
             step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py
             step test-plans python3 -m pytest -q -x -m gpu tests/test_launch_plan_gpu.py
             step test-no-sync python3 -m pytest -q -m gpu tests/test_compile_gpu.py -k never_syncs ;;

@@ -560,10 +560,10 @@ def test_grid_bound_few_rows_many_experts(cpu_path, layout, M, k, L, gen):
 # ---------------------------------------------------------------------------------------------
 
 
-def prepared_only(q: Mxfp4Tensor) -> Mxfp4Tensor:
-    """`q` prepared, with its canonical bytes replaced by NaN-scaled garbage: a result that matches
-    the reference can only have come from the prepared form."""
-    h = q.hopper if q.hopper is not None else prepare_hopper(q)
+def prepared_only(q: Mxfp4Tensor, planes: int = 2) -> Mxfp4Tensor:
+    """`q` prepared (`planes`: the arrangement), with its canonical bytes replaced by NaN-scaled
+    garbage: a result that matches the reference can only have come from the prepared form."""
+    h = q.hopper if q.hopper is not None and q.hopper.planes == planes else prepare_hopper(q, planes=planes)
     return Mxfp4Tensor(torch.full_like(q.blocks, 0x77), torch.full_like(q.scales, 255), h)
 
 
@@ -575,9 +575,10 @@ def require_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+@pytest.mark.parametrize("planes", [2, 4])
 @pytest.mark.parametrize("K", [64, 96, 160])  # 96, 160: multiples of 32 but not of the 64-block
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
-def test_mxfp4_hopper_layouts(monkeypatch, layout, K, gen):
+def test_mxfp4_hopper_layouts(monkeypatch, layout, K, planes, gen):
     """Every layout, edge counts around the tile, invalid ids, NaN in unread rows, SENTINEL in
     unwritten ones, Nout not a multiple of BN, and K not a multiple of the layout's 64-block."""
     require_interpreter(monkeypatch)
@@ -589,7 +590,7 @@ def test_mxfp4_hopper_layouts(monkeypatch, layout, K, gen):
     ids = ids_with_counts(counts, k, gen, extra_invalid=3)
     meta = local_meta(layout, ids, L, t_max=max(counts) + 5 if layout == GemmLayout.GROUPED_MASKED else None)
     a = layout_activations(layout, meta, ids.shape[0], k, K, gen, torch.bfloat16)
-    run_and_check(a, prepared_only(q), dequantize_mxfp4(q, torch.float64), meta, "w13", backend="triton")
+    run_and_check(a, prepared_only(q, planes), dequantize_mxfp4(q, torch.float64), meta, "w13", backend="triton")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
@@ -616,9 +617,10 @@ def test_mxfp4_hopper_other_activation_dtypes(monkeypatch, dtype, gen):
     run_and_check(a, prepared_only(q), dequantize_mxfp4(q, dtype).double(), meta, "w13", backend="triton")
 
 
+@pytest.mark.parametrize("planes", [2, 4])
 @pytest.mark.parametrize("finite,folded", [(True, False), (False, False), (True, True)],
                          ids=["finite", "inf_nan", "folded"])
-def test_mxfp4_hopper_upcast_is_exact(monkeypatch, finite, folded, gen):
+def test_mxfp4_hopper_upcast_is_exact(monkeypatch, finite, folded, planes, gen):
     """Identity activations make the GEMM output the upcast weights themselves (one product per
     output, the other terms +-0): they must equal dequantize_mxfp4 bit for bit, including the
     subnormal products of scales 0..3, the largest finite values, and inf/NaN where the
@@ -634,12 +636,26 @@ def test_mxfp4_hopper_upcast_is_exact(monkeypatch, finite, folded, gen):
     meta = masked_meta([K], K)
     a = torch.eye(K, dtype=torch.float32).unsqueeze(0)
     out = torch.full((1, K, q.shape[1]), SENTINEL, dtype=torch.float32)
-    expert_gemm(a, prepared_only(q), meta, out=out, backend="triton")
+    expert_gemm(a, prepared_only(q, planes), meta, out=out, backend="triton")
     if finite:
         assert torch.equal(out[0], dequantize_mxfp4(q, torch.float32)[0].T)
     want = (a[0].double() @ dequantize_mxfp4(q, torch.float32)[0].double().T).float()
     torch.testing.assert_close(out[0], want, rtol=0, atol=0, equal_nan=True)
     assert bool(torch.isnan(out[0]).any()) != finite
+
+
+def test_mxfp4_hopper_wide_needs_two_planes(monkeypatch, gen):
+    """mx_wide loops over the 2-plane arrangement only: with 4-plane weights it is a ValueError."""
+    require_interpreter(monkeypatch)
+    from padded_moe.backends import get_backend
+    from padded_moe.kernels import gemm as kg
+
+    q = quantize_mxfp4(torch.randn(1, 32, 128, generator=gen))
+    meta = masked_meta([8], 8)
+    wide = dataclasses.replace(kg.INTERPRET_HOPPER_CONFIG, BK=128, mx_wide=True)
+    with pytest.raises(ValueError, match="mx_wide needs the 2-plane prepared arrangement, got planes=4"):
+        get_backend("triton").gemm(torch.randn(1, 8, 128), prepared_only(q, 4), meta, stage="w13", bias=None,
+                                   out=torch.empty(1, 8, 32), config=wide)
 
 
 @pytest.mark.parametrize("K", [96, 192, 256])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = r"""
-import json, os, sys
+import json, os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
@@ -30,13 +30,14 @@ ints = ["N", "K", "K_PAD", "R_a", "num_local", "mk", "T_max", "num_pid_m", "stri
 # What the launcher's specialisation sees on model shapes: 16-aligned pointers, strides and K.
 aligned = {"N", "K", "K_PAD", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_sg", "stride_be", "stride_cm"}
 out = []
-for layout, cfg, folded in json.loads(sys.argv[1]):
+for layout, cfg, folded, planes in json.loads(sys.argv[1]):
     cfg = kg.GemmConfig(**cfg)
-    sig = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*i16" if folded else "*u8", "bias_ptr": "*bf16", "c_ptr": "*bf16",
+    sig = {"a_ptr": "*bf16", "w_ptr": "*i16" if planes == 4 else "*u8", "s_ptr": "*i16" if folded else "*u8",
+           "bias_ptr": "*bf16", "c_ptr": "*bf16",
            "ids_ptr": "*i32", "blk_exp_ptr": "*i32", "npad_ptr": "*i32", "off_ptr": "*i64", "cnt_ptr": "*i32"}
     sig.update({n: "i32" for n in ints})
     const = dict(LAYOUT=layout, HAS_BIAS=True, A_DIV=1, BLOCK_MB=cfg.BM, SUB=1, ROWS=cfg.BM, L_POW2=128,
-                 FP32_DOT=False, K_TAIL=True, UPCAST_PTX=cfg.mx_ptx, WIDE=cfg.mx_wide, FOLDED=folded, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+                 FP32_DOT=False, K_TAIL=True, UPCAST_PTX=cfg.mx_ptx, WIDE=cfg.mx_wide, FOLDED=folded, PLANES=planes, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
                  GROUP_M=cfg.GROUP_M)
     sig.update({k: "constexpr" for k in const})
     names = fn.arg_names
@@ -46,8 +47,9 @@ for layout, cfg, folded in json.loads(sys.argv[1]):
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     ptx = k.asm["ptx"]
     wgmma = [l for l in ptx.splitlines() if "wgmma.mma_async" in l]
-    out.append(dict(config=cfg.short(), layout=layout, folded=folded, shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
-                    bf16x2_muls=ptx.count("mul.rn.bf16x2"),
+    out.append(dict(config=cfg.short(), layout=layout, folded=folded, planes=planes, shared=k.metadata.shared,
+                    cubin=len(k.asm["cubin"]), bf16x2_muls=ptx.count("mul.rn.bf16x2"),
+                    logic_ops=len(re.findall(r"^\s*(?:and|or|shl|shr|prmt)\.b32", ptx, re.M)),
                     async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
                     wgmma=len(wgmma),
                     # `wgmma ... {acc}, {a regs}, b_desc, ...` when A comes from registers, `{acc}, a_desc, ...` from shared
@@ -71,9 +73,10 @@ def test_hopper_kernel_compiles_for_sm90():
     ptx = dataclasses.replace(tuned[0], mx_ptx=True)
     wide = [c for cands in kg.SWEEP_MXFP4_HOPPER.values() for c in cands if c.mx_wide]  # sweep-only variant
     unfolded_ptx = [c for c in tuned + [ptx] if c.mx_ptx]
-    cases = ([(1, c, True) for c in tuned + [ptx] + wide] + [(1, c, False) for c in tuned + unfolded_ptx]
-             + [(0, tuned[0], True), (2, tuned[0], True)])
-    arg = json.dumps([(lay, dataclasses.asdict(c), folded) for lay, c, folded in cases])
+    cases = ([(1, c, True, 2) for c in tuned + [ptx] + wide] + [(1, c, False, 2) for c in tuned + unfolded_ptx]
+             + [(0, tuned[0], True, 2), (2, tuned[0], True, 2)]
+             + [(lay, c, folded, 4) for c in tuned for lay in (0, 1, 2) for folded in (True, False)])
+    arg = json.dumps([(lay, dataclasses.asdict(c), folded, planes) for lay, c, folded, planes in cases])
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, "-c", SCRIPT, arg], capture_output=True, text=True, env=env, timeout=600)
@@ -86,7 +89,12 @@ def test_hopper_kernel_compiles_for_sm90():
         assert r["a_in_registers"], f"wgmma reads the upcast weights from shared memory: {r}"
         assert r["shared"] <= 227 * 1024, r
     # Folded scales drop the 2^126 multiply: the inline-PTX upcast has half the bf16x2 multiplies.
-    by_key = {(r["config"], r["layout"], r["folded"]): r for r in results}
+    by_key = {(r["config"], r["layout"], r["folded"], r["planes"]): r for r in results}
     for c in unfolded_ptx:
-        folded, plain = by_key[(c.short(), 1, True)], by_key[(c.short(), 1, False)]
+        folded, plain = by_key[(c.short(), 1, True, 2)], by_key[(c.short(), 1, False, 2)]
         assert 0 < folded["bf16x2_muls"] and 2 * folded["bf16x2_muls"] == plain["bf16x2_muls"], (folded, plain)
+    # The 4-plane arrangement places the bits at load: fewer logic instructions per upcast value.
+    for c in tuned:
+        for folded in (True, False):
+            two, four = by_key[(c.short(), 1, folded, 2)], by_key[(c.short(), 1, folded, 4)]
+            assert four["logic_ops"] < 0.8 * two["logic_ops"], (two, four)

@@ -293,20 +293,22 @@ def test_repeated_launch_skips_triton_binding(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-def prepared_only(q: Mxfp4Tensor) -> Mxfp4Tensor:
-    """A prepared copy of `q` whose canonical bytes are garbage with NaN scales: a correct result
-    can only come from the prepared form (check against `q` with `w_ref=q`)."""
-    h = Mxfp4Tensor(q.blocks, q.scales).prepare_for().hopper
+def prepared_only(q: Mxfp4Tensor, planes: int = 2) -> Mxfp4Tensor:
+    """A prepared copy of `q` (`planes`: the arrangement) whose canonical bytes are garbage with NaN
+    scales: a correct result can only come from the prepared form (check against `q` with `w_ref=q`)."""
+    h = Mxfp4Tensor(q.blocks, q.scales).prepare_for(planes=planes).hopper
     return Mxfp4Tensor(torch.full_like(q.blocks, 0x77), torch.full_like(q.scales, 255), h)
 
 
+@pytest.mark.parametrize("planes", [2, 4])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
 @pytest.mark.parametrize("stage", ["w13", "w2"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
-def test_mxfp4_hopper_real_shapes(shape, stage, layout, weights):
-    """The tuned config for the shape's regime, model shapes, NaN-poisoned padding, biases."""
+def test_mxfp4_hopper_real_shapes(shape, stage, layout, planes, weights):
+    """The tuned config for the shape's regime, model shapes, NaN-poisoned padding, biases, both
+    prepared arrangements."""
     q, meta, a, bias, out = real_shape_case(shape, stage, layout, weights, "mxfp4")
-    expert_gemm(a, prepared_only(q), meta, stage=stage, bias=bias, out=out, backend="triton")
+    expert_gemm(a, prepared_only(q, planes), meta, stage=stage, bias=bias, out=out, backend="triton")
     torch.cuda.synchronize()
     check(a, None, meta, stage, out, bias, w_ref=q)
 
@@ -362,9 +364,10 @@ def test_mxfp4_hopper_every_sweep_config(layout, cfg):
                                  GemmConfig(16, 128, 256, 1, 4, 3, mx_hopper=True, mx_ptx=True, mx_wide=True),
                                  GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True, mx_wide=True)],
                          ids=lambda c: "tuned" if c is None else c.short())
+@pytest.mark.parametrize("planes", [2, 4])
 @pytest.mark.parametrize("finite,folded", [(True, False), (False, False), (True, True)],
                          ids=["finite", "inf_nan", "folded"])
-def test_mxfp4_hopper_upcast_is_exact(finite, folded, cfg):
+def test_mxfp4_hopper_upcast_is_exact(finite, folded, planes, cfg):
     """bf16 identity activations: the output is the upcast weight itself and must equal
     dequantize_mxfp4(q, bf16) bit for bit — scales 0..3 with subnormal products (a flush-to-zero
     multiply or conversion would show here), the largest finite values, inf/NaN as the canonical
@@ -372,6 +375,8 @@ def test_mxfp4_hopper_upcast_is_exact(finite, folded, cfg):
     K = 96
     q = extreme_mxfp4_weight(torch.Generator().manual_seed(5), K, finite, device=DEV,
                              max_scale=128 if folded else 254)
+    if planes == 4 and cfg is not None and cfg.mx_wide:
+        pytest.skip("mx_wide loops over the 2-plane arrangement only")
     assert prepared_only(q).hopper.folded == folded  # scales up to 128 fold: one multiply per element
     c = torch.tensor([K], dtype=torch.int32, device=DEV)
     meta = GroupedMaskedMeta(num_tokens=K, top_k=1, num_local=1, slot_expert=torch.zeros(K, dtype=torch.int32, device=DEV),
@@ -379,7 +384,7 @@ def test_mxfp4_hopper_upcast_is_exact(finite, folded, cfg):
                              overflow=torch.zeros(1, dtype=torch.int32, device=DEV), max_tokens_per_expert=K)
     a = torch.eye(K, dtype=torch.bfloat16, device=DEV).unsqueeze(0)
     out = torch.full((1, K, q.shape[1]), SENTINEL, dtype=torch.bfloat16, device=DEV)
-    get_backend("triton").gemm(a, prepared_only(q), meta, stage="w13", bias=None, out=out,
+    get_backend("triton").gemm(a, prepared_only(q, planes), meta, stage="w13", bias=None, out=out,
                                config=cfg or kg.TUNED[("mxfp4_hopper", "medium")])
     torch.cuda.synchronize()
     if finite:
@@ -392,16 +397,18 @@ def test_mxfp4_hopper_upcast_is_exact(finite, folded, cfg):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
 def test_mxfp4_hopper_small_sanitizer(layout):
     """Small and quick, for `compute-sanitizer --tool memcheck`: decode and prefill tuned configs
-    and the inline-PTX upcast, ragged counts, K = 160 (padded to 192), Nout = 200 (partial n-tile)."""
+    and the inline-PTX upcast on both prepared arrangements, ragged counts, K = 160 (padded to 192),
+    Nout = 200 (partial n-tile)."""
     L, K, n_out, M, k = 4, 160, 200, 37, 2
     q = make_weight(L, n_out, K, "mxfp4", 31)
     g = torch.Generator(device=DEV).manual_seed(37)
     ids = torch.randint(-1, L + 1, (M, k), generator=g, device=DEV, dtype=torch.int32)
     meta = build_layout(layout, ids, L)
     ptx = GemmConfig(16, 128, 128, 1, 4, 4, mx_hopper=True, mx_ptx=True)
-    for cfg in (kg.TUNED[("mxfp4_hopper", "decode")], kg.TUNED[("mxfp4_hopper", "prefill")], ptx):
-        a = inputs_for(layout, meta, "w13", K, M, k, 41)
-        out = out_for(layout, meta, a, n_out)
-        get_backend("triton").gemm(a, prepared_only(q), meta, stage="w13", bias=None, out=out, config=cfg)
-        torch.cuda.synchronize()
-        check(a, None, meta, "w13", out, w_ref=q)
+    for planes in (2, 4):
+        for cfg in (kg.TUNED[("mxfp4_hopper", "decode")], kg.TUNED[("mxfp4_hopper", "prefill")], ptx):
+            a = inputs_for(layout, meta, "w13", K, M, k, 41)
+            out = out_for(layout, meta, a, n_out)
+            get_backend("triton").gemm(a, prepared_only(q, planes), meta, stage="w13", bias=None, out=out, config=cfg)
+            torch.cuda.synchronize()
+            check(a, None, meta, "w13", out, w_ref=q)

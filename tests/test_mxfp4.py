@@ -175,17 +175,27 @@ def test_validation():
         dequantize_mxfp4(torch.zeros(1, 2, 16, dtype=torch.uint8))
 
 
+# The 4-plane arrangement's bit places, written here from the documented layout (not imported):
+# plane p of a 16-bit word -> (sign, e1, e0, m) bit positions.
+FOUR_PLANES = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 13, 11, 10))
+
+
 def decode_hopper_slow(h: HopperMxfp4, e: int) -> torch.Tensor:
     """Float64 decode of one expert straight from the documented prepared layout: in the 64-element
-    block starting at k0, byte j holds element k0+j (low nibble) and k0+32+j (high nibble); scales
-    are [K_pad/32, rows]."""
+    block starting at k0, byte j holds element k0+j (low nibble) and k0+32+j (high nibble), or
+    (4 planes) 16-bit word j holds k0+j, k0+16+j, k0+32+j, k0+48+j at FOUR_PLANES; scales are
+    [K_pad/32, rows]."""
     rows = h.blocks.shape[1]
     out = torch.empty(rows, h.k, dtype=torch.float64)
     for r in range(rows):
         for k in range(h.k):
             k0, off = (k // 64) * 64, k % 64
-            byte = int(h.blocks[e, r, k0 // 2 + off % 32])
-            nib = (byte >> (4 * (off // 32))) & 0xF
+            if h.planes == 4:
+                word = int(h.blocks[e, r, k0 // 4 + off % 16]) & 0xFFFF
+                nib = sum(((word >> place) & 1) << bit for bit, place in zip((3, 2, 1, 0), FOUR_PLANES[off // 16]))
+            else:
+                byte = int(h.blocks[e, r, k0 // 2 + off % 32])
+                nib = (byte >> (4 * (off // 32))) & 0xF
             s = int(h.scales[e, k // 32, r])
             if h.folded:  # bf16 bits of 2^(s-1): exponent field s - 1 + 127
                 assert s & 0x7F == 0 and 0 < s < 0x7F80, s
@@ -195,19 +205,21 @@ def decode_hopper_slow(h: HopperMxfp4, e: int) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("planes", [2, 4])
 @pytest.mark.parametrize("folded", [False, True], ids=["bytes", "folded"])
 @pytest.mark.parametrize("K", [32, 64, 96, 128])
-def test_hopper_layout_matches_canonical(K, folded, gen):
+def test_hopper_layout_matches_canonical(K, folded, planes, gen):
     L, rows = 2, 3
     blocks = torch.randint(0, 256, (L, rows, K // 2), generator=gen, dtype=torch.uint8)
     scales = torch.randint(0, 129 if folded else 255, (L, rows, K // 32), generator=gen, dtype=torch.uint8)
     scales[0, 0, 0] = 128 if folded else 255
     q = Mxfp4Tensor(blocks, scales)
-    h = prepare_hopper(q)
+    h = prepare_hopper(q, planes=planes)
     assert h.folded == folded and h.scales.dtype == (torch.int16 if folded else torch.uint8)
+    assert h.planes == planes and h.blocks.dtype == (torch.int16 if planes == 4 else torch.uint8)
     kp = -(-K // 64) * 64
     assert h.k == K and h.k_padded == kp
-    assert tuple(h.blocks.shape) == (L, rows, kp // 2) and tuple(h.scales.shape) == (L, kp // 32, rows)
+    assert tuple(h.blocks.shape) == (L, rows, kp // planes) and tuple(h.scales.shape) == (L, kp // 32, rows)
     assert h.blocks.is_contiguous() and h.scales.is_contiguous()
     for e in range(L):
         want = dequantize_mxfp4(q[e], torch.float64)[0]
@@ -215,8 +227,11 @@ def test_hopper_layout_matches_canonical(K, folded, gen):
         assert torch.equal(torch.isnan(got), torch.isnan(want))
         assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
     if kp > K:  # padding decodes to zeros (code 0 with a finite scale)
-        b = h.blocks.view(L, rows, kp // 64, 32)[:, :, -1]
-        assert ((b >> 4) == 0).all() and (h.scales[:, -1] == (253 << 7 if folded else 127)).all()
+        b = h.blocks.view(L, rows, kp // 64, 64 // planes)[:, :, -1]
+        # the last block's columns 32..63 are the padding: high nibbles, or planes 2 and 3's bits
+        pad_bits = b >> 4 if planes == 2 else b & sum(1 << i for i in FOUR_PLANES[2] + FOUR_PLANES[3])
+        assert (pad_bits == 0).all()
+        assert (h.scales[:, -1] == (253 << 7 if folded else 127)).all()
     back = unprepare_hopper(h)
     assert torch.equal(back.blocks, blocks) and torch.equal(back.scales, scales)
 
@@ -233,6 +248,8 @@ def test_prepare_hopper_fold_argument(gen):
         prepare_hopper(big, fold=True)
     with pytest.raises(TypeError, match="fold must be a bool or None"):
         prepare_hopper(q, fold=1)
+    with pytest.raises(ValueError, match="planes must be 2 or 4, got 3"):
+        prepare_hopper(q, planes=3)
 
 
 def test_prepare_hopper_does_not_read_back_under_tracing(gen):

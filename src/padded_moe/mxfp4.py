@@ -30,6 +30,11 @@ HOPPER_KB = 64  # K elements per block of the prepared Hopper layout (two nibble
 # and cost the GEMM a second multiply.
 FOLD_MAX_SCALE = 128
 _BF16_EXP_BIAS = 127
+# The 4-plane arrangement: for plane p (elements k0 + 16p + j of a 64-element block), the bit of
+# the 16-bit word that holds the code's sign, then its three magnitude bits (e1, e0, m), high to
+# low. Planes 0-2 sit where a shift left by 3p puts them at bf16 bits 15 and 8..6 (the code's value
+# times 2^-126, as in the 2-plane upcast); plane 3 fills the four bits left over.
+FOUR_PLANE_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 13, 11, 10))
 
 # E2M1 magnitudes for nibble codes 0..7; codes 8..15 are the negatives.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -113,7 +118,7 @@ class Mxfp4Tensor:
         h = self.hopper
         return Mxfp4Tensor(self.blocks[idx], self.scales[idx], None if h is None else h[idx])
 
-    def prepare_for(self, device=None) -> "Mxfp4Tensor":
+    def prepare_for(self, device=None, *, planes: int = 2) -> "Mxfp4Tensor":
         """Arrange the weights once for the Triton GEMM and return the tensor to use from then on.
 
         Builds `hopper` (`prepare_hopper`: values re-ordered within 64-element K blocks, scales
@@ -121,13 +126,14 @@ class Mxfp4Tensor:
         multiplies by; the same bytes again, so the device holds the weights twice) unless it is
         already there. With `device` other than this tensor's, moves first and returns the moved
         copy; otherwise prepares in place and returns `self`. Call it at load time, not per forward:
-        `fused_experts` / `expert_gemm` use the prepared form whenever it is present.
+        `fused_experts` / `expert_gemm` use the prepared form whenever it is present. `planes`:
+        the arrangement of the values (`prepare_hopper`; 4 is not yet measured on a GPU).
         """
         q = self
         if device is not None and torch.device(device) != self.device:
             q = self.to(device)
         if q.hopper is None:
-            object.__setattr__(q, "hopper", prepare_hopper(q))  # frozen: set once, before any use
+            object.__setattr__(q, "hopper", prepare_hopper(q, planes=planes))  # frozen: set once, before any use
         return q
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -207,10 +213,15 @@ class HopperMxfp4:
     """The GEMM's arrangement of an `Mxfp4Tensor` `[L, rows, K]` (built by `prepare_hopper`).
 
     K is zero-padded to `k_padded`, a multiple of `HOPPER_KB` (padding: code 0 with scale 127).
-    - `blocks uint8 [L, rows, k_padded/2]`: in each K block of 64 elements starting at k0, byte
-      j (0..31) of the block holds element k0+j in its low nibble and k0+32+j in its high nibble.
-      A kernel then gets two contiguous 32-column planes with one mask or one shift each, and each
-      plane lies in one 32-element scale group.
+    - `blocks`, one of two arrangements (`planes`):
+      - 2 planes, `uint8 [L, rows, k_padded/2]`: in each K block of 64 elements starting at k0,
+        byte j (0..31) of the block holds element k0+j in its low nibble and k0+32+j in its high
+        nibble. A kernel gets two contiguous 32-column planes with one mask or one shift each, and
+        each plane lies in one 32-element scale group.
+      - 4 planes, `int16 [L, rows, k_padded/4]`: in each K block, 16-bit word j (0..15) holds
+        elements k0+j, k0+16+j, k0+32+j and k0+48+j, their bits placed where a bf16 wants them
+        (`FOUR_PLANE_BITS`): three planes come out with one shift and one mask each, the fourth
+        from three pieces, two bf16 values per 32-bit operation.
     - `scales [L, k_padded/32, rows]`: the E8M0 scales transposed, so a tile's scales of one
       group are one contiguous load over rows. uint8 E8M0 bytes, or, when `folded`, int16 holding
       the bf16 bits of 2^(s-1) (see `FOLD_MAX_SCALE`).
@@ -222,7 +233,12 @@ class HopperMxfp4:
 
     @property
     def k_padded(self) -> int:
-        return self.blocks.shape[-1] * 2
+        return self.blocks.shape[-1] * self.planes
+
+    @property
+    def planes(self) -> int:
+        """2 (bytes of two nibbles) or 4 (16-bit words of four bit-placed codes): see above."""
+        return 4 if self.blocks.dtype == torch.int16 else 2
 
     @property
     def folded(self) -> bool:
@@ -236,26 +252,40 @@ class HopperMxfp4:
         return HopperMxfp4(self.blocks[idx], self.scales[idx], self.k)
 
 
-def prepare_hopper(q: Mxfp4Tensor, fold: Optional[bool] = None) -> HopperMxfp4:
+def prepare_hopper(q: Mxfp4Tensor, fold: Optional[bool] = None, planes: int = 2) -> HopperMxfp4:
     """The `HopperMxfp4` arrangement of `q` (on q's device; the same values, see `unprepare_hopper`).
 
     `fold`: store the scales folded (`FOLD_MAX_SCALE`); None (default) folds when every scale
     allows it, which reads their maximum back to the host once — unless that read is not allowed
     here (CUDA-graph capture, `torch.compile` tracing, `torch.cuda.set_sync_debug_mode` set): then
     it keeps the bytes, which gives the same results, a little slower. True with a larger scale is
-    a ValueError; False keeps the E8M0 bytes."""
+    a ValueError; False keeps the E8M0 bytes.
+
+    `planes`: 2 (default) or 4, the arrangement of `blocks` (see `HopperMxfp4`). The 4-plane one
+    needs fewer instructions per upcast value; it is not yet the default because it has not been
+    measured on a GPU."""
     if not isinstance(q, Mxfp4Tensor):
         raise TypeError(f"q must be an Mxfp4Tensor, got {type(q).__name__}")
     if fold is not None and not isinstance(fold, bool):
         raise TypeError(f"fold must be a bool or None, got {type(fold).__name__}")
+    if planes not in (2, 4) or isinstance(planes, bool):
+        raise ValueError(f"planes must be 2 or 4, got {planes!r}")
     L, rows, K = q.shape
     kp = -(-K // HOPPER_KB) * HOPPER_KB
     half = HOPPER_KB // 2
     b = q.blocks
     codes = torch.stack([b & 0x0F, b >> 4], dim=-1).reshape(L, rows, K)
     codes = torch.nn.functional.pad(codes, (0, kp - K))  # code 0 = +0
-    codes = codes.view(L, rows, kp // HOPPER_KB, 2, half)  # [.., block, plane (lo/hi), j]
-    blocks = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(L, rows, kp // 2)
+    if planes == 2:
+        codes = codes.view(L, rows, kp // HOPPER_KB, 2, half)  # [.., block, plane (lo/hi), j]
+        blocks = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(L, rows, kp // 2)
+    else:
+        codes = codes.view(L, rows, kp // HOPPER_KB, 4, HOPPER_KB // 4).to(torch.int32)  # [.., block, plane, j]
+        word = torch.zeros(codes.shape[:3] + codes.shape[4:], dtype=torch.int32, device=codes.device)
+        for p, places in enumerate(FOUR_PLANE_BITS):
+            for bit, place in zip((3, 2, 1, 0), places):  # sign, e1, e0, m
+                word |= ((codes[..., p, :] >> bit) & 1) << place
+        blocks = torch.where(word >= 1 << 15, word - (1 << 16), word).to(torch.int16).reshape(L, rows, kp // 4)
     scales = torch.nn.functional.pad(q.scales, (0, (kp - K) // GROUP), value=SCALE_BIAS).transpose(1, 2)
     if fold is None:
         fold = _may_read_back(q.scales) and _max_scale(q) <= FOLD_MAX_SCALE
@@ -284,10 +314,20 @@ def unprepare_hopper(h: HopperMxfp4) -> Mxfp4Tensor:
     """Inverse of `prepare_hopper`: the canonical `Mxfp4Tensor`."""
     if not isinstance(h, HopperMxfp4):
         raise TypeError(f"h must be a HopperMxfp4, got {type(h).__name__}")
-    L, rows, half_kp = h.blocks.shape
-    kp = half_kp * 2
-    b = h.blocks.view(L, rows, kp // HOPPER_KB, 1, HOPPER_KB // 2)
-    codes = torch.cat([b & 0x0F, b >> 4], dim=3).reshape(L, rows, kp)[..., :h.k]
+    L, rows = h.blocks.shape[:2]
+    kp = h.k_padded
+    if h.planes == 2:
+        b = h.blocks.view(L, rows, kp // HOPPER_KB, 1, HOPPER_KB // 2)
+        codes = torch.cat([b & 0x0F, b >> 4], dim=3).reshape(L, rows, kp)[..., :h.k]
+    else:
+        word = h.blocks.to(torch.int32).view(L, rows, kp // HOPPER_KB, 1, HOPPER_KB // 4) & 0xFFFF
+        planes = []
+        for places in FOUR_PLANE_BITS:
+            code = torch.zeros_like(word)
+            for bit, place in zip((3, 2, 1, 0), places):
+                code |= ((word >> place) & 1) << bit
+            planes.append(code)
+        codes = torch.cat(planes, dim=3).reshape(L, rows, kp)[..., :h.k].to(torch.uint8)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     scales = h.scales
     if h.folded:

@@ -462,6 +462,26 @@ def _per_row(x, PER_COLUMN: tl.constexpr):
 
 
 @triton.jit
+def _factor_bf16(s, FOLDED: tl.constexpr):
+    """Scales as bf16 factors: folded ones are their bf16 bits already (2^(s-1)), E8M0 bytes give 2^(s-127)."""
+    if FOLDED:
+        f = s.to(tl.bfloat16, bitcast=True)
+    else:
+        f = _scale_bf16(s)
+    return f
+
+
+@triton.jit
+def _factor_f32(s, FOLDED: tl.constexpr):
+    """`_factor_bf16` as float32 (the same power of two)."""
+    if FOLDED:
+        f = (s.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        f = _scale_factor(s)
+    return f
+
+
+@triton.jit
 def _upcast_planes(packed, s_lo, s_hi, dtype: tl.constexpr, UPCAST_PTX: tl.constexpr, PER_COLUMN: tl.constexpr,
                    FOLDED: tl.constexpr):
     """Both nibble planes of uint8 `packed` [BN, C] in `dtype`, each times its scales (`s_lo` /
@@ -469,26 +489,74 @@ def _upcast_planes(packed, s_lo, s_hi, dtype: tl.constexpr, UPCAST_PTX: tl.const
     the int16 bf16 bits of 2^(s-1) (`HopperMxfp4.folded`)."""
     if UPCAST_PTX:
         shape: tl.constexpr = packed.shape
-        if FOLDED:
-            f_lo = s_lo.to(tl.bfloat16, bitcast=True)
-            f_hi = s_hi.to(tl.bfloat16, bitcast=True)
-        else:
-            f_lo = _scale_bf16(s_lo)
-            f_hi = _scale_bf16(s_hi)
-        w_lo, w_hi = _e2m1_planes_ptx(packed, tl.broadcast_to(_per_row(f_lo, PER_COLUMN), shape),
-                                      tl.broadcast_to(_per_row(f_hi, PER_COLUMN), shape), FOLDED)
+        w_lo, w_hi = _e2m1_planes_ptx(packed, tl.broadcast_to(_per_row(_factor_bf16(s_lo, FOLDED), PER_COLUMN), shape),
+                                      tl.broadcast_to(_per_row(_factor_bf16(s_hi, FOLDED), PER_COLUMN), shape), FOLDED)
     else:
         # Rounded to the activation dtype like `dequantize_mxfp4(q, a.dtype)` (exact for bf16).
         p32 = packed.to(tl.uint32)
-        if FOLDED:  # bf16 bits -> the same power of two in float32
-            f_lo = (s_lo.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-            f_hi = (s_hi.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        else:
-            f_lo = _scale_factor(s_lo)
-            f_hi = _scale_factor(s_hi)
-        w_lo = _e2m1_plane(p32, _per_row(f_lo, PER_COLUMN), 0, FOLDED).to(dtype)
-        w_hi = _e2m1_plane(p32, _per_row(f_hi, PER_COLUMN), 4, FOLDED).to(dtype)
+        w_lo = _e2m1_plane(p32, _per_row(_factor_f32(s_lo, FOLDED), PER_COLUMN), 0, FOLDED).to(dtype)
+        w_hi = _e2m1_plane(p32, _per_row(_factor_f32(s_hi, FOLDED), PER_COLUMN), 4, FOLDED).to(dtype)
     return w_lo, w_hi
+
+
+def _four_plane_ptx_asm(folded: bool) -> str:
+    """The PTX body of `_four_planes_ptx`: one 32-bit register holds two 16-bit words of the
+    4-plane arrangement (`mxfp4.FOUR_PLANE_BITS`); each plane comes out for both words at once as a
+    bf16x2 pair, the code's value times 2^-126 (planes 0-2: one shift and one mask; plane 3: three
+    pieces), then times 2^126 unless the scales are folded, then times its scale ($5: planes 0-1,
+    $6: planes 2-3, the two 32-column scale groups of the 64-element block)."""
+    scale = lambda out, reg: ([] if folded else ["mul.rn.bf16x2 u, u, k;"]) + [f"mul.rn.bf16x2 ${out}, u, ${reg};"]  # noqa: E731
+    lines = ["{", ".reg .b32 u, v, k;", "mov.b32 k, 0x7E807E80;", "and.b32 u, $4, 0x81C081C0;"] + scale(0, 5)
+    lines += ["shl.b32 u, $4, 3;", "and.b32 u, u, 0x81C081C0;"] + scale(1, 5)
+    lines += ["shl.b32 u, $4, 6;", "and.b32 u, u, 0x81C081C0;"] + scale(2, 6)
+    lines += ["shl.b32 u, $4, 1;", "and.b32 u, u, 0x80008000;", "shr.b32 v, $4, 5;", "and.b32 v, v, 0x01000100;",
+              "or.b32 u, u, v;", "shr.b32 v, $4, 4;", "and.b32 v, v, 0x00C000C0;", "or.b32 u, u, v;"] + scale(3, 6)
+    return "\n        ".join(lines) + "\n        }"
+
+
+_FOUR_PLANE_PTX_ASM = tl.constexpr(_four_plane_ptx_asm(False))
+_FOUR_PLANE_PTX_FOLDED_ASM = tl.constexpr(_four_plane_ptx_asm(True))
+
+
+@triton.jit
+def _four_plane(w32, f, P: tl.constexpr, FOLDED: tl.constexpr):
+    """Plane P of 16-bit words `w32` (zero-extended to uint32) times `f` as float32: the code's
+    sign to bit 31 and its magnitude to bits 24..22 (value times 2^-126, as `_e2m1_plane`)."""
+    if P == 3:
+        bits = ((w32 << 17) & 0x80000000) | ((w32 << 11) & 0x01000000) | ((w32 << 12) & 0x00C00000)
+    else:
+        bits = (w32 << (16 + 3 * P)) & 0x81C00000
+    v = bits.to(tl.float32, bitcast=True)
+    if not FOLDED:
+        v = v * 8.507059173023462e37  # 2^126
+    return v * f
+
+
+@triton.jit
+def _upcast_four_planes(words, s_a, s_b, dtype: tl.constexpr, UPCAST_PTX: tl.constexpr, FOLDED: tl.constexpr):
+    """The four planes of int16 `words` [BN, 16] (`mxfp4.FOUR_PLANE_BITS`) in `dtype`: planes 0-1
+    times the scales `s_a` [BN], planes 2-3 times `s_b` [BN] (E8M0 bytes, or folded bf16 bits)."""
+    if UPCAST_PTX:
+        shape: tl.constexpr = words.shape
+        f_a = _factor_bf16(s_a, FOLDED)
+        f_b = _factor_bf16(s_b, FOLDED)
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+            asm=_FOUR_PLANE_PTX_FOLDED_ASM if FOLDED else _FOUR_PLANE_PTX_ASM,
+            constraints="=r,=r,=r,=r,r,r,r",
+            args=[words, tl.broadcast_to(f_a[:, None], shape), tl.broadcast_to(f_b[:, None], shape)],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        w32 = words.to(tl.uint16, bitcast=True).to(tl.uint32)
+        f_a = _factor_f32(s_a, FOLDED)[:, None]
+        f_b = _factor_f32(s_b, FOLDED)[:, None]
+        w0 = _four_plane(w32, f_a, 0, FOLDED).to(dtype)
+        w1 = _four_plane(w32, f_a, 1, FOLDED).to(dtype)
+        w2 = _four_plane(w32, f_b, 2, FOLDED).to(dtype)
+        w3 = _four_plane(w32, f_b, 3, FOLDED).to(dtype)
+    return w0, w1, w2, w3
 
 
 @triton.jit
@@ -534,10 +602,13 @@ def _expert_gemm_mx_hopper_kernel(
     LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, A_DIV: tl.constexpr,
     BLOCK_MB: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, L_POW2: tl.constexpr,
     FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr, UPCAST_PTX: tl.constexpr, WIDE: tl.constexpr,
-    FOLDED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    FOLDED: tl.constexpr, PLANES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """MXFP4 weights in the `HopperMxfp4` arrangement (mxfp4.py): per 64-element K block, byte j
-    holds columns j (low nibble) and 32+j (high nibble); scales are `[L, K_PAD/32, N]`.
+    holds columns j (low nibble) and 32+j (high nibble); scales are `[L, K_PAD/32, N]`. PLANES=4:
+    16-bit word j of a block holds columns j, 16+j, 32+j, 48+j (`_upcast_four_planes`), four dots
+    of K=16 per block.
 
     WIDE: the NB = BK/64 blocks of an iteration are one tile of BK/2 bytes; its low nibbles are
     columns kb + 64*b + j and its high nibbles those + 32 (block b, byte j), so one dot per plane
@@ -587,15 +658,26 @@ def _expert_gemm_mx_hopper_kernel(
                 w_ok = n_ok
                 if K_TAIL:  # the last iteration may hold blocks past K_PAD: they read nothing
                     w_ok = n_ok & (kb < K_PAD)
-                packed = tl.load(w_base + (kb // 2 + rh)[None, :], mask=w_ok[:, None], other=0)
                 s_lo = tl.load(s_base + (kb // 32) * stride_sg, mask=w_ok, other=S_ONE)
                 s_hi = tl.load(s_base + (kb // 32 + 1) * stride_sg, mask=w_ok, other=S_ONE)
-                # K is a multiple of 32, so each 32-column plane is wholly inside or past K: one
-                # scalar condition per plane keeps the row loads vectorizable.
-                x_lo = tl.load(a_base + (kb + rh)[None, :], mask=valid[:, None] & (kb < K), other=0.0)
-                x_hi = tl.load(a_base + (kb + 32 + rh)[None, :], mask=valid[:, None] & (kb + 32 < K), other=0.0)
-                w_lo, w_hi = _upcast_planes(packed, s_lo, s_hi, x_lo.dtype, UPCAST_PTX, False, FOLDED)
-                acc = _dot_planes(acc, w_lo, w_hi, x_lo, x_hi, FP32_DOT)
+                # K is a multiple of 32, so each 32-column half of a block is wholly inside or past
+                # K: one scalar condition per half keeps the row loads vectorizable.
+                if PLANES == 4:
+                    rq = tl.arange(0, 16)
+                    words = tl.load(w_base + (kb // 4 + rq)[None, :], mask=w_ok[:, None], other=0)
+                    x0 = tl.load(a_base + (kb + rq)[None, :], mask=valid[:, None] & (kb < K), other=0.0)
+                    x1 = tl.load(a_base + (kb + 16 + rq)[None, :], mask=valid[:, None] & (kb < K), other=0.0)
+                    x2 = tl.load(a_base + (kb + 32 + rq)[None, :], mask=valid[:, None] & (kb + 32 < K), other=0.0)
+                    x3 = tl.load(a_base + (kb + 48 + rq)[None, :], mask=valid[:, None] & (kb + 32 < K), other=0.0)
+                    w0, w1, w2, w3 = _upcast_four_planes(words, s_lo, s_hi, x0.dtype, UPCAST_PTX, FOLDED)
+                    acc = _dot_planes(acc, w0, w1, x0, x1, FP32_DOT)
+                    acc = _dot_planes(acc, w2, w3, x2, x3, FP32_DOT)
+                else:
+                    packed = tl.load(w_base + (kb // 2 + rh)[None, :], mask=w_ok[:, None], other=0)
+                    x_lo = tl.load(a_base + (kb + rh)[None, :], mask=valid[:, None] & (kb < K), other=0.0)
+                    x_hi = tl.load(a_base + (kb + 32 + rh)[None, :], mask=valid[:, None] & (kb + 32 < K), other=0.0)
+                    w_lo, w_hi = _upcast_planes(packed, s_lo, s_hi, x_lo.dtype, UPCAST_PTX, False, FOLDED)
+                    acc = _dot_planes(acc, w_lo, w_hi, x_lo, x_hi, FP32_DOT)
 
     acc = tl.trans(acc)
     _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, HAS_BIAS)
@@ -652,6 +734,8 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     if hopper and w_hopper is None:
         raise ValueError("config.mx_hopper needs the weight's prepared form: call Mxfp4Tensor.prepare_for() "
                          "once after loading (or pass a config with mx_hopper=False)")
+    if hopper and cfg.mx_wide and w_hopper.planes != 2:
+        raise ValueError(f"config.mx_wide needs the 2-plane prepared arrangement, got planes={w_hopper.planes}")
     if hopper and (cfg.BK % 64 != 0 or w_hopper.k != K):
         raise ValueError(f"config.BK must be a multiple of 64 for mx_hopper and the prepared weight's K "
                          f"({w_hopper.k}) must equal a's K ({K}); got BK={cfg.BK}")
@@ -687,7 +771,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
             BLOCK_MB=block_m, SUB=SUB, ROWS=ROWS, L_POW2=max(2, triton.next_power_of_2(num_local)),
             FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda, K_TAIL=k_pad % BK != 0,
             UPCAST_PTX=cfg.mx_ptx and a2.is_cuda and a2.dtype == torch.bfloat16, WIDE=cfg.mx_wide,
-            FOLDED=w_hopper.folded, BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M)
+            FOLDED=w_hopper.folded, PLANES=w_hopper.planes, BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M)
         launch_kernel(_expert_gemm_mx_hopper_kernel, grid, ints + ptr_key(*ptrs), ptrs + ints, constexprs,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out2

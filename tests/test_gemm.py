@@ -696,3 +696,14 @@ def test_mxfp4_hopper_config_errors(monkeypatch, gen):
     w64 = dequantize_mxfp4(q, torch.float64)
     out = be.gemm(a, q, meta, stage="w13", bias=None, out=torch.full_like(out, SENTINEL), config=kg.INTERPRET_CONFIG)
     assert rel_err(out[0, :2], a[0, :2].double() @ w64[0].T) < REL_TOL[torch.bfloat16]
+
+
+def test_every_tuned_entry_leads_its_sweep():
+    """Each tuned entry is the first candidate of its regime's sweep list: the benchmark then
+    times it next to its rivals, and the GPU test that runs every sweep candidate covers it."""
+    from padded_moe.kernels import gemm as kg
+
+    sweeps = {"bf16": kg.SWEEP, "mxfp4": kg.SWEEP_MXFP4, "mxfp4_hopper": kg.SWEEP_MXFP4_HOPPER}
+    for (kind, reg), cfg in kg.TUNED.items():
+        assert sweeps[kind][reg][0] == cfg, (kind, reg, cfg.short(), sweeps[kind][reg][0].short())
+        assert len(set(sweeps[kind][reg])) == len(sweeps[kind][reg]), f"{kind}/{reg}: a candidate is listed twice"

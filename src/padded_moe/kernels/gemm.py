@@ -402,19 +402,29 @@ def _e2m1_plane(p32, f, SHIFT: tl.constexpr, FOLDED: tl.constexpr):
     return v * f
 
 
+def _ptx_scaled(out: int, scale: int, folded: bool) -> list[str]:
+    """Register u (a bf16x2 pair of code values times 2^-126) times 2^126 (register k) unless the
+    scales are folded, then times scale operand `scale`, into output operand `out`."""
+    return ([] if folded else ["mul.rn.bf16x2 u, u, k;"]) + [f"mul.rn.bf16x2 ${out}, u, ${scale};"]
+
+
+def _ptx_block(regs: str, lines: list[str]) -> str:
+    """An inline-PTX body: scratch registers `regs` plus k = bf16x2 (2^126, 2^126), then `lines`."""
+    head = ["{", f".reg .b32 {regs}, k;", "mov.b32 k, 0x7E807E80;"]
+    return "\n        ".join(head + lines) + "\n        }"
+
+
 def _e2m1_ptx_asm(folded: bool) -> str:
     """The PTX body of `_e2m1_planes_ptx`: the same instructions for each output register, which
     differ only in the source pair (t0: bytes 0-1, t1: bytes 2-3), the plane (low nibble: shifts
     6/12; high nibble: 2/8) and the scale operand. Folded scales (2^(s-1)) need no multiply by
     2^126 first."""
-    lines = ["{", ".reg .b32 t0, t1, u, v, k;", "mov.b32 k, 0x7E807E80;",
-             "prmt.b32 t0, $4, 0, 0x4140;", "prmt.b32 t1, $4, 0, 0x4342;"]
+    lines = ["prmt.b32 t0, $4, 0, 0x4140;", "prmt.b32 t1, $4, 0, 0x4342;"]
     for out, (src, shift, scale) in enumerate((("t0", 6, 5), ("t1", 6, 6), ("t0", 2, 7), ("t1", 2, 8))):
         lines += [f"shl.b32 u, {src}, {shift};", "and.b32 u, u, 0x01C001C0;",
                   f"shl.b32 v, {src}, {shift + 6};", "and.b32 v, v, 0x80008000;", "or.b32 u, u, v;"]
-        lines += [] if folded else ["mul.rn.bf16x2 u, u, k;"]
-        lines += [f"mul.rn.bf16x2 ${out}, u, ${scale};"]
-    return "\n        ".join(lines) + "\n        }"
+        lines += _ptx_scaled(out, scale, folded)
+    return _ptx_block("t0, t1, u, v", lines)
 
 
 _E2M1_PTX_ASM = tl.constexpr(_e2m1_ptx_asm(False))
@@ -505,13 +515,13 @@ def _four_plane_ptx_asm(folded: bool) -> str:
     bf16x2 pair, the code's value times 2^-126 (planes 0-2: one shift and one mask; plane 3: three
     pieces), then times 2^126 unless the scales are folded, then times its scale ($5: planes 0-1,
     $6: planes 2-3, the two 32-column scale groups of the 64-element block)."""
-    scale = lambda out, reg: ([] if folded else ["mul.rn.bf16x2 u, u, k;"]) + [f"mul.rn.bf16x2 ${out}, u, ${reg};"]  # noqa: E731
-    lines = ["{", ".reg .b32 u, v, k;", "mov.b32 k, 0x7E807E80;", "and.b32 u, $4, 0x81C081C0;"] + scale(0, 5)
-    lines += ["shl.b32 u, $4, 3;", "and.b32 u, u, 0x81C081C0;"] + scale(1, 5)
-    lines += ["shl.b32 u, $4, 6;", "and.b32 u, u, 0x81C081C0;"] + scale(2, 6)
+    lines = ["and.b32 u, $4, 0x81C081C0;"] + _ptx_scaled(0, 5, folded)
+    lines += ["shl.b32 u, $4, 3;", "and.b32 u, u, 0x81C081C0;"] + _ptx_scaled(1, 5, folded)
+    lines += ["shl.b32 u, $4, 6;", "and.b32 u, u, 0x81C081C0;"] + _ptx_scaled(2, 6, folded)
     lines += ["shl.b32 u, $4, 1;", "and.b32 u, u, 0x80008000;", "shr.b32 v, $4, 5;", "and.b32 v, v, 0x01000100;",
-              "or.b32 u, u, v;", "shr.b32 v, $4, 4;", "and.b32 v, v, 0x00C000C0;", "or.b32 u, u, v;"] + scale(3, 6)
-    return "\n        ".join(lines) + "\n        }"
+              "or.b32 u, u, v;", "shr.b32 v, $4, 4;", "and.b32 v, v, 0x00C000C0;", "or.b32 u, u, v;"]
+    lines += _ptx_scaled(3, 6, folded)
+    return _ptx_block("u, v", lines)
 
 
 _FOUR_PLANE_PTX_ASM = tl.constexpr(_four_plane_ptx_asm(False))

@@ -13,8 +13,8 @@ deterministic and identical to the torch path (within an expert, slots keep incr
 
 Up to one chunk of slots (decode batches), `_build_one_chunk_kernel` does the three steps in one
 program, with a block barrier between them: one launch instead of three, where each launch costs
-more than its work. Both paths share the step bodies (`_count_chunk`, `_scan`, `_place_chunk`,
-`_place_positions`) and give identical buffers.
+more than its work. Both paths share the step bodies (`_count_chunk`, `_scan_kernel` called as a
+function, `_place_chunk`, `_place_positions`) and give identical buffers.
 
 `_permute_kernel` reads each token's row once and stores it to its k destinations;
 `_unpermute_kernel` gathers a token's k rows and accumulates in fp32. Both stride over tokens.
@@ -77,11 +77,11 @@ def _count_kernel(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr,
 
 
 @triton.jit
-def _scan(chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr, offsets64_ptr,
-          num_padded_ptr, act_ptr, overflow_ptr, vt_ptr,
-          NB, L, M, T_MAX,
-          LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, TOP_K: tl.constexpr,
-          HAS_VT: tl.constexpr, L_PAD: tl.constexpr, NB_TILE: tl.constexpr):
+def _scan_kernel(chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr, offsets64_ptr,
+                 num_padded_ptr, act_ptr, overflow_ptr, vt_ptr,
+                 NB, L, M, T_MAX,
+                 LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, TOP_K: tl.constexpr,
+                 HAS_VT: tl.constexpr, L_PAD: tl.constexpr, NB_TILE: tl.constexpr):
     cols = tl.arange(0, L_PAD)
     cmask = cols < L
     carry = tl.zeros([L_PAD], dtype=tl.int32)
@@ -119,16 +119,6 @@ def _scan(chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr, offsets64_ptr,
             if HAS_VT:
                 n_tok = tl.minimum(tl.maximum(tl.load(vt_ptr).to(tl.int32), 0), M)
             tl.store(act_ptr, n_tok * TOP_K)
-
-
-@triton.jit
-def _scan_kernel(chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr, offsets64_ptr,
-                 num_padded_ptr, act_ptr, overflow_ptr, vt_ptr,
-                 NB, L, M, T_MAX,
-                 LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, TOP_K: tl.constexpr,
-                 HAS_VT: tl.constexpr, L_PAD: tl.constexpr, NB_TILE: tl.constexpr):
-    _scan(chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr, offsets64_ptr, num_padded_ptr, act_ptr,
-          overflow_ptr, vt_ptr, NB, L, M, T_MAX, LAYOUT, BLOCK_M, TOP_K, HAS_VT, L_PAD, NB_TILE)
 
 
 @triton.jit
@@ -215,8 +205,8 @@ def _build_one_chunk_kernel(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr,
     _count_chunk(0, ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, slot_expert_ptr, rank_ptr, chunk_cnt_ptr,
                  S, E, L, TOP_K, HAS_MAP, HAS_VT, CHUNK, L_PAD, BIN_TILE)
     tl.debug_barrier()
-    _scan(chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr, offsets64_ptr, num_padded_ptr, act_ptr,
-          overflow_ptr, vt_ptr, 1, L, M, T_MAX, LAYOUT, BLOCK_M, TOP_K, HAS_VT, L_PAD, 1)
+    _scan_kernel(chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr, offsets64_ptr, num_padded_ptr, act_ptr,
+                 overflow_ptr, vt_ptr, 1, L, M, T_MAX, LAYOUT, BLOCK_M, TOP_K, HAS_VT, L_PAD, 1)
     tl.debug_barrier()
     _place_chunk(0, slot_expert_ptr, rank_ptr, chunk_base_ptr, offs32_ptr, inv_ptr, src_ptr, sorted_ids_ptr,
                  S, L, T_MAX, LAYOUT, CHUNK)

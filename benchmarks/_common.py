@@ -22,8 +22,8 @@ def bench_us(fn: Callable[[], object], *, warmup_ms: int = 50, rep_ms: int = 200
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
 
 
-def bench_graph_us(fn: Callable[[], object], *, replays: int = 20) -> float:
-    """Median time of one replay of a CUDA graph holding `fn` (launch gaps removed)."""
+def captured(fn: Callable[[], object]) -> tuple:
+    """(a CUDA graph holding `fn`, what the captured call returned), warmed up on a side stream."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -31,8 +31,13 @@ def bench_graph_us(fn: Callable[[], object], *, replays: int = 20) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return bench_us(graph.replay)
+        out = fn()
+    return graph, out
+
+
+def bench_graph_us(fn: Callable[[], object], *, replays: int = 20) -> float:
+    """Median time of one replay of a CUDA graph holding `fn` (launch gaps removed)."""
+    return bench_us(captured(fn)[0].replay)
 
 
 def copy_bandwidth_gbs(num_bytes: int = 1 << 30) -> float:

@@ -74,6 +74,24 @@ for stage in "$@"; do
             step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py
             step test-plans python3 -m pytest -q -x -m gpu tests/test_launch_plan_gpu.py
             step test-no-sync python3 -m pytest -q -m gpu tests/test_compile_gpu.py -k never_syncs ;;
+        decode)  # the decode path: GPU tests, sanitizer, no-sync and plans, decode vs layout path + tile sweep
+            step test-decode python3 -m pytest -q -m gpu tests/test_decode_gpu.py
+            step sanitizer-decode compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_decode_gpu.py -k sanitizer
+            step test-experts python3 -m pytest -q -m gpu tests/test_experts_gpu.py tests/test_launch_plan_gpu.py
+            step test-no-sync python3 -m pytest -q -m gpu tests/test_compile_gpu.py -k never_syncs
+            STEP_TIMEOUT=300 step bench-decode python3 benchmarks/bench_decode.py --sweep --out "$OUT/bench-decode" ;;
+        decode-e2e)  # the decode path after a change: tests, sanitizer, decode vs layout, HF end to end, peers at T=1
+            step test-decode python3 -m pytest -q -m gpu tests/test_decode_gpu.py
+            step sanitizer-decode compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_decode_gpu.py -k sanitizer
+            step bench-decode python3 benchmarks/bench_decode.py --out "$OUT/bench-decode"
+            step profile-qwen3 python3 benchmarks/profile_layer.py --graph --preset qwen3-30b-a3b --tokens 1
+            STEP_TIMEOUT=200 step bench-hf python3 benchmarks/bench_hf.py --iters 5 --out "$OUT/bench-hf"
+            if [ -d .peers ]; then
+                STEP_TIMEOUT=200 step peers env OUT="$OUT/peers" BUDGET_S=100 TIMEOUT_S=150 bash .peers/run.sh \
+                    --tokens 1 --cases dsv4,qwen3,mixtral
+            fi ;;
         gemm-models)  # bf16 expert GEMMs on the Qwen3-MoE, Mixtral and GPT-OSS shapes (all their experts) + the sweep
             STEP_TIMEOUT=500 step bench-gemm-models python3 benchmarks/bench_gemm.py --presets qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b \
                 --no-masked --out "$OUT/bench-gemm-models" ;;

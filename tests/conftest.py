@@ -67,3 +67,19 @@ def one_rank_group():
                             timeout=datetime.timedelta(seconds=30))
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def decode_calls(monkeypatch):
+    """The token counts of the `fused_experts` calls that took the decode path (`padded_moe.decode`)."""
+    from padded_moe import experts
+
+    calls = []
+    real = experts.decode_experts
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(experts, "decode_experts", spy)
+    return calls

@@ -1,5 +1,12 @@
 """Helpers shared by tests (import as `from helpers import ...`; tests/ is on sys.path)."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 # Tolerances for ‖out − ref‖ / ‖ref‖ against a float64 reference, by compute dtype.
@@ -66,3 +73,20 @@ def fp8_dequant_reference(q, scales, dtype):
     n, K = q.shape
     vals = q.view(torch.float8_e4m3fn).float().view(n, scales.shape[1], K // scales.shape[1]) * scales.unsqueeze(-1)
     return vals.view(n, K).to(dtype)
+
+
+def compile_for_sm90(script: str, arg: str) -> list:
+    """Run `script` (which compiles kernels with `triton.compile` for sm_90 and prints a JSON list
+    as its last line) in a subprocess with the kernels compiled, not interpreted; the list. Skips
+    where Triton or its bundled ptxas is missing (no GPU needed)."""
+    triton = pytest.importorskip("triton")
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("Triton's bundled ptxas is not installed")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", script, arg], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads(res.stdout.strip().splitlines()[-1])
+    print("\n".join(str(r) for r in results))
+    return results

@@ -9,12 +9,10 @@ checks that the loops are pipelined (cp.async copies) and wgmma takes its A oper
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from helpers import compile_for_sm90
 
 SCRIPT = r"""
 import json, os, re, sys
@@ -62,11 +60,6 @@ def test_hopper_kernel_compiles_for_sm90():
     pytest.importorskip("triton")
     import dataclasses
 
-    import triton
-
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("Triton's bundled ptxas is not installed")
     from padded_moe.kernels import gemm as kg
 
     tuned = [kg.TUNED[("mxfp4_hopper", r)] for r in ("decode", "prefill")]
@@ -77,12 +70,7 @@ def test_hopper_kernel_compiles_for_sm90():
              + [(0, tuned[0], True, 2), (2, tuned[0], True, 2)]
              + [(lay, c, folded, 4) for c in tuned for lay in (0, 1, 2) for folded in (True, False)])
     arg = json.dumps([(lay, dataclasses.asdict(c), folded, planes) for lay, c, folded, planes in cases])
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, "-c", SCRIPT, arg], capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    results = json.loads(res.stdout.strip().splitlines()[-1])
-    print("\n".join(str(r) for r in results))
+    results = compile_for_sm90(SCRIPT, arg)
     for r in results:
         assert r["cubin"] > 0 and r["wgmma"] > 0, r
         assert r["async_copies"] > 0, f"main loop not pipelined: {r}"

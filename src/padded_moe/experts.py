@@ -32,6 +32,7 @@ from padded_moe.activation import (
     apply_moe_activation,
     resolve_supported,
 )
+from padded_moe.decode import DECODE_ENV, decode_allowed, decode_experts, fits_decode
 from padded_moe.expert_map import ExpertMap, check_topk_ids, check_valid_tokens
 from padded_moe.gemm import expert_gemm
 from padded_moe.layouts import (
@@ -192,16 +193,23 @@ def _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, a
         step = _Step(activation if custom else act, output_transform)
         return _eager_pipeline(hidden_states, w13, w2, topk_weights, topk_ids, step, cfg, chosen, num_experts,
                                num_local, table, w13_bias, w2_bias, valid_tokens, backend, scratch)
+    decode = _auto_layout(layout) and decode_allowed(hidden_states, w13, w2, backend)
     if torch.compiler.is_compiling():
         w13_t, w13_s, *w13_h = _weight_parts(w13)
         w2_t, w2_s, *w2_h = _weight_parts(w2)
         return torch.ops.padded_moe.fused_experts(
             hidden_states, w13_t, w13_s, w2_t, w2_s, topk_weights, topk_ids, table, num_experts,
             act.value, cfg.clamp_limit, cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta, chosen.value,
-            w13_bias, w2_bias, valid_tokens, backend, *w13_h, *w2_h)
+            w13_bias, w2_bias, valid_tokens, backend, *w13_h, *w2_h, decode)
     # Eager calls skip the dispatcher (tens of µs of host time per call).
     return _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, _Step(act), cfg, chosen, num_experts,
-                     num_local, table, w13_bias, w2_bias, valid_tokens, backend, scratch)
+                     num_local, table, w13_bias, w2_bias, valid_tokens, backend, scratch, decode=decode)
+
+
+def _auto_layout(layout) -> bool:
+    """Whether the layout is `fused_experts`' own choice (no argument, no variable): only then may
+    the call take the decode path (`padded_moe.decode`), which uses no layout."""
+    return layout is None and os.environ.get(LAYOUT_ENV, "").strip().lower() in ("", "auto")
 
 
 def _launch_plans():
@@ -257,7 +265,8 @@ def _plan_key(x, topk_weights, topk_ids, valid_tokens, weights: tuple, options: 
     if False in weight_keys:
         return None
     device = torch.cuda.current_device()
-    return (device, _launch.current_stream(device), threading.get_ident(), os.environ.get(LAYOUT_ENV), eager_cache,
+    return (device, _launch.current_stream(device), threading.get_ident(), os.environ.get(LAYOUT_ENV),
+            os.environ.get(DECODE_ENV), eager_cache,
             options, weight_keys, _input_key(x), _input_key(topk_weights), _input_key(topk_ids),
             None if valid_tokens is None else _input_key(valid_tokens))
 
@@ -349,11 +358,22 @@ def _row_function(name: str, fn: RowFunction, x: torch.Tensor, width: int, out: 
 
 def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, step: _Step, cfg: ApplyMoEActivationConfig,
               layout: Union[GemmLayout, str], num_experts: int, num_local: int, table, w13_bias, w2_bias,
-              valid_tokens, backend: str, scratch, eager_cache: bool = True) -> torch.Tensor:
+              valid_tokens, backend: str, scratch, eager_cache: bool = True, decode: bool = False) -> torch.Tensor:
     """layout → (permute) → GEMM1 → activation → GEMM2 → (output transform) → unpermute, on
-    checked arguments."""
+    checked arguments; with `decode` (the decode path is allowed) and few enough slots, the decode
+    path's two kernels instead (`padded_moe.decode`)."""
     num_tokens, hidden_size = hidden_states.shape
     buffers, block_m = scratch, None
+    if decode and fits_decode(num_tokens, topk_ids.numel()):
+        device, dtype = hidden_states.device, hidden_states.dtype
+        if scratch is None and eager_cache:
+            buffers = _eager_scratch(topk_ids, num_experts, num_local)
+        # Of the layout path's buffers only the activation's output and the result.
+        act_buf, out = (_allocate(scratch if b.returned else buffers, b, dtype, device)
+                        for b in expert_workspace(num_tokens, topk_ids.shape[1], hidden_size, w13.shape[1],
+                                                  w2.shape[2]) if b.name in ("act", "out"))
+        return decode_experts(hidden_states, w13, w2, topk_weights, topk_ids, step.activation, cfg, num_experts,
+                              table, w13_bias, w2_bias, valid_tokens, act_buf, out)
     if scratch is None and eager_cache:
         buffers = _eager_scratch(topk_ids, num_experts, num_local)
         if buffers is not None:  # the block the fresh path would pick, so results do not depend on the cache
@@ -441,7 +461,7 @@ def _fused_experts_op(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: Optio
                       valid_tokens: Optional[torch.Tensor], backend: str,
                       w13_hopper_blocks: Optional[torch.Tensor] = None, w13_hopper_scales: Optional[torch.Tensor] = None,
                       w2_hopper_blocks: Optional[torch.Tensor] = None,
-                      w2_hopper_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      w2_hopper_scales: Optional[torch.Tensor] = None, decode: bool = False) -> torch.Tensor:
     def call() -> torch.Tensor:
         cfg = ApplyMoEActivationConfig(clamp_limit, alpha, beta, situ_beta, situ_linear_beta)
         w13w = _weight_from_parts(w13, w13_scales, w13_hopper_blocks, w13_hopper_scales)
@@ -450,14 +470,14 @@ def _fused_experts_op(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: Optio
                          num_experts, w13.shape[0], expert_table, w13_bias, w2_bias, valid_tokens, backend, None,
                          # A compiled graph's memory (CUDA-graph pools included) must not leak into a
                          # cache that outlives the call.
-                         eager_cache=False)
+                         eager_cache=False, decode=decode)
 
     # A plan made here holds no memory (every buffer is a per-call allocation), so it is safe
     # inside a compiled graph; under CUDA-graph capture the key is None and the call runs in full.
     # The key reads the op's arguments as they come: a replay builds no weight or config object.
     weights = (w13, w13_scales, w13_hopper_blocks, w13_hopper_scales, w2, w2_scales, w2_hopper_blocks,
                w2_hopper_scales, w13_bias, w2_bias, expert_table)
-    options = (activation, clamp_limit, alpha, beta, situ_beta, situ_linear_beta, layout, backend, num_experts)
+    options = (activation, clamp_limit, alpha, beta, situ_beta, situ_linear_beta, layout, backend, num_experts, decode)
     key = _plan_key(hidden, topk_weights, topk_ids, valid_tokens, weights, options, eager_cache=False)
     return _planned(key, (hidden, topk_weights, topk_ids, valid_tokens), call)
 

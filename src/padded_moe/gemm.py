@@ -46,7 +46,18 @@ def _check_meta(meta, device: torch.device) -> None:
             raise ValueError(f"layout_meta.{f} must be contiguous")
 
 
-def _check_weight(w, a: torch.Tensor, num_local: int) -> tuple[int, int]:
+def check_bias(bias: Optional[torch.Tensor], a: torch.Tensor, num_local: int, n_out: int) -> None:
+    """An expert bias `[L, Nout]` (or None) for a GEMM on `a`."""
+    if bias is None:
+        return
+    require_tensor("bias", bias)
+    require_dtype("bias", bias, FLOAT_DTYPES)
+    require_shape("bias", bias, (num_local, n_out))
+    require_same_device("bias", bias, "a", a)
+    require_last_dim_contiguous("bias", bias)
+
+
+def check_weight(w, a: torch.Tensor, num_local: int) -> tuple[int, int]:
     """Returns (Nout, K) after checking `w` against `a` and the metadata."""
     if isinstance(w, Mxfp4Tensor):
         if w.device != a.device:
@@ -77,14 +88,9 @@ def expert_gemm(a: torch.Tensor, w: Union[torch.Tensor, Mxfp4Tensor], layout_met
     require_dtype("a", a, FLOAT_DTYPES)
     require_last_dim_contiguous("a", a)
     _check_meta(layout_meta, a.device)
-    n_out, _ = _check_weight(w, a, layout_meta.num_local)
+    n_out, _ = check_weight(w, a, layout_meta.num_local)
     out_shape = layout_meta.gemm_out_shape(a, stage, n_out)
-    if bias is not None:
-        require_tensor("bias", bias)
-        require_dtype("bias", bias, FLOAT_DTYPES)
-        require_shape("bias", bias, (layout_meta.num_local, n_out))
-        require_same_device("bias", bias, "a", a)
-        require_last_dim_contiguous("bias", bias)
+    check_bias(bias, a, layout_meta.num_local, n_out)
     if out is None:
         out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
     else:

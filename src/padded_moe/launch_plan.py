@@ -291,7 +291,7 @@ class LaunchPlans:
 
     def get(self, key) -> Optional[LaunchPlan]:
         """The plan for `key` if there is one and every tensor it keeps a pointer into is alive."""
-        plan = self._plans.get(key)
+        plan = self._plans.get(key) if self.enabled else None
         if plan is None or plan is self._NO_PLAN:
             return None
         if not plan.alive():

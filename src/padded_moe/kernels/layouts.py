@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from padded_moe.kernels._codes import GROUPED_CONTIGUOUS, GROUPED_MASKED, INDEXED
-from padded_moe.kernels.guard import expert_id_ok
+from padded_moe.kernels.guard import slot_local_expert
 
 
 @triton.jit
@@ -38,21 +38,7 @@ def _count_chunk(c, ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr,
     i = tl.arange(0, CHUNK)
     s = c * CHUNK + i
     smask = s < S
-    t = s // TOP_K
-    j = s % TOP_K
-    g = tl.load(ids_ptr + t.to(tl.int64) * stride_im + j * stride_ik, mask=smask, other=-1)
-    # The guard: range check in the ids' own dtype (int64 stays int64) before narrowing or
-    # reading the map; the map load itself is masked so an invalid id never forms an address.
-    in_range = expert_id_ok(g, smask, E)
-    safe = tl.where(in_range, g, 0).to(tl.int32)
-    if HAS_MAP:
-        loc = tl.load(map_ptr + safe, mask=in_range, other=-1)
-    else:
-        loc = safe
-    keep = in_range & (loc >= 0)
-    if HAS_VT:
-        keep = keep & (t < tl.load(vt_ptr))
-    e = tl.where(keep, loc, L)
+    e = slot_local_expert(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, s, smask, E, L, TOP_K, HAS_MAP, HAS_VT)
     tl.store(slot_expert_ptr + s, e, mask=smask)
     # Stable rank inside the chunk: how many earlier slots of this chunk went to the same expert.
     earlier_same = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])

@@ -1,0 +1,126 @@
+"""Decode-sized `fused_experts` calls: the decode path (two kernels) against the layout path.
+
+    python benchmarks/bench_decode.py                       # Qwen3-MoE, DeepSeek-V4 (bf16), Mixtral, GPT-OSS (bf16)
+    python benchmarks/bench_decode.py --sweep               # also time the decode kernels' tile candidates
+
+For each model shape (bf16 weights, random routing from the layer's own router) and token count,
+times one routed-experts call (`FusedMoE.experts`: no router, no shared experts) as a CUDA-graph
+replay and as an eager call, with `PADDED_MOE_DECODE` on and off, and gives the weight-read floor:
+the bytes of the distinct experts the call hits over the copy bandwidth measured in the same run.
+Every decode result is checked against the layout path's before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import bench_graph_us, bench_us, captured, copy_bandwidth_gbs, print_table, write_report  # noqa: E402
+
+from padded_moe import decode as dec  # noqa: E402
+from padded_moe import experts as ex  # noqa: E402
+from padded_moe.layer import FusedMoE  # noqa: E402
+
+PRESETS = ("qwen3-30b-a3b", "dsv4-flash", "mixtral-8x7b", "gpt-oss-120b")
+# One kernel's tiles varied at a time, the other's at the middle candidate.
+_G1 = [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (16, 64, 4, 6), (32, 64, 4, 6), (16, 128, 2, 4),
+       (32, 128, 8, 4), (16, 256, 4, 4)]
+_G2 = [(8, 8192, 4, 3), (16, 8192, 4, 3), (4, 8192, 4, 3), (8, 4096, 2, 4), (8, 8192, 4, 4), (8, 8192, 4, 2),
+       (8, 16384, 8, 3)]
+SWEEP = ([dec.DecodeTiles(b1, k1, *_G2[0][:2], warps1=w1, stages1=s1, warps2=_G2[0][2], stages2=_G2[0][3])
+          for b1, k1, w1, s1 in _G1]
+         + [dec.DecodeTiles(*_G1[1][:2], b2, st, warps1=_G1[1][2], stages1=_G1[1][3], warps2=w2, stages2=s2)
+            for b2, st, w2, s2 in _G2[1:]])
+
+
+def tokens_for(preset: str, top_k: int) -> list[int]:
+    """Every token count whose slots fit the decode path, powers of two."""
+    out, t = [], 1
+    while t <= dec.DECODE_MAX_TOKENS and t * top_k <= dec.DECODE_MAX_SLOTS:
+        out.append(t)
+        t *= 2
+    return out
+
+
+def with_decode(on: bool, fn):
+    os.environ[dec.DECODE_ENV] = "auto" if on else "off"
+    try:
+        return fn()
+    finally:
+        os.environ.pop(dec.DECODE_ENV, None)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", default=",".join(PRESETS))
+    p.add_argument("--sweep", action="store_true", help="time the decode tile candidates at T=1 per preset")
+    p.add_argument("--out", default="bench-out/decode")
+    args = p.parse_args()
+    t0 = time.time()
+    copy = copy_bandwidth_gbs() * 1e9
+    print(f"copy bandwidth {copy / 1e12:.2f} TB/s")
+    rows, sweep_rows = [], []
+    for name in args.presets.split(","):
+        layer = FusedMoE.from_preset(name, weight_format="bf16", device="cuda", dtype=torch.bfloat16)
+        layer.randomize(seed=0, std=0.02)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        expert_bytes = (layer.w13[0].numel() + layer.w2[0].numel()) * 2
+        for T in tokens_for(name, layer.top_k):
+            x = torch.randn(T, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+            tw, ids = layer.route(layer.gate(x), None)
+            call = lambda: layer.experts(x, tw, ids)  # noqa: E731
+            ref = with_decode(False, call)
+            got = with_decode(True, call)
+            err = rel(got, ref)
+            if not torch.isfinite(got).all() or err > 2e-2:
+                raise SystemExit(f"{name} T={T}: decode path differs from the layout path (rel {err:.3g})")
+            hit = torch.unique(ids[(ids >= 0) & (ids < layer.num_experts)]).numel()
+            floor = hit * expert_bytes / copy * 1e6
+            g_on = with_decode(True, lambda: bench_graph_us(call))
+            g_off = with_decode(False, lambda: bench_graph_us(call))
+            e_on = with_decode(True, lambda: bench_us(call))
+            e_off = with_decode(False, lambda: bench_us(call))
+            rows.append([name, T, hit, round(floor, 1), round(g_on, 1), round(g_off, 1), round(g_off / g_on, 2),
+                         round(floor / g_on, 2), round(e_on, 1), round(e_off, 1), f"{err:.1e}"])
+            if args.sweep and T == 1:
+                plans = ex._launch_plans()
+                for tiles in SWEEP:
+                    real = dec.pick_tiles
+                    dec.pick_tiles = lambda *a, _t=tiles: _t  # noqa: E731
+                    plans.enabled = False  # every call runs in full, with these tiles
+                    try:
+                        graph, out = with_decode(True, lambda: captured(call))
+                        graph.replay()
+                        ok = bool(torch.isfinite(out).all()) and rel(out, ref) <= 2e-2
+                        us = bench_us(graph.replay) if ok else float("nan")
+                    finally:
+                        dec.pick_tiles = real
+                        plans.enabled = True
+                    sweep_rows.append([name, tiles.short(), round(us, 1), "ok" if ok else "WRONG"])
+        del layer
+        torch.cuda.empty_cache()
+    headers = ["model", "T", "experts hit", "floor us", "decode graph us", "layout graph us", "layout/decode",
+               "floor/decode", "decode eager us", "layout eager us", "rel diff"]
+    print_table("decode path vs layout path (bf16, routed experts only)", headers, rows)
+    if sweep_rows:
+        print_table("decode tiles at T=1 (graph us)", ["model", "tiles", "us", "check"], sweep_rows)
+    write_report(args.out, "bench_decode", "Decode-sized calls: decode path vs layout path",
+                 "One routed-experts call (FusedMoE.experts), bf16 weights, graph replay and eager, "
+                 "PADDED_MOE_DECODE on and off; floor = bytes of the experts hit / copy bandwidth.",
+                 headers, rows, extra={"sweep": sweep_rows, "copy_bytes_per_s": copy, "wall_s": time.time() - t0})
+    print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Triton kernels of the decode path (`padded_moe.decode`): the whole expert call in two launches.
+
+For calls of few routed slots (decode) the layout kernels, the activation and the unpermute each
+cost about as much as a GEMM's weight read of a small expert. These two kernels route the slots
+themselves (the ID guard, the expert map and `valid_tokens` through `slot_local_expert`) and keep
+every intermediate but one in registers:
+
+- `_decode_w13_act_kernel`, grid (n-tiles of N, slots): the program of slot `s` returns unless `s`
+  is the first slot routed to its expert; that program gathers every slot routed to the same expert
+  (at most RB rows) straight from the hidden states, multiplies them with the expert's gate and up
+  tiles, rounds the result to the activation dtype as GEMM1's output buffer would, applies the
+  activation (spec 01's math, `_gated` / `_ungated`) and stores `h [slots, N]` rows of those slots
+  only. Each expert's weights are read once per call, however many slots it has.
+- `_decode_w2_combine_kernel`, grid (tokens, n-tiles of K): the program of token `t` computes its k
+  slots' `h[slot] @ w2[e].T + b2[e]` side by side (one `[k, BN, BK]` weight step covers all k
+  experts), rounds them to the activation dtype as GEMM2's output buffer would be, weights them and
+  sums over the slots in fp32 with a fixed reduction tree (deterministic, no atomics), and stores
+  the token's output row: no `[slots, K]` intermediate and no unpermute. Tokens of one
+  n-tile are adjacent in launch order, so an expert shared by several tokens is read from L2.
+
+Every operand's last dimension is contiguous (the host checks it). Dropped slots are never loaded or computed, hidden rows at/after `valid_tokens` are never read and
+output rows at/after it are never written; a token whose slots are all dropped gets zeros (as
+`unpermute` gives it).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from padded_moe.kernels.activation import ACT_SILU_NO_MUL, ACT_SWIGLUOAI, _gated, _ungated
+from padded_moe.kernels.guard import slot_local_expert
+
+
+@triton.jit
+def _dot(a, w, acc, FP32_DOT: tl.constexpr):
+    if FP32_DOT:
+        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, w, acc)
+
+
+@triton.jit
+def _decode_w13_act_kernel(
+    x_ptr, w_ptr, bias_ptr, h_ptr, ids_ptr, map_ptr, vt_ptr,
+    N, K, S, E, L,
+    stride_xm, stride_im, stride_ik, stride_we, stride_wn, stride_be, stride_hm,
+    limit, alpha, beta, situ_beta, situ_lambda,
+    TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
+    FP32_DOT: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    s = tl.program_id(1)
+    sl = tl.arange(0, RB)
+    experts = slot_local_expert(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, sl, sl < S, E, L,
+                                TOP_K, HAS_MAP, HAS_VT)
+    e = tl.sum(tl.where(sl == s, experts, 0), 0)
+    if e >= L:  # dropped slot: nothing to compute, its h row is never read
+        return
+    if tl.min(tl.where(experts == e, sl, RB), 0) != s:  # an earlier slot's program does this expert
+        return
+    rows = experts == e
+    x_rows = tl.where(rows, sl // TOP_K, 0).to(tl.int64)
+    rn = pid_n * BN + tl.arange(0, BN)
+    n_ok = rn < N
+    GATED: tl.constexpr = ACT < ACT_SILU_NO_MUL
+    if ACT == ACT_SWIGLUOAI:  # gate and up interleaved along w13's rows
+        g_rows = 2 * rn
+        u_rows = 2 * rn + 1
+    else:
+        g_rows = rn
+        u_rows = rn + N
+    e64 = e.to(tl.int64)
+    w_e = w_ptr + e64 * stride_we
+    g_base = w_e + g_rows.to(tl.int64)[None, :] * stride_wn
+    u_base = w_e + u_rows.to(tl.int64)[None, :] * stride_wn
+    x_base = x_ptr + x_rows[:, None] * stride_xm
+    acc_g = tl.zeros((RB, BN), dtype=tl.float32)
+    acc_u = tl.zeros((RB, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        k_ok = rk < K
+        a = tl.load(x_base + rk[None, :], mask=rows[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        wg = tl.load(g_base + rk[:, None], mask=w_mask, other=0.0)
+        acc_g = _dot(a, wg, acc_g, FP32_DOT)
+        if GATED:
+            wu = tl.load(u_base + rk[:, None], mask=w_mask, other=0.0)
+            acc_u = _dot(a, wu, acc_u, FP32_DOT)
+    h_ty = h_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc_g += tl.load(bias_ptr + e64 * stride_be + g_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    # Rounded to the activation dtype first: the same values the activation reads from GEMM1's
+    # output buffer on the layout path.
+    g = acc_g.to(h_ty).to(tl.float32)
+    if GATED:
+        if HAS_BIAS:
+            acc_u += tl.load(bias_ptr + e64 * stride_be + u_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        u = acc_u.to(h_ty).to(tl.float32)
+        y = _gated(g, u, ACT, HAS_LIMIT, limit, alpha, beta, situ_beta, HAS_LAMBDA, situ_lambda, FAST)
+    else:
+        y = _ungated(g, ACT, FAST)
+    h_ptrs = h_ptr + sl.to(tl.int64)[:, None] * stride_hm + rn[None, :]
+    tl.store(h_ptrs, y.to(h_ty), mask=rows[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _decode_w2_combine_kernel(
+    h_ptr, w_ptr, bias_ptr, tw_ptr, out_ptr, ids_ptr, map_ptr, vt_ptr,
+    K, N, E, L,
+    stride_hm, stride_we, stride_wk, stride_be, stride_twm, stride_twk, stride_om, stride_im, stride_ik,
+    TOP_K: tl.constexpr, K_POW2: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if HAS_VT:
+        if t >= tl.load(vt_ptr):  # rows at/after valid_tokens are not written
+            return
+    jj = tl.arange(0, K_POW2)
+    experts = slot_local_expert(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, t * TOP_K + jj, jj < TOP_K, E, L,
+                                TOP_K, HAS_MAP, HAS_VT)
+    kept = experts < L
+    e64 = tl.where(kept, experts, 0).to(tl.int64)
+    rn = pid_n * BN + tl.arange(0, BN)
+    n_ok = rn < K
+    # All k slots at once, [k, BN, BK] per step: the k experts' weight reads are in flight together.
+    w_base = w_ptr + e64[:, None, None] * stride_we + rn.to(tl.int64)[None, :, None] * stride_wk
+    h_base = h_ptr + (t * TOP_K + jj).to(tl.int64)[:, None] * stride_hm
+    w_rows_ok = kept[:, None, None] & n_ok[None, :, None]
+    acc = tl.zeros((K_POW2, BN), dtype=tl.float32)
+    for k0 in tl.range(0, N, BK, num_stages=STAGES):
+        rk = k0 + tl.arange(0, BK)
+        k_ok = rk < N
+        hv = tl.load(h_base + rk[None, :], mask=kept[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_base + rk[None, None, :], mask=w_rows_ok & k_ok[None, None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * hv[:, None, :], 2)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e64[:, None] * stride_be + rn[None, :], mask=kept[:, None] & n_ok[None, :],
+                       other=0.0).to(tl.float32)
+    weight = tl.load(tw_ptr + t.to(tl.int64) * stride_twm + jj * stride_twk, mask=kept, other=0.0).to(tl.float32)
+    # GEMM2's output rounding, then the router weighting and the slot sum in fp32. Select, never
+    # multiply by zero: a dropped slot contributes nothing even where its weight is NaN.
+    y = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
+    total = tl.sum(tl.where(kept[:, None], y * weight[:, None], 0.0), 0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)

@@ -1,0 +1,169 @@
+"""The decode path (`padded_moe.decode`) against the float64 oracle, under Triton's interpreter.
+
+Calls of at most `DECODE_MAX_SLOTS` slots with the layout left to `fused_experts` run two kernels
+that route the slots themselves; every test here checks that the path was taken (or not) and its
+result against `reference_moe`, with garbage ids, NaN in rows that must never be read, and
+sentinels in rows that must never be written.
+"""
+
+import pytest
+import torch
+
+from helpers import SENTINEL, rel_err
+from padded_moe import decode as dec
+from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation
+from padded_moe.expert_map import ExpertMap
+from padded_moe.experts import fused_experts
+from padded_moe.mxfp4 import quantize_mxfp4
+from padded_moe.reference.moe import reference_moe
+
+K, N = 96, 48  # neither a multiple of the interpreter's tiles: the masked tails run too
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
+GATED = ["silu", "gelu", "gelu_tanh", "swigluoai", "swigluoai_uninterleave", "swiglustep", "situ"]
+UNGATED = ["silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul", "relu2_no_mul"]
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    from padded_moe._platform import kernels_interpreted
+
+    if not kernels_interpreted():
+        pytest.skip("Triton kernels were compiled for a GPU; the interpreter is not in use")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv(dec.DECODE_ENV, raising=False)
+    monkeypatch.delenv("PADDED_MOE_GEMM_LAYOUT", raising=False)
+
+
+def make(M, k, E, gen, dtype=torch.float32, gated=True, bias=False, scale=0.1):
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    w13 = (torch.randn(E, (2 if gated else 1) * N, K, generator=gen) * scale).to(dtype)
+    w2 = (torch.randn(E, K, N, generator=gen) * scale).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
+    tw = torch.rand(M, k, generator=gen)
+    tw = tw / tw.sum(-1, keepdim=True)
+    b13 = (torch.randn(E, w13.shape[1], generator=gen) * 0.5).to(dtype) if bias else None
+    b2 = (torch.randn(E, K, generator=gen) * 0.5).to(dtype) if bias else None
+    return x, w13, w2, tw, ids, b13, b2
+
+
+def act_config(act):
+    return ApplyMoEActivationConfig(situ_beta=4.0, situ_linear_beta=3.0) if act == "situ" else None
+
+
+def ref_kwargs(act):
+    return dict(situ_beta=4.0, situ_lambda=3.0) if act == "situ" else {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("act", GATED + UNGATED)
+def test_every_activation_matches_reference(interpreted, decode_calls, act, dtype, gen):
+    M, k, E = 3, 4, 9
+    x, w13, w2, tw, ids, b13, b2 = make(M, k, E, gen, dtype, gated=MoEActivation(act).is_gated, bias=True)
+    out = fused_experts(x, w13, w2, tw, ids, activation=act, activation_config=act_config(act),
+                        w13_bias=b13, w2_bias=b2)
+    assert decode_calls == [M]
+    ref = reference_moe(x, w13, w2, tw, ids, activation=act, activation_kwargs=ref_kwargs(act),
+                        w13_bias=b13, w2_bias=b2)
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matches_the_layout_path(interpreted, decode_calls, monkeypatch, dtype, gen):
+    """Same roundings as the layout path (GEMM outputs rounded to the activation dtype, fp32
+    weighted sum in slot order): the two agree to the GEMMs' summation order."""
+    x, w13, w2, tw, ids, b13, b2 = make(4, 4, 16, gen, dtype, bias=True)
+    fast = fused_experts(x, w13, w2, tw, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2)
+    monkeypatch.setenv(dec.DECODE_ENV, "off")
+    slow = fused_experts(x, w13, w2, tw, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2)
+    assert decode_calls == [4]
+    assert rel_err(fast, slow) <= {torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+
+
+def test_garbage_and_repeated_ids(interpreted, decode_calls, gen):
+    """Invalid ids are dropped, a token with nothing kept gets zeros, and an expert routed from
+    several slots (repeats inside a token, across tokens) is computed for all of them at once."""
+    M, k, E = 4, 4, 6
+    x, w13, w2, tw, ids, _, _ = make(M, k, E, gen)
+    ids = ids.to(torch.int64)
+    ids[0] = torch.tensor([2, 2, -1, E])  # a repeat inside a token, padding, one past the end
+    ids[1] = torch.tensor([-1, 2**31 - 1, 2**40, -(2**33)])  # nothing kept (int64 ids past int32)
+    ids[2] = torch.tensor([2, 5, 0, 2])
+    out = fused_experts(x, w13, w2, tw, ids, activation="silu")
+    assert decode_calls == [M]
+    ref = reference_moe(x, w13, w2, tw, ids, activation="silu")
+    assert rel_err(out, ref) <= TOL[torch.float32]
+    assert (out[1] == 0).all()
+
+
+def test_expert_map_and_valid_tokens(interpreted, decode_calls, gen):
+    """EP's flat buffer: global ids, other ranks' experts dropped, NaN hidden rows and garbage ids
+    past `valid_tokens` never read, and output rows past it never written."""
+    M, k, E = 4, 3, 10
+    emap = ExpertMap(E, ep_rank=1, ep_size=2)
+    x, w13, w2, tw, ids, b13, b2 = make(M, k, E, gen, bias=True)
+    w13, w2, b13, b2 = w13[: emap.num_local], w2[: emap.num_local], b13[: emap.num_local], b2[: emap.num_local]
+    valid = 3
+    x[valid:] = float("nan")
+    ids[valid:] = torch.tensor([[-1, E + 7, 3]] * (M - valid), dtype=torch.int32)
+    vt = torch.tensor([valid], dtype=torch.int32)
+    out = fused_experts(x, w13, w2, tw, ids, activation="gelu", expert_map=emap, valid_tokens=vt,
+                        w13_bias=b13, w2_bias=b2)
+    assert decode_calls == [M]
+    ref = reference_moe(x, w13, w2, tw, ids, activation="gelu", expert_map=emap.map, w13_bias=b13, w2_bias=b2,
+                        valid_tokens=valid)
+    assert rel_err(out[:valid], ref[:valid]) <= TOL[torch.float32]
+
+
+def test_unread_and_unwritten_rows(interpreted, gen):
+    """Called directly: `h` rows of dropped slots stay NaN (never computed, never read), output rows
+    at/after `valid_tokens` keep their sentinel."""
+    M, k, E = 4, 2, 5
+    x, w13, w2, tw, ids, _, _ = make(M, k, E, gen)
+    ids[0, 1] = -1
+    vt = torch.tensor([3], dtype=torch.int32)
+    x[3] = float("nan")
+    h = torch.full((M * k, N), float("nan"))
+    out = torch.full((M, K), SENTINEL)
+    dec.decode_experts(x, w13, w2, tw, ids, MoEActivation.SILU, ApplyMoEActivationConfig(), E, None, None, None,
+                       vt, h, out)
+    ref = reference_moe(x, w13, w2, tw, ids, activation="silu", valid_tokens=3)
+    assert rel_err(out[:3], ref[:3]) <= TOL[torch.float32]
+    assert (out[3] == SENTINEL).all()
+    assert torch.isnan(h[1]).all() and torch.isnan(h[6:]).all()  # dropped slot; slots of token 3
+    assert torch.isfinite(h[[0, 2, 3, 4, 5]]).all()
+
+
+def test_when_the_path_is_taken(interpreted, decode_calls, monkeypatch, gen):
+    x, w13, w2, tw, ids, _, _ = make(4, 4, 8, gen)
+    fused_experts(x, w13, w2, tw, ids, activation="silu")  # 16 slots: the limit
+    assert decode_calls == [4]
+    x5, _, _, tw5, ids5, _, _ = make(5, 4, 8, gen)
+    fused_experts(x5, w13, w2, tw5, ids5, activation="silu")  # 20 slots
+    fused_experts(x5, w13, w2, tw5[:, :2].contiguous(), ids5[:, :2].contiguous(), activation="silu")  # 5 tokens
+    fused_experts(x, w13, w2, tw, ids, activation="silu", layout="indexed")  # the caller chose a layout
+    monkeypatch.setenv("PADDED_MOE_GEMM_LAYOUT", "grouped")
+    fused_experts(x, w13, w2, tw, ids, activation="silu")  # ... or the variable did
+    monkeypatch.setenv("PADDED_MOE_GEMM_LAYOUT", "auto")
+    fused_experts(x, w13, w2, tw, ids, activation="silu", backend="torch")  # another backend
+    fused_experts(x, w13, w2, tw, ids, activation=lambda h: torch.nn.functional.silu(h[:, :N]) * h[:, N:])
+    w13m, w2m = quantize_mxfp4(torch.randn(8, 128, K, generator=gen)), quantize_mxfp4(torch.randn(8, K, 64, generator=gen))
+    fused_experts(x, w13m, w2m, tw, ids, activation="silu")  # MXFP4
+    monkeypatch.setenv(dec.DECODE_ENV, "off")
+    fused_experts(x, w13, w2, tw, ids, activation="silu")
+    assert decode_calls == [4]
+    monkeypatch.setenv(dec.DECODE_ENV, "AUTO")
+    fused_experts(x, w13, w2, tw, ids, activation="silu")
+    assert decode_calls == [4, 4]
+
+
+def test_bad_setting_is_refused(interpreted, monkeypatch, gen):
+    x, w13, w2, tw, ids, _, _ = make(1, 2, 4, gen)
+    monkeypatch.setenv(dec.DECODE_ENV, "fast")
+    with pytest.raises(ValueError, match="PADDED_MOE_DECODE must be one of auto, off, got 'fast'"):
+        fused_experts(x, w13, w2, tw, ids, activation="silu")
+
+
+def test_bad_bias_gets_the_layout_paths_error(interpreted, gen):
+    x, w13, w2, tw, ids, b13, _ = make(1, 2, 4, gen, bias=True)
+    with pytest.raises(ValueError, match="bias"):
+        fused_experts(x, w13, w2, tw, ids, activation="silu", w13_bias=b13[:, :N])

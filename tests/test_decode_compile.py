@@ -1,0 +1,85 @@
+"""The decode kernels compile for sm_90 with the tiles `pick_tiles` chooses on model shapes, and
+both main loops are software-pipelined (cp.async copies; GEMM2's loop has no dot, so this is the
+`tl.range(num_stages=...)` request taking effect). Triton's own ptxas, no GPU needed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import compile_for_sm90
+
+SCRIPT = r"""
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from padded_moe.kernels import decode as kd
+
+
+def compiled(fn, ptrs, ints, floats, const, warps, stages):
+    sig = dict(ptrs)
+    sig.update({n: "i32" for n in ints})
+    sig.update({n: "fp32" for n in floats})
+    sig.update({k: "constexpr" for k in const})
+    names = fn.arg_names
+    # What the launcher's specialisation sees on model shapes: 16-aligned pointers and sizes.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in ints}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return dict(shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
+                async_copies=k.asm["ttgir"].count("async_copy_global_to_local"))
+
+
+out = []
+for top_k, act, t in json.loads(sys.argv[1]):
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "h_ptr": "*bf16", "ids_ptr": "*i32",
+            "map_ptr": "*i32", "vt_ptr": "*i32"}
+    ints = ["N", "K", "S", "E", "L", "stride_xm", "stride_im", "stride_ik", "stride_we", "stride_wn", "stride_be",
+            "stride_hm"]
+    const = dict(TOP_K=top_k, HAS_MAP=True, HAS_VT=True, HAS_BIAS=True, ACT=act, HAS_LIMIT=True, HAS_LAMBDA=False,
+                 FAST=True, FP32_DOT=False, RB=16, BN=t["bn1"], BK=t["bk1"])
+    r1 = compiled(kd._decode_w13_act_kernel, ptrs, ints, ["limit", "alpha", "beta", "situ_beta", "situ_lambda"],
+                  const, t["warps1"], t["stages1"])
+    ptrs = {"h_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "tw_ptr": "*fp32", "out_ptr": "*bf16",
+            "ids_ptr": "*i32", "map_ptr": "*i32", "vt_ptr": "*i32"}
+    ints = ["K", "N", "E", "L", "stride_hm", "stride_we", "stride_wk", "stride_be", "stride_twm", "stride_twk",
+            "stride_om", "stride_im", "stride_ik"]
+    k_pow2 = 1 << (top_k - 1).bit_length()
+    const = dict(TOP_K=top_k, K_POW2=k_pow2, HAS_MAP=True, HAS_VT=True, HAS_BIAS=True, BN=t["bn2"],
+                 BK=max(16, t["step2"] // (k_pow2 * t["bn2"])), STAGES=t["stages2"])
+    r2 = compiled(kd._decode_w2_combine_kernel, ptrs, ints, [], const, t["warps2"], 1)
+    out.append(dict(top_k=top_k, act=act, w13=r1, w2=r2))
+print(json.dumps(out))
+"""
+
+
+def test_decode_kernels_compile_for_sm90_pipelined():
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from padded_moe import decode as dec
+    from padded_moe.kernels.activation import KERNEL_IDS
+
+    class _Cuda:  # pick_tiles on an H200's 132 SMs, without a GPU
+        type = "cuda"
+
+    real_cap = dec._platform.program_cap
+    dec._platform.program_cap = lambda device, per_sm=8: 132 * per_sm
+    try:
+        cases = [(8, "silu", dec.pick_tiles(1, 8, 768, 2048, _Cuda())),          # Qwen3-MoE, T=1
+                 (6, "silu", dec.pick_tiles(1, 6, 2048, 4096, _Cuda())),         # DeepSeek-V4, T=1
+                 (2, "silu", dec.pick_tiles(8, 16, 14336, 4096, _Cuda())),       # Mixtral, T=8
+                 (4, "swigluoai", dec.pick_tiles(4, 16, 2880, 2880, _Cuda())),   # GPT-OSS, T=4
+                 (4, "relu2_no_mul", dec.pick_tiles(2, 8, 1024, 1024, _Cuda()))]
+    finally:
+        dec._platform.program_cap = real_cap
+    arg = json.dumps([(k, KERNEL_IDS[a], dataclasses.asdict(t)) for k, a, t in cases])
+    results = compile_for_sm90(SCRIPT, arg)
+    for r in results:
+        for kernel in ("w13", "w2"):
+            assert r[kernel]["cubin"] > 0, r
+            assert r[kernel]["async_copies"] > 0, f"{kernel} main loop not pipelined: {r}"
+            assert r[kernel]["shared"] <= 227 * 1024, r

@@ -1,0 +1,177 @@
+"""The decode path on CUDA: model shapes against the float64 oracle, graph replays with new routes,
+no host synchronisation, torch.compile, and a small case for compute-sanitizer (`-k sanitizer`)."""
+
+import pytest
+import torch
+
+from helpers import rel_err
+from padded_moe import decode as dec
+from padded_moe.expert_map import ExpertMap
+from padded_moe.experts import fused_experts
+from padded_moe.layer import FusedMoE
+from padded_moe.presets import get_preset
+from padded_moe.reference.moe import reference_moe
+
+pytestmark = pytest.mark.gpu
+BF16_TOL = 1e-2
+PRESETS = ["qwen3-30b-a3b", "dsv4-flash", "mixtral-8x7b", "gpt-oss-120b"]
+
+
+@pytest.fixture(autouse=True)
+def decode_on(monkeypatch):
+    monkeypatch.delenv(dec.DECODE_ENV, raising=False)
+    monkeypatch.delenv("PADDED_MOE_GEMM_LAYOUT", raising=False)
+
+
+@pytest.fixture(scope="module")
+def layers():
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made.clear()
+            torch.cuda.empty_cache()
+            layer = FusedMoE.from_preset(name, weight_format="bf16", device="cuda", dtype=torch.bfloat16)
+            layer.randomize(seed=3, std=0.02)
+            if layer.w13_bias is not None:
+                layer.w13_bias.normal_(0, 0.1)
+                layer.w2_bias.normal_(0, 0.1)
+            made[name] = layer
+        return made[name]
+
+    yield get
+    made.clear()
+
+
+def oracle(layer, x, tw, ids, valid: int):
+    """`reference_moe` on the experts the routes hit (a whole model's experts in float64 on the host
+    would be tens of GB): the hit experts become local experts 0.. through an expert map."""
+    E = layer.num_experts
+    ok = (ids >= 0) & (ids < E)
+    ok[valid:] = False
+    used = torch.unique(ids[ok].long())
+    emap = torch.full((E,), -1, dtype=torch.long, device=ids.device)
+    emap[used] = torch.arange(used.numel(), device=ids.device)
+    sub = lambda t: None if t is None else t[used]  # noqa: E731
+    return reference_moe(x, layer.w13[used], layer.w2[used], tw, ids, activation=layer.activation.value,
+                         activation_kwargs=dict(limit=layer.activation_config.clamp_limit), expert_map=emap,
+                         num_experts=E, w13_bias=sub(layer.w13_bias), w2_bias=sub(layer.w2_bias),
+                         valid_tokens=valid)
+
+
+def routes(T, k, E, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :k].to(torch.int32)
+    w = torch.rand(T, k, device="cuda", generator=g)
+    return w / w.sum(-1, keepdim=True), ids
+
+
+def call(layer, x, tw, ids, valid=None):
+    return fused_experts(x, layer.w13, layer.w2, tw, ids, activation=layer.activation,
+                         activation_config=layer.activation_config, w13_bias=layer.w13_bias,
+                         w2_bias=layer.w2_bias, valid_tokens=valid)
+
+
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_model_shapes_match_reference(layers, decode_calls, monkeypatch, preset, T):
+    if not dec.fits_decode(T + 1, (T + 1) * get_preset(preset).top_k):
+        pytest.skip(f"{(T + 1) * get_preset(preset).top_k} slots: past the decode path")
+    layer = layers(preset)
+    k, E = layer.top_k, layer.num_experts
+    x = torch.randn(T + 1, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    x[T] = float("nan")  # the token past valid_tokens: never read
+    tw, ids = routes(T + 1, k, E, seed=T)
+    ids[T] = torch.tensor([-1, E + 3] + [0] * (k - 2), device="cuda")[:k]
+    if k > 2:
+        ids[0, 1] = -1  # a padding slot
+        ids[0, 2] = E  # one past the end
+    if T > 1:
+        ids[1, 0] = ids[0, 0]  # an expert shared by two tokens: computed once, for both
+    vt = torch.tensor([T], device="cuda", dtype=torch.int32)
+    out = call(layer, x, tw, ids, vt)
+    torch.cuda.synchronize()
+    assert decode_calls == [T + 1]
+    ref = oracle(layer, x, tw, ids, T)
+    assert rel_err(out[:T], ref[:T]) <= BF16_TOL
+    monkeypatch.setenv(dec.DECODE_ENV, "off")
+    layout_path = call(layer, x, tw, ids, vt)
+    assert rel_err(out[:T], layout_path[:T].float()) <= BF16_TOL
+
+
+def test_graph_replays_with_new_routes(layers, decode_calls):
+    layer = layers("qwen3-30b-a3b")
+    k, E = layer.top_k, layer.num_experts
+    x = torch.randn(2, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    tw, ids = routes(2, k, E, seed=10)
+    call(layer, x, tw, ids)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call(layer, x, tw, ids)
+    for seed in range(11, 16):
+        new_w, new_ids = routes(2, k, E, seed)
+        new_ids[0, seed % k] = -1
+        x.copy_(torch.randn_like(x))
+        tw.copy_(new_w)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, oracle(layer, x, tw, ids, 2)) <= BF16_TOL
+    assert len(decode_calls) == 2
+
+
+def test_never_syncs(layers, decode_calls):
+    layer = layers("dsv4-flash")
+    x = torch.randn(1, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    tw, ids = routes(1, layer.top_k, layer.num_experts, seed=20)
+    call(layer, x, tw, ids)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call(layer, x, tw, ids)
+        call(layer, x, tw, ids)  # the launch plan's replay
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(decode_calls) >= 2
+
+
+def test_compiled_call_takes_the_decode_path(layers, decode_calls):
+    layer = layers("gpt-oss-120b")
+    x = torch.randn(2, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    tw, ids = routes(2, layer.top_k, layer.num_experts, seed=30)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, tw, ids: call(layer, x, tw, ids), fullgraph=True)
+    out = compiled(x, tw, ids)
+    torch.cuda.synchronize()
+    assert decode_calls, "the compiled op did not take the decode path"
+    assert rel_err(out, oracle(layer, x, tw, ids, 2)) <= BF16_TOL
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["plain", "expert-map"])
+def test_sanitizer_small(decode_calls, mapped):
+    """Small enough for compute-sanitizer: garbage ids (int64 past int32), a repeated expert, an
+    expert map, valid_tokens with NaN rows past it, biases, a K and N that no tile divides."""
+    T, k, E, K, N = 4, 4, 12, 200, 72
+    emap = ExpertMap(E, ep_rank=1, ep_size=2, device="cuda") if mapped else None
+    L = emap.num_local if mapped else E
+    g = torch.Generator(device="cuda").manual_seed(40)
+    w13 = (torch.randn(L, 2 * N, K, device="cuda", generator=g) * 0.1).bfloat16()
+    w2 = (torch.randn(L, K, N, device="cuda", generator=g) * 0.1).bfloat16()
+    b13 = torch.randn(L, 2 * N, device="cuda", generator=g).bfloat16()
+    b2 = torch.randn(L, K, device="cuda", generator=g).bfloat16()
+    x = torch.randn(T, K, device="cuda", generator=g).bfloat16()
+    x[3] = float("nan")
+    tw, ids = routes(T, k, E, seed=41)
+    ids = ids.long()
+    ids[0] = torch.tensor([5, 5, -1, 2**40], device="cuda")
+    ids[3] = torch.tensor([-(2**35), E, 1, 2], device="cuda")
+    vt = torch.tensor([3], device="cuda", dtype=torch.int32)
+    out = fused_experts(x, w13, w2, tw, ids, activation="swigluoai", expert_map=emap, valid_tokens=vt,
+                        w13_bias=b13, w2_bias=b2)
+    torch.cuda.synchronize()
+    assert decode_calls == [T]
+    ref = reference_moe(x, w13, w2, tw, ids, activation="swigluoai", expert_map=None if emap is None else emap.map,
+                        num_experts=E, w13_bias=b13, w2_bias=b2, valid_tokens=3)
+    assert rel_err(out[:3], ref[:3]) <= BF16_TOL

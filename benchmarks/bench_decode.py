@@ -2,9 +2,8 @@
 
     python benchmarks/bench_decode.py                       # Qwen3-MoE, DeepSeek-V4 (bf16), Mixtral, GPT-OSS (bf16)
     python benchmarks/bench_decode.py --sweep               # also time the decode kernels' tile candidates
-    python benchmarks/bench_decode.py --weights mxfp4 --presets gpt-oss-120b,dsv4-flash
 
-For each model shape (bf16 or MXFP4 weights, random routing from the layer's own router) and token count,
+For each model shape (bf16 weights, random routing from the layer's own router) and token count,
 times one routed-experts call (`FusedMoE.experts`: no router, no shared experts) as a CUDA-graph
 replay and as an eager call, with `PADDED_MOE_DECODE` on and off, and gives the weight-read floor:
 the bytes of the distinct experts the call hits over the copy bandwidth measured in the same run.
@@ -65,8 +64,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", default=",".join(PRESETS))
-    p.add_argument("--weights", default="bf16", choices=("bf16", "mxfp4"),
-                   help="expert weight format (mxfp4: quantized and prepared at load, as FusedMoE does)")
     p.add_argument("--sweep", action="store_true", help="time the decode tile candidates at T=1 per preset")
     p.add_argument("--out", default="bench-out/decode")
     args = p.parse_args()
@@ -75,12 +72,10 @@ def main() -> None:
     print(f"copy bandwidth {copy / 1e12:.2f} TB/s")
     rows, sweep_rows = [], []
     for name in args.presets.split(","):
-        layer = FusedMoE.from_preset(name, weight_format=args.weights, device="cuda", dtype=torch.bfloat16)
+        layer = FusedMoE.from_preset(name, weight_format="bf16", device="cuda", dtype=torch.bfloat16)
         layer.randomize(seed=0, std=0.02)
         gen = torch.Generator(device="cuda").manual_seed(1)
-        # Bytes one expert's weights occupy in the format the call reads (MXFP4: e2m1 + E8M0).
-        per_weight = 2 if args.weights == "bf16" else 0.5 + 1 / 32
-        expert_bytes = (layer.w13[0].numel() + layer.w2[0].numel()) * per_weight
+        expert_bytes = (layer.w13[0].numel() + layer.w2[0].numel()) * 2
         for T in tokens_for(name, layer.top_k):
             x = torch.randn(T, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
             tw, ids = layer.route(layer.gate(x), None)
@@ -117,11 +112,11 @@ def main() -> None:
         torch.cuda.empty_cache()
     headers = ["model", "T", "experts hit", "floor us", "decode graph us", "layout graph us", "layout/decode",
                "floor/decode", "decode eager us", "layout eager us", "rel diff"]
-    print_table(f"decode path vs layout path ({args.weights}, routed experts only)", headers, rows)
+    print_table("decode path vs layout path (bf16, routed experts only)", headers, rows)
     if sweep_rows:
         print_table("decode tiles at T=1 (graph us)", ["model", "tiles", "us", "check"], sweep_rows)
     write_report(args.out, "bench_decode", "Decode-sized calls: decode path vs layout path",
-                 f"One routed-experts call (FusedMoE.experts), {args.weights} weights, graph replay and eager, "
+                 "One routed-experts call (FusedMoE.experts), bf16 weights, graph replay and eager, "
                  "PADDED_MOE_DECODE on and off; floor = bytes of the experts hit / copy bandwidth.",
                  headers, rows, extra={"sweep": sweep_rows, "copy_bytes_per_s": copy, "wall_s": time.time() - t0})
     print(f"wrote {args.out} ({time.time() - t0:.0f} s)")

@@ -16,15 +16,11 @@ every intermediate but one in registers:
   experts), rounds them to the activation dtype as GEMM2's output buffer would be, weights them and
   sums over the slots in fp32 with a fixed reduction tree (deterministic, no atomics), and stores
   the token's output row: no `[slots, K]` intermediate and no unpermute. Tokens of one
-  n-tile are adjacent in launch order, so an expert shared by several tokens may come from L2.
+  n-tile are adjacent in launch order, so an expert shared by several tokens is read from L2.
 
-MXFP4 weights (`Mxfp4Tensor`, its canonical bytes and scales) are dequantized exactly in registers
-(`_dequant_mxfp4`, the layout path's portable upcast) and rounded to the activation dtype for
-GEMM1's dot; GEMM2 multiplies them in fp32.
-
-Every operand's last dimension is contiguous (the host checks it). Dropped slots are never loaded
-or computed, hidden rows at/after `valid_tokens` are never read and output rows at/after it are
-never written; a token whose slots are all dropped gets zeros (as `unpermute` gives it).
+Every operand's last dimension is contiguous (the host checks it). Dropped slots are never loaded or computed, hidden rows at/after `valid_tokens` are never read and
+output rows at/after it are never written; a token whose slots are all dropped gets zeros (as
+`unpermute` gives it).
 """
 
 from __future__ import annotations
@@ -33,7 +29,6 @@ import triton
 import triton.language as tl
 
 from padded_moe.kernels.activation import ACT_SILU_NO_MUL, ACT_SWIGLUOAI, _gated, _ungated
-from padded_moe.kernels.gemm import _dequant_mxfp4
 from padded_moe.kernels.guard import slot_local_expert
 
 
@@ -45,25 +40,14 @@ def _dot(a, w, acc, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _mx_tile_t(b_rows, s_rows, k0, K, n_ok, dtype: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """MXFP4 weight rows (`b_rows` / `s_rows`: [BN, 1] pointers to their packed bytes and E8M0
-    scales) over columns [k0, k0 + BK) of K, dequantized exactly and transposed: [BK, BN] in `dtype`."""
-    cb = k0 // 2 + tl.arange(0, BK // 2)
-    cs = k0 // 32 + tl.arange(0, BK // 32)
-    packed = tl.load(b_rows + cb[None, :], mask=n_ok[:, None] & (cb < K // 2)[None, :], other=0)
-    sc = tl.load(s_rows + cs[None, :], mask=n_ok[:, None] & (cs < K // 32)[None, :], other=127)
-    return tl.trans(_dequant_mxfp4(packed, sc, BN, BK).to(dtype))
-
-
-@triton.jit
 def _decode_w13_act_kernel(
-    x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, map_ptr, vt_ptr,
+    x_ptr, w_ptr, bias_ptr, h_ptr, ids_ptr, map_ptr, vt_ptr,
     N, K, S, E, L,
-    stride_xm, stride_im, stride_ik, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_hm,
+    stride_xm, stride_im, stride_ik, stride_we, stride_wn, stride_be, stride_hm,
     limit, alpha, beta, situ_beta, situ_lambda,
     TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
-    W_MX: tl.constexpr, FP32_DOT: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    FP32_DOT: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
@@ -88,16 +72,9 @@ def _decode_w13_act_kernel(
         u_rows = rn + N
     e64 = e.to(tl.int64)
     w_e = w_ptr + e64 * stride_we
-    if W_MX:  # [BN, 1] row pointers into the packed bytes and the scales
-        g_base = w_e + g_rows.to(tl.int64)[:, None] * stride_wn
-        u_base = w_e + u_rows.to(tl.int64)[:, None] * stride_wn
-        gs_base = s_ptr + e64 * stride_se + g_rows.to(tl.int64)[:, None] * stride_sn
-        us_base = s_ptr + e64 * stride_se + u_rows.to(tl.int64)[:, None] * stride_sn
-    else:
-        g_base = w_e + g_rows.to(tl.int64)[None, :] * stride_wn
-        u_base = w_e + u_rows.to(tl.int64)[None, :] * stride_wn
+    g_base = w_e + g_rows.to(tl.int64)[None, :] * stride_wn
+    u_base = w_e + u_rows.to(tl.int64)[None, :] * stride_wn
     x_base = x_ptr + x_rows[:, None] * stride_xm
-    x_ty = x_ptr.dtype.element_ty
     acc_g = tl.zeros((RB, BN), dtype=tl.float32)
     acc_u = tl.zeros((RB, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -105,16 +82,10 @@ def _decode_w13_act_kernel(
         k_ok = rk < K
         a = tl.load(x_base + rk[None, :], mask=rows[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & n_ok[None, :]
-        if W_MX:
-            wg = _mx_tile_t(g_base, gs_base, k0, K, n_ok, x_ty, BN, BK)
-        else:
-            wg = tl.load(g_base + rk[:, None], mask=w_mask, other=0.0)
+        wg = tl.load(g_base + rk[:, None], mask=w_mask, other=0.0)
         acc_g = _dot(a, wg, acc_g, FP32_DOT)
         if GATED:
-            if W_MX:
-                wu = _mx_tile_t(u_base, us_base, k0, K, n_ok, x_ty, BN, BK)
-            else:
-                wu = tl.load(u_base + rk[:, None], mask=w_mask, other=0.0)
+            wu = tl.load(u_base + rk[:, None], mask=w_mask, other=0.0)
             acc_u = _dot(a, wu, acc_u, FP32_DOT)
     h_ty = h_ptr.dtype.element_ty
     if HAS_BIAS:
@@ -135,12 +106,11 @@ def _decode_w13_act_kernel(
 
 @triton.jit
 def _decode_w2_combine_kernel(
-    h_ptr, w_ptr, s_ptr, bias_ptr, tw_ptr, out_ptr, ids_ptr, map_ptr, vt_ptr,
+    h_ptr, w_ptr, bias_ptr, tw_ptr, out_ptr, ids_ptr, map_ptr, vt_ptr,
     K, N, E, L,
-    stride_hm, stride_we, stride_wk, stride_se, stride_sk, stride_be, stride_twm, stride_twk, stride_om,
-    stride_im, stride_ik,
+    stride_hm, stride_we, stride_wk, stride_be, stride_twm, stride_twk, stride_om, stride_im, stride_ik,
     TOP_K: tl.constexpr, K_POW2: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, W_MX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -156,8 +126,6 @@ def _decode_w2_combine_kernel(
     n_ok = rn < K
     # All k slots at once, [k, BN, BK] per step: the k experts' weight reads are in flight together.
     w_base = w_ptr + e64[:, None, None] * stride_we + rn.to(tl.int64)[None, :, None] * stride_wk
-    if W_MX:
-        s_base = s_ptr + e64[:, None, None] * stride_se + rn.to(tl.int64)[None, :, None] * stride_sk
     h_base = h_ptr + (t * TOP_K + jj).to(tl.int64)[:, None] * stride_hm
     w_rows_ok = kept[:, None, None] & n_ok[None, :, None]
     acc = tl.zeros((K_POW2, BN), dtype=tl.float32)
@@ -165,17 +133,8 @@ def _decode_w2_combine_kernel(
         rk = k0 + tl.arange(0, BK)
         k_ok = rk < N
         hv = tl.load(h_base + rk[None, :], mask=kept[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        if W_MX:
-            cb = k0 // 2 + tl.arange(0, BK // 2)
-            cs = k0 // 32 + tl.arange(0, BK // 32)
-            packed = tl.load(w_base + cb[None, None, :], mask=w_rows_ok & (cb < N // 2)[None, None, :], other=0)
-            sc = tl.load(s_base + cs[None, None, :], mask=w_rows_ok & (cs < N // 32)[None, None, :], other=127)
-            w = _dequant_mxfp4(tl.reshape(packed, (K_POW2 * BN, BK // 2)), tl.reshape(sc, (K_POW2 * BN, BK // 32)),
-                               K_POW2 * BN, BK)
-            w = tl.reshape(w, (K_POW2, BN, BK))
-        else:
-            w = tl.load(w_base + rk[None, None, :], mask=w_rows_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * hv[:, None, :], 2)
+        w = tl.load(w_base + rk[None, None, :], mask=w_rows_ok & k_ok[None, None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * hv[:, None, :], 2)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e64[:, None] * stride_be + rn[None, :], mask=kept[:, None] & n_ok[None, :],
                        other=0.0).to(tl.float32)

@@ -363,27 +363,27 @@ def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, step: _Step, cfg: 
     checked arguments; with `decode` (the decode path is allowed) and few enough slots, the decode
     path's two kernels instead (`padded_moe.decode`)."""
     num_tokens, hidden_size = hidden_states.shape
-    buffers, block_m = scratch, None
-    if decode and fits_decode(num_tokens, topk_ids.numel()):
-        device, dtype = hidden_states.device, hidden_states.dtype
-        if scratch is None and eager_cache:
-            buffers = _eager_scratch(topk_ids, num_experts, num_local)
-        # Of the layout path's buffers only the activation's output and the result.
-        act_buf, out = (_allocate(scratch if b.returned else buffers, b, dtype, device)
-                        for b in expert_workspace(num_tokens, topk_ids.shape[1], hidden_size, w13.shape[1],
-                                                  w2.shape[2]) if b.name in ("act", "out"))
-        return decode_experts(hidden_states, w13, w2, topk_weights, topk_ids, step.activation, cfg, num_experts,
-                              table, w13_bias, w2_bias, valid_tokens, act_buf, out)
+    device, dtype = hidden_states.device, hidden_states.dtype
+    buffers = scratch
     if scratch is None and eager_cache:
         buffers = _eager_scratch(topk_ids, num_experts, num_local)
-        if buffers is not None:  # the block the fresh path would pick, so results do not depend on the cache
-            block_m = default_block_m(num_tokens * topk_ids.shape[1], num_local)
+    workspace = {b.name: b for b in expert_workspace(num_tokens, topk_ids.shape[1], hidden_size, w13.shape[1],
+                                                     w2.shape[2])}
+
+    def allocate(name: str) -> torch.Tensor:
+        b = workspace[name]
+        return _allocate(scratch if b.returned else buffers, b, dtype, device)
+
+    if decode and fits_decode(num_tokens, topk_ids.numel()):
+        # Of the layout path's buffers only the activation's output and the result.
+        return decode_experts(hidden_states, w13, w2, topk_weights, topk_ids, step.activation, cfg, num_experts,
+                              table, w13_bias, w2_bias, valid_tokens, allocate("act"), allocate("out"))
+    # With the eager cache, the block the fresh path would pick, so results do not depend on the cache.
+    block_m = default_block_m(num_tokens * topk_ids.shape[1], num_local) if scratch is None and buffers is not None \
+        else None
     meta = build_layout_resolved(layout, topk_ids, num_experts, num_local, table, valid_tokens=valid_tokens,
                                  scratch=buffers, block_m=block_m)
-    device, dtype = hidden_states.device, hidden_states.dtype
-    gemm1, act, gemm2, out = (_allocate(scratch if b.returned else buffers, b, dtype, device)
-                              for b in expert_workspace(num_tokens, topk_ids.shape[1], hidden_size,
-                                                        w13.shape[1], w2.shape[2]))
+    gemm1, act, gemm2, out = (allocate(name) for name in ("gemm1", "act", "gemm2", "out"))
     expert_gemm(permute(hidden_states, meta), w13, meta, stage="w13", bias=w13_bias, out=gemm1, backend=backend)
     if isinstance(step.activation, MoEActivation):
         apply_moe_activation(step.activation, act, gemm1, activation_config=cfg,

@@ -2,8 +2,9 @@
 
     python benchmarks/bench_decode.py                       # Qwen3-MoE, DeepSeek-V4 (bf16), Mixtral, GPT-OSS (bf16)
     python benchmarks/bench_decode.py --sweep               # also time the decode kernels' tile candidates
+    python benchmarks/bench_decode.py --weights mxfp4 --presets gpt-oss-120b,dsv4-flash
 
-For each model shape (bf16 weights, random routing from the layer's own router) and token count,
+For each model shape (bf16 or MXFP4 weights, random routing from the layer's own router) and token count,
 times one routed-experts call (`FusedMoE.experts`: no router, no shared experts) as a CUDA-graph
 replay and as an eager call, with `PADDED_MOE_DECODE` on and off, and gives the weight-read floor:
 the bytes of the distinct experts the call hits over the copy bandwidth measured in the same run.
@@ -38,11 +39,18 @@ SWEEP = ([dec.DecodeTiles(b1, k1, *_G2[0][:2], warps1=w1, stages1=s1, warps2=_G2
          + [dec.DecodeTiles(*_G1[1][:2], b2, st, warps1=_G1[1][2], stages1=_G1[1][3], warps2=w2, stages2=s2)
             for b2, st, w2, s2 in _G2[1:]])
 
+# MXFP4: GEMM1 (BN, BK, warps, stages) with GEMM2 at BN8 step 16384, then GEMM2 varied.
+_MX1 = [(32, 256, 4, 3), (16, 256, 4, 3), (64, 256, 4, 3), (32, 128, 4, 4), (32, 512, 4, 2), (32, 256, 8, 3),
+        (16, 512, 4, 3), (32, 256, 4, 4)]
+_MX2 = [(4, 16384, 4, 3), (16, 16384, 4, 3), (8, 8192, 4, 4), (8, 32768, 8, 3), (8, 16384, 8, 3)]
+MX_SWEEP = ([dec.DecodeTiles(b1, k1, 8, 16384, warps1=w1, stages1=s1) for b1, k1, w1, s1 in _MX1]
+            + [dec.DecodeTiles(32, 256, b2, st, stages1=3, warps2=w2, stages2=s2) for b2, st, w2, s2 in _MX2])
 
-def tokens_for(preset: str, top_k: int) -> list[int]:
+
+def tokens_for(preset: str, top_k: int, mxfp4: bool = False) -> list[int]:
     """Every token count whose slots fit the decode path, powers of two."""
     out, t = [], 1
-    while t <= dec.DECODE_MAX_TOKENS and t * top_k <= dec.DECODE_MAX_SLOTS:
+    while dec.fits_decode(t, t * top_k, mxfp4):
         out.append(t)
         t *= 2
     return out
@@ -64,6 +72,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", default=",".join(PRESETS))
+    p.add_argument("--weights", default="bf16", choices=("bf16", "mxfp4"),
+                   help="expert weight format (mxfp4: quantized and prepared at load, as FusedMoE does)")
     p.add_argument("--sweep", action="store_true", help="time the decode tile candidates at T=1 per preset")
     p.add_argument("--out", default="bench-out/decode")
     args = p.parse_args()
@@ -72,11 +82,13 @@ def main() -> None:
     print(f"copy bandwidth {copy / 1e12:.2f} TB/s")
     rows, sweep_rows = [], []
     for name in args.presets.split(","):
-        layer = FusedMoE.from_preset(name, weight_format="bf16", device="cuda", dtype=torch.bfloat16)
+        layer = FusedMoE.from_preset(name, weight_format=args.weights, device="cuda", dtype=torch.bfloat16)
         layer.randomize(seed=0, std=0.02)
         gen = torch.Generator(device="cuda").manual_seed(1)
-        expert_bytes = (layer.w13[0].numel() + layer.w2[0].numel()) * 2
-        for T in tokens_for(name, layer.top_k):
+        # Bytes one expert's weights occupy in the format the call reads (MXFP4: e2m1 + E8M0).
+        per_weight = 2 if args.weights == "bf16" else 0.5 + 1 / 32
+        expert_bytes = (layer.w13[0].numel() + layer.w2[0].numel()) * per_weight
+        for T in tokens_for(name, layer.top_k, args.weights == "mxfp4"):
             x = torch.randn(T, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
             tw, ids = layer.route(layer.gate(x), None)
             call = lambda: layer.experts(x, tw, ids)  # noqa: E731
@@ -95,9 +107,9 @@ def main() -> None:
                          round(floor / g_on, 2), round(e_on, 1), round(e_off, 1), f"{err:.1e}"])
             if args.sweep and T == 1:
                 plans = ex._launch_plans()
-                for tiles in SWEEP:
+                for tiles in (MX_SWEEP if args.weights == "mxfp4" else SWEEP):
                     real = dec.pick_tiles
-                    dec.pick_tiles = lambda *a, _t=tiles: _t  # noqa: E731
+                    dec.pick_tiles = lambda *a, _t=tiles, **kw: _t  # noqa: E731
                     plans.enabled = False  # every call runs in full, with these tiles
                     try:
                         graph, out = with_decode(True, lambda: captured(call))
@@ -112,11 +124,11 @@ def main() -> None:
         torch.cuda.empty_cache()
     headers = ["model", "T", "experts hit", "floor us", "decode graph us", "layout graph us", "layout/decode",
                "floor/decode", "decode eager us", "layout eager us", "rel diff"]
-    print_table("decode path vs layout path (bf16, routed experts only)", headers, rows)
+    print_table(f"decode path vs layout path ({args.weights}, routed experts only)", headers, rows)
     if sweep_rows:
         print_table("decode tiles at T=1 (graph us)", ["model", "tiles", "us", "check"], sweep_rows)
     write_report(args.out, "bench_decode", "Decode-sized calls: decode path vs layout path",
-                 "One routed-experts call (FusedMoE.experts), bf16 weights, graph replay and eager, "
+                 f"One routed-experts call (FusedMoE.experts), {args.weights} weights, graph replay and eager, "
                  "PADDED_MOE_DECODE on and off; floor = bytes of the experts hit / copy bandwidth.",
                  headers, rows, extra={"sweep": sweep_rows, "copy_bytes_per_s": copy, "wall_s": time.time() - t0})
     print(f"wrote {args.out} ({time.time() - t0:.0f} s)")

@@ -81,6 +81,23 @@ for stage in "$@"; do
             step test-experts python3 -m pytest -q -m gpu tests/test_experts_gpu.py tests/test_launch_plan_gpu.py
             step test-no-sync python3 -m pytest -q -m gpu tests/test_compile_gpu.py -k never_syncs
             STEP_TIMEOUT=300 step bench-decode python3 benchmarks/bench_decode.py --sweep --out "$OUT/bench-decode" ;;
+        decode-mx)  # MXFP4 on the decode path: GPU tests, sanitizer, decode vs layout + tile sweep, peers at T=1
+            step test-decode python3 -m pytest -q -m gpu tests/test_decode_gpu.py
+            step sanitizer-decode compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_decode_gpu.py -k sanitizer
+            step bench-decode-mx python3 benchmarks/bench_decode.py --weights mxfp4 --presets gpt-oss-120b,dsv4-flash \
+                --sweep --out "$OUT/bench-decode-mx"
+            if [ -d .peers ]; then
+                STEP_TIMEOUT=200 step peers env OUT="$OUT/peers" BUDGET_S=100 TIMEOUT_S=150 bash .peers/run.sh \
+                    --tokens 1 --cases gptoss,dsv4mx
+            fi ;;
+        decode-mx-final)  # the final MXFP4 decode path: its tests and sanitizer, the GPU suites that call it (experts, plans, HF, no-sync)
+            step test-decode python3 -m pytest -q -m gpu tests/test_decode_gpu.py
+            step sanitizer-decode compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_decode_gpu.py -k sanitizer
+            step test-experts python3 -m pytest -q -m gpu tests/test_experts_gpu.py tests/test_launch_plan_gpu.py
+            step test-no-sync python3 -m pytest -q -m gpu tests/test_compile_gpu.py -k never_syncs
+            step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py ;;
         decode-e2e)  # the decode path after a change: tests, sanitizer, decode vs layout, HF end to end, peers at T=1
             step test-decode python3 -m pytest -q -m gpu tests/test_decode_gpu.py
             step sanitizer-decode compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \

@@ -14,6 +14,7 @@ from padded_moe import decode as dec
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation
 from padded_moe.expert_map import ExpertMap
 from padded_moe.experts import fused_experts
+from padded_moe.layer import dense_weights
 from padded_moe.mxfp4 import quantize_mxfp4
 from padded_moe.reference.moe import reference_moe
 
@@ -146,8 +147,13 @@ def test_when_the_path_is_taken(interpreted, decode_calls, monkeypatch, gen):
     monkeypatch.setenv("PADDED_MOE_GEMM_LAYOUT", "auto")
     fused_experts(x, w13, w2, tw, ids, activation="silu", backend="torch")  # another backend
     fused_experts(x, w13, w2, tw, ids, activation=lambda h: torch.nn.functional.silu(h[:, :N]) * h[:, N:])
-    w13m, w2m = quantize_mxfp4(torch.randn(8, 128, K, generator=gen)), quantize_mxfp4(torch.randn(8, K, 64, generator=gen))
-    fused_experts(x, w13m, w2m, tw, ids, activation="silu")  # MXFP4
+    w13m = quantize_mxfp4(torch.randn(8, 128, K, generator=gen))
+    w2m = quantize_mxfp4(torch.randn(8, K, 64, generator=gen))
+    fused_experts(x[:3], w13m, w2m, tw[:3], ids[:3], activation="silu")  # MXFP4 past 2 tokens
+    fused_experts(x[:2], w13m, w2m, tw[:2], ids[:2], activation="silu")  # MXFP4, 2 tokens: taken
+    assert decode_calls == [4, 2]
+    decode_calls.clear()
+    decode_calls.append(4)
     monkeypatch.setenv(dec.DECODE_ENV, "off")
     fused_experts(x, w13, w2, tw, ids, activation="silu")
     assert decode_calls == [4]
@@ -167,3 +173,54 @@ def test_bad_bias_gets_the_layout_paths_error(interpreted, gen):
     x, w13, w2, tw, ids, b13, _ = make(1, 2, 4, gen, bias=True)
     with pytest.raises(ValueError, match="bias"):
         fused_experts(x, w13, w2, tw, ids, activation="silu", w13_bias=b13[:, :N])
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["canonical", "prepared"])
+def test_mxfp4_weights(interpreted, decode_calls, prepared, gen):
+    """MXFP4 experts (canonical bytes read, also when the weight carries its prepared form), with
+    biases, the interleaved swigluoai, a repeated expert and garbage ids; K and N multiples of 32
+    but of no tile. The values are exact MXFP4 (codes times E8M0 scales), so the kernels' decoding
+    is checked against `dense_weights`' own."""
+    M, k, E, Km, Nm = 2, 4, 6, 96, 160
+    x = torch.randn(M, Km, generator=gen).to(torch.bfloat16)
+    w13 = quantize_mxfp4(torch.randn(E, 2 * Nm, Km, generator=gen) * 0.1)
+    w2 = quantize_mxfp4(torch.randn(E, Km, Nm, generator=gen) * 0.1)
+    if prepared:
+        w13, w2 = w13.prepare_for(), w2.prepare_for()
+    b13 = torch.randn(E, 2 * Nm, generator=gen).to(torch.bfloat16)
+    b2 = torch.randn(E, Km, generator=gen).to(torch.bfloat16)
+    tw = torch.rand(M, k, generator=gen)
+    ids = torch.tensor([[1, 1, -1, 5], [0, E, 2**31 - 1, 2]], dtype=torch.int32)
+    out = fused_experts(x, w13, w2, tw, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2)
+    assert decode_calls == [M]
+    ref = reference_moe(x, dense_weights(w13), dense_weights(w2), tw, ids, activation="swigluoai",
+                        w13_bias=b13, w2_bias=b2)
+    assert rel_err(out, ref) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("act", ["silu", "relu2_no_mul"])
+def test_mxfp4_expert_map_and_valid_tokens(interpreted, decode_calls, monkeypatch, act, gen):
+    """MXFP4 experts behind an expert map with valid_tokens: the NaN hidden row past it is never
+    read, non-local and invalid ids contribute nothing; GEMM1's scales span five decades."""
+    M, k, E, Km, Nm = 2, 2, 8, 64, 96
+    emap = ExpertMap(E, ep_rank=1, ep_size=2)
+    L = emap.num_local
+    gated = act == "silu"
+    x = torch.randn(M, Km, generator=gen).to(torch.bfloat16)
+    x[1] = float("nan")
+    spread = torch.logspace(-4, 1, Km)  # per-column magnitudes: scales far apart
+    w13 = quantize_mxfp4(torch.randn(L, (2 if gated else 1) * Nm, Km, generator=gen) * spread)
+    w2 = quantize_mxfp4(torch.randn(L, Km, Nm, generator=gen) * 0.1)
+    tw = torch.rand(M, k, generator=gen)
+    ids = torch.tensor([[4, 0], [5, 7]], dtype=torch.int32)  # 0: not local
+    vt = torch.tensor([1], dtype=torch.int32)
+    out = fused_experts(x, w13, w2, tw, ids, activation=act, expert_map=emap, valid_tokens=vt)
+    assert decode_calls == [M]
+    ref = reference_moe(x, dense_weights(w13), dense_weights(w2), tw, ids, activation=act, expert_map=emap.map,
+                        num_experts=E, valid_tokens=1)
+    assert torch.isfinite(out[:1]).all()
+    # Wide scales make bf16's roundings of GEMM1's output the main error (~1.5% on both paths):
+    # within the layout path's own error of the oracle, and a bound that no wrong decode meets.
+    monkeypatch.setenv(dec.DECODE_ENV, "off")
+    layout_path = fused_experts(x, w13, w2, tw, ids, activation=act, expert_map=emap, valid_tokens=vt)
+    assert rel_err(out[:1], ref[:1]) <= max(TOL[torch.bfloat16], 1.25 * rel_err(layout_path[:1], ref[:1])) <= 0.03

@@ -34,24 +34,34 @@ def compiled(fn, ptrs, ints, floats, const, warps, stages):
 
 
 out = []
-for top_k, act, t in json.loads(sys.argv[1]):
-    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "h_ptr": "*bf16", "ids_ptr": "*i32",
-            "map_ptr": "*i32", "vt_ptr": "*i32"}
-    ints = ["N", "K", "S", "E", "L", "stride_xm", "stride_im", "stride_ik", "stride_we", "stride_wn", "stride_be",
-            "stride_hm"]
+for top_k, act, t, mx in json.loads(sys.argv[1]):
+    w = "*u8" if mx else "*bf16"
+    floats = ["limit", "alpha", "beta", "situ_beta", "situ_lambda"]
     const = dict(TOP_K=top_k, HAS_MAP=True, HAS_VT=True, HAS_BIAS=True, ACT=act, HAS_LIMIT=True, HAS_LAMBDA=False,
-                 FAST=True, FP32_DOT=False, RB=16, BN=t["bn1"], BK=t["bk1"])
-    r1 = compiled(kd._decode_w13_act_kernel, ptrs, ints, ["limit", "alpha", "beta", "situ_beta", "situ_lambda"],
-                  const, t["warps1"], t["stages1"])
-    ptrs = {"h_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "tw_ptr": "*fp32", "out_ptr": "*bf16",
+                 FAST=True)
+    if mx:
+        ptrs = {"x_ptr": "*bf16", "w_ptr": w, "s_ptr": w, "bias_ptr": "*bf16", "h_ptr": "*bf16", "ids_ptr": "*i32",
+                "map_ptr": "*i32", "vt_ptr": "*i32"}
+        ints = ["N", "K", "S", "E", "L", "stride_xm", "stride_im", "stride_ik", "stride_we", "stride_wn",
+                "stride_se", "stride_sn", "stride_be", "stride_hm"]
+        const.update(BN=t["bn1"], BK=t["bk1"], STAGES=t["stages1"])
+        r1 = compiled(kd._decode_w13_mx_kernel, ptrs, ints, floats, const, t["warps1"], 1)
+    else:
+        ptrs = {"x_ptr": "*bf16", "w_ptr": w, "bias_ptr": "*bf16", "h_ptr": "*bf16", "ids_ptr": "*i32",
+                "map_ptr": "*i32", "vt_ptr": "*i32"}
+        ints = ["N", "K", "S", "E", "L", "stride_xm", "stride_im", "stride_ik", "stride_we", "stride_wn",
+                "stride_be", "stride_hm"]
+        const.update(FP32_DOT=False, RB=16, BN=t["bn1"], BK=t["bk1"])
+        r1 = compiled(kd._decode_w13_act_kernel, ptrs, ints, floats, const, t["warps1"], t["stages1"])
+    ptrs = {"h_ptr": "*bf16", "w_ptr": w, "s_ptr": w, "bias_ptr": "*bf16", "tw_ptr": "*fp32", "out_ptr": "*bf16",
             "ids_ptr": "*i32", "map_ptr": "*i32", "vt_ptr": "*i32"}
-    ints = ["K", "N", "E", "L", "stride_hm", "stride_we", "stride_wk", "stride_be", "stride_twm", "stride_twk",
-            "stride_om", "stride_im", "stride_ik"]
+    ints = ["K", "N", "E", "L", "stride_hm", "stride_we", "stride_wk", "stride_se", "stride_sk", "stride_be",
+            "stride_twm", "stride_twk", "stride_om", "stride_im", "stride_ik"]
     k_pow2 = 1 << (top_k - 1).bit_length()
-    const = dict(TOP_K=top_k, K_POW2=k_pow2, HAS_MAP=True, HAS_VT=True, HAS_BIAS=True, BN=t["bn2"],
-                 BK=max(16, t["step2"] // (k_pow2 * t["bn2"])), STAGES=t["stages2"])
+    const = dict(TOP_K=top_k, K_POW2=k_pow2, HAS_MAP=True, HAS_VT=True, HAS_BIAS=True, W_MX=mx, BN=t["bn2"],
+                 BK=max(32, t["step2"] // (k_pow2 * t["bn2"])), STAGES=t["stages2"])
     r2 = compiled(kd._decode_w2_combine_kernel, ptrs, ints, [], const, t["warps2"], 1)
-    out.append(dict(top_k=top_k, act=act, w13=r1, w2=r2))
+    out.append(dict(top_k=top_k, act=act, mx=mx, w13=r1, w2=r2))
 print(json.dumps(out))
 """
 
@@ -74,9 +84,13 @@ def test_decode_kernels_compile_for_sm90_pipelined():
                  (2, "silu", dec.pick_tiles(8, 16, 14336, 4096, _Cuda())),       # Mixtral, T=8
                  (4, "swigluoai", dec.pick_tiles(4, 16, 2880, 2880, _Cuda())),   # GPT-OSS, T=4
                  (4, "relu2_no_mul", dec.pick_tiles(2, 8, 1024, 1024, _Cuda()))]
+        mx_cases = [(6, "silu", dec.pick_tiles(1, 6, 2048, 4096, _Cuda(), mxfp4=True)),        # DeepSeek-V4 MXFP4
+                    (4, "swigluoai", dec.pick_tiles(1, 4, 2880, 2880, _Cuda(), mxfp4=True)),   # GPT-OSS MXFP4
+                    (4, "relu2_no_mul", dec.pick_tiles(4, 16, 1024, 1024, _Cuda(), mxfp4=True))]
     finally:
         dec._platform.program_cap = real_cap
-    arg = json.dumps([(k, KERNEL_IDS[a], dataclasses.asdict(t)) for k, a, t in cases])
+    arg = json.dumps([(k, KERNEL_IDS[a], dataclasses.asdict(t), False) for k, a, t in cases]
+                     + [(k, KERNEL_IDS[a], dataclasses.asdict(t), True) for k, a, t in mx_cases])
     results = compile_for_sm90(SCRIPT, arg)
     for r in results:
         for kernel in ("w13", "w2"):

@@ -8,7 +8,8 @@ from helpers import rel_err
 from padded_moe import decode as dec
 from padded_moe.expert_map import ExpertMap
 from padded_moe.experts import fused_experts
-from padded_moe.layer import FusedMoE
+from padded_moe.layer import FusedMoE, dense_weights
+from padded_moe.mxfp4 import quantize_mxfp4
 from padded_moe.presets import get_preset
 from padded_moe.reference.moe import reference_moe
 
@@ -149,29 +150,66 @@ def test_compiled_call_takes_the_decode_path(layers, decode_calls):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 @pytest.mark.parametrize("mapped", [False, True], ids=["plain", "expert-map"])
-def test_sanitizer_small(decode_calls, mapped):
+def test_sanitizer_small(decode_calls, mapped, fmt):
     """Small enough for compute-sanitizer: garbage ids (int64 past int32), a repeated expert, an
-    expert map, valid_tokens with NaN rows past it, biases, a K and N that no tile divides."""
-    T, k, E, K, N = 4, 4, 12, 200, 72
+    expert map, valid_tokens with NaN rows past it, biases, a K and N that no tile divides (MXFP4:
+    multiples of 32 only, and at most 2 tokens)."""
+    T, k, E, K, N = (4, 4, 12, 200, 72) if fmt == "bf16" else (2, 4, 12, 224, 96)
     emap = ExpertMap(E, ep_rank=1, ep_size=2, device="cuda") if mapped else None
     L = emap.num_local if mapped else E
     g = torch.Generator(device="cuda").manual_seed(40)
-    w13 = (torch.randn(L, 2 * N, K, device="cuda", generator=g) * 0.1).bfloat16()
-    w2 = (torch.randn(L, K, N, device="cuda", generator=g) * 0.1).bfloat16()
+    w13 = torch.randn(L, 2 * N, K, device="cuda", generator=g) * 0.1
+    w2 = torch.randn(L, K, N, device="cuda", generator=g) * 0.1
+    if fmt == "mxfp4":
+        w13, w2 = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    else:
+        w13, w2 = w13.bfloat16(), w2.bfloat16()
     b13 = torch.randn(L, 2 * N, device="cuda", generator=g).bfloat16()
     b2 = torch.randn(L, K, device="cuda", generator=g).bfloat16()
     x = torch.randn(T, K, device="cuda", generator=g).bfloat16()
-    x[3] = float("nan")
+    x[T - 1] = float("nan")
     tw, ids = routes(T, k, E, seed=41)
     ids = ids.long()
     ids[0] = torch.tensor([5, 5, -1, 2**40], device="cuda")
-    ids[3] = torch.tensor([-(2**35), E, 1, 2], device="cuda")
-    vt = torch.tensor([3], device="cuda", dtype=torch.int32)
+    ids[T - 1] = torch.tensor([-(2**35), E, 1, 2], device="cuda")
+    vt = torch.tensor([T - 1], device="cuda", dtype=torch.int32)
     out = fused_experts(x, w13, w2, tw, ids, activation="swigluoai", expert_map=emap, valid_tokens=vt,
                         w13_bias=b13, w2_bias=b2)
     torch.cuda.synchronize()
     assert decode_calls == [T]
-    ref = reference_moe(x, w13, w2, tw, ids, activation="swigluoai", expert_map=None if emap is None else emap.map,
-                        num_experts=E, w13_bias=b13, w2_bias=b2, valid_tokens=3)
-    assert rel_err(out[:3], ref[:3]) <= BF16_TOL
+    ref = reference_moe(x, dense_weights(w13), dense_weights(w2), tw, ids, activation="swigluoai",
+                        expert_map=None if emap is None else emap.map,
+                        num_experts=E, w13_bias=b13, w2_bias=b2, valid_tokens=T - 1)
+    assert rel_err(out[:T - 1], ref[:T - 1]) <= BF16_TOL
+
+
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("shape", ["gpt-oss", "dsv4"])
+def test_mxfp4_model_widths(decode_calls, monkeypatch, shape, T):
+    """Prepared MXFP4 experts at the models' widths (fewer experts, for the oracle): the decode path
+    reads the canonical bytes; against the float64 oracle and the layout path (prepared kernel)."""
+    E, k, K, N, act, bias = (32, 4, 2880, 2880, "swigluoai", True) if shape == "gpt-oss" else \
+        (32, 6, 4096, 2048, "silu", False)
+    g = torch.Generator(device="cuda").manual_seed(50 + T)
+    w13 = quantize_mxfp4(torch.randn(E, 2 * N, K, device="cuda", generator=g) * 0.02).prepare_for()
+    w2 = quantize_mxfp4(torch.randn(E, K, N, device="cuda", generator=g) * 0.02).prepare_for()
+    b13 = torch.randn(E, 2 * N, device="cuda", generator=g).bfloat16() * 0.1 if bias else None
+    b2 = torch.randn(E, K, device="cuda", generator=g).bfloat16() * 0.1 if bias else None
+    x = torch.randn(T, K, device="cuda", generator=g).bfloat16()
+    tw, ids = routes(T, k, E, seed=60 + T)
+    ids[0, 1] = -1
+    out = fused_experts(x, w13, w2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2)
+    torch.cuda.synchronize()
+    assert decode_calls == [T]
+    ok = (ids >= 0) & (ids < E)
+    used = torch.unique(ids[ok].long())
+    emap = torch.full((E,), -1, dtype=torch.long, device="cuda")
+    emap[used] = torch.arange(used.numel(), device="cuda")
+    sub = lambda t: None if t is None else t[used]  # noqa: E731
+    ref = reference_moe(x, dense_weights(w13)[used], dense_weights(w2)[used], tw, ids, activation=act,
+                        expert_map=emap, num_experts=E, w13_bias=sub(b13), w2_bias=sub(b2))
+    assert rel_err(out, ref) <= BF16_TOL
+    monkeypatch.setenv(dec.DECODE_ENV, "off")
+    assert rel_err(out, fused_experts(x, w13, w2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2).float()) <= BF16_TOL

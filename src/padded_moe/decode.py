@@ -8,12 +8,13 @@ sums each token's slots into its output row in a fixed order (`padded_moe.kernel
 
 The path is taken when `fused_experts` chooses the layout itself (`layout=None` and
 `PADDED_MOE_GEMM_LAYOUT` unset or "auto"), the call has at most `DECODE_MAX_TOKENS` tokens and
-`DECODE_MAX_SLOTS` slots, runs
-Triton (`backend` "auto" or "triton"), spec 01's activation (no callable, no output transform) and
-float weights of the hidden states' dtype. `PADDED_MOE_DECODE=off` switches it off. Its results
-follow the layout path's roundings (GEMM1's and GEMM2's outputs rounded to the activation dtype,
-router weighting and the slot sum in fp32, in slot order); its GEMMs sum in another order, so the
-two paths agree to rounding, not bit for bit.
+`DECODE_MAX_SLOTS` slots, runs Triton (`backend` "auto" or "triton") and spec 01's activation (no
+callable, no output transform), with float weights of the hidden states' dtype or MXFP4 weights
+(`Mxfp4Tensor` for both GEMMs, at most `DECODE_MAX_TOKENS_MXFP4` tokens; the canonical bytes are
+read, decoded in registers). `PADDED_MOE_DECODE=off` switches it off. Its results follow the layout
+path's roundings (GEMM1's and GEMM2's outputs rounded to the activation dtype, router weighting
+and the slot sum in fp32, in slot order); its GEMMs sum in another order, so the two paths agree to
+rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from padded_moe import _platform
 from padded_moe._util import cdiv, next_pow2
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, _resolve
 from padded_moe.gemm import check_bias, check_weight
+from padded_moe.mxfp4 import Mxfp4Tensor
 
 DECODE_ENV = "PADDED_MOE_DECODE"
 _CHOICES = ("auto", "off")
@@ -38,6 +40,10 @@ _CHOICES = ("auto", "off")
 # (8 experts, top-2) at 8 tokens took 1.07x the layout path's time, at 4 tokens 0.96x.
 DECODE_MAX_SLOTS = 16
 DECODE_MAX_TOKENS = 4
+# MXFP4 weights: GEMM1 is a GEMV per slot (a shared expert read once per slot, from L2 after the
+# first), which loses to the layout path's prepared-MXFP4 kernel past 2 tokens: on the H200, GPT-OSS
+# at 4 tokens took 187 vs 176 us, at 2 tokens 102 vs 113.
+DECODE_MAX_TOKENS_MXFP4 = 2
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,8 @@ class DecodeTiles:
     stages2: int = 3
 
     def bk2_for(self, top_k: int, n: int) -> int:
-        return max(16, min(next_pow2(n), self.step2 // (next_pow2(top_k) * self.bn2)))
+        # At least 32: an MXFP4 step covers whole 32-column scale groups.
+        return max(32, min(next_pow2(n), self.step2 // (next_pow2(top_k) * self.bn2)))
 
     def short(self) -> str:
         return (f"g1_BN{self.bn1}_BK{self.bk1}_w{self.warps1}_s{self.stages1}"
@@ -82,19 +89,24 @@ def decode_allowed(hidden: torch.Tensor, w13, w2, backend: str) -> bool:
     """Whether a call `fused_experts` already checked (auto layout, spec 01 activation, no output
     transform) may take the decode path: the rest of the decision, `fits_decode`, is the slot count
     (made where the count is a plain int, also under the compiler's dynamic shapes)."""
-    return (decode_enabled() and backend in ("auto", "triton")
-            and type(w13) in (torch.Tensor, torch.nn.Parameter) and type(w2) in (torch.Tensor, torch.nn.Parameter)
-            and w13.dtype == hidden.dtype and w2.dtype == hidden.dtype and hidden.stride(1) == 1
-            and _platform.use_triton(hidden.device))
+    if not (decode_enabled() and backend in ("auto", "triton") and hidden.stride(1) == 1
+            and _platform.use_triton(hidden.device)):
+        return False
+    if type(w13) is Mxfp4Tensor and type(w2) is Mxfp4Tensor:
+        return True
+    return (type(w13) in (torch.Tensor, torch.nn.Parameter) and type(w2) in (torch.Tensor, torch.nn.Parameter)
+            and w13.dtype == hidden.dtype and w2.dtype == hidden.dtype)
 
 
-def fits_decode(num_tokens: int, num_slots: int) -> bool:
-    return 0 < num_tokens <= DECODE_MAX_TOKENS and num_slots <= DECODE_MAX_SLOTS
+def fits_decode(num_tokens: int, num_slots: int, mxfp4: bool = False) -> bool:
+    max_tokens = DECODE_MAX_TOKENS_MXFP4 if mxfp4 else DECODE_MAX_TOKENS
+    return 0 < num_tokens <= max_tokens and num_slots <= DECODE_MAX_SLOTS
 
 
-def pick_tiles(num_tokens: int, num_slots: int, n: int, hidden_size: int, device: torch.device) -> DecodeTiles:
+def pick_tiles(num_tokens: int, num_slots: int, n: int, hidden_size: int, device: torch.device,
+               mxfp4: bool = False) -> DecodeTiles:
     """Tiles that give each kernel about `_PROGRAMS_PER_SM` programs per SM (counting every slot
-    as its own expert, the decode case)."""
+    as its own expert, the decode case). MXFP4 steps are wider in elements (the same bytes)."""
     if device.type != "cuda":
         return INTERPRET_TILES
     want = _platform.program_cap(device, per_sm=_PROGRAMS_PER_SM)
@@ -104,10 +116,21 @@ def pick_tiles(num_tokens: int, num_slots: int, n: int, hidden_size: int, device
     bn2 = 64
     while bn2 > 8 and num_tokens * cdiv(hidden_size, bn2) < want:
         bn2 //= 2
+    if mxfp4:
+        return DecodeTiles(bn1, 256, bn2, 16384, stages1=3)
     return DecodeTiles(bn1, 128, bn2, 8192)
 
 
-def decode_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+def _weight_parts(w) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(what the kernels read as weights, their scales, the scales' expert and row strides): an
+    `Mxfp4Tensor`'s canonical packed bytes `[L, rows, in/2]` and E8M0 scales `[L, rows, in/32]`
+    (also when it carries a prepared copy), or a float weight standing in for scales never read."""
+    if isinstance(w, Mxfp4Tensor):
+        return w.blocks, w.scales, w.scales.stride(0), w.scales.stride(1)
+    return w, w, 0, 0
+
+
+def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, act: MoEActivation, cfg: ApplyMoEActivationConfig, num_experts: int,
                    table: Optional[torch.Tensor], w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
                    valid_tokens: Optional[torch.Tensor], h: torch.Tensor, out: torch.Tensor,
@@ -116,7 +139,7 @@ def decode_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     activation's output, `out [M, K]` receives the result (rows at/after `valid_tokens` untouched)."""
     from padded_moe.kernels._launch import launch, ptr_key
     from padded_moe.kernels.activation import KERNEL_IDS
-    from padded_moe.kernels.decode import _decode_w2_combine_kernel, _decode_w13_act_kernel
+    from padded_moe.kernels.decode import _decode_w2_combine_kernel, _decode_w13_act_kernel, _decode_w13_mx_kernel
 
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
@@ -128,34 +151,47 @@ def decode_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     check_weight(w2, h, num_local)
     check_bias(w2_bias, h, num_local, hidden_size)
     p = _resolve(act, cfg)
-    tiles = tiles or pick_tiles(num_tokens, num_slots, n, hidden_size, hidden.device)
+    mx = isinstance(w13, Mxfp4Tensor)
+    tiles = tiles or pick_tiles(num_tokens, num_slots, n, hidden_size, hidden.device, mxfp4=mx)
     interpreted = not hidden.is_cuda
     dummy = out  # stands in for the pointers of absent options (never dereferenced)
     ids_stride = (topk_ids.stride(0), topk_ids.stride(1))
     common = (topk_ids, dummy if table is None else table, dummy if valid_tokens is None else valid_tokens)
     flags = dict(TOP_K=top_k, HAS_MAP=table is not None, HAS_VT=valid_tokens is not None)
 
-    ptrs = (hidden, w13, dummy if w13_bias is None else w13_bias, h) + common
-    ints = (n, hidden_size, num_slots, num_experts, num_local, hidden.stride(0)) + ids_stride + (
-        w13.stride(0), w13.stride(1), 0 if w13_bias is None else w13_bias.stride(0), h.stride(0))
+    w13_t, w13_s, *w13_ss = _weight_parts(w13)
+    w2_t, w2_s, *w2_ss = _weight_parts(w2)
     floats = (p.limit if p.limit is not None else 0.0, p.alpha, p.beta, p.situ_beta,
               p.situ_lambda if p.situ_lambda is not None else 1.0)
     constexprs = dict(flags, HAS_BIAS=w13_bias is not None, ACT=KERNEL_IDS[act.value], HAS_LIMIT=p.limit is not None,
                       HAS_LAMBDA=p.situ_lambda is not None,
                       # The activation kernel's choice: approximate tanh only under 16-bit rounding.
-                      FAST=hidden.is_cuda and hidden.dtype != torch.float32,
-                      # Interpreter: triton 3.6's interpreted bf16 tl.dot is wrong, so upcast (exact).
-                      FP32_DOT=hidden.dtype == torch.float32 or interpreted,
-                      RB=max(16, next_pow2(num_slots)), BN=tiles.bn1, BK=tiles.bk1)
-    launch(_decode_w13_act_kernel, (cdiv(n, tiles.bn1), num_slots), ints + floats + ptr_key(*ptrs),
-           ptrs + ints + floats, constexprs, num_warps=tiles.warps1, num_stages=tiles.stages1)
+                      FAST=hidden.is_cuda and hidden.dtype != torch.float32)
+    b13 = dummy if w13_bias is None else w13_bias
+    tail = (0 if w13_bias is None else w13_bias.stride(0), h.stride(0))
+    ints = (n, hidden_size, num_slots, num_experts, num_local, hidden.stride(0)) + ids_stride + (
+        w13_t.stride(0), w13_t.stride(1))
+    if mx:  # a GEMV per slot, the weights decoded in registers
+        ptrs = (hidden, w13_t, w13_s, b13, h) + common
+        ints = ints + tuple(w13_ss) + tail
+        constexprs.update(BN=tiles.bn1, BK=tiles.bk1, STAGES=tiles.stages1 if hidden.is_cuda else 1)
+        launch(_decode_w13_mx_kernel, (num_slots, cdiv(n, tiles.bn1)), ints + floats + ptr_key(*ptrs),
+               ptrs + ints + floats, constexprs, num_warps=tiles.warps1)
+    else:
+        ptrs = (hidden, w13_t, b13, h) + common
+        ints = ints + tail
+        # Interpreter: triton 3.6's interpreted bf16 tl.dot is wrong, so upcast (exact).
+        constexprs.update(FP32_DOT=hidden.dtype == torch.float32 or interpreted, RB=max(16, next_pow2(num_slots)),
+                          BN=tiles.bn1, BK=tiles.bk1)
+        launch(_decode_w13_act_kernel, (cdiv(n, tiles.bn1), num_slots), ints + floats + ptr_key(*ptrs),
+               ptrs + ints + floats, constexprs, num_warps=tiles.warps1, num_stages=tiles.stages1)
 
-    ptrs = (h, w2, dummy if w2_bias is None else w2_bias, topk_weights, out) + common
-    ints = (hidden_size, n, num_experts, num_local, h.stride(0), w2.stride(0), w2.stride(1),
+    ptrs = (h, w2_t, w2_s, dummy if w2_bias is None else w2_bias, topk_weights, out) + common
+    ints = (hidden_size, n, num_experts, num_local, h.stride(0), w2_t.stride(0), w2_t.stride(1), *w2_ss,
             0 if w2_bias is None else w2_bias.stride(0), topk_weights.stride(0), topk_weights.stride(1),
             out.stride(0)) + ids_stride
     constexprs = dict(TOP_K=top_k, K_POW2=next_pow2(top_k), HAS_MAP=table is not None, HAS_VT=valid_tokens is not None,
-                      HAS_BIAS=w2_bias is not None, BN=tiles.bn2, BK=tiles.bk2_for(top_k, n),
+                      HAS_BIAS=w2_bias is not None, W_MX=mx, BN=tiles.bn2, BK=tiles.bk2_for(top_k, n),
                       STAGES=tiles.stages2 if hidden.is_cuda else 1)
     launch(_decode_w2_combine_kernel, (num_tokens, cdiv(hidden_size, tiles.bn2)), ints + ptr_key(*ptrs),
            ptrs + ints, constexprs, num_warps=tiles.warps2)

@@ -18,6 +18,10 @@ every intermediate but one in registers:
   the token's output row: no `[slots, K]` intermediate and no unpermute. Tokens of one
   n-tile are adjacent in launch order, so an expert shared by several tokens is read from L2.
 
+MXFP4 weights (`Mxfp4Tensor`'s canonical bytes and scales) take `_decode_w13_mx_kernel` for GEMM1,
+a GEMV per slot that decodes the packed bytes in registers (`_mx_step`), and GEMM2's `W_MX` branch,
+the same step over the k experts' rows.
+
 Every operand's last dimension is contiguous (the host checks it). Dropped slots are never loaded or computed, hidden rows at/after `valid_tokens` are never read and
 output rows at/after it are never written; a token whose slots are all dropped gets zeros (as
 `unpermute` gives it).
@@ -29,6 +33,7 @@ import triton
 import triton.language as tl
 
 from padded_moe.kernels.activation import ACT_SILU_NO_MUL, ACT_SWIGLUOAI, _gated, _ungated
+from padded_moe.kernels.gemm import _e2m1_plane, _scale_factor
 from padded_moe.kernels.guard import slot_local_expert
 
 
@@ -37,6 +42,91 @@ def _dot(a, w, acc, FP32_DOT: tl.constexpr):
     if FP32_DOT:
         return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, w, acc)
+
+
+@triton.jit
+def _gate_up_rows(rn, N, ACT: tl.constexpr):
+    """w13 rows of activation columns `rn`: the gate's and the up projection's (interleaved for
+    swigluoai, else the gate half first)."""
+    if ACT == ACT_SWIGLUOAI:
+        return 2 * rn, 2 * rn + 1
+    return rn, rn + N
+
+
+@triton.jit
+def _mx_step(b_rows, s_rows, v_base, k0, K, rows_ok, v_ok, G: tl.constexpr):
+    """One step of MXFP4 weight rows against vectors: columns [k0, k0 + 32*G) of K.
+
+    `b_rows` / `s_rows` [..., 1] point at the rows' packed bytes and E8M0 scales (mask `rows_ok`);
+    `v_base` [..., 1] at element 0 of the vector each row meets (mask `v_ok`), broadcast against
+    the rows. The two nibbles of each byte are interleaved back into column order, decoded exactly
+    (`_e2m1_plane`, unscaled), multiplied by the vector in fp32 and summed per 32-column scale
+    group, times the group's 2^(s-127) (a power of two: the dequantized weights' products, summed in
+    another order). Returns fp32 [..., G]."""
+    cb = k0 // 2 + tl.arange(0, 16 * G)
+    packed = tl.load(b_rows + cb, mask=rows_ok & (cb < K // 2), other=0)
+    codes = tl.join(packed & 0xF, packed >> 4)
+    codes = tl.reshape(codes, codes.shape[:-2] + [32 * G]).to(tl.uint32)
+    rk = k0 + tl.arange(0, 32 * G)
+    xv = tl.load(v_base + rk, mask=v_ok & (rk < K), other=0.0).to(tl.float32)
+    prod = _e2m1_plane(codes, 1.0, 0, False) * xv
+    part = tl.sum(tl.reshape(prod, prod.shape[:-1] + [G, 32]), -1)
+    cs = k0 // 32 + tl.arange(0, G)
+    sc = tl.load(s_rows + cs, mask=rows_ok & (cs < K // 32), other=127)
+    return part * _scale_factor(sc)
+
+
+@triton.jit
+def _decode_w13_mx_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, map_ptr, vt_ptr,
+    N, K, S, E, L,
+    stride_xm, stride_im, stride_ik, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_hm,
+    limit, alpha, beta, situ_beta, situ_lambda,
+    TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+):
+    """GEMM1 + activation of MXFP4 weights (`Mxfp4Tensor`'s canonical bytes and scales), a GEMV
+    per slot, grid (slots, n-tiles of N): the weights stay packed from memory to registers and are
+    decoded there, no MMA tile of mostly empty rows. Slots of one expert read the same tile at
+    about the same time (slots vary fastest in launch order), so repeats come from L2."""
+    s = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = slot_local_expert(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, s, s < S, E, L, TOP_K, HAS_MAP, HAS_VT)
+    if e >= L:  # dropped slot: nothing to compute, its h row is never read
+        return
+    rn = pid_n * BN + tl.arange(0, BN)
+    n_ok = rn < N
+    GATED: tl.constexpr = ACT < ACT_SILU_NO_MUL
+    g_rows, u_rows = _gate_up_rows(rn, N, ACT)
+    e64 = e.to(tl.int64)
+    gb = w_ptr + e64 * stride_we + g_rows.to(tl.int64)[:, None] * stride_wn
+    ub = w_ptr + e64 * stride_we + u_rows.to(tl.int64)[:, None] * stride_wn
+    gs = s_ptr + e64 * stride_se + g_rows.to(tl.int64)[:, None] * stride_sn
+    us = s_ptr + e64 * stride_se + u_rows.to(tl.int64)[:, None] * stride_sn
+    x_base = x_ptr + (s // TOP_K).to(tl.int64) * stride_xm
+    G: tl.constexpr = BK // 32
+    acc_g = tl.zeros((BN, G), dtype=tl.float32)
+    acc_u = tl.zeros((BN, G), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        acc_g += _mx_step(gb, gs, x_base, k0, K, n_ok[:, None], True, G)
+        if GATED:
+            acc_u += _mx_step(ub, us, x_base, k0, K, n_ok[:, None], True, G)
+    h_ty = h_ptr.dtype.element_ty
+    gsum = tl.sum(acc_g, 1)
+    if HAS_BIAS:
+        gsum += tl.load(bias_ptr + e64 * stride_be + g_rows, mask=n_ok, other=0.0).to(tl.float32)
+    # Rounded to the activation dtype first, as on the layout path.
+    g = gsum.to(h_ty).to(tl.float32)
+    if GATED:
+        usum = tl.sum(acc_u, 1)
+        if HAS_BIAS:
+            usum += tl.load(bias_ptr + e64 * stride_be + u_rows, mask=n_ok, other=0.0).to(tl.float32)
+        y = _gated(g, usum.to(h_ty).to(tl.float32), ACT, HAS_LIMIT, limit, alpha, beta, situ_beta, HAS_LAMBDA,
+                   situ_lambda, FAST)
+    else:
+        y = _ungated(g, ACT, FAST)
+    tl.store(h_ptr + s.to(tl.int64) * stride_hm + rn, y.to(h_ty), mask=n_ok)
 
 
 @triton.jit
@@ -64,12 +154,7 @@ def _decode_w13_act_kernel(
     rn = pid_n * BN + tl.arange(0, BN)
     n_ok = rn < N
     GATED: tl.constexpr = ACT < ACT_SILU_NO_MUL
-    if ACT == ACT_SWIGLUOAI:  # gate and up interleaved along w13's rows
-        g_rows = 2 * rn
-        u_rows = 2 * rn + 1
-    else:
-        g_rows = rn
-        u_rows = rn + N
+    g_rows, u_rows = _gate_up_rows(rn, N, ACT)
     e64 = e.to(tl.int64)
     w_e = w_ptr + e64 * stride_we
     g_base = w_e + g_rows.to(tl.int64)[None, :] * stride_wn
@@ -106,11 +191,12 @@ def _decode_w13_act_kernel(
 
 @triton.jit
 def _decode_w2_combine_kernel(
-    h_ptr, w_ptr, bias_ptr, tw_ptr, out_ptr, ids_ptr, map_ptr, vt_ptr,
+    h_ptr, w_ptr, s_ptr, bias_ptr, tw_ptr, out_ptr, ids_ptr, map_ptr, vt_ptr,
     K, N, E, L,
-    stride_hm, stride_we, stride_wk, stride_be, stride_twm, stride_twk, stride_om, stride_im, stride_ik,
+    stride_hm, stride_we, stride_wk, stride_se, stride_sk, stride_be, stride_twm, stride_twk, stride_om,
+    stride_im, stride_ik,
     TOP_K: tl.constexpr, K_POW2: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    HAS_BIAS: tl.constexpr, W_MX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -128,13 +214,21 @@ def _decode_w2_combine_kernel(
     w_base = w_ptr + e64[:, None, None] * stride_we + rn.to(tl.int64)[None, :, None] * stride_wk
     h_base = h_ptr + (t * TOP_K + jj).to(tl.int64)[:, None] * stride_hm
     w_rows_ok = kept[:, None, None] & n_ok[None, :, None]
-    acc = tl.zeros((K_POW2, BN), dtype=tl.float32)
-    for k0 in tl.range(0, N, BK, num_stages=STAGES):
-        rk = k0 + tl.arange(0, BK)
-        k_ok = rk < N
-        hv = tl.load(h_base + rk[None, :], mask=kept[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_base + rk[None, None, :], mask=w_rows_ok & k_ok[None, None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * hv[:, None, :], 2)
+    if W_MX:  # MXFP4 (`_mx_step`): packed bytes and scales of the k experts' rows, per scale group
+        G: tl.constexpr = BK // 32
+        s_base = s_ptr + e64[:, None, None] * stride_se + rn.to(tl.int64)[None, :, None] * stride_sk
+        acc_g = tl.zeros((K_POW2, BN, G), dtype=tl.float32)
+        for k0 in tl.range(0, N, BK, num_stages=STAGES):
+            acc_g += _mx_step(w_base, s_base, h_base[:, :, None], k0, N, w_rows_ok, kept[:, None, None], G)
+        acc = tl.sum(acc_g, 2)
+    else:
+        acc = tl.zeros((K_POW2, BN), dtype=tl.float32)
+        for k0 in tl.range(0, N, BK, num_stages=STAGES):
+            rk = k0 + tl.arange(0, BK)
+            k_ok = rk < N
+            hv = tl.load(h_base + rk[None, :], mask=kept[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_base + rk[None, None, :], mask=w_rows_ok & k_ok[None, None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * hv[:, None, :], 2)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e64[:, None] * stride_be + rn[None, :], mask=kept[:, None] & n_ok[None, :],
                        other=0.0).to(tl.float32)

@@ -47,10 +47,10 @@ MX_SWEEP = ([dec.DecodeTiles(b1, k1, 8, 16384, warps1=w1, stages1=s1) for b1, k1
             + [dec.DecodeTiles(32, 256, b2, st, stages1=3, warps2=w2, stages2=s2) for b2, st, w2, s2 in _MX2])
 
 
-def tokens_for(preset: str, top_k: int, mxfp4: bool = False) -> list[int]:
+def tokens_for(preset: str, top_k: int) -> list[int]:
     """Every token count whose slots fit the decode path, powers of two."""
     out, t = [], 1
-    while dec.fits_decode(t, t * top_k, mxfp4):
+    while dec.fits_decode(t, t * top_k):
         out.append(t)
         t *= 2
     return out
@@ -88,7 +88,7 @@ def main() -> None:
         # Bytes one expert's weights occupy in the format the call reads (MXFP4: e2m1 + E8M0).
         per_weight = 2 if args.weights == "bf16" else 0.5 + 1 / 32
         expert_bytes = (layer.w13[0].numel() + layer.w2[0].numel()) * per_weight
-        for T in tokens_for(name, layer.top_k, args.weights == "mxfp4"):
+        for T in tokens_for(name, layer.top_k):
             x = torch.randn(T, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
             tw, ids = layer.route(layer.gate(x), None)
             call = lambda: layer.experts(x, tw, ids)  # noqa: E731

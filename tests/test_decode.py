@@ -149,11 +149,9 @@ def test_when_the_path_is_taken(interpreted, decode_calls, monkeypatch, gen):
     fused_experts(x, w13, w2, tw, ids, activation=lambda h: torch.nn.functional.silu(h[:, :N]) * h[:, N:])
     w13m = quantize_mxfp4(torch.randn(8, 128, K, generator=gen))
     w2m = quantize_mxfp4(torch.randn(8, K, 64, generator=gen))
-    fused_experts(x[:3], w13m, w2m, tw[:3], ids[:3], activation="silu")  # MXFP4 past 2 tokens
-    fused_experts(x[:2], w13m, w2m, tw[:2], ids[:2], activation="silu")  # MXFP4, 2 tokens: taken
-    assert decode_calls == [4, 2]
-    decode_calls.clear()
-    decode_calls.append(4)
+    fused_experts(x, w13m, w2m, tw, ids, activation="silu")  # MXFP4 weights: taken too
+    assert decode_calls == [4, 4]
+    decode_calls.pop()
     monkeypatch.setenv(dec.DECODE_ENV, "off")
     fused_experts(x, w13, w2, tw, ids, activation="silu")
     assert decode_calls == [4]
@@ -181,7 +179,7 @@ def test_mxfp4_weights(interpreted, decode_calls, prepared, gen):
     biases, the interleaved swigluoai, a repeated expert and garbage ids; K and N multiples of 32
     but of no tile. The values are exact MXFP4 (codes times E8M0 scales), so the kernels' decoding
     is checked against `dense_weights`' own."""
-    M, k, E, Km, Nm = 2, 4, 6, 96, 160
+    M, k, E, Km, Nm = 3, 4, 6, 96, 160
     x = torch.randn(M, Km, generator=gen).to(torch.bfloat16)
     w13 = quantize_mxfp4(torch.randn(E, 2 * Nm, Km, generator=gen) * 0.1)
     w2 = quantize_mxfp4(torch.randn(E, Km, Nm, generator=gen) * 0.1)
@@ -190,7 +188,7 @@ def test_mxfp4_weights(interpreted, decode_calls, prepared, gen):
     b13 = torch.randn(E, 2 * Nm, generator=gen).to(torch.bfloat16)
     b2 = torch.randn(E, Km, generator=gen).to(torch.bfloat16)
     tw = torch.rand(M, k, generator=gen)
-    ids = torch.tensor([[1, 1, -1, 5], [0, E, 2**31 - 1, 2]], dtype=torch.int32)
+    ids = torch.tensor([[1, 1, -1, 5], [0, E, 3, 2], [4, 5, 1, 2**31 - 1]], dtype=torch.int32)
     out = fused_experts(x, w13, w2, tw, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2)
     assert decode_calls == [M]
     ref = reference_moe(x, dense_weights(w13), dense_weights(w2), tw, ids, activation="swigluoai",

@@ -155,7 +155,7 @@ def test_compiled_call_takes_the_decode_path(layers, decode_calls):
 def test_sanitizer_small(decode_calls, mapped, fmt):
     """Small enough for compute-sanitizer: garbage ids (int64 past int32), a repeated expert, an
     expert map, valid_tokens with NaN rows past it, biases, a K and N that no tile divides (MXFP4:
-    multiples of 32 only, and at most 2 tokens)."""
+    multiples of 32 only, and 2 tokens)."""
     T, k, E, K, N = (4, 4, 12, 200, 72) if fmt == "bf16" else (2, 4, 12, 224, 96)
     emap = ExpertMap(E, ep_rank=1, ep_size=2, device="cuda") if mapped else None
     L = emap.num_local if mapped else E

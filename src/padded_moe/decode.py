@@ -10,8 +10,7 @@ The path is taken when `fused_experts` chooses the layout itself (`layout=None` 
 `PADDED_MOE_GEMM_LAYOUT` unset or "auto"), the call has at most `DECODE_MAX_TOKENS` tokens and
 `DECODE_MAX_SLOTS` slots, runs Triton (`backend` "auto" or "triton") and spec 01's activation (no
 callable, no output transform), with float weights of the hidden states' dtype or MXFP4 weights
-(`Mxfp4Tensor` for both GEMMs, at most `DECODE_MAX_TOKENS_MXFP4` tokens; the canonical bytes are
-read, decoded in registers). `PADDED_MOE_DECODE=off` switches it off. Its results follow the layout
+(`Mxfp4Tensor` for both GEMMs; the canonical bytes are read and decoded in registers). `PADDED_MOE_DECODE=off` switches it off. Its results follow the layout
 path's roundings (GEMM1's and GEMM2's outputs rounded to the activation dtype, router weighting
 and the slot sum in fp32, in slot order); its GEMMs sum in another order, so the two paths agree to
 rounding, not bit for bit.
@@ -40,10 +39,6 @@ _CHOICES = ("auto", "off")
 # (8 experts, top-2) at 8 tokens took 1.07x the layout path's time, at 4 tokens 0.96x.
 DECODE_MAX_SLOTS = 16
 DECODE_MAX_TOKENS = 4
-# MXFP4 weights: GEMM1 is a GEMV per slot (a shared expert read once per slot, from L2 after the
-# first), which loses to the layout path's prepared-MXFP4 kernel past 2 tokens: on the H200, GPT-OSS
-# at 4 tokens took 187 vs 176 us, at 2 tokens 102 vs 113.
-DECODE_MAX_TOKENS_MXFP4 = 2
 
 
 @dataclass(frozen=True)
@@ -98,9 +93,8 @@ def decode_allowed(hidden: torch.Tensor, w13, w2, backend: str) -> bool:
             and w13.dtype == hidden.dtype and w2.dtype == hidden.dtype)
 
 
-def fits_decode(num_tokens: int, num_slots: int, mxfp4: bool = False) -> bool:
-    max_tokens = DECODE_MAX_TOKENS_MXFP4 if mxfp4 else DECODE_MAX_TOKENS
-    return 0 < num_tokens <= max_tokens and num_slots <= DECODE_MAX_SLOTS
+def fits_decode(num_tokens: int, num_slots: int) -> bool:
+    return 0 < num_tokens <= DECODE_MAX_TOKENS and num_slots <= DECODE_MAX_SLOTS
 
 
 def pick_tiles(num_tokens: int, num_slots: int, n: int, hidden_size: int, device: torch.device,

@@ -374,7 +374,7 @@ def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, step: _Step, cfg: 
         b = workspace[name]
         return _allocate(scratch if b.returned else buffers, b, dtype, device)
 
-    if decode and fits_decode(num_tokens, topk_ids.numel(), isinstance(w13, Mxfp4Tensor)):
+    if decode and fits_decode(num_tokens, topk_ids.numel()):
         # Of the layout path's buffers only the activation's output and the result.
         return decode_experts(hidden_states, w13, w2, topk_weights, topk_ids, step.activation, cfg, num_experts,
                               table, w13_bias, w2_bias, valid_tokens, allocate("act"), allocate("out"))

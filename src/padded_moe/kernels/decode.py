@@ -59,18 +59,17 @@ def _mx_step(b_rows, s_rows, v_base, k0, K, rows_ok, v_ok, G: tl.constexpr):
 
     `b_rows` / `s_rows` [..., 1] point at the rows' packed bytes and E8M0 scales (mask `rows_ok`);
     `v_base` [..., 1] at element 0 of the vector each row meets (mask `v_ok`), broadcast against
-    the rows. The two nibbles of each byte are interleaved back into column order, decoded exactly
-    (`_e2m1_plane`, unscaled), multiplied by the vector in fp32 and summed per 32-column scale
-    group, times the group's 2^(s-127) (a power of two: the dequantized weights' products, summed in
-    another order). Returns fp32 [..., G]."""
+    the rows. Both nibbles of each byte are decoded exactly straight from the byte (`_e2m1_plane`,
+    unscaled) and interleaved back into column order in registers, multiplied by the vector in fp32
+    and summed per 32-column scale group, times the group's 2^(s-127) (a power of two: the
+    dequantized weights' products, summed in another order). Returns fp32 [..., G]."""
     cb = k0 // 2 + tl.arange(0, 16 * G)
-    packed = tl.load(b_rows + cb, mask=rows_ok & (cb < K // 2), other=0)
-    codes = tl.join(packed & 0xF, packed >> 4)
-    codes = tl.reshape(codes, codes.shape[:-2] + [32 * G]).to(tl.uint32)
+    packed = tl.load(b_rows + cb, mask=rows_ok & (cb < K // 2), other=0).to(tl.uint32)
+    vals = tl.join(_e2m1_plane(packed, 1.0, 0, False), _e2m1_plane(packed, 1.0, 4, False))
+    vals = tl.reshape(vals, vals.shape[:-2] + [32 * G])
     rk = k0 + tl.arange(0, 32 * G)
     xv = tl.load(v_base + rk, mask=v_ok & (rk < K), other=0.0).to(tl.float32)
-    prod = _e2m1_plane(codes, 1.0, 0, False) * xv
-    part = tl.sum(tl.reshape(prod, prod.shape[:-1] + [G, 32]), -1)
+    part = tl.sum(tl.reshape(vals * xv, vals.shape[:-1] + [G, 32]), -1)
     cs = k0 // 32 + tl.arange(0, G)
     sc = tl.load(s_rows + cs, mask=rows_ok & (cs < K // 32), other=127)
     return part * _scale_factor(sc)

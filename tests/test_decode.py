@@ -8,12 +8,15 @@ sentinels in rows that must never be written.
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from helpers import SENTINEL, rel_err
 from padded_moe import decode as dec
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation
 from padded_moe.expert_map import ExpertMap
 from padded_moe.experts import fused_experts
+from padded_moe.kernels.decode import _mx_step
 from padded_moe.layer import dense_weights
 from padded_moe.mxfp4 import quantize_mxfp4
 from padded_moe.reference.moe import reference_moe
@@ -45,6 +48,14 @@ def make(M, k, E, gen, dtype=torch.float32, gated=True, bias=False, scale=0.1):
     b13 = (torch.randn(E, w13.shape[1], generator=gen) * 0.5).to(dtype) if bias else None
     b2 = (torch.randn(E, K, generator=gen) * 0.5).to(dtype) if bias else None
     return x, w13, w2, tw, ids, b13, b2
+
+
+@triton.jit
+def _probe_mx_step(b_ptr, s_ptr, v_ptr, out_ptr, K, ROWS: tl.constexpr, G: tl.constexpr):
+    """One `_mx_step` over K = 32*G columns of ROWS rows, all meeting the vector at `v_ptr`."""
+    r = tl.arange(0, ROWS)[:, None]
+    part = _mx_step(b_ptr + r * (K // 2), s_ptr + r * (K // 32), v_ptr + r * 0, 0, K, r < ROWS, r >= 0, G)
+    tl.store(out_ptr + r * G + tl.arange(0, G)[None, :], part)
 
 
 def act_config(act):
@@ -222,3 +233,34 @@ def test_mxfp4_expert_map_and_valid_tokens(interpreted, decode_calls, monkeypatc
     monkeypatch.setenv(dec.DECODE_ENV, "off")
     layout_path = fused_experts(x, w13, w2, tw, ids, activation=act, expert_map=emap, valid_tokens=vt)
     assert rel_err(out[:1], ref[:1]) <= max(TOL[torch.bfloat16], 1.25 * rel_err(layout_path[:1], ref[:1])) <= 0.03
+
+
+def test_mxfp4_step_decodes_every_code_and_scale_exactly(interpreted):
+    """`_mx_step` (both MXFP4 decode kernels' inner step) against `dequantize_mxfp4` in float32, bit
+    for bit: every code in every nibble position, scales from the subnormal 2^-127 (0) through
+    overflow to inf (254 with code 6) and NaN (255). A one-hot vector at column c makes c's scale
+    group equal to the weight itself (one exact product), every other group 0 (NaN where its
+    scale is NaN)."""
+    from padded_moe.mxfp4 import Mxfp4Tensor, dequantize_mxfp4
+
+    rows, K = 16, 64
+    codes = torch.arange(16, dtype=torch.uint8)
+    # Row r holds code (r + c) % 16 at column c: every code at every position, both nibbles.
+    col = torch.arange(K // 2)
+    lo = codes[(torch.arange(rows)[:, None] + 2 * col) % 16]
+    hi = codes[(torch.arange(rows)[:, None] + 2 * col + 1) % 16]
+    blocks = (lo | (hi << 4)).reshape(1, rows, K // 2)
+    scales = torch.tensor([0, 1, 100, 126, 127, 128, 200, 254, 255, 3, 60, 140, 180, 220, 250, 127] * 2,
+                          dtype=torch.uint8).reshape(1, rows, K // 32)
+    q = Mxfp4Tensor(blocks.contiguous(), scales.contiguous())
+    dense = dequantize_mxfp4(q, torch.float32)[0]
+    nan_scale = scales[0] == 255
+    for c in range(K):
+        v = torch.zeros(K)
+        v[c] = 1.0
+        out = torch.full((rows, K // 32), 7.0)
+        _probe_mx_step[(1,)](q.blocks, q.scales, v, out, K, ROWS=rows, G=K // 32)
+        torch.testing.assert_close(out[:, c // 32], dense[:, c], rtol=0, atol=0, equal_nan=True)
+        other = 1 - c // 32
+        assert torch.equal(torch.isnan(out[:, other]), nan_scale[:, other])
+        assert (out[:, other][~nan_scale[:, other]] == 0).all()

@@ -10,10 +10,10 @@ The path is taken when `fused_experts` chooses the layout itself (`layout=None` 
 `PADDED_MOE_GEMM_LAYOUT` unset or "auto"), the call has at most `DECODE_MAX_TOKENS` tokens and
 `DECODE_MAX_SLOTS` slots, runs Triton (`backend` "auto" or "triton") and spec 01's activation (no
 callable, no output transform), with float weights of the hidden states' dtype or MXFP4 weights
-(`Mxfp4Tensor` for both GEMMs; the canonical bytes are read and decoded in registers). `PADDED_MOE_DECODE=off` switches it off. Its results follow the layout
-path's roundings (GEMM1's and GEMM2's outputs rounded to the activation dtype, router weighting
-and the slot sum in fp32, in slot order); its GEMMs sum in another order, so the two paths agree to
-rounding, not bit for bit.
+(`Mxfp4Tensor` for both GEMMs; the canonical bytes are read and decoded in registers).
+`PADDED_MOE_DECODE=off` switches it off. Its results follow the layout path's roundings (GEMM1's
+and GEMM2's outputs rounded to the activation dtype, router weighting and the slot sum in fp32, in
+slot order); its GEMMs sum in another order, so the two paths agree to rounding, not bit for bit.
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ MXFP4 weights (`Mxfp4Tensor`'s canonical bytes and scales) take `_decode_w13_mx_
 a GEMV per slot that decodes the packed bytes in registers (`_mx_step`), and GEMM2's `W_MX` branch,
 the same step over the k experts' rows.
 
-Every operand's last dimension is contiguous (the host checks it). Dropped slots are never loaded or computed, hidden rows at/after `valid_tokens` are never read and
-output rows at/after it are never written; a token whose slots are all dropped gets zeros (as
-`unpermute` gives it).
+Every operand's last dimension is contiguous (the host checks it). Dropped slots are never loaded
+or computed, hidden rows at/after `valid_tokens` are never read and output rows at/after it are
+never written; a token whose slots are all dropped gets zeros (as `unpermute` gives it).
 """
 
 from __future__ import annotations

@@ -54,6 +54,25 @@ def _gate_up_rows(rn, N, ACT: tl.constexpr):
 
 
 @triton.jit
+def _bias_act(acc_g, acc_u, b_row, g_rows, u_rows, n_ok, h_ptr, limit, alpha, beta, situ_beta, situ_lambda,
+              HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr,
+              FAST: tl.constexpr):
+    """GEMM1's epilogue, for accumulators of any rank ending in the activation columns: the gate and
+    up biases (`b_row`: the expert's bias row), rounding to the activation dtype first (the values
+    the activation reads from GEMM1's output buffer on the layout path), then the activation, fp32."""
+    h_ty = h_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc_g += tl.load(b_row + g_rows, mask=n_ok, other=0.0).to(tl.float32)
+    g = acc_g.to(h_ty).to(tl.float32)
+    if ACT < ACT_SILU_NO_MUL:
+        if HAS_BIAS:
+            acc_u += tl.load(b_row + u_rows, mask=n_ok, other=0.0).to(tl.float32)
+        return _gated(g, acc_u.to(h_ty).to(tl.float32), ACT, HAS_LIMIT, limit, alpha, beta, situ_beta, HAS_LAMBDA,
+                      situ_lambda, FAST)
+    return _ungated(g, ACT, FAST)
+
+
+@triton.jit
 def _mx_step(b_rows, s_rows, v_base, k0, K, rows_ok, v_ok, G: tl.constexpr):
     """One step of MXFP4 weight rows against vectors: columns [k0, k0 + 32*G) of K.
 
@@ -111,21 +130,9 @@ def _decode_w13_mx_kernel(
         acc_g += _mx_step(gb, gs, x_base, k0, K, n_ok[:, None], True, G)
         if GATED:
             acc_u += _mx_step(ub, us, x_base, k0, K, n_ok[:, None], True, G)
-    h_ty = h_ptr.dtype.element_ty
-    gsum = tl.sum(acc_g, 1)
-    if HAS_BIAS:
-        gsum += tl.load(bias_ptr + e64 * stride_be + g_rows, mask=n_ok, other=0.0).to(tl.float32)
-    # Rounded to the activation dtype first, as on the layout path.
-    g = gsum.to(h_ty).to(tl.float32)
-    if GATED:
-        usum = tl.sum(acc_u, 1)
-        if HAS_BIAS:
-            usum += tl.load(bias_ptr + e64 * stride_be + u_rows, mask=n_ok, other=0.0).to(tl.float32)
-        y = _gated(g, usum.to(h_ty).to(tl.float32), ACT, HAS_LIMIT, limit, alpha, beta, situ_beta, HAS_LAMBDA,
-                   situ_lambda, FAST)
-    else:
-        y = _ungated(g, ACT, FAST)
-    tl.store(h_ptr + s.to(tl.int64) * stride_hm + rn, y.to(h_ty), mask=n_ok)
+    y = _bias_act(tl.sum(acc_g, 1), tl.sum(acc_u, 1), bias_ptr + e64 * stride_be, g_rows, u_rows, n_ok, h_ptr,
+                  limit, alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
+    tl.store(h_ptr + s.to(tl.int64) * stride_hm + rn, y.to(h_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -171,21 +178,10 @@ def _decode_w13_act_kernel(
         if GATED:
             wu = tl.load(u_base + rk[:, None], mask=w_mask, other=0.0)
             acc_u = _dot(a, wu, acc_u, FP32_DOT)
-    h_ty = h_ptr.dtype.element_ty
-    if HAS_BIAS:
-        acc_g += tl.load(bias_ptr + e64 * stride_be + g_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    # Rounded to the activation dtype first: the same values the activation reads from GEMM1's
-    # output buffer on the layout path.
-    g = acc_g.to(h_ty).to(tl.float32)
-    if GATED:
-        if HAS_BIAS:
-            acc_u += tl.load(bias_ptr + e64 * stride_be + u_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        u = acc_u.to(h_ty).to(tl.float32)
-        y = _gated(g, u, ACT, HAS_LIMIT, limit, alpha, beta, situ_beta, HAS_LAMBDA, situ_lambda, FAST)
-    else:
-        y = _ungated(g, ACT, FAST)
+    y = _bias_act(acc_g, acc_u, bias_ptr + e64 * stride_be, g_rows, u_rows, n_ok, h_ptr, limit, alpha, beta,
+                  situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
     h_ptrs = h_ptr + sl.to(tl.int64)[:, None] * stride_hm + rn[None, :]
-    tl.store(h_ptrs, y.to(h_ty), mask=rows[:, None] & n_ok[None, :])
+    tl.store(h_ptrs, y.to(h_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
 
 
 @triton.jit

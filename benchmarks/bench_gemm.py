@@ -13,8 +13,10 @@ dsv4-flash (E=256, K=4096, N=2048) expert shapes, every expert holding `rows` ro
 and larger), GROUPED_CONTIGUOUS for all three plus the prepared kernel on INDEXED and
 GROUPED_MASKED and on the 4-plane arrangement (`prepare_for(planes=4)`); every prepared result is
 first checked against the dot_scaled one; prints weight bytes read / time as a fraction of copy
-bandwidth, and sweeps
-`SWEEP_MXFP4_HOPPER` per regime (winners for `TUNED[("mxfp4_hopper", regime)]`).
+bandwidth, and sweeps `SWEEP_MXFP4_HOPPER` per regime on the arrangements `--sweep-planes` names
+(winners for `TUNED[("mxfp4_hopper", regime)]` and `TUNED[("mxfp4_hopper4", regime)]`), timed on
+INDEXED with the row block `fused_experts` picks by default (it caps the tile's BM at 64), every
+candidate checked on all three layouts first.
 
 Shapes: per preset (`--presets`, default dsv4-flash), w13 (K=hidden -> 2N) and w2 (N -> hidden);
 dsv4-flash: K=4096, N=2048 on 32 and 128 local experts, the other presets on all their experts
@@ -46,7 +48,7 @@ import torch
 from padded_moe.backends import get_backend
 from padded_moe.gemm import expert_gemm
 from padded_moe.kernels import gemm as kg
-from padded_moe.layouts import GemmLayout, GroupedContiguousMeta, GroupedMaskedMeta, build_layout
+from padded_moe.layouts import GemmLayout, GroupedContiguousMeta, GroupedMaskedMeta, build_layout, default_block_m
 from padded_moe.mxfp4 import Mxfp4Tensor, quantize_mxfp4
 from padded_moe.presets import get_preset
 
@@ -342,7 +344,9 @@ def run_hopper(args) -> dict:
                 out = torch.empty(E * r, n_out, device=dev, dtype=torch.bfloat16)
                 ids = (torch.arange(E * r, device=dev, dtype=torch.int32) // r).view(-1, 1)
                 cfg = kg.pick_config(r, True, args.tiny, hopper=True)
-                imeta = build_layout(GemmLayout.INDEXED, ids, E, block_m=max(16, cfg.BM))
+                cfg4 = kg.pick_config(r, True, args.tiny, hopper=True, planes=4)
+                # INDEXED with the row block `fused_experts` picks by default: it caps the kernel tile's BM.
+                imeta = build_layout(GemmLayout.INDEXED, ids, E, block_m=default_block_m(E * r, E))
                 mmeta = masked_meta(E, r, r, dev)
                 am, om = a.view(E, r, K), out.view(E, r, n_out)
                 # Reference: the dot_scaled kernel on the canonical weights (another kernel, the same
@@ -355,9 +359,12 @@ def run_hopper(args) -> dict:
                     if checks[name] is not None:
                         print(f"    {name} {model} {stage} rows/e={r}: WRONG RESULTS ({checks[name]})")
                 row = {"model": model, "stage": stage, "E": E, "K": K, "N": n_out, "rows_per_expert": r,
-                       "regime": kg.regime(r), "hopper_config": cfg.short(), "wrong": checks,
+                       "regime": kg.regime(r), "hopper_config": cfg.short(), "hopper4_config": cfg4.short(),
+                       "wrong": checks,
                        "hopper_ms": timed(lambda: expert_gemm(a, qh, meta, out=out, backend="triton"), dev),
                        "hopper4_ms": timed(lambda: expert_gemm(a, qh4, meta, out=out, backend="triton"), dev),
+                       "hopper4_indexed_ms": timed(lambda: expert_gemm(a, qh4, imeta, out=out, backend="triton"), dev),
+                       "hopper4_masked_ms": timed(lambda: expert_gemm(am, qh4, mmeta, out=om, backend="triton"), dev),
                        "hopper_indexed_ms": timed(lambda: expert_gemm(a, qh, imeta, out=out, backend="triton"), dev),
                        "hopper_masked_ms": timed(lambda: expert_gemm(am, qh, mmeta, out=om, backend="triton"), dev),
                        "dot_scaled_ms": timed(lambda: expert_gemm(a, q, meta, out=out, backend="triton"), dev),
@@ -370,25 +377,29 @@ def run_hopper(args) -> dict:
                 results["hopper_rows"].append(row)
                 print(f"{model:10s} {stage:3s} E={E} K={K} N={n_out} rows/e={r:5d} [{row['regime']:7s}] "
                       f"hopper {row['hopper_ms']:.3f} ms (wbw {row['hopper_wbw_frac']:.0%}; 4-plane "
-                      f"{row['hopper4_ms']:.3f}; idx "
+                      f"{row['hopper4_ms']:.3f} [{cfg4.short()}]; idx "
                       f"{row['hopper_indexed_ms']:.3f}, masked {row['hopper_masked_ms']:.3f}) | dot_scaled "
                       f"{row['dot_scaled_ms']:.3f} ms (wbw {row['dot_scaled_wbw_frac']:.0%}) | bf16 "
                       f"{row['bf16_ms']:.3f} ms (wbw {row['bf16_wbw_frac']:.0%}) | x{row['hopper_speedup_vs_dot_scaled']:.2f}"
                       f" vs dot_scaled, x{row['hopper_speedup_vs_bf16']:.2f} vs bf16 [{cfg.short()}]")
-                if not args.no_sweep:
+                for planes in ([] if args.no_sweep else [int(x) for x in args.sweep_planes.split(",")]):
+                    wq = qh4 if planes == 4 else qh
                     cands = [kg.INTERPRET_HOPPER_CONFIG] if args.tiny else kg.SWEEP_MXFP4_HOPPER[kg.regime(r)]
-                    key = f"mxfp4_hopper/{kg.regime(r)}"
-                    def check(c):
+                    cands = [c for c in cands if planes == 2 or not c.mx_wide]  # mx_wide reads 2 planes only
+                    key = f"{kg.table_kind(True, True, planes)}/{kg.regime(r)}"
+
+                    def check(c, wq=wq):
                         for m_, a_, o_ in ((meta, a, out), (imeta, a, out), (mmeta, am, om)):
                             o_.fill_(float("nan"))
-                            be.gemm(a_, qh, m_, stage=stage, bias=None, out=o_, config=c)
+                            be.gemm(a_, wq, m_, stage=stage, bias=None, out=o_, config=c)
                             wrong = result_error(out, want)
                             if wrong is not None:
                                 return f"{m_.layout.value}: {wrong}"
                         return None
 
+                    # Timed on INDEXED (what `fused_experts` runs by default), checked on all three.
                     time_candidates(results["sweep"], key, cands, dev,
-                                    lambda c: be.gemm(a, qh, meta, stage=stage, bias=None, out=out, config=c),
+                                    lambda c, wq=wq: be.gemm(a, wq, imeta, stage=stage, bias=None, out=out, config=c),
                                     check=check)
                 del a, out, am, om
             del w, q, qh, qh4
@@ -414,6 +425,8 @@ def main():
     p.add_argument("--mxfp4-hopper", action="store_true",
                    help="prepared MXFP4 (Hopper kernel) vs dot_scaled vs bf16 on GPT-OSS / dsv4-flash shapes")
     p.add_argument("--models", default="gpt-oss,dsv4-flash", help="with --mxfp4-hopper: subset of gpt-oss,dsv4-flash")
+    p.add_argument("--sweep-planes", default="2,4",
+                   help="with --mxfp4-hopper: the prepared arrangements to sweep (comma list of 2, 4)")
     args = p.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("bench_gemm needs a CUDA GPU (or --tiny for a CPU dry run)")

@@ -63,6 +63,38 @@ for stage in "$@"; do
                 tests/test_gemm_gpu.py -k "hopper_small_sanitizer"
             STEP_TIMEOUT=200 step bench-mx-hopper python3 benchmarks/bench_gemm.py --mxfp4-hopper --models gpt-oss \
                 --rows 1,32,128,512,2048 --out "$OUT/bench-mx-hopper" ;;
+        mx-pairs)  # the 4-plane prepared MXFP4 kernel (one dot per K step): GPU exactness, sanitizer, 2 vs 4 planes, peers, sweep
+            step test-hopper python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k hopper
+            step sanitizer-hopper compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_gemm_gpu.py -k "hopper_small_sanitizer"
+            STEP_TIMEOUT=150 step bench-mx-planes python3 benchmarks/bench_gemm.py --mxfp4-hopper --models gpt-oss,dsv4-flash \
+                --rows 1,32,128,512,2048 --no-sweep --out "$OUT/bench-mx-planes"
+            if [ -d .peers ]; then
+                STEP_TIMEOUT=170 step peers env PM_PLANES=4 OUT="$OUT/peers" BUDGET_S=120 TIMEOUT_S=160 bash .peers/run.sh \
+                    --tokens 16,128,1024,8192 --cases gptoss,dsv4mx
+            fi
+            STEP_TIMEOUT=${SWEEP_S:-200} step sweep-mx4 python3 benchmarks/bench_gemm.py --mxfp4-hopper --models gpt-oss \
+                --rows 1,32,128,512,2048 --sweep-planes 4 --out "$OUT/sweep-mx4" ;;
+        mx-pairs-final)  # 4 planes the default with its tuned table: prepared-MXFP4 tests, sanitizer, the suites that prepare
+            # weights (experts, plans, HF parity), the owed decode checks, peers at every T, the compiled MXFP4 layer
+            step test-hopper python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k "hopper and not big_tiles"
+            step sanitizer-hopper compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_gemm_gpu.py tests/test_decode_gpu.py -k "hopper_small_sanitizer or sanitizer"
+            step test-experts python3 -m pytest -q -m gpu tests/test_experts_gpu.py tests/test_launch_plan_gpu.py tests/test_decode_gpu.py
+            step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py
+            if [ -d .peers ]; then
+                STEP_TIMEOUT=200 step peers env OUT="$OUT/peers" BUDGET_S=150 TIMEOUT_S=190 bash .peers/run.sh \
+                    --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx
+            fi
+            step test-compile-mx python3 -m pytest -q -m gpu tests/test_compile_gpu.py -k "mxfp4" ;;
+        mx-pairs-peers)  # the final 4-plane table: peers at every T, the compiled MXFP4 layer, the sweep timed on INDEXED
+            if [ -d .peers ]; then
+                STEP_TIMEOUT=170 step peers env OUT="$OUT/peers" BUDGET_S=130 TIMEOUT_S=165 bash .peers/run.sh \
+                    --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx
+            fi
+            STEP_TIMEOUT=150 step test-compile-mx python3 -m pytest -q -m gpu tests/test_compile_gpu.py -k "mxfp4"
+            STEP_TIMEOUT=${SWEEP_S:-150} step sweep-mx4 python3 benchmarks/bench_gemm.py --mxfp4-hopper --models gpt-oss \
+                --rows 1,32,128,512,2048 --sweep-planes 4 --out "$OUT/sweep-mx4" ;;
         owed)  # what the last CPU-only changes still need on a GPU: layouts, prepared-MXFP4 table + big tiles, the plug-in
             step test-layouts python3 -m pytest -q -m gpu tests/test_layouts_gpu.py
             step sanitizer-layouts compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_layouts_gpu.py -k "sanitizer or (cuda_matches and 3-6-256)"

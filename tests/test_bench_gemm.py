@@ -52,8 +52,9 @@ def test_tiny_hopper_sweep_rejects_corrupted_results(monkeypatch, tmp_path):
             return res
 
     monkeypatch.setattr(bench_gemm, "get_backend", lambda name: Corrupting())
-    args = bench_gemm.argparse.Namespace(tiny=True, models="gpt-oss", rows="1", no_sweep=False)
+    args = bench_gemm.argparse.Namespace(tiny=True, models="gpt-oss", rows="1", no_sweep=False, sweep_planes="2,4")
     results = bench_gemm.run_hopper(args)
-    wrong = results["sweep"]["wrong"]["mxfp4_hopper/decode"]
-    assert len(wrong) == 2 and all("grouped_contiguous: 1 non-finite values" in w for w in wrong), wrong
+    for key in ("mxfp4_hopper/decode", "mxfp4_hopper4/decode"):  # both prepared arrangements
+        wrong = results["sweep"]["wrong"][key]
+        assert len(wrong) == 2 and all("grouped_contiguous: 1 non-finite values" in w for w in wrong), wrong
     assert results["sweep"]["winners"] == {}

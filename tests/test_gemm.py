@@ -705,5 +705,8 @@ def test_every_tuned_entry_leads_its_sweep():
 
     sweeps = {"bf16": kg.SWEEP, "mxfp4": kg.SWEEP_MXFP4, "mxfp4_hopper": kg.SWEEP_MXFP4_HOPPER}
     for (kind, reg), cfg in kg.TUNED.items():
+        if kind == "mxfp4_hopper4":  # both arrangements sweep the same list; the 2-plane entry leads it
+            assert cfg in kg.SWEEP_MXFP4_HOPPER[reg] and not cfg.mx_wide, (kind, reg, cfg.short())
+            continue
         assert sweeps[kind][reg][0] == cfg, (kind, reg, cfg.short(), sweeps[kind][reg][0].short())
         assert len(set(sweeps[kind][reg])) == len(sweeps[kind][reg]), f"{kind}/{reg}: a candidate is listed twice"

@@ -27,10 +27,28 @@ ints = ["N", "K", "K_PAD", "R_a", "num_local", "mk", "T_max", "num_pid_m", "stri
         "stride_wn", "stride_se", "stride_sg", "stride_be", "stride_cm"]
 # What the launcher's specialisation sees on model shapes: 16-aligned pointers, strides and K.
 aligned = {"N", "K", "K_PAD", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_sg", "stride_be", "stride_cm"}
+
+
+def loop_shuffles(sass):
+    # Shared-memory stores and warp shuffles in the SASS loops that issue HGMMA (a register layout
+    # conversion goes through one or the other); -1 when no such loop is found.
+    lines = sass.splitlines()
+    labels = {l[:-1]: i for i, l in enumerate(lines) if re.match(r"^\.?L?\w+:$", l)}
+    found, count = False, 0
+    for i, l in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?([.\w]+)\)?;", l)
+        if m and labels.get(m.group(1), i) < i:
+            body = lines[labels[m.group(1)] + 1:i + 1]
+            if any("HGMMA" in b for b in body):
+                found = True
+                count += sum(bool(re.search(r"\b(STS|SHFL)\b", b)) for b in body)
+    return count if found else -1
+
+
 out = []
 for layout, cfg, folded, planes in json.loads(sys.argv[1]):
     cfg = kg.GemmConfig(**cfg)
-    sig = {"a_ptr": "*bf16", "w_ptr": "*i16" if planes == 4 else "*u8", "s_ptr": "*i16" if folded else "*u8",
+    sig = {"a_ptr": "*bf16", "w_ptr": "*i32" if planes == 4 else "*u8", "s_ptr": "*i16" if folded else "*u8",
            "bias_ptr": "*bf16", "c_ptr": "*bf16",
            "ids_ptr": "*i32", "blk_exp_ptr": "*i32", "npad_ptr": "*i32", "off_ptr": "*i64", "cnt_ptr": "*i32"}
     sig.update({n: "i32" for n in ints})
@@ -44,11 +62,15 @@ for layout, cfg, folded, planes in json.loads(sys.argv[1]):
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     ptx = k.asm["ptx"]
+    ttgir = k.asm["ttgir"]
     wgmma = [l for l in ptx.splitlines() if "wgmma.mma_async" in l]
     out.append(dict(config=cfg.short(), layout=layout, folded=folded, planes=planes, shared=k.metadata.shared,
                     cubin=len(k.asm["cubin"]), bf16x2_muls=ptx.count("mul.rn.bf16x2"),
                     logic_ops=len(re.findall(r"^\s*(?:and|or|shl|shr|prmt)\.b32", ptx, re.M)),
-                    async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
+                    async_copies=ttgir.count("async_copy_global_to_local"),
+                    # how many wgmma groups each wait in the loop leaves in flight (0: each dot waits for the last)
+                    wait_pendings=sorted({int(p) for p in re.findall(r"warp_group_dot_wait .*pendings = (\d+)", ttgir)}),
+                    loop_shuffles=loop_shuffles(k.asm["sass"]),
                     wgmma=len(wgmma),
                     # `wgmma ... {acc}, {a regs}, b_desc, ...` when A comes from registers, `{acc}, a_desc, ...` from shared
                     a_in_registers=all(l.split("},", 1)[1].strip().startswith("{") for l in wgmma)))
@@ -66,9 +88,10 @@ def test_hopper_kernel_compiles_for_sm90():
     ptx = dataclasses.replace(tuned[0], mx_ptx=True)
     wide = [c for cands in kg.SWEEP_MXFP4_HOPPER.values() for c in cands if c.mx_wide]  # sweep-only variant
     unfolded_ptx = [c for c in tuned + [ptx] if c.mx_ptx]
+    four = list(dict.fromkeys(tuned + [kg.TUNED[("mxfp4_hopper4", r)] for r in ("decode", "prefill")]))
     cases = ([(1, c, True, 2) for c in tuned + [ptx] + wide] + [(1, c, False, 2) for c in tuned + unfolded_ptx]
              + [(0, tuned[0], True, 2), (2, tuned[0], True, 2)]
-             + [(lay, c, folded, 4) for c in tuned for lay in (0, 1, 2) for folded in (True, False)])
+             + [(lay, c, folded, 4) for c in four for lay in (0, 1, 2) for folded in (True, False)])
     arg = json.dumps([(lay, dataclasses.asdict(c), folded, planes) for lay, c, folded, planes in cases])
     results = compile_for_sm90(SCRIPT, arg)
     for r in results:
@@ -81,8 +104,20 @@ def test_hopper_kernel_compiles_for_sm90():
     for c in unfolded_ptx:
         folded, plain = by_key[(c.short(), 1, True, 2)], by_key[(c.short(), 1, False, 2)]
         assert 0 < folded["bf16x2_muls"] and 2 * folded["bf16x2_muls"] == plain["bf16x2_muls"], (folded, plain)
-    # The 4-plane arrangement places the bits at load: fewer logic instructions per upcast value.
+    # The 4-plane arrangement places the bits at load: fewer logic instructions per upcast value,
+    # and its one dot per K step keeps wgmmas in flight (a wait leaving > 0 pending), where the
+    # per-plane dots of the 2-plane kernel each wait for the one before.
     for c in tuned:
         for folded in (True, False):
             two, four = by_key[(c.short(), 1, folded, 2)], by_key[(c.short(), 1, folded, 4)]
             assert four["logic_ops"] < 0.8 * two["logic_ops"], (two, four)
+            assert max(four["wait_pendings"]) > 0, four
+    # The reorder of the upcast pairs into K order moves no data: on the prefill tile with folded
+    # scales, no shared-memory store or shuffle in the loop. (Small tiles and byte scales convert
+    # the per-group scale vector through shared memory, a few bytes per row and iteration.)
+    prefill = kg.TUNED[("mxfp4_hopper4", "prefill")].short()
+    for r in results:
+        if r["planes"] == 4:
+            assert max(r["wait_pendings"]) > 0 and r["loop_shuffles"] >= 0, r
+            if r["config"] == prefill and r["folded"]:
+                assert r["loop_shuffles"] == 0, r

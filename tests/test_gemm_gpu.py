@@ -332,13 +332,16 @@ def test_mxfp4_hopper_big_tiles_on_model_shapes(shape, layout, cfg, weights):
 # Every sweep candidate on GROUPED_CONTIGUOUS (the layouts share the row selection, `_tile_rows`),
 # and the tuned entries on the other two layouts.
 HOPPER_CONFIGS = sorted({c for cands in kg.SWEEP_MXFP4_HOPPER.values() for c in cands}, key=lambda c: c.short())
-HOPPER_CASES = [(GemmLayout.GROUPED_CONTIGUOUS, c) for c in HOPPER_CONFIGS] + [
-    (lay, kg.TUNED[("mxfp4_hopper", reg)]) for lay in (GemmLayout.INDEXED, GemmLayout.GROUPED_MASKED)
-    for reg in ("decode", "small", "medium", "prefill")]
+HOPPER_CASES = [(GemmLayout.GROUPED_CONTIGUOUS, c, p) for c in HOPPER_CONFIGS for p in (2, 4)
+                if p == 2 or not c.mx_wide] + [
+    (lay, kg.TUNED[(kg.table_kind(True, True, p), reg)], p) for lay in (GemmLayout.INDEXED, GemmLayout.GROUPED_MASKED)
+    for reg in ("decode", "small", "medium", "prefill") for p in (2, 4)]
 
 
-@pytest.mark.parametrize("layout, cfg", HOPPER_CASES, ids=lambda x: x.value if isinstance(x, GemmLayout) else x.short())
-def test_mxfp4_hopper_every_sweep_config(layout, cfg):
+@pytest.mark.parametrize("layout, cfg, planes", HOPPER_CASES,
+                         ids=lambda x: x.value if isinstance(x, GemmLayout) else x.short() if isinstance(x, GemmConfig)
+                         else f"planes{x}")
+def test_mxfp4_hopper_every_sweep_config(layout, cfg, planes):
     """Every config the benchmark may put into TUNED, on K = 1056 (not a multiple of 64, so the
     prepared weight is padded, and the last iteration of BK=128/256 holds blocks past the
     padded K) with counts that are not multiples of any tile, dropped slots and a bias."""
@@ -351,7 +354,7 @@ def test_mxfp4_hopper_every_sweep_config(layout, cfg):
     a = inputs_for(layout, meta, "w13", K, M, k, 29)
     bias = torch.randn(L, n_out, device=DEV).bfloat16()
     out = out_for(layout, meta, a, n_out)
-    get_backend("triton").gemm(a, prepared_only(q), meta, stage="w13", bias=bias, out=out, config=cfg)
+    get_backend("triton").gemm(a, prepared_only(q, planes), meta, stage="w13", bias=bias, out=out, config=cfg)
     torch.cuda.synchronize()
     check(a, None, meta, "w13", out, bias, w_ref=q)
 
@@ -406,7 +409,8 @@ def test_mxfp4_hopper_small_sanitizer(layout):
     meta = build_layout(layout, ids, L)
     ptx = GemmConfig(16, 128, 128, 1, 4, 4, mx_hopper=True, mx_ptx=True)
     for planes in (2, 4):
-        for cfg in (kg.TUNED[("mxfp4_hopper", "decode")], kg.TUNED[("mxfp4_hopper", "prefill")], ptx):
+        kind = kg.table_kind(True, True, planes)
+        for cfg in (kg.TUNED[(kind, "decode")], kg.TUNED[(kind, "prefill")], ptx):
             a = inputs_for(layout, meta, "w13", K, M, k, 41)
             out = out_for(layout, meta, a, n_out)
             get_backend("triton").gemm(a, prepared_only(q, planes), meta, stage="w13", bias=None, out=out, config=cfg)

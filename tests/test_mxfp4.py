@@ -176,23 +176,26 @@ def test_validation():
 
 
 # The 4-plane arrangement's bit places, written here from the documented layout (not imported):
-# plane p of a 16-bit word -> (sign, e1, e0, m) bit positions.
+# plane p of a 16-bit half word -> (sign, e1, e0, m) bit positions.
 FOUR_PLANES = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 13, 11, 10))
 
 
 def decode_hopper_slow(h: HopperMxfp4, e: int) -> torch.Tensor:
     """Float64 decode of one expert straight from the documented prepared layout: in the 64-element
     block starting at k0, byte j holds element k0+j (low nibble) and k0+32+j (high nibble), or
-    (4 planes) 16-bit word j holds k0+j, k0+16+j, k0+32+j, k0+48+j at FOUR_PLANES; scales are
-    [K_pad/32, rows]."""
+    (4 planes) 32-bit word 4g+c holds element 32g+2c+8p in its low half and 32g+2c+8p+1 in its
+    high half, plane p at FOUR_PLANES; scales are [K_pad/32, rows]."""
     rows = h.blocks.shape[1]
     out = torch.empty(rows, h.k, dtype=torch.float64)
     for r in range(rows):
         for k in range(h.k):
             k0, off = (k // 64) * 64, k % 64
             if h.planes == 4:
-                word = int(h.blocks[e, r, k0 // 4 + off % 16]) & 0xFFFF
-                nib = sum(((word >> place) & 1) << bit for bit, place in zip((3, 2, 1, 0), FOUR_PLANES[off // 16]))
+                g, j = k // 32, k % 32  # j = 8p + 2c + half
+                word = int(h.blocks[e, r, 4 * g + (j % 8) // 2]) & 0xFFFFFFFF
+                half = 16 * (j % 2)
+                nib = sum(((word >> (place + half)) & 1) << bit
+                          for bit, place in zip((3, 2, 1, 0), FOUR_PLANES[j // 8]))
             else:
                 byte = int(h.blocks[e, r, k0 // 2 + off % 32])
                 nib = (byte >> (4 * (off // 32))) & 0xF
@@ -216,10 +219,10 @@ def test_hopper_layout_matches_canonical(K, folded, planes, gen):
     q = Mxfp4Tensor(blocks, scales)
     h = prepare_hopper(q, planes=planes)
     assert h.folded == folded and h.scales.dtype == (torch.int16 if folded else torch.uint8)
-    assert h.planes == planes and h.blocks.dtype == (torch.int16 if planes == 4 else torch.uint8)
+    assert h.planes == planes and h.blocks.dtype == (torch.int32 if planes == 4 else torch.uint8)
     kp = -(-K // 64) * 64
     assert h.k == K and h.k_padded == kp
-    assert tuple(h.blocks.shape) == (L, rows, kp // planes) and tuple(h.scales.shape) == (L, kp // 32, rows)
+    assert tuple(h.blocks.shape) == (L, rows, kp // (8 if planes == 4 else 2)) and tuple(h.scales.shape) == (L, kp // 32, rows)
     assert h.blocks.is_contiguous() and h.scales.is_contiguous()
     for e in range(L):
         want = dequantize_mxfp4(q[e], torch.float64)[0]
@@ -227,9 +230,8 @@ def test_hopper_layout_matches_canonical(K, folded, planes, gen):
         assert torch.equal(torch.isnan(got), torch.isnan(want))
         assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
     if kp > K:  # padding decodes to zeros (code 0 with a finite scale)
-        b = h.blocks.view(L, rows, kp // 64, 64 // planes)[:, :, -1]
-        # the last block's columns 32..63 are the padding: high nibbles, or planes 2 and 3's bits
-        pad_bits = b >> 4 if planes == 2 else b & sum(1 << i for i in FOUR_PLANES[2] + FOUR_PLANES[3])
+        # the last block's columns 32..63 are the padding: high nibbles, or the last group's words
+        pad_bits = h.blocks.view(L, rows, kp // 64, 32)[:, :, -1] >> 4 if planes == 2 else h.blocks[..., -4:]
         assert (pad_bits == 0).all()
         assert (h.scales[:, -1] == (253 << 7 if folded else 127)).all()
     back = unprepare_hopper(h)

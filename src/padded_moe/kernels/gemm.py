@@ -105,6 +105,16 @@ TUNED.update({
     ("mxfp4_hopper", "medium"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True),
     ("mxfp4_hopper", "prefill"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True),
 })
+# The 4-plane arrangement (the default of `prepare_for`; one dot per K step), from the sweep on it
+# timed on INDEXED with `fused_experts`' default row blocks (<= 64 rows, which cap the tile's BM):
+# each entry won every swept GPT-OSS shape of its regime. Timed on GROUPED_CONTIGUOUS instead,
+# BN 256 won medium and prefill; on INDEXED it is 10-25% slower than BN 128.
+TUNED.update({
+    ("mxfp4_hopper4", "decode"): GemmConfig(32, 128, 64, 1, 4, 3, mx_hopper=True, mx_ptx=True),
+    ("mxfp4_hopper4", "small"): GemmConfig(64, 128, 64, 4, 4, 4, mx_hopper=True, mx_ptx=True),
+    ("mxfp4_hopper4", "medium"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True),
+    ("mxfp4_hopper4", "prefill"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True),
+})
 
 # Every layout uses the same table. For GROUPED_MASKED a 64-row tile would waste less of a mostly
 # empty slab's last tile, but on the H200 it made the full slab 1.4x slower and a 10%-valid call
@@ -163,10 +173,11 @@ SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
     "medium": [_H(128, 128, 128, 8, 8, 3, True), _H(64, 128, 128, 8, 4, 3),
                _H(128, 256, 64, 8, 8, 3), _H(128, 64, 128, 8, 4, 3), _H(64, 256, 128, 8, 8, 3),
                _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True),
-               _H(128, 256, 64, 8, 8, 3, True)],
+               _H(128, 256, 64, 8, 8, 3, True), _H(128, 256, 128, 8, 8, 3, True)],
     "prefill": [_H(128, 128, 128, 8, 8, 3, True), _H(128, 256, 64, 8, 8, 3, True),
                 _H(128, 256, 128, 8, 8, 3, True), _H(64, 256, 128, 8, 8, 3, True), _H(128, 128, 128, 16, 8, 4, True),
-                _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True)],
+                _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True),
+               _H(128, 256, 128, 8, 8, 4, True), _H(128, 128, 128, 8, 8, 4, True)],
 }
 
 
@@ -180,14 +191,22 @@ def regime(rows_per_expert: float) -> str:
     return "prefill"
 
 
-def pick_config(rows_per_expert: float, mxfp4: bool, interpreted: bool, hopper: bool = False) -> GemmConfig:
+def table_kind(mxfp4: bool, hopper: bool, planes: int = 2) -> str:
+    """The weight kind that keys `TUNED`: bf16, mxfp4 (tl.dot_scaled), or the prepared arrangement."""
+    if mxfp4 and hopper:
+        return "mxfp4_hopper4" if planes == 4 else "mxfp4_hopper"
+    return "mxfp4" if mxfp4 else "bf16"
+
+
+def pick_config(rows_per_expert: float, mxfp4: bool, interpreted: bool, hopper: bool = False,
+                planes: int = 2) -> GemmConfig:
     """The tuned config for the regime; one table serves every layout (see the note above
-    INTERPRET_CONFIG). `hopper`: the MXFP4 weight carries its prepared `HopperMxfp4` form."""
+    INTERPRET_CONFIG). `hopper`: the MXFP4 weight carries its prepared `HopperMxfp4` form, in the
+    arrangement `planes`."""
     hopper = hopper and mxfp4
     if interpreted:
         return INTERPRET_HOPPER_CONFIG if hopper else INTERPRET_CONFIG
-    kind = "mxfp4_hopper" if hopper else ("mxfp4" if mxfp4 else "bf16")
-    return TUNED[(kind, regime(rows_per_expert))]
+    return TUNED[(table_kind(mxfp4, hopper, planes), regime(rows_per_expert))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,10 +422,11 @@ def _e2m1_plane(p32, f, SHIFT: tl.constexpr, FOLDED: tl.constexpr):
     return v * f
 
 
-def _ptx_scaled(out: int, scale: int, folded: bool) -> list[str]:
+def _ptx_scaled(out: int, scale: str, folded: bool) -> list[str]:
     """Register u (a bf16x2 pair of code values times 2^-126) times 2^126 (register k) unless the
-    scales are folded, then times scale operand `scale`, into output operand `out`."""
-    return ([] if folded else ["mul.rn.bf16x2 u, u, k;"]) + [f"mul.rn.bf16x2 ${out}, u, ${scale};"]
+    scales are folded, then times the bf16x2 `scale` (an operand or register), into output
+    operand `out`."""
+    return ([] if folded else ["mul.rn.bf16x2 u, u, k;"]) + [f"mul.rn.bf16x2 ${out}, u, {scale};"]
 
 
 def _ptx_block(regs: str, lines: list[str]) -> str:
@@ -424,7 +444,7 @@ def _e2m1_ptx_asm(folded: bool) -> str:
     for out, (src, shift, scale) in enumerate((("t0", 6, 5), ("t1", 6, 6), ("t0", 2, 7), ("t1", 2, 8))):
         lines += [f"shl.b32 u, {src}, {shift};", "and.b32 u, u, 0x01C001C0;",
                   f"shl.b32 v, {src}, {shift + 6};", "and.b32 v, v, 0x80008000;", "or.b32 u, u, v;"]
-        lines += _ptx_scaled(out, scale, folded)
+        lines += _ptx_scaled(out, f"${scale}", folded)
     return _ptx_block("t0, t1, u, v", lines)
 
 
@@ -511,18 +531,19 @@ def _upcast_planes(packed, s_lo, s_hi, dtype: tl.constexpr, UPCAST_PTX: tl.const
 
 
 def _four_plane_ptx_asm(folded: bool) -> str:
-    """The PTX body of `_four_planes_ptx`: one 32-bit register holds two 16-bit words of the
-    4-plane arrangement (`mxfp4.FOUR_PLANE_BITS`); each plane comes out for both words at once as a
-    bf16x2 pair, the code's value times 2^-126 (planes 0-2: one shift and one mask; plane 3: three
-    pieces), then times 2^126 unless the scales are folded, then times its scale ($5: planes 0-1,
-    $6: planes 2-3, the two 32-column scale groups of the 64-element block)."""
-    lines = ["and.b32 u, $4, 0x81C081C0;"] + _ptx_scaled(0, 5, folded)
-    lines += ["shl.b32 u, $4, 3;", "and.b32 u, u, 0x81C081C0;"] + _ptx_scaled(1, 5, folded)
-    lines += ["shl.b32 u, $4, 6;", "and.b32 u, u, 0x81C081C0;"] + _ptx_scaled(2, 6, folded)
+    """The PTX body of `_upcast_pairs`: one 32-bit word of the 4-plane arrangement
+    (`mxfp4.FOUR_PLANE_BITS`, both 16-bit halves at once) -> four bf16x2 pairs, plane p's pair
+    being the code's value times 2^-126 (planes 0-2: one shift and one mask; plane 3: three
+    pieces), then times 2^126 unless the scales are folded, then times the group's scale ($5: a
+    bf16 in the low half, copied to both halves first)."""
+    lines = ["prmt.b32 s, $5, 0, 0x1010;"]
+    lines += ["and.b32 u, $4, 0x81C081C0;"] + _ptx_scaled(0, "s", folded)
+    lines += ["shl.b32 u, $4, 3;", "and.b32 u, u, 0x81C081C0;"] + _ptx_scaled(1, "s", folded)
+    lines += ["shl.b32 u, $4, 6;", "and.b32 u, u, 0x81C081C0;"] + _ptx_scaled(2, "s", folded)
     lines += ["shl.b32 u, $4, 1;", "and.b32 u, u, 0x80008000;", "shr.b32 v, $4, 5;", "and.b32 v, v, 0x01000100;",
               "or.b32 u, u, v;", "shr.b32 v, $4, 4;", "and.b32 v, v, 0x00C000C0;", "or.b32 u, u, v;"]
-    lines += _ptx_scaled(3, 6, folded)
-    return _ptx_block("u, v", lines)
+    lines += _ptx_scaled(3, "s", folded)
+    return _ptx_block("u, v, s", lines)
 
 
 _FOUR_PLANE_PTX_ASM = tl.constexpr(_four_plane_ptx_asm(False))
@@ -544,30 +565,56 @@ def _four_plane(w32, f, P: tl.constexpr, FOLDED: tl.constexpr):
 
 
 @triton.jit
-def _upcast_four_planes(words, s_a, s_b, dtype: tl.constexpr, UPCAST_PTX: tl.constexpr, FOLDED: tl.constexpr):
-    """The four planes of int16 `words` [BN, 16] (`mxfp4.FOUR_PLANE_BITS`) in `dtype`: planes 0-1
-    times the scales `s_a` [BN], planes 2-3 times `s_b` [BN] (E8M0 bytes, or folded bf16 bits)."""
+def _bf16_halves(v):
+    """An int32 holding a bf16 pair -> [.., 2] bf16 (low half first): register renaming only."""
+    lo = (v & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    hi = (v >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _portable_pair(lo16, hi16, f, P: tl.constexpr, dtype: tl.constexpr, FOLDED: tl.constexpr):
+    """Plane P of both halves as [.., 2] `dtype` (rounded like `dequantize_mxfp4(q, dtype)`)."""
+    return tl.join(_four_plane(lo16, f, P, FOLDED).to(dtype), _four_plane(hi16, f, P, FOLDED).to(dtype))
+
+
+@triton.jit
+def _upcast_pairs(words, s, dtype: tl.constexpr, UPCAST_PTX: tl.constexpr, FOLDED: tl.constexpr):
+    """int32 `words` [BN, W] of the 4-plane arrangement with their groups' scales `s` [BN, W/4]
+    (E8M0 bytes, or folded bf16 bits) -> the weight tile [BN, 8W] in `dtype`, in K order.
+
+    Each word gives four (plane) pairs of neighbouring elements; the joins put a word's pairs
+    last, and the permute orders them by element (32g + 8p + 2c + h). Each pair stays in one
+    register, where the MMA's register operand wants it, so the reorder moves no data.
+    """
+    BN: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    G: tl.constexpr = W // 4
     if UPCAST_PTX:
-        shape: tl.constexpr = words.shape
-        f_a = _factor_bf16(s_a, FOLDED)
-        f_b = _factor_bf16(s_b, FOLDED)
-        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+        f = _factor_bf16(s, FOLDED).to(tl.uint16, bitcast=True).to(tl.int32)
+        f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, G, 4)), (BN, W))
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
             asm=_FOUR_PLANE_PTX_FOLDED_ASM if FOLDED else _FOUR_PLANE_PTX_ASM,
-            constraints="=r,=r,=r,=r,r,r,r",
-            args=[words, tl.broadcast_to(f_a[:, None], shape), tl.broadcast_to(f_b[:, None], shape)],
-            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+            constraints="=r,=r,=r,=r,r,r",
+            args=[words, f],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
             is_pure=True,
-            pack=2,
+            pack=1,
         )
+        q = tl.join(tl.join(_bf16_halves(p0), _bf16_halves(p1)), tl.join(_bf16_halves(p2), _bf16_halves(p3)))
     else:
-        w32 = words.to(tl.uint16, bitcast=True).to(tl.uint32)
-        f_a = _factor_f32(s_a, FOLDED)[:, None]
-        f_b = _factor_f32(s_b, FOLDED)[:, None]
-        w0 = _four_plane(w32, f_a, 0, FOLDED).to(dtype)
-        w1 = _four_plane(w32, f_a, 1, FOLDED).to(dtype)
-        w2 = _four_plane(w32, f_b, 2, FOLDED).to(dtype)
-        w3 = _four_plane(w32, f_b, 3, FOLDED).to(dtype)
-    return w0, w1, w2, w3
+        f = _factor_f32(s, FOLDED)
+        f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, G, 4)), (BN, W))
+        w32 = words.to(tl.uint32, bitcast=True)
+        lo16 = w32 & 0xFFFF
+        hi16 = w32 >> 16
+        q = tl.join(tl.join(_portable_pair(lo16, hi16, f, 0, dtype, FOLDED),
+                            _portable_pair(lo16, hi16, f, 1, dtype, FOLDED)),
+                    tl.join(_portable_pair(lo16, hi16, f, 2, dtype, FOLDED),
+                            _portable_pair(lo16, hi16, f, 3, dtype, FOLDED)))
+    q = tl.reshape(q, (BN, G, 4, 2, 2, 2))  # (n, g, c, h, p mod 2, p div 2)
+    q = tl.permute(q, (0, 1, 5, 4, 2, 3))  # (n, g, p div 2, p mod 2, c, h): element 32g + 8p + 2c + h
+    return tl.reshape(q, (BN, 8 * W))
 
 
 @triton.jit
@@ -618,8 +665,8 @@ def _expert_gemm_mx_hopper_kernel(
 ):
     """MXFP4 weights in the `HopperMxfp4` arrangement (mxfp4.py): per 64-element K block, byte j
     holds columns j (low nibble) and 32+j (high nibble); scales are `[L, K_PAD/32, N]`. PLANES=4:
-    16-bit word j of a block holds columns j, 16+j, 32+j, 48+j (`_upcast_four_planes`), four dots
-    of K=16 per block.
+    int32 words of eight codes upcast into the whole [BN, BK] tile in K order (`_upcast_pairs`),
+    one dot per iteration.
 
     WIDE: the NB = BK/64 blocks of an iteration are one tile of BK/2 bytes; its low nibbles are
     columns kb + 64*b + j and its high nibbles those + 32 (block b, byte j), so one dot per plane
@@ -649,8 +696,31 @@ def _expert_gemm_mx_hopper_kernel(
         # Masks are constant over each block's 32 columns, so the loads stay vectorized.
         blk_col = 64 * (cols // 32)  # each column's block start, relative to the iteration's k0
         x_off = blk_col + cols % 32
+    if PLANES == 4:
+        wi = tl.arange(0, BK // 8)
+        gi = tl.arange(0, BK // 32)
+        kk = tl.arange(0, BK)
     for k0 in range(0, K_PAD, BK):
-        if WIDE:
+        if PLANES == 4:
+            # One dot per iteration over the whole tile in K order: Triton keeps its wgmmas in
+            # flight across iterations (the per-plane dots below each wait for the last one).
+            w_ok = n_ok[:, None]
+            s_ok = n_ok[:, None]
+            if K_TAIL:  # the last iteration may hold blocks past K_PAD: they read nothing
+                # (per 64-element block: a mask constant over 8 words keeps the loads vectorized)
+                w_ok = w_ok & (k0 + 64 * (wi // 8) < K_PAD)[None, :]
+                s_ok = s_ok & (k0 + 32 * gi < K_PAD)[None, :]
+            words = tl.load(w_base + (k0 // 8 + wi)[None, :], mask=w_ok, other=0)
+            # Masked scales read as 0 (a zero factor, not S_ONE): zero-filled async copies, no stores.
+            # They scale only zero codes (past K_PAD) or rows never stored (past N).
+            s = tl.load(s_base[:, None] + (k0 // 32 + gi)[None, :] * stride_sg, mask=s_ok, other=0)
+            x = tl.load(a_base + (k0 + kk)[None, :], mask=valid[:, None] & (k0 + kk < K)[None, :], other=0.0)
+            wt = _upcast_pairs(words, s, x.dtype, UPCAST_PTX, FOLDED)
+            if FP32_DOT:
+                acc = tl.dot(wt.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(wt, tl.trans(x), acc)
+        elif WIDE:
             kblk = k0 + blk_col
             w_ok = n_ok[:, None]
             if K_TAIL:  # the last iteration may hold blocks past K_PAD: they read nothing
@@ -673,22 +743,11 @@ def _expert_gemm_mx_hopper_kernel(
                 s_hi = tl.load(s_base + (kb // 32 + 1) * stride_sg, mask=w_ok, other=S_ONE)
                 # K is a multiple of 32, so each 32-column half of a block is wholly inside or past
                 # K: one scalar condition per half keeps the row loads vectorizable.
-                if PLANES == 4:
-                    rq = tl.arange(0, 16)
-                    words = tl.load(w_base + (kb // 4 + rq)[None, :], mask=w_ok[:, None], other=0)
-                    x0 = tl.load(a_base + (kb + rq)[None, :], mask=valid[:, None] & (kb < K), other=0.0)
-                    x1 = tl.load(a_base + (kb + 16 + rq)[None, :], mask=valid[:, None] & (kb < K), other=0.0)
-                    x2 = tl.load(a_base + (kb + 32 + rq)[None, :], mask=valid[:, None] & (kb + 32 < K), other=0.0)
-                    x3 = tl.load(a_base + (kb + 48 + rq)[None, :], mask=valid[:, None] & (kb + 32 < K), other=0.0)
-                    w0, w1, w2, w3 = _upcast_four_planes(words, s_lo, s_hi, x0.dtype, UPCAST_PTX, FOLDED)
-                    acc = _dot_planes(acc, w0, w1, x0, x1, FP32_DOT)
-                    acc = _dot_planes(acc, w2, w3, x2, x3, FP32_DOT)
-                else:
-                    packed = tl.load(w_base + (kb // 2 + rh)[None, :], mask=w_ok[:, None], other=0)
-                    x_lo = tl.load(a_base + (kb + rh)[None, :], mask=valid[:, None] & (kb < K), other=0.0)
-                    x_hi = tl.load(a_base + (kb + 32 + rh)[None, :], mask=valid[:, None] & (kb + 32 < K), other=0.0)
-                    w_lo, w_hi = _upcast_planes(packed, s_lo, s_hi, x_lo.dtype, UPCAST_PTX, False, FOLDED)
-                    acc = _dot_planes(acc, w_lo, w_hi, x_lo, x_hi, FP32_DOT)
+                packed = tl.load(w_base + (kb // 2 + rh)[None, :], mask=w_ok[:, None], other=0)
+                x_lo = tl.load(a_base + (kb + rh)[None, :], mask=valid[:, None] & (kb < K), other=0.0)
+                x_hi = tl.load(a_base + (kb + 32 + rh)[None, :], mask=valid[:, None] & (kb + 32 < K), other=0.0)
+                w_lo, w_hi = _upcast_planes(packed, s_lo, s_hi, x_lo.dtype, UPCAST_PTX, False, FOLDED)
+                acc = _dot_planes(acc, w_lo, w_hi, x_lo, x_hi, FP32_DOT)
 
     acc = tl.trans(acc)
     _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, HAS_BIAS)
@@ -740,7 +799,8 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         return out2
     from padded_moe.kernels import INTERPRETED
 
-    cfg = config or pick_config(rows_per_expert, mx, INTERPRETED and not a2.is_cuda, hopper=w_hopper is not None)
+    cfg = config or pick_config(rows_per_expert, mx, INTERPRETED and not a2.is_cuda, hopper=w_hopper is not None,
+                                planes=2 if w_hopper is None else w_hopper.planes)
     hopper = mx and cfg.mx_hopper
     if hopper and w_hopper is None:
         raise ValueError("config.mx_hopper needs the weight's prepared form: call Mxfp4Tensor.prepare_for() "

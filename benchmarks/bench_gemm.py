@@ -385,7 +385,7 @@ def run_hopper(args) -> dict:
                 for planes in ([] if args.no_sweep else [int(x) for x in args.sweep_planes.split(",")]):
                     wq = qh4 if planes == 4 else qh
                     cands = [kg.INTERPRET_HOPPER_CONFIG] if args.tiny else kg.SWEEP_MXFP4_HOPPER[kg.regime(r)]
-                    cands = [c for c in cands if planes == 2 or not c.mx_wide]  # mx_wide reads 2 planes only
+                    cands = [c for c in cands if c.planes_ok(planes)]
                     key = f"{kg.table_kind(True, True, planes)}/{kg.regime(r)}"
 
                     def check(c, wq=wq):

@@ -95,6 +95,17 @@ for stage in "$@"; do
             STEP_TIMEOUT=150 step test-compile-mx python3 -m pytest -q -m gpu tests/test_compile_gpu.py -k "mxfp4"
             STEP_TIMEOUT=${SWEEP_S:-150} step sweep-mx4 python3 benchmarks/bench_gemm.py --mxfp4-hopper --models gpt-oss \
                 --rows 1,32,128,512,2048 --sweep-planes 4 --out "$OUT/sweep-mx4" ;;
+        mx-wsh)  # the mx_w_shared sweep candidates (upcast tile as the shared-memory operand): GPU exactness on every
+            # candidate and both arrangements, sanitizer, the INDEXED-timed sweep on both models, peers at every T
+            step test-hopper python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k "hopper"
+            step sanitizer-hopper compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_gemm_gpu.py -k "hopper_small_sanitizer"
+            STEP_TIMEOUT=${SWEEP_S:-200} step sweep-mx4 python3 benchmarks/bench_gemm.py --mxfp4-hopper \
+                --models gpt-oss,dsv4-flash --rows 32,128,512,2048 --sweep-planes 4 --out "$OUT/sweep-mx4"
+            if [ -d .peers ]; then
+                STEP_TIMEOUT=170 step peers env OUT="$OUT/peers" BUDGET_S=130 TIMEOUT_S=165 bash .peers/run.sh \
+                    --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx
+            fi ;;
         owed)  # what the last CPU-only changes still need on a GPU: layouts, prepared-MXFP4 table + big tiles, the plug-in
             step test-layouts python3 -m pytest -q -m gpu tests/test_layouts_gpu.py
             step sanitizer-layouts compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_layouts_gpu.py -k "sanitizer or (cuda_matches and 3-6-256)"

@@ -185,7 +185,7 @@ def layout_activations(layout, meta, num_tokens, k, K, gen, dtype, stage="w13"):
     return nan_unused_rows(a.to(dtype), meta, stage)
 
 
-def run_and_check(a, w, w64, meta, stage, *, bias=None, backend="auto"):
+def run_and_check(a, w, w64, meta, stage, *, bias=None, backend="auto", config=None):
     n_out = w64.shape[1]
     if isinstance(meta, GroupedMaskedMeta):
         out_shape = (meta.num_local, meta.max_tokens_per_expert, n_out)
@@ -194,7 +194,12 @@ def run_and_check(a, w, w64, meta, stage, *, bias=None, backend="auto"):
     else:
         out_shape = (a.shape[0], n_out)
     out = torch.full(out_shape, SENTINEL, dtype=a.dtype)
-    res = expert_gemm(a, w, meta, stage=stage, bias=bias, out=out, backend=backend)
+    if config is None:
+        res = expert_gemm(a, w, meta, stage=stage, bias=bias, out=out, backend=backend)
+    else:  # a given kernel config (the Triton backend)
+        from padded_moe.backends import get_backend
+
+        res = get_backend("triton").gemm(a, w, meta, stage=stage, bias=bias, out=out, config=config)
     assert res is out
     a64 = torch.nan_to_num(a.double(), nan=0.0)
     ref = ref_rows(a64, w64, None if bias is None else bias.double(), meta, stage)
@@ -575,10 +580,21 @@ def require_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-@pytest.mark.parametrize("planes", [2, 4])
+# The prepared arrangements and, on 4 planes, the weight tile as either MMA operand.
+HOPPER_VARIANTS = [(2, False), (4, False), (4, True)]
+HOPPER_VARIANT_IDS = ["2planes", "4planes", "4planes-wshared"]
+
+
+def hopper_config(w_shared: bool):
+    from padded_moe.kernels import gemm as kg
+
+    return dataclasses.replace(kg.INTERPRET_HOPPER_CONFIG, mx_w_shared=True) if w_shared else None
+
+
+@pytest.mark.parametrize("planes,w_shared", HOPPER_VARIANTS, ids=HOPPER_VARIANT_IDS)
 @pytest.mark.parametrize("K", [64, 96, 160])  # 96, 160: multiples of 32 but not of the 64-block
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
-def test_mxfp4_hopper_layouts(monkeypatch, layout, K, planes, gen):
+def test_mxfp4_hopper_layouts(monkeypatch, layout, K, planes, w_shared, gen):
     """Every layout, edge counts around the tile, invalid ids, NaN in unread rows, SENTINEL in
     unwritten ones, Nout not a multiple of BN, and K not a multiple of the layout's 64-block."""
     require_interpreter(monkeypatch)
@@ -590,7 +606,8 @@ def test_mxfp4_hopper_layouts(monkeypatch, layout, K, planes, gen):
     ids = ids_with_counts(counts, k, gen, extra_invalid=3)
     meta = local_meta(layout, ids, L, t_max=max(counts) + 5 if layout == GemmLayout.GROUPED_MASKED else None)
     a = layout_activations(layout, meta, ids.shape[0], k, K, gen, torch.bfloat16)
-    run_and_check(a, prepared_only(q, planes), dequantize_mxfp4(q, torch.float64), meta, "w13", backend="triton")
+    run_and_check(a, prepared_only(q, planes), dequantize_mxfp4(q, torch.float64), meta, "w13", backend="triton",
+                  config=hopper_config(w_shared))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
@@ -617,10 +634,10 @@ def test_mxfp4_hopper_other_activation_dtypes(monkeypatch, dtype, gen):
     run_and_check(a, prepared_only(q), dequantize_mxfp4(q, dtype).double(), meta, "w13", backend="triton")
 
 
-@pytest.mark.parametrize("planes", [2, 4])
+@pytest.mark.parametrize("planes,w_shared", HOPPER_VARIANTS, ids=HOPPER_VARIANT_IDS)
 @pytest.mark.parametrize("finite,folded", [(True, False), (False, False), (True, True)],
                          ids=["finite", "inf_nan", "folded"])
-def test_mxfp4_hopper_upcast_is_exact(monkeypatch, finite, folded, planes, gen):
+def test_mxfp4_hopper_upcast_is_exact(monkeypatch, finite, folded, planes, w_shared, gen):
     """Identity activations make the GEMM output the upcast weights themselves (one product per
     output, the other terms +-0): they must equal dequantize_mxfp4 bit for bit, including the
     subnormal products of scales 0..3, the largest finite values, and inf/NaN where the
@@ -636,7 +653,13 @@ def test_mxfp4_hopper_upcast_is_exact(monkeypatch, finite, folded, planes, gen):
     meta = masked_meta([K], K)
     a = torch.eye(K, dtype=torch.float32).unsqueeze(0)
     out = torch.full((1, K, q.shape[1]), SENTINEL, dtype=torch.float32)
-    expert_gemm(a, prepared_only(q, planes), meta, out=out, backend="triton")
+    if w_shared:
+        from padded_moe.backends import get_backend
+
+        get_backend("triton").gemm(a, prepared_only(q, planes), meta, stage="w13", bias=None, out=out,
+                                   config=hopper_config(True))
+    else:
+        expert_gemm(a, prepared_only(q, planes), meta, out=out, backend="triton")
     if finite:
         assert torch.equal(out[0], dequantize_mxfp4(q, torch.float32)[0].T)
     want = (a[0].double() @ dequantize_mxfp4(q, torch.float32)[0].double().T).float()
@@ -644,8 +667,9 @@ def test_mxfp4_hopper_upcast_is_exact(monkeypatch, finite, folded, planes, gen):
     assert bool(torch.isnan(out[0]).any()) != finite
 
 
-def test_mxfp4_hopper_wide_needs_two_planes(monkeypatch, gen):
-    """mx_wide loops over the 2-plane arrangement only: with 4-plane weights it is a ValueError."""
+def test_mxfp4_hopper_config_needs_its_arrangement(monkeypatch, gen):
+    """mx_wide loops over the 2-plane arrangement only, mx_w_shared over the 4-plane one: the
+    other arrangement is a ValueError naming the option."""
     require_interpreter(monkeypatch)
     from padded_moe.backends import get_backend
     from padded_moe.kernels import gemm as kg
@@ -653,9 +677,13 @@ def test_mxfp4_hopper_wide_needs_two_planes(monkeypatch, gen):
     q = quantize_mxfp4(torch.randn(1, 32, 128, generator=gen))
     meta = masked_meta([8], 8)
     wide = dataclasses.replace(kg.INTERPRET_HOPPER_CONFIG, BK=128, mx_wide=True)
-    with pytest.raises(ValueError, match="mx_wide needs the 2-plane prepared arrangement, got planes=4"):
-        get_backend("triton").gemm(torch.randn(1, 8, 128), prepared_only(q, 4), meta, stage="w13", bias=None,
-                                   out=torch.empty(1, 8, 32), config=wide)
+    shared = dataclasses.replace(kg.INTERPRET_HOPPER_CONFIG, mx_w_shared=True)
+    for cfg, planes, msg in ((wide, 4, "mx_wide needs the 2-plane prepared arrangement, got planes=4"),
+                             (shared, 2, "mx_w_shared needs the 4-plane prepared arrangement, got planes=2")):
+        assert not cfg.planes_ok(planes) and cfg.planes_ok(6 - planes)
+        with pytest.raises(ValueError, match=msg):
+            get_backend("triton").gemm(torch.randn(1, 8, 128), prepared_only(q, planes), meta, stage="w13",
+                                       bias=None, out=torch.empty(1, 8, 32), config=cfg)
 
 
 @pytest.mark.parametrize("K", [96, 192, 256])
@@ -706,7 +734,7 @@ def test_every_tuned_entry_leads_its_sweep():
     sweeps = {"bf16": kg.SWEEP, "mxfp4": kg.SWEEP_MXFP4, "mxfp4_hopper": kg.SWEEP_MXFP4_HOPPER}
     for (kind, reg), cfg in kg.TUNED.items():
         if kind == "mxfp4_hopper4":  # both arrangements sweep the same list; the 2-plane entry leads it
-            assert cfg in kg.SWEEP_MXFP4_HOPPER[reg] and not cfg.mx_wide, (kind, reg, cfg.short())
+            assert cfg in kg.SWEEP_MXFP4_HOPPER[reg] and cfg.planes_ok(4), (kind, reg, cfg.short())
             continue
         assert sweeps[kind][reg][0] == cfg, (kind, reg, cfg.short(), sweeps[kind][reg][0].short())
         assert len(set(sweeps[kind][reg])) == len(sweeps[kind][reg]), f"{kind}/{reg}: a candidate is listed twice"

@@ -15,7 +15,8 @@ import pytest
 from helpers import compile_for_sm90
 
 SCRIPT = r"""
-import json, os, re, sys
+import json, os, re, subprocess, sys, tempfile
+from pathlib import Path
 os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
@@ -45,6 +46,16 @@ def loop_shuffles(sass):
     return count if found else -1
 
 
+def wgmma_serialized(ptx):
+    # ptxas's advisory C7515: it serializes the kernel's wgmmas (each waits for the one before).
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "k.ptx").write_text(ptx)
+        r = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(Path(d, "k.ptx")), "-o", str(Path(d, "k.cubin"))],
+                           capture_output=True, text=True)
+    return "C7515" in r.stdout + r.stderr
+
+
 out = []
 for layout, cfg, folded, planes in json.loads(sys.argv[1]):
     cfg = kg.GemmConfig(**cfg)
@@ -53,7 +64,8 @@ for layout, cfg, folded, planes in json.loads(sys.argv[1]):
            "ids_ptr": "*i32", "blk_exp_ptr": "*i32", "npad_ptr": "*i32", "off_ptr": "*i64", "cnt_ptr": "*i32"}
     sig.update({n: "i32" for n in ints})
     const = dict(LAYOUT=layout, HAS_BIAS=True, A_DIV=1, BLOCK_MB=cfg.BM, SUB=1, ROWS=cfg.BM, L_POW2=128,
-                 FP32_DOT=False, K_TAIL=True, UPCAST_PTX=cfg.mx_ptx, WIDE=cfg.mx_wide, FOLDED=folded, PLANES=planes, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+                 FP32_DOT=False, K_TAIL=True, UPCAST_PTX=cfg.mx_ptx, WIDE=cfg.mx_wide, FOLDED=folded, PLANES=planes,
+                 W_SHARED=cfg.mx_w_shared, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
                  GROUP_M=cfg.GROUP_M)
     sig.update({k: "constexpr" for k in const})
     names = fn.arg_names
@@ -71,6 +83,7 @@ for layout, cfg, folded, planes in json.loads(sys.argv[1]):
                     # how many wgmma groups each wait in the loop leaves in flight (0: each dot waits for the last)
                     wait_pendings=sorted({int(p) for p in re.findall(r"warp_group_dot_wait .*pendings = (\d+)", ttgir)}),
                     loop_shuffles=loop_shuffles(k.asm["sass"]),
+                    wgmma_serialized=wgmma_serialized(ptx) if cfg.mx_w_shared or planes == 4 else None,
                     wgmma=len(wgmma),
                     # `wgmma ... {acc}, {a regs}, b_desc, ...` when A comes from registers, `{acc}, a_desc, ...` from shared
                     a_in_registers=all(l.split("},", 1)[1].strip().startswith("{") for l in wgmma)))
@@ -89,15 +102,22 @@ def test_hopper_kernel_compiles_for_sm90():
     wide = [c for cands in kg.SWEEP_MXFP4_HOPPER.values() for c in cands if c.mx_wide]  # sweep-only variant
     unfolded_ptx = [c for c in tuned + [ptx] if c.mx_ptx]
     four = list(dict.fromkeys(tuned + [kg.TUNED[("mxfp4_hopper4", r)] for r in ("decode", "prefill")]))
+    w_shared = list(dict.fromkeys(c for cands in kg.SWEEP_MXFP4_HOPPER.values() for c in cands if c.mx_w_shared))
     cases = ([(1, c, True, 2) for c in tuned + [ptx] + wide] + [(1, c, False, 2) for c in tuned + unfolded_ptx]
              + [(0, tuned[0], True, 2), (2, tuned[0], True, 2)]
-             + [(lay, c, folded, 4) for c in four for lay in (0, 1, 2) for folded in (True, False)])
+             + [(lay, c, folded, 4) for c in four for lay in (0, 1, 2) for folded in (True, False)]
+             + [(1, c, True, 4) for c in w_shared])
     arg = json.dumps([(lay, dataclasses.asdict(c), folded, planes) for lay, c, folded, planes in cases])
     results = compile_for_sm90(SCRIPT, arg)
     for r in results:
         assert r["cubin"] > 0 and r["wgmma"] > 0, r
         assert r["async_copies"] > 0, f"main loop not pipelined: {r}"
-        assert r["a_in_registers"], f"wgmma reads the upcast weights from shared memory: {r}"
+        if "_wsh" in r["config"]:
+            # the upcast tile is the shared-memory operand: wgmma's A (the tokens) comes from shared
+            # memory too, and ptxas keeps the wgmmas asynchronous
+            assert not r["a_in_registers"] and r["wgmma_serialized"] is False, r
+        else:
+            assert r["a_in_registers"], f"wgmma reads the upcast weights from shared memory: {r}"
         assert r["shared"] <= 227 * 1024, r
     # Folded scales drop the 2^126 multiply: the inline-PTX upcast has half the bf16x2 multiplies.
     by_key = {(r["config"], r["layout"], r["folded"], r["planes"]): r for r in results}
@@ -117,7 +137,7 @@ def test_hopper_kernel_compiles_for_sm90():
     # the per-group scale vector through shared memory, a few bytes per row and iteration.)
     prefill = kg.TUNED[("mxfp4_hopper4", "prefill")].short()
     for r in results:
-        if r["planes"] == 4:
+        if r["planes"] == 4 and "_wsh" not in r["config"]:
             assert max(r["wait_pendings"]) > 0 and r["loop_shuffles"] >= 0, r
             if r["config"] == prefill and r["folded"]:
                 assert r["loop_shuffles"] == 0, r

@@ -324,7 +324,8 @@ BIG_TILES = sorted({c for reg in ("medium", "prefill") for c in kg.SWEEP_MXFP4_H
                          ids=["indexed-prefill", "masked-dsv4"])
 def test_mxfp4_hopper_big_tiles_on_model_shapes(shape, layout, cfg, weights):
     q, meta, a, bias, out = real_shape_case(shape, "w13", layout, weights, "mxfp4")
-    get_backend("triton").gemm(a, prepared_only(q), meta, stage="w13", bias=bias, out=out, config=cfg)
+    get_backend("triton").gemm(a, prepared_only(q, 2 if cfg.planes_ok(2) else 4), meta, stage="w13", bias=bias,
+                               out=out, config=cfg)
     torch.cuda.synchronize()
     check(a, None, meta, "w13", out, bias, w_ref=q)
 
@@ -333,7 +334,7 @@ def test_mxfp4_hopper_big_tiles_on_model_shapes(shape, layout, cfg, weights):
 # and the tuned entries on the other two layouts.
 HOPPER_CONFIGS = sorted({c for cands in kg.SWEEP_MXFP4_HOPPER.values() for c in cands}, key=lambda c: c.short())
 HOPPER_CASES = [(GemmLayout.GROUPED_CONTIGUOUS, c, p) for c in HOPPER_CONFIGS for p in (2, 4)
-                if p == 2 or not c.mx_wide] + [
+                if c.planes_ok(p)] + [
     (lay, kg.TUNED[(kg.table_kind(True, True, p), reg)], p) for lay in (GemmLayout.INDEXED, GemmLayout.GROUPED_MASKED)
     for reg in ("decode", "small", "medium", "prefill") for p in (2, 4)]
 
@@ -365,7 +366,9 @@ def test_mxfp4_hopper_every_sweep_config(layout, cfg, planes):
                                  GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True),
                                  GemmConfig(16, 128, 256, 1, 4, 3, mx_hopper=True, mx_wide=True),
                                  GemmConfig(16, 128, 256, 1, 4, 3, mx_hopper=True, mx_ptx=True, mx_wide=True),
-                                 GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True, mx_wide=True)],
+                                 GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True, mx_wide=True),
+                                 GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True, mx_w_shared=True),
+                                 GemmConfig(64, 128, 128, 8, 4, 3, mx_hopper=True, mx_w_shared=True)],
                          ids=lambda c: "tuned" if c is None else c.short())
 @pytest.mark.parametrize("planes", [2, 4])
 @pytest.mark.parametrize("finite,folded", [(True, False), (False, False), (True, True)],
@@ -378,8 +381,8 @@ def test_mxfp4_hopper_upcast_is_exact(finite, folded, planes, cfg):
     K = 96
     q = extreme_mxfp4_weight(torch.Generator().manual_seed(5), K, finite, device=DEV,
                              max_scale=128 if folded else 254)
-    if planes == 4 and cfg is not None and cfg.mx_wide:
-        pytest.skip("mx_wide loops over the 2-plane arrangement only")
+    if cfg is not None and not cfg.planes_ok(planes):
+        pytest.skip("the config reads the other prepared arrangement")
     assert prepared_only(q).hopper.folded == folded  # scales up to 128 fold: one multiply per element
     c = torch.tensor([K], dtype=torch.int32, device=DEV)
     meta = GroupedMaskedMeta(num_tokens=K, top_k=1, num_local=1, slot_expert=torch.zeros(K, dtype=torch.int32, device=DEV),
@@ -400,8 +403,8 @@ def test_mxfp4_hopper_upcast_is_exact(finite, folded, planes, cfg):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
 def test_mxfp4_hopper_small_sanitizer(layout):
     """Small and quick, for `compute-sanitizer --tool memcheck`: decode and prefill tuned configs
-    and the inline-PTX upcast on both prepared arrangements, ragged counts, K = 160 (padded to 192),
-    Nout = 200 (partial n-tile)."""
+    and the inline-PTX upcast on both prepared arrangements (and the shared-operand tile on 4
+    planes), ragged counts, K = 160 (padded to 192), Nout = 200 (partial n-tile)."""
     L, K, n_out, M, k = 4, 160, 200, 37, 2
     q = make_weight(L, n_out, K, "mxfp4", 31)
     g = torch.Generator(device=DEV).manual_seed(37)
@@ -410,7 +413,8 @@ def test_mxfp4_hopper_small_sanitizer(layout):
     ptx = GemmConfig(16, 128, 128, 1, 4, 4, mx_hopper=True, mx_ptx=True)
     for planes in (2, 4):
         kind = kg.table_kind(True, True, planes)
-        for cfg in (kg.TUNED[(kind, "decode")], kg.TUNED[(kind, "prefill")], ptx):
+        wsh = [GemmConfig(64, 128, 128, 8, 4, 3, mx_hopper=True, mx_ptx=True, mx_w_shared=True)] if planes == 4 else []
+        for cfg in (kg.TUNED[(kind, "decode")], kg.TUNED[(kind, "prefill")], ptx, *wsh):
             a = inputs_for(layout, meta, "w13", K, M, k, 41)
             out = out_for(layout, meta, a, n_out)
             get_backend("triton").gemm(a, prepared_only(q, planes), meta, stage="w13", bias=None, out=out, config=cfg)

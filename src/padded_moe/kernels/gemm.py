@@ -67,11 +67,21 @@ class GemmConfig:
     # high nibble planes of all BK/64 layout blocks side by side), instead of a pair of K=32 dots
     # per block. Fewer, longer wgmma chains; the scales are widened per 32 columns.
     mx_wide: bool = False
+    # mx_hopper, 4-plane weights only: the upcast weight tile is the MMA's right operand, stored
+    # to shared memory once per K step (out = a W^T, token rows on the M side), so both wgmma
+    # operands come from shared memory. Triton splits a register-operand dot along K and ptxas
+    # then serializes its wgmmas (advisory C7515); a shared-operand dot stays whole and async.
+    mx_w_shared: bool = False
 
     def short(self) -> str:
         tag = ("_tma" if self.tma else "") + ("" if self.mx_native else "_bitdq") + ("_swap" if self.swap_ab else "")
         tag += ("_hop" if self.mx_hopper else "") + ("_ptx" if self.mx_ptx else "") + ("_wide" if self.mx_wide else "")
+        tag += "_wsh" if self.mx_w_shared else ""
         return f"BM{self.BM}_BN{self.BN}_BK{self.BK}_G{self.GROUP_M}_w{self.num_warps}_s{self.num_stages}{tag}"
+
+    def planes_ok(self, planes: int) -> bool:
+        """Whether this config can read prepared weights in the arrangement `planes` (2 or 4)."""
+        return not (self.mx_wide and planes != 2) and not (self.mx_w_shared and planes != 4)
 
 
 # Tuned for H200 (sm_90), keyed by (weight kind, regime). Regimes by rows per expert:
@@ -159,8 +169,8 @@ SWEEP_MXFP4: dict[str, list[GemmConfig]] = {
 # rows), BN its M side (weight rows: 64 per warpgroup), BK covers BK/64 layout blocks per iteration.
 # BM128_BN128_BK64_w8_s4 is left out, with either upcast: it gave non-finite outputs on two model
 # shapes (see TUNED above) and stays out until that is understood.
-_H = lambda bm, bn, bk, g, w, st, ptx=False, wide=False: GemmConfig(  # noqa: E731
-    bm, bn, bk, g, w, st, mx_hopper=True, mx_ptx=ptx, mx_wide=wide)
+_H = lambda bm, bn, bk, g, w, st, ptx=False, wide=False, wsh=False: GemmConfig(  # noqa: E731
+    bm, bn, bk, g, w, st, mx_hopper=True, mx_ptx=ptx, mx_wide=wide, mx_w_shared=wsh)
 SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
     "decode": [_H(32, 64, 64, 1, 4, 3, True), _H(32, 128, 64, 1, 4, 3), _H(32, 128, 64, 1, 4, 3, True),
                _H(32, 64, 64, 1, 4, 4, True), _H(16, 64, 64, 1, 4, 3, True), _H(32, 64, 128, 1, 4, 3, True),
@@ -173,11 +183,15 @@ SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
     "medium": [_H(128, 128, 128, 8, 8, 3, True), _H(64, 128, 128, 8, 4, 3),
                _H(128, 256, 64, 8, 8, 3), _H(128, 64, 128, 8, 4, 3), _H(64, 256, 128, 8, 8, 3),
                _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True),
-               _H(128, 256, 64, 8, 8, 3, True), _H(128, 256, 128, 8, 8, 3, True)],
+               _H(128, 256, 64, 8, 8, 3, True), _H(128, 256, 128, 8, 8, 3, True),
+               _H(64, 128, 128, 8, 4, 3, True, wsh=True), _H(128, 128, 128, 8, 8, 3, True, wsh=True),
+               _H(128, 128, 64, 8, 8, 4, True, wsh=True)],
     "prefill": [_H(128, 128, 128, 8, 8, 3, True), _H(128, 256, 64, 8, 8, 3, True),
                 _H(128, 256, 128, 8, 8, 3, True), _H(64, 256, 128, 8, 8, 3, True), _H(128, 128, 128, 16, 8, 4, True),
                 _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True),
-               _H(128, 256, 128, 8, 8, 4, True), _H(128, 128, 128, 8, 8, 4, True)],
+               _H(128, 256, 128, 8, 8, 4, True), _H(128, 128, 128, 8, 8, 4, True),
+               _H(64, 128, 128, 8, 4, 3, True, wsh=True), _H(128, 128, 128, 8, 8, 3, True, wsh=True),
+               _H(128, 256, 64, 8, 8, 3, True, wsh=True), _H(128, 128, 64, 8, 8, 4, True, wsh=True)],
 }
 
 
@@ -640,15 +654,21 @@ def _block_scales(s_base, stride_sg, k0, n_ok, K_PAD, K_TAIL: tl.constexpr, HI: 
 
 
 @triton.jit
+def _dot_fp32_or(a, b, acc, FP32_DOT: tl.constexpr):
+    """acc += a @ b, in exact float32 with FP32_DOT (fp32 activations, or the interpreter, whose
+    bf16 tl.dot is wrong in 3.6), else on the operands' own dtype."""
+    if FP32_DOT:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def _dot_planes(acc, w_lo, w_hi, x_lo, x_hi, FP32_DOT: tl.constexpr):
     """acc^T += W_lo x_lo^T + W_hi x_hi^T (the weight planes are the MMA's left operand)."""
-    if FP32_DOT:  # fp32 activations, or the interpreter (its bf16 tl.dot is wrong in 3.6)
-        acc = tl.dot(w_lo.to(tl.float32), tl.trans(x_lo.to(tl.float32)), acc, input_precision="ieee")
-        acc = tl.dot(w_hi.to(tl.float32), tl.trans(x_hi.to(tl.float32)), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(w_lo, tl.trans(x_lo), acc)
-        acc = tl.dot(w_hi, tl.trans(x_hi), acc)
-    return acc
+    acc = _dot_fp32_or(w_lo, tl.trans(x_lo), acc, FP32_DOT)
+    return _dot_fp32_or(w_hi, tl.trans(x_hi), acc, FP32_DOT)
 
 
 @triton.jit
@@ -660,13 +680,14 @@ def _expert_gemm_mx_hopper_kernel(
     LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, A_DIV: tl.constexpr,
     BLOCK_MB: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, L_POW2: tl.constexpr,
     FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr, UPCAST_PTX: tl.constexpr, WIDE: tl.constexpr,
-    FOLDED: tl.constexpr, PLANES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    FOLDED: tl.constexpr, PLANES: tl.constexpr, W_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """MXFP4 weights in the `HopperMxfp4` arrangement (mxfp4.py): per 64-element K block, byte j
     holds columns j (low nibble) and 32+j (high nibble); scales are `[L, K_PAD/32, N]`. PLANES=4:
     int32 words of eight codes upcast into the whole [BN, BK] tile in K order (`_upcast_pairs`),
-    one dot per iteration.
+    one dot per iteration; with W_SHARED that tile is the right operand instead (acc [BM, BN] +=
+    x @ W^T: Triton stores it to shared memory, and the dot's wgmmas read both operands there).
 
     WIDE: the NB = BK/64 blocks of an iteration are one tile of BK/2 bytes; its low nibbles are
     columns kb + 64*b + j and its high nibbles those + 32 (block b, byte j), so one dot per plane
@@ -688,7 +709,10 @@ def _expert_gemm_mx_hopper_kernel(
     a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
     w_base = w_ptr + e64 * stride_we + rn.to(tl.int64)[:, None] * stride_wn
     s_base = s_ptr + e64 * stride_se + rn
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    if W_SHARED:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)  # out = a W^T: token rows on the MMA's M side
+    else:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
     # The scale of masked rows and padding blocks: 1 (E8M0 127), or folded 2^126 (bf16 bits 253 << 7).
     S_ONE: tl.constexpr = 32384 if FOLDED else 127
     if WIDE:
@@ -716,10 +740,10 @@ def _expert_gemm_mx_hopper_kernel(
             s = tl.load(s_base[:, None] + (k0 // 32 + gi)[None, :] * stride_sg, mask=s_ok, other=0)
             x = tl.load(a_base + (k0 + kk)[None, :], mask=valid[:, None] & (k0 + kk < K)[None, :], other=0.0)
             wt = _upcast_pairs(words, s, x.dtype, UPCAST_PTX, FOLDED)
-            if FP32_DOT:
-                acc = tl.dot(wt.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            if W_SHARED:
+                acc = _dot_fp32_or(x, tl.trans(wt), acc, FP32_DOT)
             else:
-                acc = tl.dot(wt, tl.trans(x), acc)
+                acc = _dot_fp32_or(wt, tl.trans(x), acc, FP32_DOT)
         elif WIDE:
             kblk = k0 + blk_col
             w_ok = n_ok[:, None]
@@ -749,7 +773,8 @@ def _expert_gemm_mx_hopper_kernel(
                 w_lo, w_hi = _upcast_planes(packed, s_lo, s_hi, x_lo.dtype, UPCAST_PTX, False, FOLDED)
                 acc = _dot_planes(acc, w_lo, w_hi, x_lo, x_hi, FP32_DOT)
 
-    acc = tl.trans(acc)
+    if not W_SHARED:
+        acc = tl.trans(acc)
     _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, HAS_BIAS)
 
 
@@ -805,8 +830,10 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     if hopper and w_hopper is None:
         raise ValueError("config.mx_hopper needs the weight's prepared form: call Mxfp4Tensor.prepare_for() "
                          "once after loading (or pass a config with mx_hopper=False)")
-    if hopper and cfg.mx_wide and w_hopper.planes != 2:
-        raise ValueError(f"config.mx_wide needs the 2-plane prepared arrangement, got planes={w_hopper.planes}")
+    if hopper and not cfg.planes_ok(w_hopper.planes):
+        need = 2 if cfg.mx_wide else 4
+        raise ValueError(f"config.{'mx_wide' if cfg.mx_wide else 'mx_w_shared'} needs the {need}-plane prepared "
+                         f"arrangement, got planes={w_hopper.planes}")
     if hopper and (cfg.BK % 64 != 0 or w_hopper.k != K):
         raise ValueError(f"config.BK must be a multiple of 64 for mx_hopper and the prepared weight's K "
                          f"({w_hopper.k}) must equal a's K ({K}); got BK={cfg.BK}")
@@ -842,6 +869,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
             BLOCK_MB=block_m, SUB=SUB, ROWS=ROWS, L_POW2=max(2, triton.next_power_of_2(num_local)),
             FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda, K_TAIL=k_pad % BK != 0,
             UPCAST_PTX=cfg.mx_ptx and a2.is_cuda and a2.dtype == torch.bfloat16, WIDE=cfg.mx_wide,
+            W_SHARED=cfg.mx_w_shared,
             FOLDED=w_hopper.folded, PLANES=w_hopper.planes, BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M)
         launch_kernel(_expert_gemm_mx_hopper_kernel, grid, ints + ptr_key(*ptrs), ptrs + ints, constexprs,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -100,6 +100,7 @@ for stage in "$@"; do
             step test-hopper python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k "hopper"
             step sanitizer-hopper compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
                 tests/test_gemm_gpu.py -k "hopper_small_sanitizer"
+            step test-decode-compiled python3 -m pytest -q -m gpu tests/test_decode_gpu.py -k compiled
             STEP_TIMEOUT=${SWEEP_S:-200} step sweep-mx4 python3 benchmarks/bench_gemm.py --mxfp4-hopper \
                 --models gpt-oss,dsv4-flash --rows 32,128,512,2048 --sweep-planes 4 --out "$OUT/sweep-mx4"
             if [ -d .peers ]; then

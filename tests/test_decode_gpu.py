@@ -214,3 +214,29 @@ def test_mxfp4_model_widths(decode_calls, monkeypatch, shape, T):
     monkeypatch.setenv(dec.DECODE_ENV, "off")
     layout_path = fused_experts(x, w13, w2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2)
     assert rel_err(out, layout_path.float()) <= BF16_TOL
+
+
+def test_compiled_mxfp4_call_takes_the_decode_path(decode_calls):
+    """A compiled call on prepared MXFP4 experts (GPT-OSS widths, fewer experts) takes the decode
+    path and gives the eager call's result bit for bit (the same kernels on the same inputs)."""
+    E, k, K, N = 16, 4, 2880, 2880
+    g = torch.Generator(device="cuda").manual_seed(70)
+    w13 = quantize_mxfp4(torch.randn(E, 2 * N, K, device="cuda", generator=g) * 0.02).prepare_for()
+    w2 = quantize_mxfp4(torch.randn(E, K, N, device="cuda", generator=g) * 0.02).prepare_for()
+    b13 = torch.randn(E, 2 * N, device="cuda", generator=g).bfloat16() * 0.1
+    b2 = torch.randn(E, K, device="cuda", generator=g).bfloat16() * 0.1
+    x = torch.randn(2, K, device="cuda", generator=g).bfloat16()
+    tw, ids = routes(2, k, E, seed=71)
+
+    def step(x, tw, ids):
+        return fused_experts(x, w13, w2, tw, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2)
+
+    eager = step(x, tw, ids)
+    assert decode_calls == [2]
+    decode_calls.clear()
+    torch._dynamo.reset()
+    out = torch.compile(step, fullgraph=True)(x, tw, ids)
+    torch.cuda.synchronize()
+    torch._dynamo.reset()
+    assert decode_calls and set(decode_calls) == {2}, "the compiled op did not take the decode path"
+    assert torch.equal(out, eager)

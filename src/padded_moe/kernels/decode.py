@@ -33,15 +33,8 @@ import triton
 import triton.language as tl
 
 from padded_moe.kernels.activation import ACT_SILU_NO_MUL, ACT_SWIGLUOAI, _gated, _ungated
-from padded_moe.kernels.gemm import _e2m1_plane, _scale_factor
+from padded_moe.kernels.gemm import _dot_fp32_or, _e2m1_plane, _scale_factor
 from padded_moe.kernels.guard import slot_local_expert
-
-
-@triton.jit
-def _dot(a, w, acc, FP32_DOT: tl.constexpr):
-    if FP32_DOT:
-        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, w, acc)
 
 
 @triton.jit
@@ -174,10 +167,10 @@ def _decode_w13_act_kernel(
         a = tl.load(x_base + rk[None, :], mask=rows[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & n_ok[None, :]
         wg = tl.load(g_base + rk[:, None], mask=w_mask, other=0.0)
-        acc_g = _dot(a, wg, acc_g, FP32_DOT)
+        acc_g = _dot_fp32_or(a, wg, acc_g, FP32_DOT)
         if GATED:
             wu = tl.load(u_base + rk[:, None], mask=w_mask, other=0.0)
-            acc_u = _dot(a, wu, acc_u, FP32_DOT)
+            acc_u = _dot_fp32_or(a, wu, acc_u, FP32_DOT)
     y = _bias_act(acc_g, acc_u, bias_ptr + e64 * stride_be, g_rows, u_rows, n_ok, h_ptr, limit, alpha, beta,
                   situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
     h_ptrs = h_ptr + sl.to(tl.int64)[:, None] * stride_hm + rn[None, :]

@@ -684,6 +684,10 @@ def test_mxfp4_hopper_config_needs_its_arrangement(monkeypatch, gen):
         with pytest.raises(ValueError, match=msg):
             get_backend("triton").gemm(torch.randn(1, 8, 128), prepared_only(q, planes), meta, stage="w13",
                                        bias=None, out=torch.empty(1, 8, 32), config=cfg)
+    both = dataclasses.replace(wide, mx_w_shared=True)
+    with pytest.raises(ValueError, match="mx_wide .2 planes. and config.mx_w_shared .4 planes. exclude each other"):
+        get_backend("triton").gemm(torch.randn(1, 8, 128), prepared_only(q, 4), meta, stage="w13",
+                                   bias=None, out=torch.empty(1, 8, 32), config=both)
 
 
 @pytest.mark.parametrize("K", [96, 192, 256])

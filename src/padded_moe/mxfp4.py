@@ -276,24 +276,27 @@ def prepare_hopper(q: Mxfp4Tensor, fold: Optional[bool] = None, planes: int = 4)
     L, rows, K = q.shape
     kp = -(-K // HOPPER_KB) * HOPPER_KB
     half = HOPPER_KB // 2
-    b = q.blocks
-    codes = torch.stack([b & 0x0F, b >> 4], dim=-1).reshape(L, rows, K)
-    codes = torch.nn.functional.pad(codes, (0, kp - K))  # code 0 = +0
-    if planes == 2:
-        codes = codes.view(L, rows, kp // HOPPER_KB, 2, half)  # [.., block, plane (lo/hi), j]
-        blocks = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(L, rows, kp // 2).clone()  # no view: see below
-    else:
-        # Element 32g + 8p + 2c + h: group g, plane p, word c of the group, half h of the word.
-        codes = codes.view(L, rows, kp // GROUP, 4, 4, 2).to(torch.int64)  # [.., g, p, c, h]
-        word = torch.zeros(L, rows, kp // GROUP, 4, dtype=torch.int64, device=codes.device)  # [.., g, c]
-        for p, places in enumerate(FOUR_PLANE_BITS):
-            for h in (0, 1):
-                for bit, place in zip((3, 2, 1, 0), places):  # sign, e1, e0, m
-                    word |= ((codes[..., p, :, h] >> bit) & 1) << (place + 16 * h)
-        # Reshaped before the conversion, so `blocks` owns its storage (no 4-D `_base` for
-        # torch.compile's size guards to specialise on).
-        word = word.reshape(L, rows, kp // 8)
-        blocks = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+    # Allocated in its final shape (no view whose `_base` torch.compile's size guards could
+    # specialise on) and filled one expert at a time, so the working copies (int64 codes for 4
+    # planes) are one expert's size, not the whole weight's.
+    blocks = torch.empty(L, rows, kp // 8 if planes == 4 else kp // 2,
+                         dtype=torch.int32 if planes == 4 else torch.uint8, device=q.device)
+    for e in range(L):
+        b = q.blocks[e]
+        codes = torch.nn.functional.pad(torch.stack([b & 0x0F, b >> 4], dim=-1).reshape(rows, K), (0, kp - K))
+        if planes == 2:
+            codes = codes.view(rows, kp // HOPPER_KB, 2, half)  # [.., block, plane (lo/hi), j]; pad: code 0
+            blocks[e] = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(rows, kp // 2)
+        else:
+            # Element 32g + 8p + 2c + h: group g, plane p, word c of the group, half h of the word.
+            codes = codes.view(rows, kp // GROUP, 4, 4, 2).to(torch.int64)  # [.., g, p, c, h]
+            word = torch.zeros(rows, kp // GROUP, 4, dtype=torch.int64, device=q.device)  # [.., g, c]
+            for p, places in enumerate(FOUR_PLANE_BITS):
+                for h in (0, 1):
+                    for bit, place in zip((3, 2, 1, 0), places):  # sign, e1, e0, m
+                        word |= ((codes[..., p, :, h] >> bit) & 1) << (place + 16 * h)
+            word = word.reshape(rows, kp // 8)
+            blocks[e] = torch.where(word >= 1 << 31, word - (1 << 32), word)
     scales = torch.nn.functional.pad(q.scales, (0, (kp - K) // GROUP), value=SCALE_BIAS).transpose(1, 2)
     if fold is None:
         fold = _may_read_back(q.scales) and _max_scale(q) <= FOLD_MAX_SCALE

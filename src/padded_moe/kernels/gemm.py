@@ -726,8 +726,9 @@ def _expert_gemm_mx_hopper_kernel(
         kk = tl.arange(0, BK)
     for k0 in range(0, K_PAD, BK):
         if PLANES == 4:
-            # One dot per iteration over the whole tile in K order: Triton keeps its wgmmas in
-            # flight across iterations (the per-plane dots below each wait for the last one).
+            # One dot per iteration over the whole tile in K order. Triton waits for each of the
+            # per-plane dots below before the next; this one it leaves pending (though ptxas still
+            # serializes register-operand wgmmas: see GemmConfig.mx_w_shared).
             w_ok = n_ok[:, None]
             s_ok = n_ok[:, None]
             if K_TAIL:  # the last iteration may hold blocks past K_PAD: they read nothing
@@ -830,6 +831,8 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     if hopper and w_hopper is None:
         raise ValueError("config.mx_hopper needs the weight's prepared form: call Mxfp4Tensor.prepare_for() "
                          "once after loading (or pass a config with mx_hopper=False)")
+    if hopper and cfg.mx_wide and cfg.mx_w_shared:
+        raise ValueError("config.mx_wide (2 planes) and config.mx_w_shared (4 planes) exclude each other")
     if hopper and not cfg.planes_ok(w_hopper.planes):
         need = 2 if cfg.mx_wide else 4
         raise ValueError(f"config.{'mx_wide' if cfg.mx_wide else 'mx_w_shared'} needs the {need}-plane prepared "

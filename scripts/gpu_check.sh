@@ -102,7 +102,7 @@ for stage in "$@"; do
                 tests/test_gemm_gpu.py -k "hopper_small_sanitizer"
             step test-decode-compiled python3 -m pytest -q -m gpu tests/test_decode_gpu.py -k compiled
             STEP_TIMEOUT=${SWEEP_S:-200} step sweep-mx4 python3 benchmarks/bench_gemm.py --mxfp4-hopper \
-                --models gpt-oss,dsv4-flash --rows 32,128,512,2048 --sweep-planes 4 --out "$OUT/sweep-mx4"
+                --models gpt-oss,dsv4-flash --rows 128,512,2048 --sweep-planes 4 --out "$OUT/sweep-mx4"
             if [ -d .peers ]; then
                 STEP_TIMEOUT=170 step peers env OUT="$OUT/peers" BUDGET_S=130 TIMEOUT_S=165 bash .peers/run.sh \
                     --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx

@@ -165,7 +165,10 @@ SWEEP_MXFP4: dict[str, list[GemmConfig]] = {
 }
 
 
-# Prepared-MXFP4 (Hopper kernel) candidates, the table entry first. BM is the MMA's N side (token
+# Prepared-MXFP4 (Hopper kernel) candidates, the table entry first. The mx_w_shared tiles wait for
+# their wgmmas at the end of each K step; BM128_BN128_BK64 (125 registers, 74 KB of shared memory
+# at 3 stages on sm_90) leaves room for two programs per SM, whose upcast and MMA phases can
+# interleave. BM is the MMA's N side (token
 # rows), BN its M side (weight rows: 64 per warpgroup), BK covers BK/64 layout blocks per iteration.
 # BM128_BN128_BK64_w8_s4 is left out, with either upcast: it gave non-finite outputs on two model
 # shapes (see TUNED above) and stays out until that is understood.
@@ -185,13 +188,14 @@ SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
                _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True),
                _H(128, 256, 64, 8, 8, 3, True), _H(128, 256, 128, 8, 8, 3, True),
                _H(64, 128, 128, 8, 4, 3, True, wsh=True), _H(128, 128, 128, 8, 8, 3, True, wsh=True),
-               _H(128, 128, 64, 8, 8, 4, True, wsh=True)],
+               _H(128, 128, 64, 8, 8, 4, True, wsh=True), _H(128, 128, 64, 8, 8, 3, True, wsh=True)],
     "prefill": [_H(128, 128, 128, 8, 8, 3, True), _H(128, 256, 64, 8, 8, 3, True),
                 _H(128, 256, 128, 8, 8, 3, True), _H(64, 256, 128, 8, 8, 3, True), _H(128, 128, 128, 16, 8, 4, True),
                 _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True),
                _H(128, 256, 128, 8, 8, 4, True), _H(128, 128, 128, 8, 8, 4, True),
                _H(64, 128, 128, 8, 4, 3, True, wsh=True), _H(128, 128, 128, 8, 8, 3, True, wsh=True),
-               _H(128, 256, 64, 8, 8, 3, True, wsh=True), _H(128, 128, 64, 8, 8, 4, True, wsh=True)],
+               _H(128, 256, 64, 8, 8, 3, True, wsh=True), _H(128, 128, 64, 8, 8, 4, True, wsh=True),
+               _H(128, 128, 64, 8, 8, 3, True, wsh=True)],
 }
 
 

@@ -347,6 +347,8 @@ def run_hopper(args) -> dict:
                 cfg4 = kg.pick_config(r, True, args.tiny, hopper=True, planes=4)
                 # INDEXED with the row block `fused_experts` picks by default: it caps the kernel tile's BM.
                 imeta = build_layout(GemmLayout.INDEXED, ids, E, block_m=default_block_m(E * r, E))
+                # ... and with 128-row blocks, which let the tile keep BM 128 (worth it from 128 rows?)
+                imeta128 = build_layout(GemmLayout.INDEXED, ids, E, block_m=128) if r >= 128 else None
                 mmeta = masked_meta(E, r, r, dev)
                 am, om = a.view(E, r, K), out.view(E, r, n_out)
                 # Reference: the dot_scaled kernel on the canonical weights (another kernel, the same
@@ -365,11 +367,13 @@ def run_hopper(args) -> dict:
                        "hopper4_ms": timed(lambda: expert_gemm(a, qh4, meta, out=out, backend="triton"), dev),
                        "hopper4_indexed_ms": timed(lambda: expert_gemm(a, qh4, imeta, out=out, backend="triton"), dev),
                        "hopper4_masked_ms": timed(lambda: expert_gemm(am, qh4, mmeta, out=om, backend="triton"), dev),
+                       "hopper4_indexed128_ms": None if imeta128 is None else timed(
+                           lambda: expert_gemm(a, qh4, imeta128, out=out, backend="triton"), dev),
                        "hopper_indexed_ms": timed(lambda: expert_gemm(a, qh, imeta, out=out, backend="triton"), dev),
                        "hopper_masked_ms": timed(lambda: expert_gemm(am, qh, mmeta, out=om, backend="triton"), dev),
                        "dot_scaled_ms": timed(lambda: expert_gemm(a, q, meta, out=out, backend="triton"), dev),
                        "bf16_ms": timed(lambda: expert_gemm(a, w, meta, out=out, backend="triton"), dev)}
-                for key in [k for k in list(row) if k.endswith("_ms")]:
+                for key in [k for k in list(row) if k.endswith("_ms") and row[k] is not None]:
                     wb = wbytes(w) if key == "bf16_ms" else mx_bytes
                     row[key.replace("_ms", "_wbw_frac")] = wb / (row[key] * 1e-3) / copy_bw
                 row["hopper_speedup_vs_dot_scaled"] = row["dot_scaled_ms"] / row["hopper_ms"]
@@ -378,7 +382,10 @@ def run_hopper(args) -> dict:
                 print(f"{model:10s} {stage:3s} E={E} K={K} N={n_out} rows/e={r:5d} [{row['regime']:7s}] "
                       f"hopper {row['hopper_ms']:.3f} ms (wbw {row['hopper_wbw_frac']:.0%}; 4-plane "
                       f"{row['hopper4_ms']:.3f} [{cfg4.short()}]; idx "
-                      f"{row['hopper_indexed_ms']:.3f}, masked {row['hopper_masked_ms']:.3f}) | dot_scaled "
+                      f"{row['hopper_indexed_ms']:.3f}, masked {row['hopper_masked_ms']:.3f}; 4-plane idx "
+                      f"{row['hopper4_indexed_ms']:.3f}, 128-row blocks "
+                      f"{'-' if row['hopper4_indexed128_ms'] is None else format(row['hopper4_indexed128_ms'], '.3f')}"
+                      f") | dot_scaled "
                       f"{row['dot_scaled_ms']:.3f} ms (wbw {row['dot_scaled_wbw_frac']:.0%}) | bf16 "
                       f"{row['bf16_ms']:.3f} ms (wbw {row['bf16_wbw_frac']:.0%}) | x{row['hopper_speedup_vs_dot_scaled']:.2f}"
                       f" vs dot_scaled, x{row['hopper_speedup_vs_bf16']:.2f} vs bf16 [{cfg.short()}]")

@@ -608,9 +608,12 @@ def _upcast_pairs(words, s, dtype: tl.constexpr, UPCAST_PTX: tl.constexpr, FOLDE
     BN: tl.constexpr = words.shape[0]
     W: tl.constexpr = words.shape[1]
     G: tl.constexpr = W // 4
-    if UPCAST_PTX:
+    if UPCAST_PTX:  # the bf16 factor's bits for the inline PTX, else the float32 factor
         f = _factor_bf16(s, FOLDED).to(tl.uint16, bitcast=True).to(tl.int32)
-        f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, G, 4)), (BN, W))
+    else:
+        f = _factor_f32(s, FOLDED)
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, G, 4)), (BN, W))  # each word's group factor
+    if UPCAST_PTX:
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
             asm=_FOUR_PLANE_PTX_FOLDED_ASM if FOLDED else _FOUR_PLANE_PTX_ASM,
             constraints="=r,=r,=r,=r,r,r",
@@ -621,8 +624,6 @@ def _upcast_pairs(words, s, dtype: tl.constexpr, UPCAST_PTX: tl.constexpr, FOLDE
         )
         q = tl.join(tl.join(_bf16_halves(p0), _bf16_halves(p1)), tl.join(_bf16_halves(p2), _bf16_halves(p3)))
     else:
-        f = _factor_f32(s, FOLDED)
-        f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, G, 4)), (BN, W))
         w32 = words.to(tl.uint32, bitcast=True)
         lo16 = w32 & 0xFFFF
         hi16 = w32 >> 16

@@ -107,6 +107,14 @@ for stage in "$@"; do
                 STEP_TIMEOUT=170 step peers env OUT="$OUT/peers" BUDGET_S=130 TIMEOUT_S=165 bash .peers/run.sh \
                     --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx
             fi ;;
+        blocks)  # INDEXED row blocks with a margin over the mean and 128-row blocks: the GEMM and pipeline tests, peers on every model
+            step test-gemm python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k "real_shapes or forced or graph"
+            step test-experts python3 -m pytest -q -m gpu tests/test_experts_gpu.py tests/test_launch_plan_gpu.py \
+                tests/test_layouts_gpu.py
+            if [ -d .peers ]; then
+                STEP_TIMEOUT=320 step peers env OUT="$OUT/peers" BUDGET_S=270 TIMEOUT_S=310 bash .peers/run.sh \
+                    --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx,dsv4,qwen3,mixtral --check-tokens 64,1024
+            fi ;;
         owed)  # what the last CPU-only changes still need on a GPU: layouts, prepared-MXFP4 table + big tiles, the plug-in
             step test-layouts python3 -m pytest -q -m gpu tests/test_layouts_gpu.py
             step sanitizer-layouts compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_layouts_gpu.py -k "sanitizer or (cuda_matches and 3-6-256)"

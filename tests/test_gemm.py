@@ -742,3 +742,22 @@ def test_every_tuned_entry_leads_its_sweep():
             continue
         assert sweeps[kind][reg][0] == cfg, (kind, reg, cfg.short(), sweeps[kind][reg][0].short())
         assert len(set(sweeps[kind][reg])) == len(sweeps[kind][reg]), f"{kind}/{reg}: a candidate is listed twice"
+
+
+def test_default_indexed_blocks_are_one_tile_of_their_regime():
+    """`fused_experts`' INDEXED blocks (`default_block_m`) are never split into several tiles by
+    the tuned entry their metadata picks: a split tile reads the expert's weights once per tile."""
+    from padded_moe.kernels import gemm as kg
+    from padded_moe.layouts import build_layout, default_block_m
+
+    for L in (8, 32):
+        for mean in (0.5, 1, 4, 12, 13, 16, 24, 26, 27, 32, 48, 64, 100, 192, 255, 256, 512, 2048):
+            S = max(1, round(mean * L))
+            bm = default_block_m(S, L)
+            M = S  # top-1 ids: M*k = S slots
+            meta = build_layout(GemmLayout.INDEXED, torch.zeros(M, 1, dtype=torch.int32), L)
+            assert meta.block_m == bm
+            for kind in {k for k, _ in kg.TUNED}:
+                cfg = kg.TUNED[(kind, kg.regime(meta.rows_per_expert()))]
+                _, sub, _ = kg.indexed_tiling(bm, cfg.BM)
+                assert sub == 1, (L, mean, bm, kind, cfg.short())

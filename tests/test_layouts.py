@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from helpers import SENTINEL
 from padded_moe.expert_map import ExpertMap
-from padded_moe.layouts import (GemmLayout, GroupedContiguousMeta, GroupedMaskedMeta, IndexedMeta,
-                                PermuteScratch, build_layout, permute, select_gemm_layout, unpermute)
+from padded_moe.layouts import (BLOCK_128_MEAN_ROWS, GemmLayout, GroupedContiguousMeta, GroupedMaskedMeta,
+                                IndexedMeta, PermuteScratch, build_layout, default_block_m, permute,
+                                select_gemm_layout, unpermute)
 
 LAYOUTS = list(GemmLayout)
 
@@ -387,6 +388,31 @@ def test_metadata_tensors_are_16_byte_aligned(layout, with_scratch, gen):
             # GROUPED_CONTIGUOUS's activation count is by definition the view offsets[L:].
             if isinstance(t, torch.Tensor) and not (name == "activation_counts" and layout == GemmLayout.GROUPED_CONTIGUOUS):
                 assert t.data_ptr() % 16 == 0, f"{name} starts at {t.data_ptr() % 16} mod 16"
+
+
+def test_default_block_m_grows_with_mean_rows_and_never_shrinks():
+    L = 8
+    picks = [default_block_m(S, L) for S in range(0, 300 * L)]
+    # mean + sqrt(mean) rows: 12 + 3.5 fit 16 rows, 13 + 3.6 do not; 26 + 5.1 fit 32, 27 + 5.2 do not
+    assert picks[12 * L] == 16 and picks[13 * L] == 32 and picks[26 * L] == 32 and picks[27 * L] == 64
+    assert picks[BLOCK_128_MEAN_ROWS * L - 1] == 64 and picks[BLOCK_128_MEAN_ROWS * L] == 128
+    assert all(a <= b for a, b in zip(picks, picks[1:]))
+
+
+@pytest.mark.parametrize("fixed", [None, 64])
+def test_scratch_block_is_the_calls_own_unless_fixed(fixed, gen):
+    """A scratch sized for prefill gives a small call the block that call would get without it
+    (`default_block_m` of its own slots); a block_m given to the scratch holds for every call.
+    Results are the same either way."""
+    L, k = 4, 2
+    s = PermuteScratch(600, k, L, L, "cpu", block_m=fixed)
+    assert s.block_m == (fixed or 128)
+    for M in (3, 40, 600):
+        ids = torch.randint(-1, L + 1, (M, k), generator=gen, dtype=torch.int32)
+        meta = build_layout(GemmLayout.INDEXED, ids, L, scratch=s)
+        assert meta.block_m == (fixed or default_block_m(M * k, L))
+        fresh = build_layout(GemmLayout.INDEXED, ids, L, block_m=meta.block_m)
+        assert torch.equal(meta.sorted_ids, fresh.sorted_ids) and torch.equal(meta.block_expert, fresh.block_expert)
 
 
 def test_scratch_too_small_names_the_numbers():

@@ -41,7 +41,6 @@ from padded_moe.layouts import (
     GroupedMaskedMeta,
     PermuteScratch,
     build_layout_resolved,
-    default_block_m,
     permute,
     select_gemm_layout,
     unpermute,
@@ -378,11 +377,8 @@ def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, step: _Step, cfg: 
         # Of the layout path's buffers only the activation's output and the result.
         return decode_experts(hidden_states, w13, w2, topk_weights, topk_ids, step.activation, cfg, num_experts,
                               table, w13_bias, w2_bias, valid_tokens, allocate("act"), allocate("out"))
-    # With the eager cache, the block the fresh path would pick, so results do not depend on the cache.
-    block_m = default_block_m(num_tokens * topk_ids.shape[1], num_local) if scratch is None and buffers is not None \
-        else None
     meta = build_layout_resolved(layout, topk_ids, num_experts, num_local, table, valid_tokens=valid_tokens,
-                                 scratch=buffers, block_m=block_m)
+                                 scratch=buffers)
     gemm1, act, gemm2, out = (allocate(name) for name in ("gemm1", "act", "gemm2", "out"))
     expert_gemm(permute(hidden_states, meta), w13, meta, stage="w13", bias=w13_bias, out=gemm1, backend=backend)
     if isinstance(step.activation, MoEActivation):
@@ -437,10 +433,10 @@ def _eager_scratch(topk_ids: torch.Tensor, num_experts: int, num_local: int) -> 
     if tokens < M:
         # Sized for the call (slots rounded up to a power of two), grown when a bigger call comes:
         # the cache never holds more than twice what the largest call so far needed, so a small
-        # model or a decode loop does not carry a 4096-slot workspace. block_m 64: the largest
-        # default block, so every call's capacity fits.
+        # model or a decode loop does not carry a 4096-slot workspace. No block_m: each call gets
+        # the block a call without the cache would (`PermuteScratch.block_for`).
         tokens = cdiv(min(EAGER_CACHE_SLOTS, next_pow2(max(M * k, 64))), k)
-        buffers = PermuteScratch(tokens, k, num_experts, num_local, device, block_m=64)
+        buffers = PermuteScratch(tokens, k, num_experts, num_local, device)
         _eager_buffers[key] = (tokens, buffers)
     return buffers
 

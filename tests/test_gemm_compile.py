@@ -102,7 +102,8 @@ def test_hopper_kernel_compiles_for_sm90():
     wide = [c for cands in kg.SWEEP_MXFP4_HOPPER.values() for c in cands if c.mx_wide]  # sweep-only variant
     unfolded_ptx = [c for c in tuned + [ptx] if c.mx_ptx]
     four = list(dict.fromkeys(tuned + [kg.TUNED[("mxfp4_hopper4", r)] for r in ("decode", "prefill")]))
-    w_shared = list(dict.fromkeys(c for cands in kg.SWEEP_MXFP4_HOPPER.values() for c in cands if c.mx_w_shared))
+    w_shared = [dataclasses.replace(kg.TUNED[("mxfp4_hopper4", "prefill")], mx_w_shared=True),
+                kg.GemmConfig(128, 128, 64, 8, 8, 3, mx_hopper=True, mx_ptx=True, mx_w_shared=True)]
     cases = ([(1, c, True, 2) for c in tuned + [ptx] + wide] + [(1, c, False, 2) for c in tuned + unfolded_ptx]
              + [(0, tuned[0], True, 2), (2, tuned[0], True, 2)]
              + [(lay, c, folded, 4) for c in four for lay in (0, 1, 2) for folded in (True, False)]

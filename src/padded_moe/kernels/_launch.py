@@ -62,6 +62,7 @@ def launch(fn, grid: Sequence[int], key: tuple, args: tuple, constexprs: dict[st
     options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
     events = getattr(_RECORD, "events", None)
     if not fast_path():
+        _check_order(fn, args, constexprs)
         fn[grid](*args, **constexprs, **options)
         if events is not None:
             events.append(("launch", None))
@@ -71,8 +72,9 @@ def launch(fn, grid: Sequence[int], key: tuple, args: tuple, constexprs: dict[st
     kernel = _CACHE.get(full_key)
     g3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     if kernel is None:
+        _check_order(fn, args, constexprs)
         kernel = fn[grid](*args, **constexprs, **options)
-        cacheable = kernel is not None and tuple(fn.arg_names[len(args):]) == tuple(constexprs)
+        cacheable = kernel is not None
         if cacheable:
             if len(_CACHE) >= _MAX_ENTRIES:
                 _CACHE.clear()
@@ -85,6 +87,15 @@ def launch(fn, grid: Sequence[int], key: tuple, args: tuple, constexprs: dict[st
                kernel.packed_metadata, None, None, None, *full_args)
     if events is not None:
         events.append(("launch", (kernel, g3, full_args)))
+
+
+def _check_order(fn, args: tuple, constexprs: dict) -> None:
+    """The fast path passes `constexprs` by position after `args`: a launcher that names them in
+    another order than the kernel declares them is a bug, not a reason to launch slowly."""
+    want = tuple(fn.arg_names[len(args):])
+    if want != tuple(constexprs):
+        raise TypeError(f"{getattr(fn, '__name__', fn)}: constexprs must follow the kernel's parameters "
+                        f"{want}, got {tuple(constexprs)}")
 
 
 def _hooked(hook) -> bool:

@@ -71,6 +71,9 @@ class GemmConfig:
     # to shared memory once per K step (out = a W^T, token rows on the M side), so both wgmma
     # operands come from shared memory. Triton splits a register-operand dot along K and ptxas
     # then serializes its wgmmas (advisory C7515); a shared-operand dot stays whole and async.
+    # On the H200 it was 1.6-3.2x slower than the register-operand tile on every GPT-OSS and
+    # DeepSeek-V4 shape swept (the store of the upcast tile to shared memory costs more than the
+    # serialization it avoids), so no table entry or sweep list uses it.
     mx_w_shared: bool = False
 
     def short(self) -> str:
@@ -165,15 +168,12 @@ SWEEP_MXFP4: dict[str, list[GemmConfig]] = {
 }
 
 
-# Prepared-MXFP4 (Hopper kernel) candidates, the table entry first. The mx_w_shared tiles wait for
-# their wgmmas at the end of each K step; BM128_BN128_BK64 (125 registers, 74 KB of shared memory
-# at 3 stages on sm_90) leaves room for two programs per SM, whose upcast and MMA phases can
-# interleave. BM is the MMA's N side (token
+# Prepared-MXFP4 (Hopper kernel) candidates, the table entry first. BM is the MMA's N side (token
 # rows), BN its M side (weight rows: 64 per warpgroup), BK covers BK/64 layout blocks per iteration.
 # BM128_BN128_BK64_w8_s4 is left out, with either upcast: it gave non-finite outputs on two model
 # shapes (see TUNED above) and stays out until that is understood.
-_H = lambda bm, bn, bk, g, w, st, ptx=False, wide=False, wsh=False: GemmConfig(  # noqa: E731
-    bm, bn, bk, g, w, st, mx_hopper=True, mx_ptx=ptx, mx_wide=wide, mx_w_shared=wsh)
+_H = lambda bm, bn, bk, g, w, st, ptx=False, wide=False: GemmConfig(  # noqa: E731
+    bm, bn, bk, g, w, st, mx_hopper=True, mx_ptx=ptx, mx_wide=wide)
 SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
     "decode": [_H(32, 64, 64, 1, 4, 3, True), _H(32, 128, 64, 1, 4, 3), _H(32, 128, 64, 1, 4, 3, True),
                _H(32, 64, 64, 1, 4, 4, True), _H(16, 64, 64, 1, 4, 3, True), _H(32, 64, 128, 1, 4, 3, True),
@@ -186,16 +186,11 @@ SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
     "medium": [_H(128, 128, 128, 8, 8, 3, True), _H(64, 128, 128, 8, 4, 3),
                _H(128, 256, 64, 8, 8, 3), _H(128, 64, 128, 8, 4, 3), _H(64, 256, 128, 8, 8, 3),
                _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True),
-               _H(128, 256, 64, 8, 8, 3, True), _H(128, 256, 128, 8, 8, 3, True),
-               _H(64, 128, 128, 8, 4, 3, True, wsh=True), _H(128, 128, 128, 8, 8, 3, True, wsh=True),
-               _H(128, 128, 64, 8, 8, 4, True, wsh=True), _H(128, 128, 64, 8, 8, 3, True, wsh=True)],
+               _H(128, 256, 64, 8, 8, 3, True), _H(128, 256, 128, 8, 8, 3, True)],
     "prefill": [_H(128, 128, 128, 8, 8, 3, True), _H(128, 256, 64, 8, 8, 3, True),
                 _H(128, 256, 128, 8, 8, 3, True), _H(64, 256, 128, 8, 8, 3, True), _H(128, 128, 128, 16, 8, 4, True),
                 _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True),
-               _H(128, 256, 128, 8, 8, 4, True), _H(128, 128, 128, 8, 8, 4, True),
-               _H(64, 128, 128, 8, 4, 3, True, wsh=True), _H(128, 128, 128, 8, 8, 3, True, wsh=True),
-               _H(128, 256, 64, 8, 8, 3, True, wsh=True), _H(128, 128, 64, 8, 8, 4, True, wsh=True),
-               _H(128, 128, 64, 8, 8, 3, True, wsh=True)],
+               _H(128, 256, 128, 8, 8, 4, True), _H(128, 128, 128, 8, 8, 4, True)],
 }
 
 
@@ -877,8 +872,8 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
             BLOCK_MB=block_m, SUB=SUB, ROWS=ROWS, L_POW2=max(2, triton.next_power_of_2(num_local)),
             FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda, K_TAIL=k_pad % BK != 0,
             UPCAST_PTX=cfg.mx_ptx and a2.is_cuda and a2.dtype == torch.bfloat16, WIDE=cfg.mx_wide,
-            W_SHARED=cfg.mx_w_shared,
-            FOLDED=w_hopper.folded, PLANES=w_hopper.planes, BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M)
+            FOLDED=w_hopper.folded, PLANES=w_hopper.planes, W_SHARED=cfg.mx_w_shared,
+            BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M)
         launch_kernel(_expert_gemm_mx_hopper_kernel, grid, ints + ptr_key(*ptrs), ptrs + ints, constexprs,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out2

@@ -16,7 +16,7 @@ from padded_moe import decode as dec
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation
 from padded_moe.expert_map import ExpertMap
 from padded_moe.experts import fused_experts
-from padded_moe.kernels.decode import _mx_step
+from padded_moe.kernels.decode import _mx4_step, _mx_step
 from padded_moe.layer import dense_weights
 from padded_moe.mxfp4 import quantize_mxfp4
 from padded_moe.reference.moe import reference_moe
@@ -54,8 +54,28 @@ def make(M, k, E, gen, dtype=torch.float32, gated=True, bias=False, scale=0.1):
 def _probe_mx_step(b_ptr, s_ptr, v_ptr, out_ptr, K, ROWS: tl.constexpr, G: tl.constexpr):
     """One `_mx_step` over K = 32*G columns of ROWS rows, all meeting the vector at `v_ptr`."""
     r = tl.arange(0, ROWS)[:, None]
-    part = _mx_step(b_ptr + r * (K // 2), s_ptr + r * (K // 32), v_ptr + r * 0, 0, K, r < ROWS, r >= 0, G)
+    part = _mx_step(b_ptr + r * (K // 2), s_ptr + r * (K // 32), 1, v_ptr + r * 0, 0, K, r < ROWS, r >= 0, G)
     tl.store(out_ptr + r * G + tl.arange(0, G)[None, :], part)
+
+
+@triton.jit
+def _probe_mx4_step(w_ptr, s_ptr, v_ptr, out_ptr, K, KW, ROWS: tl.constexpr, G: tl.constexpr,
+                    FOLDED: tl.constexpr):
+    """One `_mx4_step` (portable upcast) over columns [0, 32*G) of ROWS prepared rows (scales
+    `[KW/4, ROWS]`), all meeting the vector at `v_ptr`."""
+    r = tl.arange(0, ROWS)[:, None]
+    part = _mx4_step(w_ptr + r * KW, s_ptr + r, ROWS, v_ptr + r * 0, 0, K, KW, r < ROWS, r >= 0, G, False, FOLDED)
+    tl.store(out_ptr + r * G + tl.arange(0, G)[None, :], part)
+
+
+def every_code_everywhere(rows: int, K: int) -> torch.Tensor:
+    """Packed bytes `[1, rows, K/2]` in which row r holds code (r + c) % 16 at column c: every
+    code at every position, in both nibbles."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    col = torch.arange(K // 2)
+    lo = codes[(torch.arange(rows)[:, None] + 2 * col) % 16]
+    hi = codes[(torch.arange(rows)[:, None] + 2 * col + 1) % 16]
+    return (lo | (hi << 4)).reshape(1, rows, K // 2)
 
 
 def act_config(act):
@@ -184,12 +204,15 @@ def test_bad_bias_gets_the_layout_paths_error(interpreted, gen):
         fused_experts(x, w13, w2, tw, ids, activation="silu", w13_bias=b13[:, :N])
 
 
-@pytest.mark.parametrize("prepared", [False, True], ids=["canonical", "prepared"])
-def test_mxfp4_weights(interpreted, decode_calls, prepared, gen):
-    """MXFP4 experts (canonical bytes read, also when the weight carries its prepared form), with
-    biases, the interleaved swigluoai, a repeated expert and garbage ids; K and N multiples of 32
-    but of no tile. The values are exact MXFP4 (codes times E8M0 scales), so the kernels' decoding
-    is checked against `dense_weights`' own."""
+@pytest.mark.parametrize("prepared,read_prepared", [(False, False), (True, False), (True, True)],
+                         ids=["canonical", "prepared", "prepared-words-read"])
+def test_mxfp4_weights(interpreted, decode_calls, monkeypatch, prepared, read_prepared, gen):
+    """MXFP4 experts (canonical bytes read, also when the weight carries its prepared form, or
+    with `READ_PREPARED` its prepared 4-plane words), with biases, the interleaved swigluoai, a
+    repeated expert and garbage ids; K and N multiples of 32 but of no tile, nor of the prepared
+    form's 64-column blocks (words past K are the padding). The values are exact MXFP4 (codes
+    times E8M0 scales), so the kernels' decoding is checked against `dense_weights`' own."""
+    monkeypatch.setattr(dec, "READ_PREPARED", read_prepared)
     M, k, E, Km, Nm = 3, 4, 6, 96, 160
     x = torch.randn(M, Km, generator=gen).to(torch.bfloat16)
     w13 = quantize_mxfp4(torch.randn(E, 2 * Nm, Km, generator=gen) * 0.1)
@@ -235,6 +258,59 @@ def test_mxfp4_expert_map_and_valid_tokens(interpreted, decode_calls, monkeypatc
     assert rel_err(out[:1], ref[:1]) <= max(TOL[torch.bfloat16], 1.25 * rel_err(layout_path[:1], ref[:1])) <= 0.03
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["byte-scales", "folded-scales"])
+def test_mxfp4_prepared_words_read_by_the_decode_kernels(interpreted, decode_calls, monkeypatch, fold, gen):
+    """With `READ_PREPARED`, both decode kernels read the prepared 4-plane words and transposed
+    scales (folded or E8M0 bytes) and give the canonical bytes' result: same decoded values,
+    products summed in another order."""
+    from padded_moe.mxfp4 import prepare_hopper
+
+    M, k, E, Km, Nm = 2, 3, 5, 160, 96
+    x = torch.randn(M, Km, generator=gen).to(torch.bfloat16)
+    w13 = quantize_mxfp4(torch.randn(E, 2 * Nm, Km, generator=gen) * 0.1)
+    w2 = quantize_mxfp4(torch.randn(E, Km, Nm, generator=gen) * 0.1)
+    for w in (w13, w2):
+        object.__setattr__(w, "hopper", prepare_hopper(w, fold=fold))
+        assert w.hopper.folded == fold and w.hopper.planes == 4
+    tw = torch.rand(M, k, generator=gen)
+    ids = torch.tensor([[1, 4, -1], [0, 4, 3]], dtype=torch.int32)
+    monkeypatch.setattr(dec, "READ_PREPARED", True)
+    out = fused_experts(x, w13, w2, tw, ids, activation="silu")
+    monkeypatch.setattr(dec, "READ_PREPARED", False)
+    canonical = fused_experts(x, w13, w2, tw, ids, activation="silu")
+    assert decode_calls == [M, M]
+    torch.testing.assert_close(out, canonical, rtol=1e-2, atol=1e-3)
+    # Both are bounded by bf16's rounding of GEMM1's output; a wrong decode is far past this.
+    ref = reference_moe(x, dense_weights(w13), dense_weights(w2), tw, ids, activation="silu")
+    assert rel_err(out, ref) <= 1.25 * max(TOL[torch.bfloat16], rel_err(canonical, ref)) <= 0.03
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["byte-scales", "folded-scales"])
+def test_mxfp4_prepared_step_decodes_every_code_exactly(interpreted, fold):
+    """`_mx4_step` against `dequantize_mxfp4` in float32, bit for bit, through the prepared
+    arrangement: every code at every position of the 4-plane words, scales across the range a
+    folded arrangement allows (and beyond it for E8M0 bytes). A one-hot vector at column c makes
+    c's scale group equal to the weight itself."""
+    from padded_moe.mxfp4 import FOLD_MAX_SCALE, Mxfp4Tensor, dequantize_mxfp4, prepare_hopper
+
+    rows, K = 16, 64
+    blocks = every_code_everywhere(rows, K)
+    top = FOLD_MAX_SCALE if fold else 254
+    scales = torch.tensor([1, 2, 60, 100, 126, 127, 128, top, 3, 90, 120, 125, 127, 126, top, top - 1] * 2,
+                          dtype=torch.uint8).reshape(1, rows, K // 32)
+    q = Mxfp4Tensor(blocks.contiguous(), scales.contiguous())
+    h = prepare_hopper(q, fold=fold)
+    dense = dequantize_mxfp4(q, torch.float32)[0]
+    words, hs = h.blocks[0].contiguous(), h.scales[0].contiguous()  # [rows, KW], [KW/4, rows]
+    for c in range(K):
+        v = torch.zeros(K)
+        v[c] = 1.0
+        out = torch.full((rows, K // 32), 7.0)
+        _probe_mx4_step[(1,)](words, hs, v, out, K, words.shape[1], ROWS=rows, G=K // 32, FOLDED=fold)
+        torch.testing.assert_close(out[:, c // 32], dense[:, c], rtol=0, atol=0)
+        assert (out[:, 1 - c // 32] == 0).all()
+
+
 def test_mxfp4_step_decodes_every_code_and_scale_exactly(interpreted):
     """`_mx_step` (both MXFP4 decode kernels' inner step) against `dequantize_mxfp4` in float32, bit
     for bit: every code in every nibble position, scales from the subnormal 2^-127 (0) through
@@ -244,12 +320,7 @@ def test_mxfp4_step_decodes_every_code_and_scale_exactly(interpreted):
     from padded_moe.mxfp4 import Mxfp4Tensor, dequantize_mxfp4
 
     rows, K = 16, 64
-    codes = torch.arange(16, dtype=torch.uint8)
-    # Row r holds code (r + c) % 16 at column c: every code at every position, both nibbles.
-    col = torch.arange(K // 2)
-    lo = codes[(torch.arange(rows)[:, None] + 2 * col) % 16]
-    hi = codes[(torch.arange(rows)[:, None] + 2 * col + 1) % 16]
-    blocks = (lo | (hi << 4)).reshape(1, rows, K // 2)
+    blocks = every_code_everywhere(rows, K)
     scales = torch.tensor([0, 1, 100, 126, 127, 128, 200, 254, 255, 3, 60, 140, 180, 220, 250, 127] * 2,
                           dtype=torch.uint8).reshape(1, rows, K // 32)
     q = Mxfp4Tensor(blocks.contiguous(), scales.contiguous())

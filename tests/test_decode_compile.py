@@ -11,7 +11,7 @@ import pytest
 from helpers import compile_for_sm90
 
 SCRIPT = r"""
-import json, os, sys
+import json, os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
@@ -30,21 +30,36 @@ def compiled(fn, ptrs, ints, floats, const, warps, stages):
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     return dict(shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
-                async_copies=k.asm["ttgir"].count("async_copy_global_to_local"))
+                async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
+                loop_instructions=longest_loop(k.asm["sass"]))
+
+
+def longest_loop(sass):
+    # Instructions in the longest backward-branch loop of the SASS (the main loop).
+    lines = sass.splitlines()
+    labels = {l.strip()[:-1]: i for i, l in enumerate(lines) if re.match(r"^\s*\.?L?\w+:$", l)}
+    best = 0
+    for i, l in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?([.\w]+)\)?;", l)
+        if m and labels.get(m.group(1), i) < i:
+            best = max(best, sum(1 for b in lines[labels[m.group(1)] + 1:i + 1] if "\t" in b))
+    return best
 
 
 out = []
-for top_k, act, t, mx in json.loads(sys.argv[1]):
-    w = "*u8" if mx else "*bf16"
+for top_k, act, t, mx, prep in json.loads(sys.argv[1]):
+    w = ("*i32" if prep else "*u8") if mx else "*bf16"
+    sc = ("*i16" if prep == "folded" else "*u8") if mx else w
+    mx_flags = dict(PREPARED=bool(prep), UPCAST_PTX=True, FOLDED=prep == "folded")
     floats = ["limit", "alpha", "beta", "situ_beta", "situ_lambda"]
     const = dict(TOP_K=top_k, HAS_MAP=True, HAS_VT=True, HAS_BIAS=True, ACT=act, HAS_LIMIT=True, HAS_LAMBDA=False,
                  FAST=True)
     if mx:
-        ptrs = {"x_ptr": "*bf16", "w_ptr": w, "s_ptr": w, "bias_ptr": "*bf16", "h_ptr": "*bf16", "ids_ptr": "*i32",
+        ptrs = {"x_ptr": "*bf16", "w_ptr": w, "s_ptr": sc, "bias_ptr": "*bf16", "h_ptr": "*bf16", "ids_ptr": "*i32",
                 "map_ptr": "*i32", "vt_ptr": "*i32"}
         ints = ["N", "K", "S", "E", "L", "stride_xm", "stride_im", "stride_ik", "stride_we", "stride_wn",
-                "stride_se", "stride_sn", "stride_be", "stride_hm"]
-        const.update(BN=t["bn1"], BK=t["bk1"], STAGES=t["stages1"])
+                "stride_se", "stride_sn", "stride_sk", "KW", "stride_be", "stride_hm"]
+        const.update(mx_flags, BN=t["bn1"], BK=t["bk1"], STAGES=t["stages1"])
         r1 = compiled(kd._decode_w13_mx_kernel, ptrs, ints, floats, const, t["warps1"], 1)
     else:
         ptrs = {"x_ptr": "*bf16", "w_ptr": w, "bias_ptr": "*bf16", "h_ptr": "*bf16", "ids_ptr": "*i32",
@@ -53,15 +68,16 @@ for top_k, act, t, mx in json.loads(sys.argv[1]):
                 "stride_be", "stride_hm"]
         const.update(FP32_DOT=False, RB=16, BN=t["bn1"], BK=t["bk1"])
         r1 = compiled(kd._decode_w13_act_kernel, ptrs, ints, floats, const, t["warps1"], t["stages1"])
-    ptrs = {"h_ptr": "*bf16", "w_ptr": w, "s_ptr": w, "bias_ptr": "*bf16", "tw_ptr": "*fp32", "out_ptr": "*bf16",
+    ptrs = {"h_ptr": "*bf16", "w_ptr": w, "s_ptr": sc, "bias_ptr": "*bf16", "tw_ptr": "*fp32", "out_ptr": "*bf16",
             "ids_ptr": "*i32", "map_ptr": "*i32", "vt_ptr": "*i32"}
-    ints = ["K", "N", "E", "L", "stride_hm", "stride_we", "stride_wk", "stride_se", "stride_sk", "stride_be",
-            "stride_twm", "stride_twk", "stride_om", "stride_im", "stride_ik"]
+    ints = ["K", "N", "E", "L", "stride_hm", "stride_we", "stride_wk", "stride_se", "stride_sk", "stride_sg", "KW",
+            "stride_be", "stride_twm", "stride_twk", "stride_om", "stride_im", "stride_ik"]
     k_pow2 = 1 << (top_k - 1).bit_length()
-    const = dict(TOP_K=top_k, K_POW2=k_pow2, HAS_MAP=True, HAS_VT=True, HAS_BIAS=True, W_MX=mx, BN=t["bn2"],
-                 BK=max(32, t["step2"] // (k_pow2 * t["bn2"])), STAGES=t["stages2"])
+    const = dict(TOP_K=top_k, K_POW2=k_pow2, HAS_MAP=True, HAS_VT=True, HAS_BIAS=True, W_MX=mx)
+    const.update(mx_flags if mx else dict(PREPARED=False, UPCAST_PTX=False, FOLDED=False))
+    const.update(BN=t["bn2"], BK=max(32, t["step2"] // (k_pow2 * t["bn2"])), STAGES=t["stages2"])
     r2 = compiled(kd._decode_w2_combine_kernel, ptrs, ints, [], const, t["warps2"], 1)
-    out.append(dict(top_k=top_k, act=act, mx=mx, w13=r1, w2=r2))
+    out.append(dict(top_k=top_k, act=act, mx=mx, prep=prep, w13=r1, w2=r2))
 print(json.dumps(out))
 """
 
@@ -89,8 +105,10 @@ def test_decode_kernels_compile_for_sm90_pipelined():
                     (4, "relu2_no_mul", dec.pick_tiles(4, 16, 1024, 1024, _Cuda(), mxfp4=True))]
     finally:
         dec._platform.program_cap = real_cap
-    arg = json.dumps([(k, KERNEL_IDS[a], dataclasses.asdict(t), False) for k, a, t in cases]
-                     + [(k, KERNEL_IDS[a], dataclasses.asdict(t), True) for k, a, t in mx_cases])
+    # MXFP4 cases on the canonical bytes and on the prepared 4-plane words (E8M0 and folded scales).
+    arg = json.dumps([(k, KERNEL_IDS[a], dataclasses.asdict(t), False, "") for k, a, t in cases]
+                     + [(k, KERNEL_IDS[a], dataclasses.asdict(t), True, prep) for k, a, t in mx_cases
+                        for prep in ("", "bytes", "folded")])
     results = compile_for_sm90(SCRIPT, arg)
     for r in results:
         for kernel in ("w13", "w2"):

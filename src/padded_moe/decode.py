@@ -115,13 +115,26 @@ def pick_tiles(num_tokens: int, num_slots: int, n: int, hidden_size: int, device
     return DecodeTiles(bn1, 128, bn2, 8192)
 
 
-def _weight_parts(w) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(what the kernels read as weights, their scales, the scales' expert and row strides): an
-    `Mxfp4Tensor`'s canonical packed bytes `[L, rows, in/2]` and E8M0 scales `[L, rows, in/32]`
-    (also when it carries a prepared copy), or a float weight standing in for scales never read."""
+# Whether the MXFP4 decode kernels read a weight's prepared 4-plane words (`HopperMxfp4`, the
+# arrangement `prepare_for()` builds) instead of its canonical bytes: about half the instructions
+# per weight when compiled for sm_90, but not yet timed on a GPU, so off until a run shows it faster.
+READ_PREPARED = False
+
+
+def _weight_parts(w) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int], bool, bool]:
+    """(what the kernels read as weights, their scales, the scales' (expert, row, group) strides
+    and words per row, whether they are the prepared 4-plane words, whether those scales are
+    folded): an `Mxfp4Tensor`'s canonical packed bytes `[L, rows, in/2]` and E8M0 scales
+    `[L, rows, in/32]`, or with `READ_PREPARED` its prepared words `[L, rows, k_padded/8]` and
+    scales `[L, k_padded/32, rows]`; or a float weight standing in for scales never read."""
     if isinstance(w, Mxfp4Tensor):
-        return w.blocks, w.scales, w.scales.stride(0), w.scales.stride(1)
-    return w, w, 0, 0
+        h = w.hopper
+        if READ_PREPARED and h is not None and h.planes == 4:
+            s = h.scales
+            return h.blocks, s, (s.stride(0), s.stride(2), s.stride(1), h.blocks.shape[-1]), True, h.folded
+        s = w.scales
+        return w.blocks, s, (s.stride(0), s.stride(1), s.stride(2), 0), False, False
+    return w, w, (0, 0, 0, 0), False, False
 
 
 def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
@@ -153,8 +166,8 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
     common = (topk_ids, dummy if table is None else table, dummy if valid_tokens is None else valid_tokens)
     flags = dict(TOP_K=top_k, HAS_MAP=table is not None, HAS_VT=valid_tokens is not None)
 
-    w13_t, w13_s, *w13_ss = _weight_parts(w13)
-    w2_t, w2_s, *w2_ss = _weight_parts(w2)
+    w13_t, w13_s, w13_ss, w13_prep, w13_fold = _weight_parts(w13)
+    w2_t, w2_s, w2_ss, w2_prep, w2_fold = _weight_parts(w2)
     floats = (p.limit if p.limit is not None else 0.0, p.alpha, p.beta, p.situ_beta,
               p.situ_lambda if p.situ_lambda is not None else 1.0)
     constexprs = dict(flags, HAS_BIAS=w13_bias is not None, ACT=KERNEL_IDS[act.value], HAS_LIMIT=p.limit is not None,
@@ -168,7 +181,8 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
     if mx:  # a GEMV per slot, the weights decoded in registers
         ptrs = (hidden, w13_t, w13_s, b13, h) + common
         ints = ints + tuple(w13_ss) + tail
-        constexprs.update(BN=tiles.bn1, BK=tiles.bk1, STAGES=tiles.stages1 if hidden.is_cuda else 1)
+        constexprs.update(PREPARED=w13_prep, UPCAST_PTX=hidden.is_cuda, FOLDED=w13_fold, BN=tiles.bn1,
+                          BK=tiles.bk1, STAGES=tiles.stages1 if hidden.is_cuda else 1)
         launch(_decode_w13_mx_kernel, (num_slots, cdiv(n, tiles.bn1)), ints + floats + ptr_key(*ptrs),
                ptrs + ints + floats, constexprs, num_warps=tiles.warps1)
     else:
@@ -185,7 +199,8 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
             0 if w2_bias is None else w2_bias.stride(0), topk_weights.stride(0), topk_weights.stride(1),
             out.stride(0)) + ids_stride
     constexprs = dict(TOP_K=top_k, K_POW2=next_pow2(top_k), HAS_MAP=table is not None, HAS_VT=valid_tokens is not None,
-                      HAS_BIAS=w2_bias is not None, W_MX=mx, BN=tiles.bn2, BK=tiles.bk2_for(top_k, n),
+                      HAS_BIAS=w2_bias is not None, W_MX=mx, PREPARED=w2_prep, UPCAST_PTX=hidden.is_cuda,
+                      FOLDED=w2_fold, BN=tiles.bn2, BK=tiles.bk2_for(top_k, n),
                       STAGES=tiles.stages2 if hidden.is_cuda else 1)
     launch(_decode_w2_combine_kernel, (num_tokens, cdiv(hidden_size, tiles.bn2)), ints + ptr_key(*ptrs),
            ptrs + ints, constexprs, num_warps=tiles.warps2)

@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from padded_moe.kernels.activation import ACT_SILU_NO_MUL, ACT_SWIGLUOAI, _gated, _ungated
-from padded_moe.kernels.gemm import _dot_fp32_or, _e2m1_plane, _scale_factor
+from padded_moe.kernels.gemm import (_FOUR_PLANE_PTX_FOLDED_ASM, _dot_fp32_or, _e2m1_plane, _factor_f32,
+                                     _four_plane, _scale_factor)
 from padded_moe.kernels.guard import slot_local_expert
 
 
@@ -66,7 +67,7 @@ def _bias_act(acc_g, acc_u, b_row, g_rows, u_rows, n_ok, h_ptr, limit, alpha, be
 
 
 @triton.jit
-def _mx_step(b_rows, s_rows, v_base, k0, K, rows_ok, v_ok, G: tl.constexpr):
+def _mx_step(b_rows, s_rows, stride_sk, v_base, k0, K, rows_ok, v_ok, G: tl.constexpr):
     """One step of MXFP4 weight rows against vectors: columns [k0, k0 + 32*G) of K.
 
     `b_rows` / `s_rows` [..., 1] point at the rows' packed bytes and E8M0 scales (mask `rows_ok`);
@@ -83,18 +84,78 @@ def _mx_step(b_rows, s_rows, v_base, k0, K, rows_ok, v_ok, G: tl.constexpr):
     xv = tl.load(v_base + rk, mask=v_ok & (rk < K), other=0.0).to(tl.float32)
     part = tl.sum(tl.reshape(vals * xv, vals.shape[:-1] + [G, 32]), -1)
     cs = k0 // 32 + tl.arange(0, G)
-    sc = tl.load(s_rows + cs, mask=rows_ok & (cs < K // 32), other=127)
+    sc = tl.load(s_rows + cs * stride_sk, mask=rows_ok & (cs < K // 32), other=127)
     return part * _scale_factor(sc)
+
+
+# bf16 bits of 2^126: as the "scale" of the folded 4-plane upcast it gives each code's own value.
+_TWO_POW_126_BF16 = tl.constexpr(0x7E80)
+
+
+@triton.jit
+def _pair_times(acc, p, v_base, off, K, v_ok):
+    """`acc` plus a bf16 pair (int32 `p`: elements `off` in the low half, `off + 1` in the high
+    half) times those vector elements, in fp32 (two fused multiply-adds); a bf16 widens to fp32 by
+    its bits moving up 16 places."""
+    x0 = tl.load(v_base + off, mask=v_ok & (off < K), other=0.0).to(tl.float32)
+    x1 = tl.load(v_base + off + 1, mask=v_ok & (off + 1 < K), other=0.0).to(tl.float32)
+    acc = tl.fma((p << 16).to(tl.float32, bitcast=True), x0, acc)
+    return tl.fma((p & -65536).to(tl.float32, bitcast=True), x1, acc)
+
+
+@triton.jit
+def _mx4_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G: tl.constexpr,
+              UPCAST_PTX: tl.constexpr, FOLDED: tl.constexpr):
+    """`_mx_step` on the prepared 4-plane arrangement (`HopperMxfp4`, `planes == 4`): words
+    `[.., 4G]` of columns [k0, k0 + 32*G) (`KW` words per row), scales `[k_padded/32, rows]`.
+
+    Word j of the step (group j // 4, c = j % 4) holds elements 32g + 8p + 2c (+1) of plane p:
+    the vector elements are gathered in that order instead of the weights being reordered. The
+    codes come out as their exact values (the upcast's folded form with 2^126 as the scale); the
+    products are summed per word, then per 32-column group, times the group's 2^(s-127)."""
+    j = tl.arange(0, 4 * G)
+    cw = k0 // 8 + j
+    words = tl.load(w_rows + cw, mask=rows_ok & (cw < KW), other=0)
+    base = k0 + 32 * (j // 4) + 2 * (j % 4)
+    if UPCAST_PTX:
+        f = tl.full(words.shape, _TWO_POW_126_BF16, tl.int32)
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            asm=_FOUR_PLANE_PTX_FOLDED_ASM, constraints="=r,=r,=r,=r,r,r", args=[words, f],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        acc = _pair_times(tl.zeros(words.shape, dtype=tl.float32), p0, v_base, base, K, v_ok)
+        acc = _pair_times(acc, p1, v_base, base + 8, K, v_ok)
+        acc = _pair_times(acc, p2, v_base, base + 16, K, v_ok)
+        acc = _pair_times(acc, p3, v_base, base + 24, K, v_ok)
+    else:
+        w32 = words.to(tl.uint32, bitcast=True)
+        lo16 = w32 & 0xFFFF
+        hi16 = w32 >> 16
+        acc = tl.zeros(words.shape, dtype=tl.float32)
+        for P in tl.static_range(4):
+            off = base + 8 * P
+            x0 = tl.load(v_base + off, mask=v_ok & (off < K), other=0.0).to(tl.float32)
+            x1 = tl.load(v_base + off + 1, mask=v_ok & (off + 1 < K), other=0.0).to(tl.float32)
+            acc += _four_plane(lo16, 1.0, P, False) * x0 + _four_plane(hi16, 1.0, P, False) * x1
+    part = tl.sum(tl.reshape(acc, acc.shape[:-1] + [G, 4]), -1)
+    cs = k0 // 32 + tl.arange(0, G)
+    sc = tl.load(s_rows + cs * stride_sk, mask=rows_ok & (cs < KW // 4), other=127)
+    if FOLDED:  # 2^(s-1) stored: times 2^-126
+        factor = _factor_f32(sc, True) * 1.1754943508222875e-38
+    else:
+        factor = _scale_factor(sc)
+    return part * factor
 
 
 @triton.jit
 def _decode_w13_mx_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, map_ptr, vt_ptr,
     N, K, S, E, L,
-    stride_xm, stride_im, stride_ik, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_hm,
+    stride_xm, stride_im, stride_ik, stride_we, stride_wn, stride_se, stride_sn, stride_sk, KW,
+    stride_be, stride_hm,
     limit, alpha, beta, situ_beta, situ_lambda,
     TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
+    PREPARED: tl.constexpr, UPCAST_PTX: tl.constexpr, FOLDED: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
 ):
     """GEMM1 + activation of MXFP4 weights (`Mxfp4Tensor`'s canonical bytes and scales), a GEMV
@@ -120,9 +181,14 @@ def _decode_w13_mx_kernel(
     acc_g = tl.zeros((BN, G), dtype=tl.float32)
     acc_u = tl.zeros((BN, G), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        acc_g += _mx_step(gb, gs, x_base, k0, K, n_ok[:, None], True, G)
-        if GATED:
-            acc_u += _mx_step(ub, us, x_base, k0, K, n_ok[:, None], True, G)
+        if PREPARED:
+            acc_g += _mx4_step(gb, gs, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, UPCAST_PTX, FOLDED)
+            if GATED:
+                acc_u += _mx4_step(ub, us, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, UPCAST_PTX, FOLDED)
+        else:
+            acc_g += _mx_step(gb, gs, stride_sk, x_base, k0, K, n_ok[:, None], True, G)
+            if GATED:
+                acc_u += _mx_step(ub, us, stride_sk, x_base, k0, K, n_ok[:, None], True, G)
     y = _bias_act(tl.sum(acc_g, 1), tl.sum(acc_u, 1), bias_ptr + e64 * stride_be, g_rows, u_rows, n_ok, h_ptr,
                   limit, alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
     tl.store(h_ptr + s.to(tl.int64) * stride_hm + rn, y.to(h_ptr.dtype.element_ty), mask=n_ok)
@@ -181,10 +247,11 @@ def _decode_w13_act_kernel(
 def _decode_w2_combine_kernel(
     h_ptr, w_ptr, s_ptr, bias_ptr, tw_ptr, out_ptr, ids_ptr, map_ptr, vt_ptr,
     K, N, E, L,
-    stride_hm, stride_we, stride_wk, stride_se, stride_sk, stride_be, stride_twm, stride_twk, stride_om,
-    stride_im, stride_ik,
+    stride_hm, stride_we, stride_wk, stride_se, stride_sk, stride_sg, KW, stride_be, stride_twm, stride_twk,
+    stride_om, stride_im, stride_ik,
     TOP_K: tl.constexpr, K_POW2: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, W_MX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    HAS_BIAS: tl.constexpr, W_MX: tl.constexpr, PREPARED: tl.constexpr, UPCAST_PTX: tl.constexpr,
+    FOLDED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -207,7 +274,12 @@ def _decode_w2_combine_kernel(
         s_base = s_ptr + e64[:, None, None] * stride_se + rn.to(tl.int64)[None, :, None] * stride_sk
         acc_g = tl.zeros((K_POW2, BN, G), dtype=tl.float32)
         for k0 in tl.range(0, N, BK, num_stages=STAGES):
-            acc_g += _mx_step(w_base, s_base, h_base[:, :, None], k0, N, w_rows_ok, kept[:, None, None], G)
+            if PREPARED:
+                acc_g += _mx4_step(w_base, s_base, stride_sg, h_base[:, :, None], k0, N, KW, w_rows_ok,
+                                   kept[:, None, None], G, UPCAST_PTX, FOLDED)
+            else:
+                acc_g += _mx_step(w_base, s_base, stride_sg, h_base[:, :, None], k0, N, w_rows_ok,
+                                  kept[:, None, None], G)
         acc = tl.sum(acc_g, 2)
     else:
         acc = tl.zeros((K_POW2, BN), dtype=tl.float32)

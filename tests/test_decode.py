@@ -64,7 +64,7 @@ def _probe_mx4_step(w_ptr, s_ptr, v_ptr, out_ptr, K, KW, ROWS: tl.constexpr, G: 
     """One `_mx4_step` (portable upcast) over columns [0, 32*G) of ROWS prepared rows (scales
     `[KW/4, ROWS]`), all meeting the vector at `v_ptr`."""
     r = tl.arange(0, ROWS)[:, None]
-    part = _mx4_step(w_ptr + r * KW, s_ptr + r, ROWS, v_ptr + r * 0, 0, K, KW, r < ROWS, r >= 0, G, False, FOLDED)
+    part = _mx4_step(w_ptr + r * KW, s_ptr + r, ROWS, v_ptr, 0, K, KW, r < ROWS, True, G, False, FOLDED, False)
     tl.store(out_ptr + r * G + tl.arange(0, G)[None, :], part)
 
 

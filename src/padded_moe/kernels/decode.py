@@ -93,49 +93,68 @@ _TWO_POW_126_BF16 = tl.constexpr(0x7E80)
 
 
 @triton.jit
-def _pair_times(acc, p, v_base, off, K, v_ok):
-    """`acc` plus a bf16 pair (int32 `p`: elements `off` in the low half, `off + 1` in the high
-    half) times those vector elements, in fp32 (two fused multiply-adds); a bf16 widens to fp32 by
-    its bits moving up 16 places."""
-    x0 = tl.load(v_base + off, mask=v_ok & (off < K), other=0.0).to(tl.float32)
-    x1 = tl.load(v_base + off + 1, mask=v_ok & (off + 1 < K), other=0.0).to(tl.float32)
+def _pair_times(acc, p, x0, x1):
+    """`acc` plus a bf16 pair (int32 `p`: low half, high half) times `x0`, `x1`, in fp32 (two
+    fused multiply-adds); a bf16 widens to fp32 by its bits moving up 16 places."""
     acc = tl.fma((p << 16).to(tl.float32, bitcast=True), x0, acc)
     return tl.fma((p & -65536).to(tl.float32, bitcast=True), x1, acc)
 
 
 @triton.jit
+def _word_order(xv, G: tl.constexpr, ROWS_3D: tl.constexpr):
+    """A vector step `[.., 32G]` (contiguous columns) -> its eight `[.., 4G]` parts in the prepared
+    words' order: part (p, h) holds, at word j = 4g + c, element 32g + 8p + 2c + h. Loaded once
+    and reordered in registers, instead of eight gathers per word."""
+    if ROWS_3D:  # [k, 1, 32G]: one vector per slot
+        R: tl.constexpr = xv.shape[0]
+        x = tl.permute(tl.reshape(xv, (R, G, 2, 2, 4, 2)), (0, 1, 4, 5, 3, 2))  # (r, g, c, h, p_lo, p_hi)
+        x = tl.reshape(x, (R, 1, 4 * G, 2, 2, 2))
+    else:
+        x = tl.permute(tl.reshape(xv, (G, 2, 2, 4, 2)), (0, 3, 4, 2, 1))
+        x = tl.reshape(x, (4 * G, 2, 2, 2))
+    lo_hi0, lo_hi1 = tl.split(x)  # p_hi
+    h00, h01 = tl.split(lo_hi0)  # p_lo: planes 0, 1
+    h10, h11 = tl.split(lo_hi1)  # planes 2, 3
+    x00, x01 = tl.split(h00)  # h
+    x10, x11 = tl.split(h01)
+    x20, x21 = tl.split(h10)
+    x30, x31 = tl.split(h11)
+    return x00, x01, x10, x11, x20, x21, x30, x31
+
+
+@triton.jit
 def _mx4_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G: tl.constexpr,
-              UPCAST_PTX: tl.constexpr, FOLDED: tl.constexpr):
+              UPCAST_PTX: tl.constexpr, FOLDED: tl.constexpr, ROWS_3D: tl.constexpr):
     """`_mx_step` on the prepared 4-plane arrangement (`HopperMxfp4`, `planes == 4`): words
     `[.., 4G]` of columns [k0, k0 + 32*G) (`KW` words per row), scales `[k_padded/32, rows]`.
 
     Word j of the step (group j // 4, c = j % 4) holds elements 32g + 8p + 2c (+1) of plane p:
-    the vector elements are gathered in that order instead of the weights being reordered. The
+    the vector is put in that order (`_word_order`) instead of the weights being reordered. The
     codes come out as their exact values (the upcast's folded form with 2^126 as the scale); the
     products are summed per word, then per 32-column group, times the group's 2^(s-127)."""
     j = tl.arange(0, 4 * G)
     cw = k0 // 8 + j
     words = tl.load(w_rows + cw, mask=rows_ok & (cw < KW), other=0)
-    base = k0 + 32 * (j // 4) + 2 * (j % 4)
+    rk = k0 + tl.arange(0, 32 * G)
+    xv = tl.load(v_base + rk, mask=v_ok & (rk < K), other=0.0).to(tl.float32)
+    x00, x01, x10, x11, x20, x21, x30, x31 = _word_order(xv, G, ROWS_3D)
     if UPCAST_PTX:
         f = tl.full(words.shape, _TWO_POW_126_BF16, tl.int32)
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
             asm=_FOUR_PLANE_PTX_FOLDED_ASM, constraints="=r,=r,=r,=r,r,r", args=[words, f],
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-        acc = _pair_times(tl.zeros(words.shape, dtype=tl.float32), p0, v_base, base, K, v_ok)
-        acc = _pair_times(acc, p1, v_base, base + 8, K, v_ok)
-        acc = _pair_times(acc, p2, v_base, base + 16, K, v_ok)
-        acc = _pair_times(acc, p3, v_base, base + 24, K, v_ok)
+        acc = _pair_times(tl.zeros(words.shape, dtype=tl.float32), p0, x00, x01)
+        acc = _pair_times(acc, p1, x10, x11)
+        acc = _pair_times(acc, p2, x20, x21)
+        acc = _pair_times(acc, p3, x30, x31)
     else:
         w32 = words.to(tl.uint32, bitcast=True)
         lo16 = w32 & 0xFFFF
         hi16 = w32 >> 16
-        acc = tl.zeros(words.shape, dtype=tl.float32)
-        for P in tl.static_range(4):
-            off = base + 8 * P
-            x0 = tl.load(v_base + off, mask=v_ok & (off < K), other=0.0).to(tl.float32)
-            x1 = tl.load(v_base + off + 1, mask=v_ok & (off + 1 < K), other=0.0).to(tl.float32)
-            acc += _four_plane(lo16, 1.0, P, False) * x0 + _four_plane(hi16, 1.0, P, False) * x1
+        acc = _four_plane(lo16, 1.0, 0, False) * x00 + _four_plane(hi16, 1.0, 0, False) * x01
+        acc += _four_plane(lo16, 1.0, 1, False) * x10 + _four_plane(hi16, 1.0, 1, False) * x11
+        acc += _four_plane(lo16, 1.0, 2, False) * x20 + _four_plane(hi16, 1.0, 2, False) * x21
+        acc += _four_plane(lo16, 1.0, 3, False) * x30 + _four_plane(hi16, 1.0, 3, False) * x31
     part = tl.sum(tl.reshape(acc, acc.shape[:-1] + [G, 4]), -1)
     cs = k0 // 32 + tl.arange(0, G)
     sc = tl.load(s_rows + cs * stride_sk, mask=rows_ok & (cs < KW // 4), other=127)
@@ -182,9 +201,11 @@ def _decode_w13_mx_kernel(
     acc_u = tl.zeros((BN, G), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         if PREPARED:
-            acc_g += _mx4_step(gb, gs, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, UPCAST_PTX, FOLDED)
+            acc_g += _mx4_step(gb, gs, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, UPCAST_PTX, FOLDED,
+                               False)
             if GATED:
-                acc_u += _mx4_step(ub, us, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, UPCAST_PTX, FOLDED)
+                acc_u += _mx4_step(ub, us, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, UPCAST_PTX,
+                                   FOLDED, False)
         else:
             acc_g += _mx_step(gb, gs, stride_sk, x_base, k0, K, n_ok[:, None], True, G)
             if GATED:
@@ -276,7 +297,7 @@ def _decode_w2_combine_kernel(
         for k0 in tl.range(0, N, BK, num_stages=STAGES):
             if PREPARED:
                 acc_g += _mx4_step(w_base, s_base, stride_sg, h_base[:, :, None], k0, N, KW, w_rows_ok,
-                                   kept[:, None, None], G, UPCAST_PTX, FOLDED)
+                                   kept[:, None, None], G, UPCAST_PTX, FOLDED, True)
             else:
                 acc_g += _mx_step(w_base, s_base, stride_sg, h_base[:, :, None], k0, N, w_rows_ok,
                                   kept[:, None, None], G)

@@ -15,8 +15,8 @@ GROUPED_MASKED and on the 4-plane arrangement (`prepare_for(planes=4)`); every p
 first checked against the dot_scaled one; prints weight bytes read / time as a fraction of copy
 bandwidth, and sweeps `SWEEP_MXFP4_HOPPER` per regime on the arrangements `--sweep-planes` names
 (winners for `TUNED[("mxfp4_hopper", regime)]` and `TUNED[("mxfp4_hopper4", regime)]`), timed on
-INDEXED with the row block `fused_experts` picks by default (it caps the tile's BM at 64), every
-candidate checked on all three layouts first.
+INDEXED with the row block `fused_experts` picks by default (`default_block_m`; it caps the tile's
+BM: 64 below 256 rows per expert), every candidate checked on all three layouts first.
 
 Shapes: per preset (`--presets`, default dsv4-flash), w13 (K=hidden -> 2N) and w2 (N -> hidden);
 dsv4-flash: K=4096, N=2048 on 32 and 128 local experts, the other presets on all their experts

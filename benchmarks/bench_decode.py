@@ -75,14 +75,11 @@ def main() -> None:
     p.add_argument("--weights", default="bf16", choices=("bf16", "mxfp4"),
                    help="expert weight format (mxfp4: quantized and prepared at load, as FusedMoE does)")
     p.add_argument("--sweep", action="store_true", help="time the decode tile candidates at T=1 per preset")
-    p.add_argument("--read-prepared", action="store_true",
-                   help="mxfp4: the decode kernels read the prepared 4-plane words (decode.READ_PREPARED)")
+    p.add_argument("--mx-step", choices=dec.MX_STEPS, default=dec.MX_STEP,
+                   help="mxfp4: how the decode kernels read the weights (decode.MX_STEP)")
     p.add_argument("--out", default="bench-out/decode")
     args = p.parse_args()
-    if args.read_prepared:
-        if args.weights != "mxfp4":
-            p.error("--read-prepared applies to --weights mxfp4")
-        dec.READ_PREPARED = True
+    dec.MX_STEP = args.mx_step
     t0 = time.time()
     copy = copy_bandwidth_gbs() * 1e9
     print(f"copy bandwidth {copy / 1e12:.2f} TB/s")

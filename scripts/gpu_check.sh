@@ -115,14 +115,14 @@ for stage in "$@"; do
                 STEP_TIMEOUT=320 step peers env OUT="$OUT/peers" BUDGET_S=270 TIMEOUT_S=310 bash .peers/run.sh \
                     --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx,dsv4,qwen3,mixtral --check-tokens 64,1024
             fi ;;
-        decode-prepared)  # MXFP4 decode kernels reading the prepared 4-plane words: tests (incl. the launch-order fix), sanitizer, timing vs canonical bytes
+        decode-words)  # MXFP4 decode kernels reading 32-bit words (canonical or prepared): tests (incl. the launch-order fix), sanitizer, timing of each MX_STEP
             step test-decode python3 -m pytest -q -m gpu tests/test_decode_gpu.py tests/test_launch_plan_gpu.py
             step sanitizer-decode compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
                 tests/test_decode_gpu.py -k sanitizer
-            step bench-decode-mx python3 benchmarks/bench_decode.py --weights mxfp4 --presets gpt-oss-120b,dsv4-flash \
-                --out "$OUT/bench-decode-mx"
-            step bench-decode-mx-prepared python3 benchmarks/bench_decode.py --weights mxfp4 --read-prepared \
-                --presets gpt-oss-120b,dsv4-flash --out "$OUT/bench-decode-mx-prepared" ;;
+            for mx_step in bytes words prepared; do
+                step "bench-decode-mx-$mx_step" python3 benchmarks/bench_decode.py --weights mxfp4 --mx-step "$mx_step" \
+                    --presets gpt-oss-120b,dsv4-flash --out "$OUT/bench-decode-mx-$mx_step"
+            done ;;
         owed)  # what the last CPU-only changes still need on a GPU: layouts, prepared-MXFP4 table + big tiles, the plug-in
             step test-layouts python3 -m pytest -q -m gpu tests/test_layouts_gpu.py
             step sanitizer-layouts compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/test_layouts_gpu.py -k "sanitizer or (cuda_matches and 3-6-256)"

@@ -16,7 +16,7 @@ from padded_moe import decode as dec
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation
 from padded_moe.expert_map import ExpertMap
 from padded_moe.experts import fused_experts
-from padded_moe.kernels.decode import _mx4_step, _mx_step
+from padded_moe.kernels.decode import _mx4_step, _mx_step, _mxw_step
 from padded_moe.layer import dense_weights
 from padded_moe.mxfp4 import quantize_mxfp4
 from padded_moe.reference.moe import reference_moe
@@ -55,6 +55,15 @@ def _probe_mx_step(b_ptr, s_ptr, v_ptr, out_ptr, K, ROWS: tl.constexpr, G: tl.co
     """One `_mx_step` over K = 32*G columns of ROWS rows, all meeting the vector at `v_ptr`."""
     r = tl.arange(0, ROWS)[:, None]
     part = _mx_step(b_ptr + r * (K // 2), s_ptr + r * (K // 32), 1, v_ptr + r * 0, 0, K, r < ROWS, r >= 0, G)
+    tl.store(out_ptr + r * G + tl.arange(0, G)[None, :], part)
+
+
+@triton.jit
+def _probe_mxw_step(w_ptr, s_ptr, v_ptr, out_ptr, K, ROWS: tl.constexpr, G: tl.constexpr):
+    """One `_mxw_step` (portable upcast) over K = 32*G columns of ROWS rows of canonical bytes
+    read as int32 words."""
+    r = tl.arange(0, ROWS)[:, None]
+    part = _mxw_step(w_ptr + r * (K // 8), s_ptr + r * (K // 32), 1, v_ptr, 0, K, K // 8, r < ROWS, True, G, False)
     tl.store(out_ptr + r * G + tl.arange(0, G)[None, :], part)
 
 
@@ -204,15 +213,16 @@ def test_bad_bias_gets_the_layout_paths_error(interpreted, gen):
         fused_experts(x, w13, w2, tw, ids, activation="silu", w13_bias=b13[:, :N])
 
 
-@pytest.mark.parametrize("prepared,read_prepared", [(False, False), (True, False), (True, True)],
-                         ids=["canonical", "prepared", "prepared-words-read"])
-def test_mxfp4_weights(interpreted, decode_calls, monkeypatch, prepared, read_prepared, gen):
-    """MXFP4 experts (canonical bytes read, also when the weight carries its prepared form, or
-    with `READ_PREPARED` its prepared 4-plane words), with biases, the interleaved swigluoai, a
-    repeated expert and garbage ids; K and N multiples of 32 but of no tile, nor of the prepared
-    form's 64-column blocks (words past K are the padding). The values are exact MXFP4 (codes
-    times E8M0 scales), so the kernels' decoding is checked against `dense_weights`' own."""
-    monkeypatch.setattr(dec, "READ_PREPARED", read_prepared)
+@pytest.mark.parametrize("prepared,step", [(False, "bytes"), (True, "bytes"), (False, "words"), (True, "words"),
+                                           (True, "prepared")])
+def test_mxfp4_weights(interpreted, decode_calls, monkeypatch, prepared, step, gen):
+    """MXFP4 experts, every way the decode kernels read them (`MX_STEP`: the canonical bytes, also
+    when the weight carries its prepared form; the same bytes as words; the prepared 4-plane
+    words), with biases, the interleaved swigluoai, a repeated expert and garbage ids; K and N
+    multiples of 32 but of no tile, nor of the prepared form's 64-column blocks (words past K are
+    the padding). The values are exact MXFP4 (codes times E8M0 scales), so the kernels' decoding
+    is checked against `dense_weights`' own."""
+    monkeypatch.setattr(dec, "MX_STEP", step)
     M, k, E, Km, Nm = 3, 4, 6, 96, 160
     x = torch.randn(M, Km, generator=gen).to(torch.bfloat16)
     w13 = quantize_mxfp4(torch.randn(E, 2 * Nm, Km, generator=gen) * 0.1)
@@ -260,9 +270,9 @@ def test_mxfp4_expert_map_and_valid_tokens(interpreted, decode_calls, monkeypatc
 
 @pytest.mark.parametrize("fold", [False, True], ids=["byte-scales", "folded-scales"])
 def test_mxfp4_prepared_words_read_by_the_decode_kernels(interpreted, decode_calls, monkeypatch, fold, gen):
-    """With `READ_PREPARED`, both decode kernels read the prepared 4-plane words and transposed
-    scales (folded or E8M0 bytes) and give the canonical bytes' result: same decoded values,
-    products summed in another order."""
+    """With `MX_STEP = "prepared"`, both decode kernels read the prepared 4-plane words and
+    transposed scales (folded or E8M0 bytes) and give the canonical bytes' result: same decoded
+    values, products summed in another order."""
     from padded_moe.mxfp4 import prepare_hopper
 
     M, k, E, Km, Nm = 2, 3, 5, 160, 96
@@ -274,9 +284,9 @@ def test_mxfp4_prepared_words_read_by_the_decode_kernels(interpreted, decode_cal
         assert w.hopper.folded == fold and w.hopper.planes == 4
     tw = torch.rand(M, k, generator=gen)
     ids = torch.tensor([[1, 4, -1], [0, 4, 3]], dtype=torch.int32)
-    monkeypatch.setattr(dec, "READ_PREPARED", True)
+    monkeypatch.setattr(dec, "MX_STEP", "prepared")
     out = fused_experts(x, w13, w2, tw, ids, activation="silu")
-    monkeypatch.setattr(dec, "READ_PREPARED", False)
+    monkeypatch.setattr(dec, "MX_STEP", "bytes")
     canonical = fused_experts(x, w13, w2, tw, ids, activation="silu")
     assert decode_calls == [M, M]
     torch.testing.assert_close(out, canonical, rtol=1e-2, atol=1e-3)
@@ -311,8 +321,10 @@ def test_mxfp4_prepared_step_decodes_every_code_exactly(interpreted, fold):
         assert (out[:, 1 - c // 32] == 0).all()
 
 
-def test_mxfp4_step_decodes_every_code_and_scale_exactly(interpreted):
-    """`_mx_step` (both MXFP4 decode kernels' inner step) against `dequantize_mxfp4` in float32, bit
+@pytest.mark.parametrize("route", ["bytes", "words"])
+def test_mxfp4_step_decodes_every_code_and_scale_exactly(interpreted, route):
+    """`_mx_step` (both MXFP4 decode kernels' inner step on the canonical bytes), and `_mxw_step`
+    (the same bytes read as int32 words), against `dequantize_mxfp4` in float32, bit
     for bit: every code in every nibble position, scales from the subnormal 2^-127 (0) through
     overflow to inf (254 with code 6) and NaN (255). A one-hot vector at column c makes c's scale
     group equal to the weight itself (one exact product), every other group 0 (NaN where its

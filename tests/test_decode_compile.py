@@ -48,9 +48,10 @@ def longest_loop(sass):
 
 out = []
 for top_k, act, t, mx, prep in json.loads(sys.argv[1]):
-    w = ("*i32" if prep else "*u8") if mx else "*bf16"
+    w = ("*i32" if prep else "*u8") if mx else "*bf16"  # words (canonical or prepared) are int32
     sc = ("*i16" if prep == "folded" else "*u8") if mx else w
-    mx_flags = dict(PREPARED=bool(prep), UPCAST_PTX=True, FOLDED=prep == "folded")
+    route = {"": 0, "words": 1}.get(prep, 2)  # kernels/decode.py MX_BYTES / MX_WORDS / MX_PREPARED
+    mx_flags = dict(MX_ROUTE=route, UPCAST_PTX=True, FOLDED=prep == "folded")
     floats = ["limit", "alpha", "beta", "situ_beta", "situ_lambda"]
     const = dict(TOP_K=top_k, HAS_MAP=True, HAS_VT=True, HAS_BIAS=True, ACT=act, HAS_LIMIT=True, HAS_LAMBDA=False,
                  FAST=True)
@@ -74,7 +75,7 @@ for top_k, act, t, mx, prep in json.loads(sys.argv[1]):
             "stride_be", "stride_twm", "stride_twk", "stride_om", "stride_im", "stride_ik"]
     k_pow2 = 1 << (top_k - 1).bit_length()
     const = dict(TOP_K=top_k, K_POW2=k_pow2, HAS_MAP=True, HAS_VT=True, HAS_BIAS=True, W_MX=mx)
-    const.update(mx_flags if mx else dict(PREPARED=False, UPCAST_PTX=False, FOLDED=False))
+    const.update(mx_flags if mx else dict(MX_ROUTE=0, UPCAST_PTX=False, FOLDED=False))
     const.update(BN=t["bn2"], BK=max(32, t["step2"] // (k_pow2 * t["bn2"])), STAGES=t["stages2"])
     r2 = compiled(kd._decode_w2_combine_kernel, ptrs, ints, [], const, t["warps2"], 1)
     out.append(dict(top_k=top_k, act=act, mx=mx, prep=prep, w13=r1, w2=r2))
@@ -105,10 +106,11 @@ def test_decode_kernels_compile_for_sm90_pipelined():
                     (4, "relu2_no_mul", dec.pick_tiles(4, 16, 1024, 1024, _Cuda(), mxfp4=True))]
     finally:
         dec._platform.program_cap = real_cap
-    # MXFP4 cases on the canonical bytes and on the prepared 4-plane words (E8M0 and folded scales).
+    # MXFP4 cases on the canonical bytes, the same bytes as words, and the prepared 4-plane words
+    # (E8M0 and folded scales).
     arg = json.dumps([(k, KERNEL_IDS[a], dataclasses.asdict(t), False, "") for k, a, t in cases]
                      + [(k, KERNEL_IDS[a], dataclasses.asdict(t), True, prep) for k, a, t in mx_cases
-                        for prep in ("", "bytes", "folded")])
+                        for prep in ("", "words", "bytes", "folded")])
     results = compile_for_sm90(SCRIPT, arg)
     for r in results:
         for kernel in ("w13", "w2"):

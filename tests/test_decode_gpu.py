@@ -150,21 +150,21 @@ def test_compiled_call_takes_the_decode_path(layers, decode_calls):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "mxfp4-prepared-read"])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "mxfp4-words", "mxfp4-prepared-read"])
 @pytest.mark.parametrize("mapped", [False, True], ids=["plain", "expert-map"])
 def test_sanitizer_small(decode_calls, monkeypatch, mapped, fmt):
     """Small enough for compute-sanitizer: garbage ids (int64 past int32), a repeated expert, an
     expert map, valid_tokens with NaN rows past it, biases, a K and N that no tile divides (MXFP4:
     multiples of 32 only, and 2 tokens; with the prepared words read, K and N not multiples of the
     prepared form's 64-column blocks)."""
-    monkeypatch.setattr(dec, "READ_PREPARED", fmt == "mxfp4-prepared-read")
+    monkeypatch.setattr(dec, "MX_STEP", {"mxfp4-words": "words", "mxfp4-prepared-read": "prepared"}.get(fmt, "bytes"))
     T, k, E, K, N = (4, 4, 12, 200, 72) if fmt == "bf16" else (2, 4, 12, 224, 96)
     emap = ExpertMap(E, ep_rank=1, ep_size=2, device="cuda") if mapped else None
     L = emap.num_local if mapped else E
     g = torch.Generator(device="cuda").manual_seed(40)
     w13 = torch.randn(L, 2 * N, K, device="cuda", generator=g) * 0.1
     w2 = torch.randn(L, K, N, device="cuda", generator=g) * 0.1
-    if fmt == "mxfp4":
+    if fmt in ("mxfp4", "mxfp4-words"):
         w13, w2 = quantize_mxfp4(w13), quantize_mxfp4(w2)
     elif fmt == "mxfp4-prepared-read":
         w13, w2 = quantize_mxfp4(w13).prepare_for(), quantize_mxfp4(w2).prepare_for()
@@ -189,14 +189,14 @@ def test_sanitizer_small(decode_calls, monkeypatch, mapped, fmt):
     assert rel_err(out[:T - 1], ref[:T - 1]) <= BF16_TOL
 
 
-@pytest.mark.parametrize("read_prepared", [False, True], ids=["canonical-read", "prepared-read"])
+@pytest.mark.parametrize("step", ["bytes", "words", "prepared"])
 @pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize("shape", ["gpt-oss", "dsv4"])
-def test_mxfp4_model_widths(decode_calls, monkeypatch, shape, T, read_prepared):
-    """Prepared MXFP4 experts at the models' widths (fewer experts, for the oracle): the decode path
-    reads the canonical bytes (or with `READ_PREPARED` the prepared words, inline-PTX upcast);
-    against the float64 oracle and the layout path (prepared kernel)."""
-    monkeypatch.setattr(dec, "READ_PREPARED", read_prepared)
+def test_mxfp4_model_widths(decode_calls, monkeypatch, shape, T, step):
+    """Prepared MXFP4 experts at the models' widths (fewer experts, for the oracle), every way the
+    decode kernels read them (`MX_STEP`; the word routes upcast with inline PTX); against the
+    float64 oracle and the layout path (prepared kernel)."""
+    monkeypatch.setattr(dec, "MX_STEP", step)
     E, k, K, N, act, bias = (32, 4, 2880, 2880, "swigluoai", True) if shape == "gpt-oss" else \
         (32, 6, 4096, 2048, "silu", False)
     g = torch.Generator(device="cuda").manual_seed(50 + T)

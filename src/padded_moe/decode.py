@@ -115,26 +115,41 @@ def pick_tiles(num_tokens: int, num_slots: int, n: int, hidden_size: int, device
     return DecodeTiles(bn1, 128, bn2, 8192)
 
 
-# Whether the MXFP4 decode kernels read a weight's prepared 4-plane words (`HopperMxfp4`, the
-# arrangement `prepare_for()` builds) instead of its canonical bytes: about half the instructions
-# per weight when compiled for sm_90, but not yet timed on a GPU, so off until a run shows it faster.
-READ_PREPARED = False
+# How the MXFP4 decode kernels read weights: "bytes", the canonical packed bytes decoded per byte
+# in float32 (about 7.7 SASS instructions per weight in the sm_90 main loop); "words", the same
+# bytes as 32-bit words upcast with inline PTX, or "prepared", the prepared 4-plane words
+# (`HopperMxfp4`, what `prepare_for()` builds) upcast the same way (both about 5.2). The two word
+# routes have not been timed on a GPU yet, so "bytes" stays the default until a run shows one faster.
+MX_STEPS = ("bytes", "words", "prepared")
+MX_STEP = "bytes"
 
 
-def _weight_parts(w) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int], bool, bool]:
+def _weight_parts(w) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int], int, bool]:
     """(what the kernels read as weights, their scales, the scales' (expert, row, group) strides
-    and words per row, whether they are the prepared 4-plane words, whether those scales are
-    folded): an `Mxfp4Tensor`'s canonical packed bytes `[L, rows, in/2]` and E8M0 scales
-    `[L, rows, in/32]`, or with `READ_PREPARED` its prepared words `[L, rows, k_padded/8]` and
-    scales `[L, k_padded/32, rows]`; or a float weight standing in for scales never read."""
+    and words per row, the kernels' `MX_ROUTE`, whether the scales are folded): an
+    `Mxfp4Tensor`'s canonical packed bytes `[L, rows, in/2]` (as int32 words `[L, rows, in/8]`
+    for "words") and E8M0 scales `[L, rows, in/32]`, or for "prepared" its prepared words
+    `[L, rows, k_padded/8]` and scales `[L, k_padded/32, rows]` (when it has them); or a float
+    weight standing in for scales never read."""
+    from padded_moe.kernels import decode as kd
+
+    if MX_STEP not in MX_STEPS:
+        raise ValueError(f"padded_moe.decode.MX_STEP must be one of {', '.join(MX_STEPS)}, got {MX_STEP!r}")
     if isinstance(w, Mxfp4Tensor):
         h = w.hopper
-        if READ_PREPARED and h is not None and h.planes == 4:
+        if MX_STEP == "prepared" and h is not None and h.planes == 4:
             s = h.scales
-            return h.blocks, s, (s.stride(0), s.stride(2), s.stride(1), h.blocks.shape[-1]), True, h.folded
+            return h.blocks, s, (s.stride(0), s.stride(2), s.stride(1), h.blocks.shape[-1]), kd.MX_PREPARED.value, \
+                h.folded
         s = w.scales
-        return w.blocks, s, (s.stride(0), s.stride(1), s.stride(2), 0), False, False
-    return w, w, (0, 0, 0, 0), False, False
+        strides = (s.stride(0), s.stride(1), s.stride(2))
+        b = w.blocks
+        # Words need each row to start on 4 bytes (true of any contiguous weight: in/2 is a multiple of 16).
+        if MX_STEP == "words" and b.data_ptr() % 4 == 0 and b.stride(0) % 4 == 0 and b.stride(1) % 4 == 0:
+            words = b.view(torch.int32)
+            return words, s, strides + (words.shape[-1],), kd.MX_WORDS.value, False
+        return b, s, strides + (0,), kd.MX_BYTES.value, False
+    return w, w, (0, 0, 0, 0), kd.MX_BYTES.value, False
 
 
 def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
@@ -166,8 +181,8 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
     common = (topk_ids, dummy if table is None else table, dummy if valid_tokens is None else valid_tokens)
     flags = dict(TOP_K=top_k, HAS_MAP=table is not None, HAS_VT=valid_tokens is not None)
 
-    w13_t, w13_s, w13_ss, w13_prep, w13_fold = _weight_parts(w13)
-    w2_t, w2_s, w2_ss, w2_prep, w2_fold = _weight_parts(w2)
+    w13_t, w13_s, w13_ss, w13_route, w13_fold = _weight_parts(w13)
+    w2_t, w2_s, w2_ss, w2_route, w2_fold = _weight_parts(w2)
     floats = (p.limit if p.limit is not None else 0.0, p.alpha, p.beta, p.situ_beta,
               p.situ_lambda if p.situ_lambda is not None else 1.0)
     constexprs = dict(flags, HAS_BIAS=w13_bias is not None, ACT=KERNEL_IDS[act.value], HAS_LIMIT=p.limit is not None,
@@ -181,7 +196,7 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
     if mx:  # a GEMV per slot, the weights decoded in registers
         ptrs = (hidden, w13_t, w13_s, b13, h) + common
         ints = ints + tuple(w13_ss) + tail
-        constexprs.update(PREPARED=w13_prep, UPCAST_PTX=hidden.is_cuda, FOLDED=w13_fold, BN=tiles.bn1,
+        constexprs.update(MX_ROUTE=w13_route, UPCAST_PTX=hidden.is_cuda, FOLDED=w13_fold, BN=tiles.bn1,
                           BK=tiles.bk1, STAGES=tiles.stages1 if hidden.is_cuda else 1)
         launch(_decode_w13_mx_kernel, (num_slots, cdiv(n, tiles.bn1)), ints + floats + ptr_key(*ptrs),
                ptrs + ints + floats, constexprs, num_warps=tiles.warps1)
@@ -199,7 +214,7 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
             0 if w2_bias is None else w2_bias.stride(0), topk_weights.stride(0), topk_weights.stride(1),
             out.stride(0)) + ids_stride
     constexprs = dict(TOP_K=top_k, K_POW2=next_pow2(top_k), HAS_MAP=table is not None, HAS_VT=valid_tokens is not None,
-                      HAS_BIAS=w2_bias is not None, W_MX=mx, PREPARED=w2_prep, UPCAST_PTX=hidden.is_cuda,
+                      HAS_BIAS=w2_bias is not None, W_MX=mx, MX_ROUTE=w2_route, UPCAST_PTX=hidden.is_cuda,
                       FOLDED=w2_fold, BN=tiles.bn2, BK=tiles.bk2_for(top_k, n),
                       STAGES=tiles.stages2 if hidden.is_cuda else 1)
     launch(_decode_w2_combine_kernel, (num_tokens, cdiv(hidden_size, tiles.bn2)), ints + ptr_key(*ptrs),

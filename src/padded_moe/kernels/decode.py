@@ -33,8 +33,12 @@ import triton
 import triton.language as tl
 
 from padded_moe.kernels.activation import ACT_SILU_NO_MUL, ACT_SWIGLUOAI, _gated, _ungated
-from padded_moe.kernels.gemm import (_FOUR_PLANE_PTX_FOLDED_ASM, _dot_fp32_or, _e2m1_plane, _factor_f32,
-                                     _four_plane, _scale_factor)
+from padded_moe.kernels.gemm import (_E2M1_PTX_FOLDED_ASM, _FOUR_PLANE_PTX_FOLDED_ASM, _dot_fp32_or, _e2m1_plane,
+                                     _factor_f32, _four_plane, _scale_factor)
+
+# How the MXFP4 decode kernels read weights (`MX_ROUTE`): the canonical packed bytes, decoded per
+# byte in float32; the same bytes as 32-bit words of eight codes; the prepared 4-plane words.
+MX_BYTES, MX_WORDS, MX_PREPARED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 from padded_moe.kernels.guard import slot_local_expert
 
 
@@ -88,8 +92,51 @@ def _mx_step(b_rows, s_rows, stride_sk, v_base, k0, K, rows_ok, v_ok, G: tl.cons
     return part * _scale_factor(sc)
 
 
-# bf16 bits of 2^126: as the "scale" of the folded 4-plane upcast it gives each code's own value.
+# bf16 bits of 2^126: as the "scale" of a folded upcast it gives each code's own value (both
+# halves set: the 2-plane upcast multiplies by a bf16 pair).
 _TWO_POW_126_BF16 = tl.constexpr(0x7E80)
+_TWO_POW_126_BF16X2 = tl.constexpr(0x7E807E80)
+
+
+@triton.jit
+def _mxw_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G: tl.constexpr,
+              UPCAST_PTX: tl.constexpr):
+    """`_mx_step` on the canonical packed bytes read as int32 words (`KW` per row): word j holds
+    elements 8j + 4t + 2b + n (byte 2t + b, nibble n). The upcast makes bf16 pairs of one nibble
+    of two neighbouring bytes, (element e, e + 2); the vector step, loaded once, is split into the
+    matching parts in registers. Exact code values (the folded upcast with 2^126 as the scale),
+    two FMAs per pair, the group's 2^(s-127) after the group sum."""
+    j = tl.arange(0, 4 * G)
+    cw = k0 // 8 + j
+    words = tl.load(w_rows + cw, mask=rows_ok & (cw < KW), other=0)
+    rk = k0 + tl.arange(0, 32 * G)
+    xv = tl.load(v_base + rk, mask=v_ok & (rk < K), other=0.0).to(tl.float32)
+    x_n0, x_n1 = tl.split(tl.reshape(xv, xv.shape[:-1] + [4 * G, 2, 2, 2]))  # (word, t, b, n)
+    x_n0b0, x_n0b1 = tl.split(x_n0)
+    x_n1b0, x_n1b1 = tl.split(x_n1)
+    x000, x001 = tl.split(x_n0b0)  # nibble 0, byte 2t: t = 0, 1
+    x010, x011 = tl.split(x_n0b1)  # nibble 0, byte 2t + 1
+    x100, x101 = tl.split(x_n1b0)
+    x110, x111 = tl.split(x_n1b1)
+    if UPCAST_PTX:
+        f = tl.full(words.shape, _TWO_POW_126_BF16X2, tl.int32)
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            asm=_E2M1_PTX_FOLDED_ASM, constraints="=r,=r,=r,=r,r,r,r,r,r", args=[words, f, f, f, f],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        acc = _pair_times(tl.zeros(words.shape, dtype=tl.float32), p0, x000, x010)  # nibble 0, bytes 0 and 1
+        acc = _pair_times(acc, p1, x001, x011)  # nibble 0, bytes 2 and 3
+        acc = _pair_times(acc, p2, x100, x110)  # nibble 1, bytes 0 and 1
+        acc = _pair_times(acc, p3, x101, x111)  # nibble 1, bytes 2 and 3
+    else:
+        w32 = words.to(tl.uint32, bitcast=True)
+        acc = _e2m1_plane(w32, 1.0, 0, False) * x000 + _e2m1_plane(w32 >> 8, 1.0, 0, False) * x010
+        acc += _e2m1_plane(w32 >> 16, 1.0, 0, False) * x001 + _e2m1_plane(w32 >> 24, 1.0, 0, False) * x011
+        acc += _e2m1_plane(w32, 1.0, 4, False) * x100 + _e2m1_plane(w32 >> 8, 1.0, 4, False) * x110
+        acc += _e2m1_plane(w32 >> 16, 1.0, 4, False) * x101 + _e2m1_plane(w32 >> 24, 1.0, 4, False) * x111
+    part = tl.sum(tl.reshape(acc, acc.shape[:-1] + [G, 4]), -1)
+    cs = k0 // 32 + tl.arange(0, G)
+    sc = tl.load(s_rows + cs * stride_sk, mask=rows_ok & (cs < KW // 4), other=127)
+    return part * _scale_factor(sc)
 
 
 @triton.jit
@@ -174,7 +221,7 @@ def _decode_w13_mx_kernel(
     limit, alpha, beta, situ_beta, situ_lambda,
     TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
-    PREPARED: tl.constexpr, UPCAST_PTX: tl.constexpr, FOLDED: tl.constexpr,
+    MX_ROUTE: tl.constexpr, UPCAST_PTX: tl.constexpr, FOLDED: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
 ):
     """GEMM1 + activation of MXFP4 weights (`Mxfp4Tensor`'s canonical bytes and scales), a GEMV
@@ -200,12 +247,16 @@ def _decode_w13_mx_kernel(
     acc_g = tl.zeros((BN, G), dtype=tl.float32)
     acc_u = tl.zeros((BN, G), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        if PREPARED:
+        if MX_ROUTE == MX_PREPARED:
             acc_g += _mx4_step(gb, gs, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, UPCAST_PTX, FOLDED,
                                False)
             if GATED:
                 acc_u += _mx4_step(ub, us, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, UPCAST_PTX,
                                    FOLDED, False)
+        elif MX_ROUTE == MX_WORDS:
+            acc_g += _mxw_step(gb, gs, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, UPCAST_PTX)
+            if GATED:
+                acc_u += _mxw_step(ub, us, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, UPCAST_PTX)
         else:
             acc_g += _mx_step(gb, gs, stride_sk, x_base, k0, K, n_ok[:, None], True, G)
             if GATED:
@@ -271,7 +322,7 @@ def _decode_w2_combine_kernel(
     stride_hm, stride_we, stride_wk, stride_se, stride_sk, stride_sg, KW, stride_be, stride_twm, stride_twk,
     stride_om, stride_im, stride_ik,
     TOP_K: tl.constexpr, K_POW2: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, W_MX: tl.constexpr, PREPARED: tl.constexpr, UPCAST_PTX: tl.constexpr,
+    HAS_BIAS: tl.constexpr, W_MX: tl.constexpr, MX_ROUTE: tl.constexpr, UPCAST_PTX: tl.constexpr,
     FOLDED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -295,9 +346,12 @@ def _decode_w2_combine_kernel(
         s_base = s_ptr + e64[:, None, None] * stride_se + rn.to(tl.int64)[None, :, None] * stride_sk
         acc_g = tl.zeros((K_POW2, BN, G), dtype=tl.float32)
         for k0 in tl.range(0, N, BK, num_stages=STAGES):
-            if PREPARED:
+            if MX_ROUTE == MX_PREPARED:
                 acc_g += _mx4_step(w_base, s_base, stride_sg, h_base[:, :, None], k0, N, KW, w_rows_ok,
                                    kept[:, None, None], G, UPCAST_PTX, FOLDED, True)
+            elif MX_ROUTE == MX_WORDS:
+                acc_g += _mxw_step(w_base, s_base, stride_sg, h_base[:, :, None], k0, N, KW, w_rows_ok,
+                                   kept[:, None, None], G, UPCAST_PTX)
             else:
                 acc_g += _mx_step(w_base, s_base, stride_sg, h_base[:, :, None], k0, N, w_rows_ok,
                                   kept[:, None, None], G)

@@ -347,7 +347,7 @@ def run_hopper(args) -> dict:
                 cfg4 = kg.pick_config(r, True, args.tiny, hopper=True, planes=4)
                 # INDEXED with the row block `fused_experts` picks by default: it caps the kernel tile's BM.
                 imeta = build_layout(GemmLayout.INDEXED, ids, E, block_m=default_block_m(E * r, E))
-                # ... and with 128-row blocks, which let the tile keep BM 128 (worth it from 128 rows?)
+                # ... and with 128-row blocks, which let the tile keep BM 128 (the default takes them from 256 rows)
                 imeta128 = build_layout(GemmLayout.INDEXED, ids, E, block_m=128) if r >= 128 else None
                 mmeta = masked_meta(E, r, r, dev)
                 am, om = a.view(E, r, K), out.view(E, r, n_out)

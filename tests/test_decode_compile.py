@@ -50,7 +50,7 @@ out = []
 for top_k, act, t, mx, prep in json.loads(sys.argv[1]):
     w = ("*i32" if prep else "*u8") if mx else "*bf16"  # words (canonical or prepared) are int32
     sc = ("*i16" if prep == "folded" else "*u8") if mx else w
-    route = {"": 0, "words": 1}.get(prep, 2)  # kernels/decode.py MX_BYTES / MX_WORDS / MX_PREPARED
+    route = {"": kd.MX_BYTES, "words": kd.MX_WORDS}.get(prep, kd.MX_PREPARED).value
     mx_flags = dict(MX_ROUTE=route, UPCAST_PTX=True, FOLDED=prep == "folded")
     floats = ["limit", "alpha", "beta", "situ_beta", "situ_lambda"]
     const = dict(TOP_K=top_k, HAS_MAP=True, HAS_VT=True, HAS_BIAS=True, ACT=act, HAS_LIMIT=True, HAS_LAMBDA=False,
@@ -75,7 +75,7 @@ for top_k, act, t, mx, prep in json.loads(sys.argv[1]):
             "stride_be", "stride_twm", "stride_twk", "stride_om", "stride_im", "stride_ik"]
     k_pow2 = 1 << (top_k - 1).bit_length()
     const = dict(TOP_K=top_k, K_POW2=k_pow2, HAS_MAP=True, HAS_VT=True, HAS_BIAS=True, W_MX=mx)
-    const.update(mx_flags if mx else dict(MX_ROUTE=0, UPCAST_PTX=False, FOLDED=False))
+    const.update(mx_flags if mx else dict(MX_ROUTE=kd.MX_BYTES.value, UPCAST_PTX=False, FOLDED=False))
     const.update(BN=t["bn2"], BK=max(32, t["step2"] // (k_pow2 * t["bn2"])), STAGES=t["stages2"])
     r2 = compiled(kd._decode_w2_combine_kernel, ptrs, ints, [], const, t["warps2"], 1)
     out.append(dict(top_k=top_k, act=act, mx=mx, prep=prep, w13=r1, w2=r2))

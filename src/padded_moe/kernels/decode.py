@@ -35,11 +35,11 @@ import triton.language as tl
 from padded_moe.kernels.activation import ACT_SILU_NO_MUL, ACT_SWIGLUOAI, _gated, _ungated
 from padded_moe.kernels.gemm import (_E2M1_PTX_FOLDED_ASM, _FOUR_PLANE_PTX_FOLDED_ASM, _dot_fp32_or, _e2m1_plane,
                                      _factor_f32, _four_plane, _scale_factor)
+from padded_moe.kernels.guard import slot_local_expert
 
 # How the MXFP4 decode kernels read weights (`MX_ROUTE`): the canonical packed bytes, decoded per
 # byte in float32; the same bytes as 32-bit words of eight codes; the prepared 4-plane words.
 MX_BYTES, MX_WORDS, MX_PREPARED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-from padded_moe.kernels.guard import slot_local_expert
 
 
 @triton.jit
@@ -86,10 +86,46 @@ def _mx_step(b_rows, s_rows, stride_sk, v_base, k0, K, rows_ok, v_ok, G: tl.cons
     vals = tl.reshape(vals, vals.shape[:-2] + [32 * G])
     rk = k0 + tl.arange(0, 32 * G)
     xv = tl.load(v_base + rk, mask=v_ok & (rk < K), other=0.0).to(tl.float32)
-    part = tl.sum(tl.reshape(vals * xv, vals.shape[:-1] + [G, 32]), -1)
+    return _scaled_groups(vals * xv, s_rows, stride_sk, k0, K // 32, rows_ok, G, False)
+
+
+@triton.jit
+def _scaled_groups(acc, s_rows, stride_sk, k0, NG, rows_ok, G: tl.constexpr, FOLDED: tl.constexpr):
+    """Products `acc [.., G*X]` of a step's columns (in any order within each 32-column group)
+    summed per group, times the group's 2^(s-127) (`NG` groups per row; folded scales hold
+    2^(s-1)): fp32 [.., G]."""
+    X: tl.constexpr = acc.shape[-1] // G
+    part = tl.sum(tl.reshape(acc, acc.shape[:-1] + [G, X]), -1)
     cs = k0 // 32 + tl.arange(0, G)
-    sc = tl.load(s_rows + cs * stride_sk, mask=rows_ok & (cs < K // 32), other=127)
-    return part * _scale_factor(sc)
+    sc = tl.load(s_rows + cs * stride_sk, mask=rows_ok & (cs < NG), other=127)
+    if FOLDED:  # 2^(s-1) stored: times 2^-126
+        factor = _factor_f32(sc, True) * 1.1754943508222875e-38
+    else:
+        factor = _scale_factor(sc)
+    return part * factor
+
+
+@triton.jit
+def _word_step_loads(w_rows, v_base, k0, K, KW, rows_ok, v_ok, G: tl.constexpr):
+    """A word step's loads: the rows' int32 words `[.., 4G]` of columns [k0, k0 + 32*G) (`KW` per
+    row) and the vector step `[.., 32G]` in fp32, contiguous."""
+    cw = k0 // 8 + tl.arange(0, 4 * G)
+    words = tl.load(w_rows + cw, mask=rows_ok & (cw < KW), other=0)
+    rk = k0 + tl.arange(0, 32 * G)
+    return words, tl.load(v_base + rk, mask=v_ok & (rk < K), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _mx_route_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G: tl.constexpr,
+                   MX_ROUTE: tl.constexpr, UPCAST_PTX: tl.constexpr, FOLDED: tl.constexpr, ROWS_3D: tl.constexpr):
+    """The step of the route `MX_ROUTE` (`MX_BYTES` / `MX_WORDS` / `MX_PREPARED`)."""
+    if MX_ROUTE == MX_PREPARED:
+        part = _mx4_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G, UPCAST_PTX, FOLDED, ROWS_3D)
+    elif MX_ROUTE == MX_WORDS:
+        part = _mxw_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G, UPCAST_PTX)
+    else:
+        part = _mx_step(w_rows, s_rows, stride_sk, v_base, k0, K, rows_ok, v_ok, G)
+    return part
 
 
 # bf16 bits of 2^126: as the "scale" of a folded upcast it gives each code's own value (both
@@ -106,11 +142,7 @@ def _mxw_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G: tl
     of two neighbouring bytes, (element e, e + 2); the vector step, loaded once, is split into the
     matching parts in registers. Exact code values (the folded upcast with 2^126 as the scale),
     two FMAs per pair, the group's 2^(s-127) after the group sum."""
-    j = tl.arange(0, 4 * G)
-    cw = k0 // 8 + j
-    words = tl.load(w_rows + cw, mask=rows_ok & (cw < KW), other=0)
-    rk = k0 + tl.arange(0, 32 * G)
-    xv = tl.load(v_base + rk, mask=v_ok & (rk < K), other=0.0).to(tl.float32)
+    words, xv = _word_step_loads(w_rows, v_base, k0, K, KW, rows_ok, v_ok, G)
     x_n0, x_n1 = tl.split(tl.reshape(xv, xv.shape[:-1] + [4 * G, 2, 2, 2]))  # (word, t, b, n)
     x_n0b0, x_n0b1 = tl.split(x_n0)
     x_n1b0, x_n1b1 = tl.split(x_n1)
@@ -133,10 +165,7 @@ def _mxw_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G: tl
         acc += _e2m1_plane(w32 >> 16, 1.0, 0, False) * x001 + _e2m1_plane(w32 >> 24, 1.0, 0, False) * x011
         acc += _e2m1_plane(w32, 1.0, 4, False) * x100 + _e2m1_plane(w32 >> 8, 1.0, 4, False) * x110
         acc += _e2m1_plane(w32 >> 16, 1.0, 4, False) * x101 + _e2m1_plane(w32 >> 24, 1.0, 4, False) * x111
-    part = tl.sum(tl.reshape(acc, acc.shape[:-1] + [G, 4]), -1)
-    cs = k0 // 32 + tl.arange(0, G)
-    sc = tl.load(s_rows + cs * stride_sk, mask=rows_ok & (cs < KW // 4), other=127)
-    return part * _scale_factor(sc)
+    return _scaled_groups(acc, s_rows, stride_sk, k0, KW // 4, rows_ok, G, False)
 
 
 @triton.jit
@@ -179,11 +208,7 @@ def _mx4_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G: tl
     the vector is put in that order (`_word_order`) instead of the weights being reordered. The
     codes come out as their exact values (the upcast's folded form with 2^126 as the scale); the
     products are summed per word, then per 32-column group, times the group's 2^(s-127)."""
-    j = tl.arange(0, 4 * G)
-    cw = k0 // 8 + j
-    words = tl.load(w_rows + cw, mask=rows_ok & (cw < KW), other=0)
-    rk = k0 + tl.arange(0, 32 * G)
-    xv = tl.load(v_base + rk, mask=v_ok & (rk < K), other=0.0).to(tl.float32)
+    words, xv = _word_step_loads(w_rows, v_base, k0, K, KW, rows_ok, v_ok, G)
     x00, x01, x10, x11, x20, x21, x30, x31 = _word_order(xv, G, ROWS_3D)
     if UPCAST_PTX:
         f = tl.full(words.shape, _TWO_POW_126_BF16, tl.int32)
@@ -202,14 +227,7 @@ def _mx4_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G: tl
         acc += _four_plane(lo16, 1.0, 1, False) * x10 + _four_plane(hi16, 1.0, 1, False) * x11
         acc += _four_plane(lo16, 1.0, 2, False) * x20 + _four_plane(hi16, 1.0, 2, False) * x21
         acc += _four_plane(lo16, 1.0, 3, False) * x30 + _four_plane(hi16, 1.0, 3, False) * x31
-    part = tl.sum(tl.reshape(acc, acc.shape[:-1] + [G, 4]), -1)
-    cs = k0 // 32 + tl.arange(0, G)
-    sc = tl.load(s_rows + cs * stride_sk, mask=rows_ok & (cs < KW // 4), other=127)
-    if FOLDED:  # 2^(s-1) stored: times 2^-126
-        factor = _factor_f32(sc, True) * 1.1754943508222875e-38
-    else:
-        factor = _scale_factor(sc)
-    return part * factor
+    return _scaled_groups(acc, s_rows, stride_sk, k0, KW // 4, rows_ok, G, FOLDED)
 
 
 @triton.jit
@@ -247,20 +265,11 @@ def _decode_w13_mx_kernel(
     acc_g = tl.zeros((BN, G), dtype=tl.float32)
     acc_u = tl.zeros((BN, G), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        if MX_ROUTE == MX_PREPARED:
-            acc_g += _mx4_step(gb, gs, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, UPCAST_PTX, FOLDED,
-                               False)
-            if GATED:
-                acc_u += _mx4_step(ub, us, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, UPCAST_PTX,
-                                   FOLDED, False)
-        elif MX_ROUTE == MX_WORDS:
-            acc_g += _mxw_step(gb, gs, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, UPCAST_PTX)
-            if GATED:
-                acc_u += _mxw_step(ub, us, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, UPCAST_PTX)
-        else:
-            acc_g += _mx_step(gb, gs, stride_sk, x_base, k0, K, n_ok[:, None], True, G)
-            if GATED:
-                acc_u += _mx_step(ub, us, stride_sk, x_base, k0, K, n_ok[:, None], True, G)
+        acc_g += _mx_route_step(gb, gs, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, MX_ROUTE, UPCAST_PTX,
+                                FOLDED, False)
+        if GATED:
+            acc_u += _mx_route_step(ub, us, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, MX_ROUTE,
+                                    UPCAST_PTX, FOLDED, False)
     y = _bias_act(tl.sum(acc_g, 1), tl.sum(acc_u, 1), bias_ptr + e64 * stride_be, g_rows, u_rows, n_ok, h_ptr,
                   limit, alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
     tl.store(h_ptr + s.to(tl.int64) * stride_hm + rn, y.to(h_ptr.dtype.element_ty), mask=n_ok)
@@ -346,15 +355,8 @@ def _decode_w2_combine_kernel(
         s_base = s_ptr + e64[:, None, None] * stride_se + rn.to(tl.int64)[None, :, None] * stride_sk
         acc_g = tl.zeros((K_POW2, BN, G), dtype=tl.float32)
         for k0 in tl.range(0, N, BK, num_stages=STAGES):
-            if MX_ROUTE == MX_PREPARED:
-                acc_g += _mx4_step(w_base, s_base, stride_sg, h_base[:, :, None], k0, N, KW, w_rows_ok,
-                                   kept[:, None, None], G, UPCAST_PTX, FOLDED, True)
-            elif MX_ROUTE == MX_WORDS:
-                acc_g += _mxw_step(w_base, s_base, stride_sg, h_base[:, :, None], k0, N, KW, w_rows_ok,
-                                   kept[:, None, None], G, UPCAST_PTX)
-            else:
-                acc_g += _mx_step(w_base, s_base, stride_sg, h_base[:, :, None], k0, N, w_rows_ok,
-                                  kept[:, None, None], G)
+            acc_g += _mx_route_step(w_base, s_base, stride_sg, h_base[:, :, None], k0, N, KW, w_rows_ok,
+                                    kept[:, None, None], G, MX_ROUTE, UPCAST_PTX, FOLDED, True)
         acc = tl.sum(acc_g, 2)
     else:
         acc = tl.zeros((K_POW2, BN), dtype=tl.float32)

@@ -121,8 +121,8 @@ TUNED.update({
 # The 4-plane arrangement (the default of `prepare_for`; one dot per K step), from the sweep on it
 # timed on INDEXED with `fused_experts`' default row blocks (which cap the tile's BM: 64 rows below
 # 256 rows per expert): each entry won every swept GPT-OSS shape of its regime, and again in a sweep
-# on both GPT-OSS and DeepSeek-V4 shapes with 128-row blocks from 256 rows per expert. Timed on GROUPED_CONTIGUOUS instead,
-# BN 256 won medium and prefill; on INDEXED it is 10-25% slower than BN 128.
+# on both GPT-OSS and DeepSeek-V4 shapes with 128-row blocks from 256 rows per expert. Timed on
+# GROUPED_CONTIGUOUS instead, BN 256 won medium and prefill; on INDEXED it is 10-25% slower than BN 128.
 TUNED.update({
     ("mxfp4_hopper4", "decode"): GemmConfig(32, 128, 64, 1, 4, 3, mx_hopper=True, mx_ptx=True),
     ("mxfp4_hopper4", "small"): GemmConfig(64, 128, 64, 4, 4, 4, mx_hopper=True, mx_ptx=True),

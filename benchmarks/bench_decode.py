@@ -39,12 +39,16 @@ SWEEP = ([dec.DecodeTiles(b1, k1, *_G2[0][:2], warps1=w1, stages1=s1, warps2=_G2
          + [dec.DecodeTiles(*_G1[1][:2], b2, st, warps1=_G1[1][2], stages1=_G1[1][3], warps2=w2, stages2=s2)
             for b2, st, w2, s2 in _G2[1:]])
 
-# MXFP4: GEMM1 (BN, BK, warps, stages) with GEMM2 at BN8 step 16384, then GEMM2 varied.
-_MX1 = [(32, 256, 4, 3), (16, 256, 4, 3), (64, 256, 4, 3), (32, 128, 4, 4), (32, 512, 4, 2), (32, 256, 8, 3),
-        (16, 512, 4, 3), (32, 256, 4, 4)]
-_MX2 = [(4, 16384, 4, 3), (16, 16384, 4, 3), (8, 8192, 4, 4), (8, 32768, 8, 3), (8, 16384, 8, 3)]
-MX_SWEEP = ([dec.DecodeTiles(b1, k1, 8, 16384, warps1=w1, stages1=s1) for b1, k1, w1, s1 in _MX1]
-            + [dec.DecodeTiles(32, 256, b2, st, stages1=3, warps2=w2, stages2=s2) for b2, st, w2, s2 in _MX2])
+# MXFP4: GEMM1 (BN, BK, warps, stages) with GEMM2 at the first _MX2 entry, then GEMM2 (BN, step,
+# warps, stages) with GEMM1 at the first _MX1 entry (every variation against the same reference).
+_MX1 = [(16, 256, 4, 3), (16, 256, 4, 4), (16, 256, 4, 2), (16, 512, 4, 2), (16, 512, 4, 3), (16, 128, 4, 4),
+        (16, 256, 8, 3), (16, 256, 2, 3), (32, 256, 4, 3), (8, 256, 4, 3)]
+_MX2 = [(8, 16384, 4, 3), (4, 16384, 4, 3), (16, 16384, 4, 3), (8, 8192, 4, 4), (8, 32768, 4, 3), (8, 32768, 8, 3),
+        (8, 16384, 8, 3), (8, 16384, 4, 4), (4, 8192, 4, 4), (8, 16384, 2, 3)]
+MX_SWEEP = ([dec.DecodeTiles(b1, k1, _MX2[0][0], _MX2[0][1], warps1=w1, stages1=s1, warps2=_MX2[0][2],
+                             stages2=_MX2[0][3]) for b1, k1, w1, s1 in _MX1]
+            + [dec.DecodeTiles(_MX1[0][0], _MX1[0][1], b2, st, warps1=_MX1[0][2], stages1=_MX1[0][3], warps2=w2,
+                               stages2=s2) for b2, st, w2, s2 in _MX2[1:]])
 
 
 def tokens_for(preset: str, top_k: int) -> list[int]:

@@ -115,7 +115,7 @@ for stage in "$@"; do
                 STEP_TIMEOUT=320 step peers env OUT="$OUT/peers" BUDGET_S=270 TIMEOUT_S=310 bash .peers/run.sh \
                     --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx,dsv4,qwen3,mixtral --check-tokens 64,1024
             fi ;;
-        decode-words)  # MXFP4 decode kernels reading 32-bit words (canonical or prepared): tests (incl. the launch-order fix), sanitizer, timing of each MX_STEP
+        decode-words)  # MXFP4 decode kernels reading 32-bit words (canonical or prepared): tests and launch plans, sanitizer, timing of each MX_STEP
             step test-decode python3 -m pytest -q -m gpu tests/test_decode_gpu.py tests/test_launch_plan_gpu.py
             step sanitizer-decode compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
                 tests/test_decode_gpu.py -k sanitizer

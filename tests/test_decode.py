@@ -63,7 +63,7 @@ def _probe_mxw_step(w_ptr, s_ptr, v_ptr, out_ptr, K, ROWS: tl.constexpr, G: tl.c
     """One `_mxw_step` (portable upcast) over K = 32*G columns of ROWS rows of canonical bytes
     read as int32 words."""
     r = tl.arange(0, ROWS)[:, None]
-    part = _mxw_step(w_ptr + r * (K // 8), s_ptr + r * (K // 32), 1, v_ptr, 0, K, K // 8, r < ROWS, True, G, False)
+    part = _mxw_step(w_ptr + r * (K // 8), s_ptr + r * (K // 32), 1, v_ptr, 0, K, K // 2, r < ROWS, True, G, False)
     tl.store(out_ptr + r * G + tl.arange(0, G)[None, :], part)
 
 
@@ -73,7 +73,7 @@ def _probe_mx4_step(w_ptr, s_ptr, v_ptr, out_ptr, K, KW, ROWS: tl.constexpr, G: 
     """One `_mx4_step` (portable upcast) over columns [0, 32*G) of ROWS prepared rows (scales
     `[KW/4, ROWS]`), all meeting the vector at `v_ptr`."""
     r = tl.arange(0, ROWS)[:, None]
-    part = _mx4_step(w_ptr + r * KW, s_ptr + r, ROWS, v_ptr, 0, K, KW, r < ROWS, True, G, False, FOLDED, False)
+    part = _mx4_step(w_ptr + r * KW, s_ptr + r, ROWS, v_ptr, 0, K, KW * 4, r < ROWS, True, G, False, FOLDED, False)
     tl.store(out_ptr + r * G + tl.arange(0, G)[None, :], part)
 
 
@@ -214,11 +214,11 @@ def test_bad_bias_gets_the_layout_paths_error(interpreted, gen):
 
 
 @pytest.mark.parametrize("prepared,step", [(False, "bytes"), (True, "bytes"), (False, "words"), (True, "words"),
-                                           (True, "prepared")])
+                                           (True, "prepared"), (False, "prepared")])
 def test_mxfp4_weights(interpreted, decode_calls, monkeypatch, prepared, step, gen):
     """MXFP4 experts, every way the decode kernels read them (`MX_STEP`: the canonical bytes, also
     when the weight carries its prepared form; the same bytes as words; the prepared 4-plane
-    words), with biases, the interleaved swigluoai, a repeated expert and garbage ids; K and N
+    words, or the canonical words where there are none), with biases, the interleaved swigluoai, a repeated expert and garbage ids; K and N
     multiples of 32 but of no tile, nor of the prepared form's 64-column blocks (words past K are
     the padding). The values are exact MXFP4 (codes times E8M0 scales), so the kernels' decoding
     is checked against `dense_weights`' own."""

@@ -19,35 +19,44 @@ from triton.compiler import ASTSource
 from padded_moe.kernels import decode as kd
 
 
-def compiled(fn, ptrs, ints, floats, const, warps, stages):
+def compiled(fn, ptrs, ints, floats, const, warps, stages, values):
     sig = dict(ptrs)
     sig.update({n: "i32" for n in ints})
     sig.update({n: "fp32" for n in floats})
     sig.update({k: "constexpr" for k in const})
     names = fn.arg_names
-    # What the launcher's specialisation sees on model shapes: 16-aligned pointers and sizes.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in ints}
+    # What the launcher's specialisation sees: 16-aligned pointers, and each int it is handed as a
+    # multiple of 16 (`values`: the ints the launcher passes; without them, every int).
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n].startswith("*") or (n in ints and (values is None or values[n] % 16 == 0))}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    loop = longest_loop(k.asm["sass"])
+    loads = {}
+    for line in loop:  # the main loop's global loads by width (LDG / cp.async, .64 / .128 ...)
+        m = re.search(r"\b(LDGSTS|LDG)(\.[.\w]+)?", line)
+        if m:
+            loads[m.group(0)] = loads.get(m.group(0), 0) + 1
     return dict(shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
                 async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
-                loop_instructions=longest_loop(k.asm["sass"]))
+                loop_instructions=len(loop), loop_loads=loads)
 
 
 def longest_loop(sass):
-    # Instructions in the longest backward-branch loop of the SASS (the main loop).
+    # The instructions of the longest backward-branch loop of the SASS (the main loop).
     lines = sass.splitlines()
     labels = {l.strip()[:-1]: i for i, l in enumerate(lines) if re.match(r"^\s*\.?L?\w+:$", l)}
-    best = 0
+    best = []
     for i, l in enumerate(lines):
         m = re.search(r"BRA\s+`?\(?([.\w]+)\)?;", l)
         if m and labels.get(m.group(1), i) < i:
-            best = max(best, sum(1 for b in lines[labels[m.group(1)] + 1:i + 1] if "\t" in b))
+            body = [b for b in lines[labels[m.group(1)] + 1:i + 1] if "\t" in b]
+            best = body if len(body) > len(best) else best
     return best
 
 
 out = []
-for top_k, act, t, mx, prep in json.loads(sys.argv[1]):
+for top_k, act, t, mx, prep, v1, v2 in json.loads(sys.argv[1]):
     w = ("*i32" if prep else "*u8") if mx else "*bf16"  # words (canonical or prepared) are int32
     sc = ("*i16" if prep == "folded" else "*u8") if mx else w
     route = {"": kd.MX_BYTES, "words": kd.MX_WORDS}.get(prep, kd.MX_PREPARED).value
@@ -59,25 +68,25 @@ for top_k, act, t, mx, prep in json.loads(sys.argv[1]):
         ptrs = {"x_ptr": "*bf16", "w_ptr": w, "s_ptr": sc, "bias_ptr": "*bf16", "h_ptr": "*bf16", "ids_ptr": "*i32",
                 "map_ptr": "*i32", "vt_ptr": "*i32"}
         ints = ["N", "K", "S", "E", "L", "stride_xm", "stride_im", "stride_ik", "stride_we", "stride_wn",
-                "stride_se", "stride_sn", "stride_sk", "KW", "stride_be", "stride_hm"]
+                "stride_se", "stride_sn", "stride_sk", "KB", "stride_be", "stride_hm"]
         const.update(mx_flags, BN=t["bn1"], BK=t["bk1"], STAGES=t["stages1"])
-        r1 = compiled(kd._decode_w13_mx_kernel, ptrs, ints, floats, const, t["warps1"], 1)
+        r1 = compiled(kd._decode_w13_mx_kernel, ptrs, ints, floats, const, t["warps1"], 1, v1)
     else:
         ptrs = {"x_ptr": "*bf16", "w_ptr": w, "bias_ptr": "*bf16", "h_ptr": "*bf16", "ids_ptr": "*i32",
                 "map_ptr": "*i32", "vt_ptr": "*i32"}
         ints = ["N", "K", "S", "E", "L", "stride_xm", "stride_im", "stride_ik", "stride_we", "stride_wn",
                 "stride_be", "stride_hm"]
         const.update(FP32_DOT=False, RB=16, BN=t["bn1"], BK=t["bk1"])
-        r1 = compiled(kd._decode_w13_act_kernel, ptrs, ints, floats, const, t["warps1"], t["stages1"])
+        r1 = compiled(kd._decode_w13_act_kernel, ptrs, ints, floats, const, t["warps1"], t["stages1"], v1)
     ptrs = {"h_ptr": "*bf16", "w_ptr": w, "s_ptr": sc, "bias_ptr": "*bf16", "tw_ptr": "*fp32", "out_ptr": "*bf16",
             "ids_ptr": "*i32", "map_ptr": "*i32", "vt_ptr": "*i32"}
-    ints = ["K", "N", "E", "L", "stride_hm", "stride_we", "stride_wk", "stride_se", "stride_sk", "stride_sg", "KW",
+    ints = ["K", "N", "E", "L", "stride_hm", "stride_we", "stride_wk", "stride_se", "stride_sk", "stride_sg", "KB",
             "stride_be", "stride_twm", "stride_twk", "stride_om", "stride_im", "stride_ik"]
     k_pow2 = 1 << (top_k - 1).bit_length()
     const = dict(TOP_K=top_k, K_POW2=k_pow2, HAS_MAP=True, HAS_VT=True, HAS_BIAS=True, W_MX=mx)
     const.update(mx_flags if mx else dict(MX_ROUTE=kd.MX_BYTES.value, UPCAST_PTX=False, FOLDED=False))
     const.update(BN=t["bn2"], BK=max(32, t["step2"] // (k_pow2 * t["bn2"])), STAGES=t["stages2"])
-    r2 = compiled(kd._decode_w2_combine_kernel, ptrs, ints, [], const, t["warps2"], 1)
+    r2 = compiled(kd._decode_w2_combine_kernel, ptrs, ints, [], const, t["warps2"], 1, v2)
     out.append(dict(top_k=top_k, act=act, mx=mx, prep=prep, w13=r1, w2=r2))
 print(json.dumps(out))
 """
@@ -108,8 +117,8 @@ def test_decode_kernels_compile_for_sm90_pipelined():
         dec._platform.program_cap = real_cap
     # MXFP4 cases on the canonical bytes, the same bytes as words, and the prepared 4-plane words
     # (E8M0 and folded scales).
-    arg = json.dumps([(k, KERNEL_IDS[a], dataclasses.asdict(t), False, "") for k, a, t in cases]
-                     + [(k, KERNEL_IDS[a], dataclasses.asdict(t), True, prep) for k, a, t in mx_cases
+    arg = json.dumps([(k, KERNEL_IDS[a], dataclasses.asdict(t), False, "", None, None) for k, a, t in cases]
+                     + [(k, KERNEL_IDS[a], dataclasses.asdict(t), True, prep, None, None) for k, a, t in mx_cases
                         for prep in ("", "words", "bytes", "folded")])
     results = compile_for_sm90(SCRIPT, arg)
     for r in results:
@@ -117,3 +126,57 @@ def test_decode_kernels_compile_for_sm90_pipelined():
             assert r[kernel]["cubin"] > 0, r
             assert r[kernel]["async_copies"] > 0, f"{kernel} main loop not pipelined: {r}"
             assert r[kernel]["shared"] <= 227 * 1024, r
+
+
+@pytest.mark.parametrize("step", ["words", "prepared"])
+def test_word_routes_load_as_wide_on_gpt_oss_rows_as_on_aligned_ones(step, monkeypatch):
+    """GPT-OSS's MXFP4 rows are 1440 bytes (360 int32 words, not a multiple of 16). With the row
+    strides and lengths `decode_experts` actually passes, both word routes must compile to the
+    same main-loop loads as with every int a multiple of 16 (16-byte copies), not to one 4-byte
+    copy per word. The launcher specialises ints on divisibility by 16, so strides counted in
+    words would hide the rows' 16-byte alignment from the compiler."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    import torch
+
+    from padded_moe import decode as dec
+    from padded_moe.kernels.activation import KERNEL_IDS
+    from padded_moe.mxfp4 import Mxfp4Tensor
+
+    class _Cuda:
+        type = "cuda"
+
+    real_cap = dec._platform.program_cap
+    dec._platform.program_cap = lambda device, per_sm=8: 132 * per_sm
+    try:
+        t = dec.pick_tiles(1, 4, 2880, 2880, _Cuda(), mxfp4=True)
+    finally:
+        dec._platform.program_cap = real_cap
+    monkeypatch.setattr(dec, "MX_STEP", step)
+    n = k = 2880
+    top_k, experts = 4, 128
+
+    def weight(rows, cols):  # one expert: the strides of a contiguous weight, not its size
+        g = torch.Generator().manual_seed(rows)
+        q = Mxfp4Tensor(torch.randint(0, 256, (1, rows, cols // 2), dtype=torch.uint8, generator=g),
+                        torch.randint(118, 130, (1, rows, cols // 32), dtype=torch.uint8, generator=g))
+        return dec._weight_parts(q.prepare_for() if step == "prepared" else q)
+
+    a13, a2 = weight(2 * n, k), weight(k, n)
+    assert a13.route == a2.route != 0, "the route under test was not taken"
+    v1 = dict(N=n, K=k, S=top_k, E=experts, L=experts, stride_xm=k, stride_im=top_k, stride_ik=1,
+              stride_we=a13.strides[0], stride_wn=a13.strides[1], stride_se=a13.scale_strides[0],
+              stride_sn=a13.scale_strides[1], stride_sk=a13.scale_strides[2], KB=a13.row_bytes, stride_be=2 * n,
+              stride_hm=n)
+    v2 = dict(K=k, N=n, E=experts, L=experts, stride_hm=n, stride_we=a2.strides[0], stride_wk=a2.strides[1],
+              stride_se=a2.scale_strides[0], stride_sk=a2.scale_strides[1], stride_sg=a2.scale_strides[2],
+              KB=a2.row_bytes, stride_be=k, stride_twm=top_k, stride_twk=1, stride_om=k, stride_im=top_k,
+              stride_ik=1)
+    assert a13.strides[1] % 16 == 0 and a13.row_bytes % 16 == 0, "GPT-OSS rows are a multiple of 16 bytes"
+    prep = "words" if step == "words" else ("folded" if a13.folded else "bytes")
+    case = (top_k, KERNEL_IDS["swigluoai"], dataclasses.asdict(t), True, prep)
+    real, aligned = compile_for_sm90(SCRIPT, json.dumps([case + (v1, v2), case + (None, None)]))
+    for kernel in ("w13", "w2"):
+        assert real[kernel]["loop_loads"] == aligned[kernel]["loop_loads"], (kernel, real, aligned)
+        assert any(".128" in op for op in real[kernel]["loop_loads"]), real

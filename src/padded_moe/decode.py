@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -111,45 +111,60 @@ def pick_tiles(num_tokens: int, num_slots: int, n: int, hidden_size: int, device
     while bn2 > 8 and num_tokens * cdiv(hidden_size, bn2) < want:
         bn2 //= 2
     if mxfp4:
-        return DecodeTiles(bn1, 256, bn2, 16384, stages1=3)
+        # GEMM1 steps of 16384 weights per program (capped at 512 columns): at one token on an
+        # H200, 32 x 512 took 41 µs against 44 for 32 x 256 on GPT-OSS; at two tokens 64 x 256
+        # beat 64 x 512 on DeepSeek-V4 (83 against 92 µs).
+        return DecodeTiles(bn1, min(512, 16384 // bn1), bn2, 16384, stages1=3)
     return DecodeTiles(bn1, 128, bn2, 8192)
 
 
-# How the MXFP4 decode kernels read weights: "bytes", the canonical packed bytes decoded per byte
-# in float32 (about 7.7 SASS instructions per weight in the sm_90 main loop); "words", the same
-# bytes as 32-bit words upcast with inline PTX, or "prepared", the prepared 4-plane words
-# (`HopperMxfp4`, what `prepare_for()` builds) upcast the same way (both about 5.2). The two word
-# routes have not been timed on a GPU yet, so "bytes" stays the default until a run shows one faster.
+# How the MXFP4 decode kernels read weights: "prepared" (the default), the prepared 4-plane words
+# (`HopperMxfp4`, what `prepare_for()` builds) where the weight has them, else as "words"; "words",
+# the canonical packed bytes as 32-bit words upcast with inline PTX; "bytes", the canonical bytes
+# decoded per byte in float32. sm_90 main loop per weight: about 5.2, 6.3 and 7.7 SASS
+# instructions. Measured on an H200 (one routed-experts call, graph replay, T = 1 / 2 / 4),
+# prepared < words < bytes on every GPT-OSS and DeepSeek-V4 shape (docs/benchmarks.md).
 MX_STEPS = ("bytes", "words", "prepared")
-MX_STEP = "bytes"
+MX_STEP = "prepared"
 
 
-def _weight_parts(w) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int], int, bool]:
-    """(what the kernels read as weights, their scales, the scales' (expert, row, group) strides
-    and words per row, the kernels' `MX_ROUTE`, whether the scales are folded): an
-    `Mxfp4Tensor`'s canonical packed bytes `[L, rows, in/2]` (as int32 words `[L, rows, in/8]`
-    for "words") and E8M0 scales `[L, rows, in/32]`, or for "prepared" its prepared words
+class _WeightArgs(NamedTuple):
+    """One weight as the decode kernels take it."""
+
+    tensor: torch.Tensor  # what the kernels read as weights
+    scales: torch.Tensor  # MXFP4 scales (a float weight stands in: never read)
+    strides: tuple[int, int]  # the weight's (expert, row) strides: in bytes for MXFP4, whatever the element type
+    scale_strides: tuple[int, int, int]  # the scales' (expert, row, group) strides
+    row_bytes: int  # bytes per weight row (the word routes' `KB`), 0 when unused
+    route: int  # the kernels' `MX_ROUTE`
+    folded: bool  # whether the scales are folded (prepared bf16 factors)
+
+
+def _weight_parts(w) -> _WeightArgs:
+    """An `Mxfp4Tensor`'s canonical packed bytes `[L, rows, in/2]` (read per byte, or as int32
+    words for "words") and E8M0 scales `[L, rows, in/32]`, or for "prepared" its prepared words
     `[L, rows, k_padded/8]` and scales `[L, k_padded/32, rows]` (when it has them); or a float
-    weight standing in for scales never read."""
+    weight."""
     from padded_moe.kernels import decode as kd
 
     if MX_STEP not in MX_STEPS:
         raise ValueError(f"padded_moe.decode.MX_STEP must be one of {', '.join(MX_STEPS)}, got {MX_STEP!r}")
-    if isinstance(w, Mxfp4Tensor):
-        h = w.hopper
-        if MX_STEP == "prepared" and h is not None and h.planes == 4:
-            s = h.scales
-            return h.blocks, s, (s.stride(0), s.stride(2), s.stride(1), h.blocks.shape[-1]), kd.MX_PREPARED.value, \
-                h.folded
-        s = w.scales
-        strides = (s.stride(0), s.stride(1), s.stride(2))
-        b = w.blocks
-        # Words need each row to start on 4 bytes (true of any contiguous weight: in/2 is a multiple of 16).
-        if MX_STEP == "words" and b.data_ptr() % 4 == 0 and b.stride(0) % 4 == 0 and b.stride(1) % 4 == 0:
-            words = b.view(torch.int32)
-            return words, s, strides + (words.shape[-1],), kd.MX_WORDS.value, False
-        return b, s, strides + (0,), kd.MX_BYTES.value, False
-    return w, w, (0, 0, 0, 0), kd.MX_BYTES.value, False
+    if not isinstance(w, Mxfp4Tensor):
+        return _WeightArgs(w, w, (w.stride(0), w.stride(1)), (0, 0, 0), 0, kd.MX_BYTES.value, False)
+    h = w.hopper
+    if MX_STEP == "prepared" and h is not None and h.planes == 4:
+        b, s = h.blocks, h.scales
+        size = b.element_size()
+        return _WeightArgs(b, s, (b.stride(0) * size, b.stride(1) * size), (s.stride(0), s.stride(2), s.stride(1)),
+                           b.shape[-1] * size, kd.MX_PREPARED.value, h.folded)
+    b, s = w.blocks, w.scales
+    route = kd.MX_BYTES.value
+    # Words need each row to start on 4 bytes (true of any contiguous weight: in/2 is a multiple of
+    # 16); a weight sliced otherwise is read per byte.
+    if MX_STEP != "bytes" and b.data_ptr() % 4 == 0 and b.stride(0) % 4 == 0 and b.stride(1) % 4 == 0:
+        route = kd.MX_WORDS.value
+    return _WeightArgs(b, s, (b.stride(0), b.stride(1)), (s.stride(0), s.stride(1), s.stride(2)), b.shape[-1],
+                       route, False)
 
 
 def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
@@ -181,8 +196,7 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
     common = (topk_ids, dummy if table is None else table, dummy if valid_tokens is None else valid_tokens)
     flags = dict(TOP_K=top_k, HAS_MAP=table is not None, HAS_VT=valid_tokens is not None)
 
-    w13_t, w13_s, w13_ss, w13_route, w13_fold = _weight_parts(w13)
-    w2_t, w2_s, w2_ss, w2_route, w2_fold = _weight_parts(w2)
+    a13, a2 = _weight_parts(w13), _weight_parts(w2)
     floats = (p.limit if p.limit is not None else 0.0, p.alpha, p.beta, p.situ_beta,
               p.situ_lambda if p.situ_lambda is not None else 1.0)
     constexprs = dict(flags, HAS_BIAS=w13_bias is not None, ACT=KERNEL_IDS[act.value], HAS_LIMIT=p.limit is not None,
@@ -191,17 +205,16 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
                       FAST=hidden.is_cuda and hidden.dtype != torch.float32)
     b13 = dummy if w13_bias is None else w13_bias
     tail = (0 if w13_bias is None else w13_bias.stride(0), h.stride(0))
-    ints = (n, hidden_size, num_slots, num_experts, num_local, hidden.stride(0)) + ids_stride + (
-        w13_t.stride(0), w13_t.stride(1))
+    ints = (n, hidden_size, num_slots, num_experts, num_local, hidden.stride(0)) + ids_stride + a13.strides
     if mx:  # a GEMV per slot, the weights decoded in registers
-        ptrs = (hidden, w13_t, w13_s, b13, h) + common
-        ints = ints + tuple(w13_ss) + tail
-        constexprs.update(MX_ROUTE=w13_route, UPCAST_PTX=hidden.is_cuda, FOLDED=w13_fold, BN=tiles.bn1,
+        ptrs = (hidden, a13.tensor, a13.scales, b13, h) + common
+        ints = ints + a13.scale_strides + (a13.row_bytes,) + tail
+        constexprs.update(MX_ROUTE=a13.route, UPCAST_PTX=hidden.is_cuda, FOLDED=a13.folded, BN=tiles.bn1,
                           BK=tiles.bk1, STAGES=tiles.stages1 if hidden.is_cuda else 1)
         launch(_decode_w13_mx_kernel, (num_slots, cdiv(n, tiles.bn1)), ints + floats + ptr_key(*ptrs),
                ptrs + ints + floats, constexprs, num_warps=tiles.warps1)
     else:
-        ptrs = (hidden, w13_t, b13, h) + common
+        ptrs = (hidden, a13.tensor, b13, h) + common
         ints = ints + tail
         # Interpreter: triton 3.6's interpreted bf16 tl.dot is wrong, so upcast (exact).
         constexprs.update(FP32_DOT=hidden.dtype == torch.float32 or interpreted, RB=max(16, next_pow2(num_slots)),
@@ -209,13 +222,13 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
         launch(_decode_w13_act_kernel, (cdiv(n, tiles.bn1), num_slots), ints + floats + ptr_key(*ptrs),
                ptrs + ints + floats, constexprs, num_warps=tiles.warps1, num_stages=tiles.stages1)
 
-    ptrs = (h, w2_t, w2_s, dummy if w2_bias is None else w2_bias, topk_weights, out) + common
-    ints = (hidden_size, n, num_experts, num_local, h.stride(0), w2_t.stride(0), w2_t.stride(1), *w2_ss,
+    ptrs = (h, a2.tensor, a2.scales, dummy if w2_bias is None else w2_bias, topk_weights, out) + common
+    ints = (hidden_size, n, num_experts, num_local, h.stride(0), *a2.strides, *a2.scale_strides, a2.row_bytes,
             0 if w2_bias is None else w2_bias.stride(0), topk_weights.stride(0), topk_weights.stride(1),
             out.stride(0)) + ids_stride
     constexprs = dict(TOP_K=top_k, K_POW2=next_pow2(top_k), HAS_MAP=table is not None, HAS_VT=valid_tokens is not None,
-                      HAS_BIAS=w2_bias is not None, W_MX=mx, MX_ROUTE=w2_route, UPCAST_PTX=hidden.is_cuda,
-                      FOLDED=w2_fold, BN=tiles.bn2, BK=tiles.bk2_for(top_k, n),
+                      HAS_BIAS=w2_bias is not None, W_MX=mx, MX_ROUTE=a2.route, UPCAST_PTX=hidden.is_cuda,
+                      FOLDED=a2.folded, BN=tiles.bn2, BK=tiles.bk2_for(top_k, n),
                       STAGES=tiles.stages2 if hidden.is_cuda else 1)
     launch(_decode_w2_combine_kernel, (num_tokens, cdiv(hidden_size, tiles.bn2)), ints + ptr_key(*ptrs),
            ptrs + ints, constexprs, num_warps=tiles.warps2)

@@ -106,23 +106,35 @@ def _scaled_groups(acc, s_rows, stride_sk, k0, NG, rows_ok, G: tl.constexpr, FOL
 
 
 @triton.jit
-def _word_step_loads(w_rows, v_base, k0, K, KW, rows_ok, v_ok, G: tl.constexpr):
-    """A word step's loads: the rows' int32 words `[.., 4G]` of columns [k0, k0 + 32*G) (`KW` per
-    row) and the vector step `[.., 32G]` in fp32, contiguous."""
+def _word_step_loads(w_rows, v_base, k0, K, KB, rows_ok, v_ok, G: tl.constexpr):
+    """A word step's loads: the rows' int32 words `[.., 4G]` of columns [k0, k0 + 32*G) (`KB`
+    bytes per row) and the vector step `[.., 32G]` in fp32, contiguous."""
     cw = k0 // 8 + tl.arange(0, 4 * G)
-    words = tl.load(w_rows + cw, mask=rows_ok & (cw < KW), other=0)
+    words = tl.load(w_rows + cw, mask=rows_ok & (cw < KB // 4), other=0)
     rk = k0 + tl.arange(0, 32 * G)
     return words, tl.load(v_base + rk, mask=v_ok & (rk < K), other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _mx_route_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G: tl.constexpr,
+def _mx_rows(w_ptr, e64, rows64, stride_e, stride_r, MX_ROUTE: tl.constexpr):
+    """Pointers to the starts of MXFP4 weight rows, strides in bytes whatever the tensor's element
+    type, typed for the route (bytes, or int32 words). Byte strides are what makes the word loads
+    wide: GPT-OSS rows are 1440 bytes, a multiple of 16 the launcher specialises on, but 360
+    words, which it does not, so rows counted in words would be read one word at a time."""
+    rows = w_ptr.to(tl.pointer_type(tl.uint8)) + e64 * stride_e + rows64 * stride_r
+    if MX_ROUTE != MX_BYTES:
+        rows = rows.to(tl.pointer_type(tl.int32))
+    return rows
+
+
+@triton.jit
+def _mx_route_step(w_rows, s_rows, stride_sk, v_base, k0, K, KB, rows_ok, v_ok, G: tl.constexpr,
                    MX_ROUTE: tl.constexpr, UPCAST_PTX: tl.constexpr, FOLDED: tl.constexpr, ROWS_3D: tl.constexpr):
     """The step of the route `MX_ROUTE` (`MX_BYTES` / `MX_WORDS` / `MX_PREPARED`)."""
     if MX_ROUTE == MX_PREPARED:
-        part = _mx4_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G, UPCAST_PTX, FOLDED, ROWS_3D)
+        part = _mx4_step(w_rows, s_rows, stride_sk, v_base, k0, K, KB, rows_ok, v_ok, G, UPCAST_PTX, FOLDED, ROWS_3D)
     elif MX_ROUTE == MX_WORDS:
-        part = _mxw_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G, UPCAST_PTX)
+        part = _mxw_step(w_rows, s_rows, stride_sk, v_base, k0, K, KB, rows_ok, v_ok, G, UPCAST_PTX)
     else:
         part = _mx_step(w_rows, s_rows, stride_sk, v_base, k0, K, rows_ok, v_ok, G)
     return part
@@ -135,14 +147,14 @@ _TWO_POW_126_BF16X2 = tl.constexpr(0x7E807E80)
 
 
 @triton.jit
-def _mxw_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G: tl.constexpr,
+def _mxw_step(w_rows, s_rows, stride_sk, v_base, k0, K, KB, rows_ok, v_ok, G: tl.constexpr,
               UPCAST_PTX: tl.constexpr):
-    """`_mx_step` on the canonical packed bytes read as int32 words (`KW` per row): word j holds
+    """`_mx_step` on the canonical packed bytes read as int32 words (`KB` bytes per row): word j holds
     elements 8j + 4t + 2b + n (byte 2t + b, nibble n). The upcast makes bf16 pairs of one nibble
     of two neighbouring bytes, (element e, e + 2); the vector step, loaded once, is split into the
     matching parts in registers. Exact code values (the folded upcast with 2^126 as the scale),
     two FMAs per pair, the group's 2^(s-127) after the group sum."""
-    words, xv = _word_step_loads(w_rows, v_base, k0, K, KW, rows_ok, v_ok, G)
+    words, xv = _word_step_loads(w_rows, v_base, k0, K, KB, rows_ok, v_ok, G)
     x_n0, x_n1 = tl.split(tl.reshape(xv, xv.shape[:-1] + [4 * G, 2, 2, 2]))  # (word, t, b, n)
     x_n0b0, x_n0b1 = tl.split(x_n0)
     x_n1b0, x_n1b1 = tl.split(x_n1)
@@ -165,7 +177,7 @@ def _mxw_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G: tl
         acc += _e2m1_plane(w32 >> 16, 1.0, 0, False) * x001 + _e2m1_plane(w32 >> 24, 1.0, 0, False) * x011
         acc += _e2m1_plane(w32, 1.0, 4, False) * x100 + _e2m1_plane(w32 >> 8, 1.0, 4, False) * x110
         acc += _e2m1_plane(w32 >> 16, 1.0, 4, False) * x101 + _e2m1_plane(w32 >> 24, 1.0, 4, False) * x111
-    return _scaled_groups(acc, s_rows, stride_sk, k0, KW // 4, rows_ok, G, False)
+    return _scaled_groups(acc, s_rows, stride_sk, k0, KB // 16, rows_ok, G, False)
 
 
 @triton.jit
@@ -199,16 +211,16 @@ def _word_order(xv, G: tl.constexpr, ROWS_3D: tl.constexpr):
 
 
 @triton.jit
-def _mx4_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G: tl.constexpr,
+def _mx4_step(w_rows, s_rows, stride_sk, v_base, k0, K, KB, rows_ok, v_ok, G: tl.constexpr,
               UPCAST_PTX: tl.constexpr, FOLDED: tl.constexpr, ROWS_3D: tl.constexpr):
     """`_mx_step` on the prepared 4-plane arrangement (`HopperMxfp4`, `planes == 4`): words
-    `[.., 4G]` of columns [k0, k0 + 32*G) (`KW` words per row), scales `[k_padded/32, rows]`.
+    `[.., 4G]` of columns [k0, k0 + 32*G) (`KB` bytes per row), scales `[k_padded/32, rows]`.
 
     Word j of the step (group j // 4, c = j % 4) holds elements 32g + 8p + 2c (+1) of plane p:
     the vector is put in that order (`_word_order`) instead of the weights being reordered. The
     codes come out as their exact values (the upcast's folded form with 2^126 as the scale); the
     products are summed per word, then per 32-column group, times the group's 2^(s-127)."""
-    words, xv = _word_step_loads(w_rows, v_base, k0, K, KW, rows_ok, v_ok, G)
+    words, xv = _word_step_loads(w_rows, v_base, k0, K, KB, rows_ok, v_ok, G)
     x00, x01, x10, x11, x20, x21, x30, x31 = _word_order(xv, G, ROWS_3D)
     if UPCAST_PTX:
         f = tl.full(words.shape, _TWO_POW_126_BF16, tl.int32)
@@ -227,14 +239,14 @@ def _mx4_step(w_rows, s_rows, stride_sk, v_base, k0, K, KW, rows_ok, v_ok, G: tl
         acc += _four_plane(lo16, 1.0, 1, False) * x10 + _four_plane(hi16, 1.0, 1, False) * x11
         acc += _four_plane(lo16, 1.0, 2, False) * x20 + _four_plane(hi16, 1.0, 2, False) * x21
         acc += _four_plane(lo16, 1.0, 3, False) * x30 + _four_plane(hi16, 1.0, 3, False) * x31
-    return _scaled_groups(acc, s_rows, stride_sk, k0, KW // 4, rows_ok, G, FOLDED)
+    return _scaled_groups(acc, s_rows, stride_sk, k0, KB // 16, rows_ok, G, FOLDED)
 
 
 @triton.jit
 def _decode_w13_mx_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, map_ptr, vt_ptr,
     N, K, S, E, L,
-    stride_xm, stride_im, stride_ik, stride_we, stride_wn, stride_se, stride_sn, stride_sk, KW,
+    stride_xm, stride_im, stride_ik, stride_we, stride_wn, stride_se, stride_sn, stride_sk, KB,
     stride_be, stride_hm,
     limit, alpha, beta, situ_beta, situ_lambda,
     TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -256,8 +268,8 @@ def _decode_w13_mx_kernel(
     GATED: tl.constexpr = ACT < ACT_SILU_NO_MUL
     g_rows, u_rows = _gate_up_rows(rn, N, ACT)
     e64 = e.to(tl.int64)
-    gb = w_ptr + e64 * stride_we + g_rows.to(tl.int64)[:, None] * stride_wn
-    ub = w_ptr + e64 * stride_we + u_rows.to(tl.int64)[:, None] * stride_wn
+    gb = _mx_rows(w_ptr, e64, g_rows.to(tl.int64)[:, None], stride_we, stride_wn, MX_ROUTE)
+    ub = _mx_rows(w_ptr, e64, u_rows.to(tl.int64)[:, None], stride_we, stride_wn, MX_ROUTE)
     gs = s_ptr + e64 * stride_se + g_rows.to(tl.int64)[:, None] * stride_sn
     us = s_ptr + e64 * stride_se + u_rows.to(tl.int64)[:, None] * stride_sn
     x_base = x_ptr + (s // TOP_K).to(tl.int64) * stride_xm
@@ -265,10 +277,10 @@ def _decode_w13_mx_kernel(
     acc_g = tl.zeros((BN, G), dtype=tl.float32)
     acc_u = tl.zeros((BN, G), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        acc_g += _mx_route_step(gb, gs, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, MX_ROUTE, UPCAST_PTX,
+        acc_g += _mx_route_step(gb, gs, stride_sk, x_base, k0, K, KB, n_ok[:, None], True, G, MX_ROUTE, UPCAST_PTX,
                                 FOLDED, False)
         if GATED:
-            acc_u += _mx_route_step(ub, us, stride_sk, x_base, k0, K, KW, n_ok[:, None], True, G, MX_ROUTE,
+            acc_u += _mx_route_step(ub, us, stride_sk, x_base, k0, K, KB, n_ok[:, None], True, G, MX_ROUTE,
                                     UPCAST_PTX, FOLDED, False)
     y = _bias_act(tl.sum(acc_g, 1), tl.sum(acc_u, 1), bias_ptr + e64 * stride_be, g_rows, u_rows, n_ok, h_ptr,
                   limit, alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
@@ -328,7 +340,7 @@ def _decode_w13_act_kernel(
 def _decode_w2_combine_kernel(
     h_ptr, w_ptr, s_ptr, bias_ptr, tw_ptr, out_ptr, ids_ptr, map_ptr, vt_ptr,
     K, N, E, L,
-    stride_hm, stride_we, stride_wk, stride_se, stride_sk, stride_sg, KW, stride_be, stride_twm, stride_twk,
+    stride_hm, stride_we, stride_wk, stride_se, stride_sk, stride_sg, KB, stride_be, stride_twm, stride_twk,
     stride_om, stride_im, stride_ik,
     TOP_K: tl.constexpr, K_POW2: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr,
     HAS_BIAS: tl.constexpr, W_MX: tl.constexpr, MX_ROUTE: tl.constexpr, UPCAST_PTX: tl.constexpr,
@@ -347,19 +359,20 @@ def _decode_w2_combine_kernel(
     rn = pid_n * BN + tl.arange(0, BN)
     n_ok = rn < K
     # All k slots at once, [k, BN, BK] per step: the k experts' weight reads are in flight together.
-    w_base = w_ptr + e64[:, None, None] * stride_we + rn.to(tl.int64)[None, :, None] * stride_wk
     h_base = h_ptr + (t * TOP_K + jj).to(tl.int64)[:, None] * stride_hm
     w_rows_ok = kept[:, None, None] & n_ok[None, :, None]
     if W_MX:  # MXFP4 (`_mx_step`): packed bytes and scales of the k experts' rows, per scale group
         G: tl.constexpr = BK // 32
+        w_base = _mx_rows(w_ptr, e64[:, None, None], rn.to(tl.int64)[None, :, None], stride_we, stride_wk, MX_ROUTE)
         s_base = s_ptr + e64[:, None, None] * stride_se + rn.to(tl.int64)[None, :, None] * stride_sk
         acc_g = tl.zeros((K_POW2, BN, G), dtype=tl.float32)
         for k0 in tl.range(0, N, BK, num_stages=STAGES):
-            acc_g += _mx_route_step(w_base, s_base, stride_sg, h_base[:, :, None], k0, N, KW, w_rows_ok,
+            acc_g += _mx_route_step(w_base, s_base, stride_sg, h_base[:, :, None], k0, N, KB, w_rows_ok,
                                     kept[:, None, None], G, MX_ROUTE, UPCAST_PTX, FOLDED, True)
         acc = tl.sum(acc_g, 2)
     else:
         acc = tl.zeros((K_POW2, BN), dtype=tl.float32)
+        w_base = w_ptr + e64[:, None, None] * stride_we + rn.to(tl.int64)[None, :, None] * stride_wk
         for k0 in tl.range(0, N, BK, num_stages=STAGES):
             rk = k0 + tl.arange(0, BK)
             k_ok = rk < N

@@ -142,3 +142,80 @@ def test_hopper_kernel_compiles_for_sm90():
             assert max(r["wait_pendings"]) > 0 and r["loop_shuffles"] >= 0, r
             if r["config"] == prefill and r["folded"]:
                 assert r["loop_shuffles"] == 0, r
+
+
+LOADS_SCRIPT = r"""
+import json, os, re, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from padded_moe.kernels import gemm as kg
+
+fn = kg._expert_gemm_mx_hopper_kernel
+out = []
+for sig, values, const, warps, stages in json.loads(sys.argv[1]):
+    names = fn.arg_names
+    # 16-aligned pointers; each int a multiple of 16 where its value is (`values` None: every int).
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n].startswith("*") or (sig[n] == "i32" and (values is None or values[n] % 16 == 0))}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    lines = k.asm["sass"].splitlines()
+    labels = {l.strip()[:-1]: i for i, l in enumerate(lines) if re.match(r"^\s*\.?L?\w+:$", l)}
+    loads = {}
+    for i, l in enumerate(lines):  # global loads by width in the loops that issue HGMMA
+        m = re.search(r"BRA\s+`?\(?([.\w]+)\)?;", l)
+        if m and labels.get(m.group(1), i) < i:
+            body = lines[labels[m.group(1)] + 1:i + 1]
+            if any("HGMMA" in b for b in body):
+                for b in body:
+                    op = re.search(r"\b(LDGSTS|LDG)(\.[.\w]+)?", b)
+                    if op:
+                        loads[op.group(0)] = loads.get(op.group(0), 0) + 1
+    out.append(loads)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("regime", ["decode", "prefill"])
+def test_prepared_weights_load_as_wide_on_gpt_oss_rows_as_on_aligned_ones(regime, monkeypatch):
+    """GPT-OSS's prepared rows are 360 int32 words (1440 bytes). With the arguments the launcher
+    actually passes for them (captured from `launch`, not restated), the prepared-MXFP4 kernel must
+    compile to the same loads in its wgmma loop as with every int a multiple of 16: 16-byte
+    copies, not a 4-byte copy per word (what strides counted in words gave)."""
+    pytest.importorskip("triton")
+    import torch
+
+    from padded_moe.kernels import _codes as codes
+    from padded_moe.kernels import gemm as kg
+    from padded_moe.mxfp4 import Mxfp4Tensor
+
+    rows, k = 2 * 2880, 2880
+    g = torch.Generator().manual_seed(7)
+    q = Mxfp4Tensor(torch.randint(0, 256, (1, rows, k // 2), dtype=torch.uint8, generator=g),
+                    torch.randint(118, 130, (1, rows, k // 32), dtype=torch.uint8, generator=g)).prepare_for()
+    cfg = kg.TUNED[("mxfp4_hopper4", regime)]
+    calls = []
+    monkeypatch.setattr(kg, "launch_kernel", lambda fn, grid, key, args, const, **opt: calls.append((fn, args, const, opt)))
+    a2 = torch.zeros(64, k, dtype=torch.bfloat16)
+    kg.launch(a2, q.blocks, q.scales, torch.empty(64, rows, dtype=torch.bfloat16), layout=codes.GROUPED_CONTIGUOUS,
+              num_local=1, offsets=torch.tensor([0, 64]), counts=torch.tensor([64], dtype=torch.int32),
+              config=cfg, w_hopper=q.hopper)
+    (fn, args, const, opt), = calls
+    assert fn is kg._expert_gemm_mx_hopper_kernel
+    names = fn.arg_names
+    sig, values = {}, {}
+    for n, a in zip(names, args):
+        if isinstance(a, torch.Tensor):
+            sig[n] = "*" + {torch.bfloat16: "bf16", torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8",
+                            torch.int64: "i64", torch.float32: "fp32"}[a.dtype]
+        else:
+            sig[n], values[n] = "i32", a
+    const = {c: getattr(v, "value", v) for c, v in const.items()}  # tl.constexpr codes as plain values
+    const.update(UPCAST_PTX=True, FP32_DOT=False)  # what a CUDA bf16 call takes
+    sig.update({c: "constexpr" for c in const})
+    assert values["stride_wn"] % 16 == 0, "GPT-OSS rows are 1440 bytes: the launcher must say so"
+    case = (sig, values, const, opt["num_warps"], opt["num_stages"])
+    real, aligned = compile_for_sm90(LOADS_SCRIPT, json.dumps([case, case[:1] + (None,) + case[2:]]))
+    assert real == aligned and any(".128" in op for op in real), (real, aligned)

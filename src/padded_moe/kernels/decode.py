@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from padded_moe.kernels.activation import ACT_SILU_NO_MUL, ACT_SWIGLUOAI, _gated, _ungated
-from padded_moe.kernels.gemm import (_E2M1_PTX_FOLDED_ASM, _FOUR_PLANE_PTX_FOLDED_ASM, _dot_fp32_or, _e2m1_plane,
-                                     _factor_f32, _four_plane, _scale_factor)
+from padded_moe.kernels.gemm import (_E2M1_PTX_FOLDED_ASM, _FOUR_PLANE_PTX_FOLDED_ASM, _byte_strided_rows, _dot_fp32_or,
+                                     _e2m1_plane, _factor_f32, _four_plane, _scale_factor)
 from padded_moe.kernels.guard import slot_local_expert
 
 # How the MXFP4 decode kernels read weights (`MX_ROUTE`): the canonical packed bytes, decoded per
@@ -113,18 +113,6 @@ def _word_step_loads(w_rows, v_base, k0, K, KB, rows_ok, v_ok, G: tl.constexpr):
     words = tl.load(w_rows + cw, mask=rows_ok & (cw < KB // 4), other=0)
     rk = k0 + tl.arange(0, 32 * G)
     return words, tl.load(v_base + rk, mask=v_ok & (rk < K), other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _mx_rows(w_ptr, e64, rows64, stride_e, stride_r, MX_ROUTE: tl.constexpr):
-    """Pointers to the starts of MXFP4 weight rows, strides in bytes whatever the tensor's element
-    type, typed for the route (bytes, or int32 words). Byte strides are what makes the word loads
-    wide: GPT-OSS rows are 1440 bytes, a multiple of 16 the launcher specialises on, but 360
-    words, which it does not, so rows counted in words would be read one word at a time."""
-    rows = w_ptr.to(tl.pointer_type(tl.uint8)) + e64 * stride_e + rows64 * stride_r
-    if MX_ROUTE != MX_BYTES:
-        rows = rows.to(tl.pointer_type(tl.int32))
-    return rows
 
 
 @triton.jit
@@ -268,8 +256,8 @@ def _decode_w13_mx_kernel(
     GATED: tl.constexpr = ACT < ACT_SILU_NO_MUL
     g_rows, u_rows = _gate_up_rows(rn, N, ACT)
     e64 = e.to(tl.int64)
-    gb = _mx_rows(w_ptr, e64, g_rows.to(tl.int64)[:, None], stride_we, stride_wn, MX_ROUTE)
-    ub = _mx_rows(w_ptr, e64, u_rows.to(tl.int64)[:, None], stride_we, stride_wn, MX_ROUTE)
+    gb = _byte_strided_rows(w_ptr, e64, g_rows.to(tl.int64)[:, None], stride_we, stride_wn, MX_ROUTE != MX_BYTES)
+    ub = _byte_strided_rows(w_ptr, e64, u_rows.to(tl.int64)[:, None], stride_we, stride_wn, MX_ROUTE != MX_BYTES)
     gs = s_ptr + e64 * stride_se + g_rows.to(tl.int64)[:, None] * stride_sn
     us = s_ptr + e64 * stride_se + u_rows.to(tl.int64)[:, None] * stride_sn
     x_base = x_ptr + (s // TOP_K).to(tl.int64) * stride_xm
@@ -363,7 +351,8 @@ def _decode_w2_combine_kernel(
     w_rows_ok = kept[:, None, None] & n_ok[None, :, None]
     if W_MX:  # MXFP4 (`_mx_step`): packed bytes and scales of the k experts' rows, per scale group
         G: tl.constexpr = BK // 32
-        w_base = _mx_rows(w_ptr, e64[:, None, None], rn.to(tl.int64)[None, :, None], stride_we, stride_wk, MX_ROUTE)
+        w_base = _byte_strided_rows(w_ptr, e64[:, None, None], rn.to(tl.int64)[None, :, None], stride_we, stride_wk,
+                                    MX_ROUTE != MX_BYTES)
         s_base = s_ptr + e64[:, None, None] * stride_se + rn.to(tl.int64)[None, :, None] * stride_sk
         acc_g = tl.zeros((K_POW2, BN, G), dtype=tl.float32)
         for k0 in tl.range(0, N, BK, num_stages=STAGES):

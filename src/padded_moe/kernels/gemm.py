@@ -673,6 +673,19 @@ def _dot_planes(acc, w_lo, w_hi, x_lo, x_hi, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _byte_strided_rows(w_ptr, e64, rows64, stride_e, stride_r, WORDS: tl.constexpr):
+    """Pointers to the starts of packed-weight rows from strides in bytes, whatever the tensor's
+    element type: int32 pointers when the rows are read as words (`WORDS`), else bytes. Launchers
+    pass the strides in bytes because the compiler learns a row's alignment from its stride being a
+    multiple of 16: GPT-OSS's rows are 1440 bytes but 360 words, and counted in words every weight
+    word would be its own 4-byte copy instead of four sharing a 16-byte one."""
+    rows = w_ptr.to(tl.pointer_type(tl.uint8)) + e64 * stride_e + rows64 * stride_r
+    if WORDS:
+        rows = rows.to(tl.pointer_type(tl.int32))
+    return rows
+
+
+@triton.jit
 def _expert_gemm_mx_hopper_kernel(
     a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr,
     ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr,
@@ -708,7 +721,7 @@ def _expert_gemm_mx_hopper_kernel(
 
     rh = tl.arange(0, 32)
     a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
-    w_base = w_ptr + e64 * stride_we + rn.to(tl.int64)[:, None] * stride_wn
+    w_base = _byte_strided_rows(w_ptr, e64, rn.to(tl.int64)[:, None], stride_we, stride_wn, PLANES == 4)
     s_base = s_ptr + e64 * stride_se + rn
     if W_SHARED:
         acc = tl.zeros((BM, BN), dtype=tl.float32)  # out = a W^T: token rows on the MMA's M side
@@ -865,8 +878,9 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         hb, hs = w_hopper.blocks, w_hopper.scales
         k_pad = w_hopper.k_padded
         ptrs = (a2, hb, hs, bias if bias is not None else dummy, out2) + meta_ptrs
-        ints = (N, K, k_pad, a2.shape[0], num_local, mk, t_max, num_pid_m,
-                a2.stride(0), hb.stride(0), hb.stride(1), hs.stride(0), hs.stride(1),
+        ints = (N, K, k_pad, a2.shape[0], num_local, mk, t_max, num_pid_m,  # weight strides in bytes
+                a2.stride(0), hb.stride(0) * hb.element_size(), hb.stride(1) * hb.element_size(), hs.stride(0),
+                hs.stride(1),
                 bias.stride(0) if bias is not None else 0, out2.stride(0))
         constexprs = dict(
             LAYOUT=layout, HAS_BIAS=bias is not None, A_DIV=a_div,

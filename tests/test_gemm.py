@@ -761,3 +761,20 @@ def test_default_indexed_blocks_are_one_tile_of_their_regime():
                 cfg = kg.TUNED[(kind, kg.regime(meta.rows_per_expert()))]
                 _, sub, _ = kg.indexed_tiling(bm, cfg.BM)
                 assert sub == 1, (L, mean, bm, kind, cfg.short())
+
+
+def test_indexed_blocks_narrower_than_the_entry_take_the_narrow_entry():
+    """`TUNED_NARROW` applies exactly when an INDEXED block holds fewer rows than the regime
+    entry's BM; other layouts (no block) and full-width blocks keep `TUNED`."""
+    from padded_moe.kernels import gemm as kg
+
+    for (kind, reg), narrow in kg.TUNED_NARROW.items():
+        wide = kg.TUNED[(kind, reg)]
+        rows = {"decode": 16, "small": 96, "medium": 192, "prefill": 1024}[reg]
+        assert kg.regime(rows) == reg
+        planes = 4 if kind == "mxfp4_hopper4" else 2
+        pick = lambda b: kg.pick_config(rows, kind != "bf16", False, hopper=kind.startswith("mxfp4_hopper"),  # noqa: E731
+                                        planes=planes, block_rows=b)
+        assert pick(wide.BM // 2) == narrow
+        assert pick(wide.BM) == wide
+        assert pick(None) == wide

@@ -150,6 +150,31 @@ def test_plan_dropped_when_a_kept_tensor_is_freed():
     assert plans.get("k") is None
 
 
+def test_plan_survives_per_call_dtype_views_of_a_kept_tensor():
+    """A call that hands its kernel a fresh dtype view of a long-lived tensor each time (a view of
+    another element size has no `_base`) keeps its plan while the tensor lives, and loses it when
+    the tensor is freed."""
+    kernel, plans = FakeKernel(), LP.LaunchPlans()
+    static = torch.zeros(16, dtype=torch.uint8)
+
+    def call(x):
+        out = torch.empty(x.shape[0], 4)
+        _launch_event(kernel, (1, 1, 1), [x, static.view(torch.int32), out])
+        return out
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        plans.call("k", 0, (x,), lambda: call(x))
+    gc.collect()
+    plan = plans.get("k")
+    assert plan is not None
+    kernel.calls.clear()
+    plan.run((torch.randn(5, 4),))
+    assert kernel.calls[0][2][1] == static.data_ptr()
+    del static, call
+    gc.collect()
+    assert plans.get("k") is None
+
+
 def test_result_not_allocated_in_the_call_gives_no_plan():
     kernel, plans = FakeKernel(), LP.LaunchPlans()
 

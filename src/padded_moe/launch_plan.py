@@ -14,8 +14,11 @@ Why a replay equals a fresh call:
 - a launch argument that points into a call input is rebound to the new input at the same byte
   offset; one that points into memory allocated during the call is rebound to a fresh allocation
   of the same shape; any other pointer belongs to a long-lived tensor (weights, a cached workspace)
-  and is kept, with a weak reference to that tensor: once it is freed (a workspace replaced by a
-  bigger one, a model deleted) the plan is dropped, so a kept pointer never outlives its memory;
+  and is kept, with a weak reference to the storage that tensor's memory belongs to: once it is
+  freed (a workspace replaced by a bigger one, a model deleted) the plan is dropped, so a kept
+  pointer never outlives its memory. The storage, not the tensor: a per-call view of a weight (a
+  dtype view of another element size keeps no `_base`) dies after every call while its memory
+  lives on;
 - the recorded call may do nothing on the device but Triton launches and allocations: a dispatch
   mode watches it, and any other operation (a copy, a fill, a torch kernel) makes the key
   unplannable for good;
@@ -82,10 +85,10 @@ class LaunchPlan:
             size += -(-_extent(shape, stride) * dtype.itemsize // _ALIGN) * _ALIGN
         self.workspace_bytes = size
         self.launches = launches  # (run, g0, g1, g2, function, metadata, template, holes)
-        self.kept = kept  # weak references to the tensors whose pointers the launches keep
+        self.kept = kept  # weak references to the storages whose pointers the launches keep
 
     def alive(self) -> bool:
-        """Whether every tensor a kept pointer points into still exists."""
+        """Whether every storage a kept pointer points into still exists."""
         for ref in self.kept:
             if ref() is None:
                 return False
@@ -195,7 +198,7 @@ def _build(device: int, inputs: Sequence[Optional[torch.Tensor]], events: list, 
     ranges = [(t.data_ptr(), _span(t)) if t is not None else (0, 0) for t in inputs]
     allocs: list = []  # tensors allocated during the call, in order
     launches = []
-    refs: dict = {}  # id -> weak reference of each tensor a kept pointer points into
+    refs: dict = {}  # id -> weak reference of each storage a kept pointer points into
     for kind, item in events:
         if kind == "alloc":
             allocs.append(item)
@@ -255,12 +258,12 @@ def _build(device: int, inputs: Sequence[Optional[torch.Tensor]], events: list, 
 
 
 def _locate(t: torch.Tensor, ranges: list, allocs: list, refs: dict) -> Optional[tuple[int, int]]:
-    """`_role` of `t`'s address; for a kept pointer (None) a weak reference to the tensor that
-    owns the memory goes into `refs`."""
+    """`_role` of `t`'s address; for a kept pointer (None) a weak reference to the storage that
+    holds the memory goes into `refs` (torch keeps one Python object per live storage)."""
     role = _role(t.data_ptr(), ranges, allocs)
     if role is None:
-        root = t if t._base is None else t._base
-        refs.setdefault(id(root), weakref.ref(root))
+        storage = t.untyped_storage()
+        refs.setdefault(id(storage), weakref.ref(storage))
     return role
 
 

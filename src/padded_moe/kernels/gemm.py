@@ -119,16 +119,26 @@ TUNED.update({
     ("mxfp4_hopper", "prefill"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True),
 })
 # The 4-plane arrangement (the default of `prepare_for`; one dot per K step), from the sweep on it
-# timed on INDEXED with `fused_experts`' default row blocks (which cap the tile's BM: 64 rows below
-# 256 rows per expert): each entry won every swept GPT-OSS shape of its regime, and again in a sweep
-# on both GPT-OSS and DeepSeek-V4 shapes with 128-row blocks from 256 rows per expert. Timed on
-# GROUPED_CONTIGUOUS instead, BN 256 won medium and prefill; on INDEXED it is 10-25% slower than BN 128.
+# timed on INDEXED with `fused_experts`' default row blocks (128 rows from 256 rows per expert, else
+# at most 64, which caps the tile's BM) on GPT-OSS (4 to 1024 rows per expert) and DeepSeek-V4 (64 to
+# 1024) shapes. BN 256 takes 0.73x the time of BN 128 on GPT-OSS at 256 rows and 0.86x on both
+# models at 1024; decode's BK 256 0.80x BK 128 on DeepSeek-V4 at 8 rows and 0.91x on GPT-OSS at 4
+# (1.04x at 16). Each entry won its regime summed over both models, except medium on DeepSeek-V4 at
+# 192 rows (64-row blocks), where BN 128 is 3-5% faster: `TUNED_NARROW`. Unchanged tiles moved by up
+# to 8% between sweeps minutes apart, so small was settled on whole calls instead (the peers
+# harness, alternating runs): BK 64 s4 took 0.965x the time of BK 128 s3 on GPT-OSS at 1024 tokens
+# (the sweep had DeepSeek-V4 at 64 rows 4% faster with BK 128 s3).
 TUNED.update({
-    ("mxfp4_hopper4", "decode"): GemmConfig(32, 128, 64, 1, 4, 3, mx_hopper=True, mx_ptx=True),
+    ("mxfp4_hopper4", "decode"): GemmConfig(32, 128, 256, 1, 4, 3, mx_hopper=True, mx_ptx=True),
     ("mxfp4_hopper4", "small"): GemmConfig(64, 128, 64, 4, 4, 4, mx_hopper=True, mx_ptx=True),
-    ("mxfp4_hopper4", "medium"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True),
-    ("mxfp4_hopper4", "prefill"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True),
+    ("mxfp4_hopper4", "medium"): GemmConfig(128, 256, 64, 8, 8, 3, mx_hopper=True, mx_ptx=True),
+    ("mxfp4_hopper4", "prefill"): GemmConfig(128, 256, 64, 8, 8, 3, mx_hopper=True, mx_ptx=True),
 })
+# Entries for INDEXED calls whose row blocks hold fewer rows than the `TUNED` entry's BM (the tile
+# then takes one block: a 64-row tile), where the sweep found another tile faster.
+TUNED_NARROW: dict[tuple[str, str], GemmConfig] = {
+    ("mxfp4_hopper4", "medium"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True),
+}
 
 # Every layout uses the same table. For GROUPED_MASKED a 64-row tile would waste less of a mostly
 # empty slab's last tile, but on the H200 it made the full slab 1.4x slower and a 10%-valid call
@@ -179,19 +189,23 @@ SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
     "decode": [_H(32, 64, 64, 1, 4, 3, True), _H(32, 128, 64, 1, 4, 3), _H(32, 128, 64, 1, 4, 3, True),
                _H(32, 64, 64, 1, 4, 4, True), _H(16, 64, 64, 1, 4, 3, True), _H(32, 64, 128, 1, 4, 3, True),
                _H(16, 128, 64, 1, 4, 4), _H(16, 128, 128, 1, 4, 4, True, True), _H(16, 128, 256, 1, 4, 3, True, True),
-               _H(32, 128, 256, 1, 4, 3, True, True)],
+               _H(32, 128, 256, 1, 4, 3, True, True), _H(32, 128, 128, 1, 4, 3, True), _H(32, 128, 128, 1, 4, 4, True),
+               _H(32, 64, 128, 1, 4, 4, True), _H(16, 128, 128, 1, 4, 3, True), _H(32, 128, 256, 1, 4, 3, True),
+               _H(32, 128, 256, 1, 4, 2, True), _H(32, 256, 128, 1, 8, 3, True), _H(16, 128, 256, 1, 4, 3, True)],
     "small": [_H(64, 128, 128, 4, 4, 3), _H(64, 128, 64, 4, 4, 4), _H(64, 128, 64, 4, 4, 4, True),
               _H(64, 64, 64, 4, 4, 4, True), _H(32, 128, 128, 4, 4, 4),
               _H(64, 256, 128, 4, 8, 3), _H(64, 64, 128, 4, 4, 4), _H(128, 128, 128, 4, 8, 3),
-              _H(64, 128, 128, 4, 4, 3, True), _H(64, 128, 256, 4, 4, 3, True, True)],
+              _H(64, 128, 128, 4, 4, 3, True), _H(64, 128, 256, 4, 4, 3, True, True), _H(64, 128, 128, 4, 4, 4, True),
+              _H(64, 128, 256, 4, 8, 3, True), _H(64, 256, 64, 4, 8, 3, True), _H(64, 256, 128, 4, 8, 3, True)],
     "medium": [_H(128, 128, 128, 8, 8, 3, True), _H(64, 128, 128, 8, 4, 3),
                _H(128, 256, 64, 8, 8, 3), _H(128, 64, 128, 8, 4, 3), _H(64, 256, 128, 8, 8, 3),
                _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True),
-               _H(128, 256, 64, 8, 8, 3, True), _H(128, 256, 128, 8, 8, 3, True)],
+               _H(128, 256, 64, 8, 8, 3, True), _H(128, 256, 128, 8, 8, 3, True), _H(128, 256, 64, 8, 8, 4, True),
+               _H(128, 256, 64, 4, 8, 3, True)],
     "prefill": [_H(128, 128, 128, 8, 8, 3, True), _H(128, 256, 64, 8, 8, 3, True),
                 _H(128, 256, 128, 8, 8, 3, True), _H(64, 256, 128, 8, 8, 3, True), _H(128, 128, 128, 16, 8, 4, True),
                 _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True),
-               _H(128, 256, 128, 8, 8, 4, True), _H(128, 128, 128, 8, 8, 4, True)],
+               _H(128, 256, 128, 8, 8, 4, True), _H(128, 128, 128, 8, 8, 4, True), _H(128, 256, 64, 8, 8, 4, True)],
 }
 
 
@@ -213,14 +227,19 @@ def table_kind(mxfp4: bool, hopper: bool, planes: int = 2) -> str:
 
 
 def pick_config(rows_per_expert: float, mxfp4: bool, interpreted: bool, hopper: bool = False,
-                planes: int = 2) -> GemmConfig:
+                planes: int = 2, block_rows: Optional[int] = None) -> GemmConfig:
     """The tuned config for the regime; one table serves every layout (see the note above
     INTERPRET_CONFIG). `hopper`: the MXFP4 weight carries its prepared `HopperMxfp4` form, in the
-    arrangement `planes`."""
+    arrangement `planes`. `block_rows`: an INDEXED call's rows per block (`TUNED_NARROW` applies
+    when they are fewer than the entry's BM)."""
     hopper = hopper and mxfp4
     if interpreted:
         return INTERPRET_HOPPER_CONFIG if hopper else INTERPRET_CONFIG
-    return TUNED[(table_kind(mxfp4, hopper, planes), regime(rows_per_expert))]
+    key = (table_kind(mxfp4, hopper, planes), regime(rows_per_expert))
+    cfg = TUNED[key]
+    if block_rows is not None and block_rows < cfg.BM and key in TUNED_NARROW:
+        return TUNED_NARROW[key]
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -840,7 +859,8 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     from padded_moe.kernels import INTERPRETED
 
     cfg = config or pick_config(rows_per_expert, mx, INTERPRETED and not a2.is_cuda, hopper=w_hopper is not None,
-                                planes=2 if w_hopper is None else w_hopper.planes)
+                                planes=2 if w_hopper is None else w_hopper.planes,
+                                block_rows=block_m if layout == codes.INDEXED else None)
     hopper = mx and cfg.mx_hopper
     if hopper and w_hopper is None:
         raise ValueError("config.mx_hopper needs the weight's prepared form: call Mxfp4Tensor.prepare_for() "

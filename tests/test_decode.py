@@ -22,7 +22,12 @@ from padded_moe.mxfp4 import quantize_mxfp4
 from padded_moe.reference.moe import reference_moe
 
 K, N = 96, 48  # neither a multiple of the interpreter's tiles: the masked tails run too
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
+# bf16 under the interpreter: Triton 3.6's interpreter does not round float32 -> bf16 to nearest
+# even (half of random values come out one step off torch's cast, biased one way), and each path
+# rounds three times (GEMM1 out, activation out, GEMM2 out) before the sum. The float64 reference
+# then sees 1.1-1.4% relative L2 error on these shapes (0.7% through torch's casts), so 1.5e-2
+# failed now and then; a wrong weight, scale or row is off by O(1).
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2.5e-2}
 GATED = ["silu", "gelu", "gelu_tanh", "swigluoai", "swigluoai_uninterleave", "swiglustep", "situ"]
 UNGATED = ["silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul", "relu2_no_mul"]
 
@@ -265,7 +270,7 @@ def test_mxfp4_expert_map_and_valid_tokens(interpreted, decode_calls, monkeypatc
     # within the layout path's own error of the oracle, and a bound that no wrong decode meets.
     monkeypatch.setenv(dec.DECODE_ENV, "off")
     layout_path = fused_experts(x, w13, w2, tw, ids, activation=act, expert_map=emap, valid_tokens=vt)
-    assert rel_err(out[:1], ref[:1]) <= max(TOL[torch.bfloat16], 1.25 * rel_err(layout_path[:1], ref[:1])) <= 0.03
+    assert rel_err(out[:1], ref[:1]) <= max(TOL[torch.bfloat16], 1.25 * rel_err(layout_path[:1], ref[:1])) <= 0.04
 
 
 @pytest.mark.parametrize("fold", [False, True], ids=["byte-scales", "folded-scales"])
@@ -292,7 +297,7 @@ def test_mxfp4_prepared_words_read_by_the_decode_kernels(interpreted, decode_cal
     torch.testing.assert_close(out, canonical, rtol=1e-2, atol=1e-3)
     # Both are bounded by bf16's rounding of GEMM1's output; a wrong decode is far past this.
     ref = reference_moe(x, dense_weights(w13), dense_weights(w2), tw, ids, activation="silu")
-    assert rel_err(out, ref) <= 1.25 * max(TOL[torch.bfloat16], rel_err(canonical, ref)) <= 0.03
+    assert rel_err(out, ref) <= 1.25 * max(TOL[torch.bfloat16], rel_err(canonical, ref)) <= 0.04
 
 
 @pytest.mark.parametrize("fold", [False, True], ids=["byte-scales", "folded-scales"])

@@ -121,8 +121,8 @@ TUNED.update({
 # The 4-plane arrangement (the default of `prepare_for`; one dot per K step), from the sweep on it
 # timed on INDEXED with `fused_experts`' default row blocks (128 rows from 256 rows per expert, else
 # at most 64, which caps the tile's BM) on GPT-OSS (4 to 1024 rows per expert) and DeepSeek-V4 (64 to
-# 1024) shapes. BN 256 takes 0.73x the time of BN 128 on GPT-OSS at 256 rows and 0.86x on both
-# models at 1024; decode's BK 256 0.80x BK 128 on DeepSeek-V4 at 8 rows and 0.91x on GPT-OSS at 4
+# 1024) shapes. BN 256 takes 0.74x the time of BN 128 on GPT-OSS at 256 rows and 0.82-0.85x on both
+# models at 1024; decode's BK 256 0.84x BK 128 on DeepSeek-V4 at 8 rows and 0.91x on GPT-OSS at 4
 # (1.04x at 16). Each entry won its regime summed over both models, except medium on DeepSeek-V4 at
 # 192 rows (64-row blocks), where BN 128 is 3-5% faster: `TUNED_NARROW`. Unchanged tiles moved by up
 # to 8% between sweeps minutes apart, so small was settled on whole calls instead (the peers

@@ -131,6 +131,14 @@ for stage in "$@"; do
                 STEP_TIMEOUT=420 step peers env OUT="$OUT/peers" BUDGET_S=380 TIMEOUT_S=410 bash .peers/run.sh \
                     --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx,dsv4,qwen3,mixtral --check-tokens 64,1024
             fi ;;
+        tiles-ab)  # prepared-MXFP4 tile candidates on whole GPT-OSS calls, alternating rounds: decode at 128 tokens
+            # (BK 256 stages/warps, the table at 1.18x triton_kernels there), small at 1024
+            step ab-decode python3 benchmarks/bench_tiles_ab.py --preset gpt-oss-120b --weights mxfp4 --tokens 16,128 \
+                --regime decode --candidates BM32_BN128_BK128_G1_w4_s3_hop_ptx,BM32_BN128_BK256_G1_w4_s2_hop_ptx,BM32_BN256_BK128_G1_w8_s3_hop_ptx,BM16_BN128_BK256_G1_w4_s3_hop_ptx \
+                --out "$OUT/ab-decode"
+            step ab-small python3 benchmarks/bench_tiles_ab.py --preset gpt-oss-120b --weights mxfp4 --tokens 1024 \
+                --regime small --candidates BM64_BN128_BK128_G4_w4_s3_hop_ptx,BM64_BN128_BK128_G4_w4_s4_hop_ptx,BM64_BN256_BK64_G4_w8_s3_hop_ptx \
+                --out "$OUT/ab-small" ;;
         mx-resweep-small)  # decode and small regimes on both MXFP4 models
             STEP_TIMEOUT=${SWEEP_S:-240} step sweep-mx4-gptoss python3 benchmarks/bench_gemm.py --mxfp4-hopper \
                 --models gpt-oss --rows 4,16,64 --sweep-planes 4 --out "$OUT/sweep-mx4"

@@ -1,0 +1,157 @@
+"""Tile candidates compared on whole routed-experts calls, in alternating rounds.
+
+`bench_gemm.py`'s sweep times each candidate once on uniform rows per expert; between sweeps a
+minute apart the same tile moved by up to 8% on the H200, as much as the differences a table
+decision rests on. This benchmark decides between a few candidates for one regime the way a user
+sees them: `FusedMoE.experts` on a preset's shape with its own router's routing, each candidate's
+call captured in a CUDA graph, and the replays of all candidates timed in turn, round after round,
+so drift hits every candidate alike. Each candidate's output is checked against the table entry's
+first (relative L2 difference at most 2e-2; a wrong tile is off by O(1)).
+
+    python benchmarks/bench_tiles_ab.py --preset gpt-oss-120b --weights mxfp4 --tokens 128 \
+        --regime decode --candidates BM32_BN128_BK128_G1_w4_s3_hop_ptx,BM32_BN128_BK256_G1_w4_s4_hop_ptx
+
+The candidates replace `TUNED[(kind, regime)]` (kind: the table the call's weights use), and
+`TUNED_NARROW`'s entry where it has one, for their turn; `--candidates sweep` takes every sweep candidate of that regime. Calls whose GEMMs run
+another regime are not affected: the table printed first gives each token count's regime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import bench_us, captured, print_table, write_report  # noqa: E402
+
+from padded_moe import experts as ex  # noqa: E402
+from padded_moe.kernels import gemm as kg  # noqa: E402
+from padded_moe.layer import FusedMoE  # noqa: E402
+from padded_moe.layouts import default_block_m  # noqa: E402
+from padded_moe.mxfp4 import Mxfp4Tensor  # noqa: E402
+
+
+def candidate_pool(kind: str) -> dict:
+    """Every config the sweep lists and tables know for `kind`, by short name."""
+    lists = kg.SWEEP_MXFP4_HOPPER if kind.startswith("mxfp4_hopper") else (
+        kg.SWEEP_MXFP4 if kind == "mxfp4" else kg.SWEEP)
+    pool = {c.short(): c for cands in lists.values() for c in cands}
+    pool.update({c.short(): c for (k, _), c in list(kg.TUNED.items()) + list(kg.TUNED_NARROW.items()) if k == kind})
+    return pool
+
+
+def table_kind_of(w13) -> str:
+    """The `TUNED` kind the layer's GEMM1 weight picks (bf16, dot_scaled MXFP4 or prepared)."""
+    hopper = getattr(w13, "hopper", None)
+    return kg.table_kind(isinstance(w13, Mxfp4Tensor), hopper is not None, 2 if hopper is None else hopper.planes)
+
+
+@contextlib.contextmanager
+def table_entry(key: tuple, cfg: kg.GemmConfig):
+    """`cfg` in place of the table entry `key` (and of its narrow-block entry, where there is one),
+    with launch plans off so that every call picks its config afresh; both restored on exit."""
+    tables = [t for t in (kg.TUNED, kg.TUNED_NARROW) if key in t]
+    saved = [t[key] for t in tables]
+    plans = ex._launch_plans()
+    for t in tables:
+        t[key] = cfg
+    plans.enabled = False
+    try:
+        yield
+    finally:
+        for t, old in zip(tables, saved):
+            t[key] = old
+        plans.enabled = True
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="gpt-oss-120b")
+    p.add_argument("--weights", default="mxfp4", choices=("bf16", "mxfp4"))
+    p.add_argument("--tokens", default="128", help="comma list of token counts")
+    p.add_argument("--regime", required=True, choices=("decode", "small", "medium", "prefill"))
+    p.add_argument("--candidates", required=True, help="comma list of config short names, or 'sweep'")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", default="bench-out/tiles-ab")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_tiles_ab times CUDA graphs: it needs a GPU")
+    t0 = time.time()
+    layer = FusedMoE.from_preset(args.preset, weight_format=args.weights, device="cuda", dtype=torch.bfloat16)
+    layer.randomize(seed=0, std=0.02)
+    w13, _ = layer.expert_weights()  # quantized and prepared once, outside the timing
+    kind = table_kind_of(w13)
+    key = (kind, args.regime)
+    if key not in kg.TUNED:
+        raise SystemExit(f"no table entry {key}")
+    table = kg.TUNED[key]
+    pool = candidate_pool(kind)
+    if args.candidates == "sweep":
+        lists = kg.SWEEP_MXFP4_HOPPER if kind.startswith("mxfp4_hopper") else kg.SWEEP
+        names = [c.short() for c in lists[args.regime]]
+    else:
+        names = [n.strip() for n in args.candidates.split(",") if n.strip()]
+    unknown = [n for n in names if n not in pool]
+    if unknown:
+        raise SystemExit(f"unknown candidates {unknown}; known for {kind}: {sorted(pool)}")
+    configs = [table] + [pool[n] for n in names if pool[n] != table]
+    if getattr(w13, "hopper", None) is not None:
+        configs = [c for c in configs if c.planes_ok(w13.hopper.planes)]
+
+    regimes = []
+    for T in (int(t) for t in args.tokens.split(",")):
+        slots = T * layer.top_k
+        block = default_block_m(slots, layer.num_experts)
+        regimes.append([T, round(slots / layer.num_experts, 1), block,
+                        kg.regime(max(slots / layer.num_experts, block))])
+    print_table(f"{args.preset} {args.weights}: INDEXED regime per token count", ["T", "mean rows", "block",
+                                                                                  "regime"], regimes)
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    rows = []
+    for T, _, _, reg in regimes:
+        x = torch.randn(T, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+        tw, ids = layer.route(layer.gate(x), None)
+        call = lambda: layer.experts(x, tw, ids)  # noqa: E731
+        graphs, ref = [], None
+        for cfg in configs:
+            with table_entry(key, cfg):
+                graph, out = captured(call)
+                graph.replay()
+            torch.cuda.synchronize()
+            ref = out.clone() if ref is None else ref
+            diff = ((out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30)).item()
+            ok = bool(torch.isfinite(out).all()) and diff <= 2e-2
+            graphs.append((cfg, graph if ok else None, diff))
+        times: dict = {cfg.short(): [] for cfg, _, _ in graphs}
+        for _ in range(args.rounds):
+            for cfg, graph, _ in graphs:
+                if graph is not None:
+                    times[cfg.short()].append(bench_us(graph.replay, warmup_ms=10, rep_ms=100))
+        base = statistics.median(times[table.short()])
+        for cfg, graph, diff in graphs:
+            ts = times[cfg.short()]
+            med = statistics.median(ts) if ts else float("nan")
+            rows.append([T, reg, cfg.short() + (" (table)" if cfg == table else ""),
+                         round(med, 1), round(min(ts), 1) if ts else float("nan"),
+                         round(med / base, 3), f"{diff:.1e}", "ok" if graph is not None else "WRONG"])
+        del graphs
+        torch.cuda.empty_cache()
+    headers = ["T", "regime", "config", "median us", "min us", "vs table", "rel diff", "check"]
+    print_table(f"{args.preset} {args.weights}, {args.regime} candidates, {args.rounds} alternating rounds "
+                "(graph replay of FusedMoE.experts)", headers, rows)
+    write_report(args.out, "bench_tiles_ab", "Tile candidates on whole calls, alternating rounds",
+                 f"{args.preset} {args.weights}, regime {args.regime}: each candidate replaces TUNED[{key}] for "
+                 "its turn; CUDA-graph replays timed in turn, round after round.",
+                 headers, rows, extra={"regimes": regimes, "wall_s": time.time() - t0})
+    print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

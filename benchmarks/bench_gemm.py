@@ -202,8 +202,7 @@ def sweep(store, stage, L, r, a, w, q, meta, out, dev, backend):
     reg = kg.regime(r)
     for kind, wt in (("bf16", w), ("mxfp4", q)):
         key = f"{kind}/{reg}"
-        table = kg.SWEEP_MXFP4 if kind == "mxfp4" else kg.SWEEP
-        cands = table[reg] if not dev.type == "cpu" else [kg.INTERPRET_CONFIG]
+        cands = kg.sweep_lists(kind)[reg] if not dev.type == "cpu" else [kg.INTERPRET_CONFIG]
         time_candidates(store, key, cands, dev,
                         lambda cfg: backend.gemm(a, wt, meta, stage=stage, bias=None, out=out, config=cfg))
 

@@ -33,17 +33,22 @@ from _common import bench_us, captured, print_table, write_report  # noqa: E402
 from padded_moe import experts as ex  # noqa: E402
 from padded_moe.kernels import gemm as kg  # noqa: E402
 from padded_moe.layer import FusedMoE  # noqa: E402
-from padded_moe.layouts import default_block_m  # noqa: E402
+from padded_moe.layouts import GemmLayout, build_layout  # noqa: E402
 from padded_moe.mxfp4 import Mxfp4Tensor  # noqa: E402
 
 
 def candidate_pool(kind: str) -> dict:
     """Every config the sweep lists and tables know for `kind`, by short name."""
-    lists = kg.SWEEP_MXFP4_HOPPER if kind.startswith("mxfp4_hopper") else (
-        kg.SWEEP_MXFP4 if kind == "mxfp4" else kg.SWEEP)
-    pool = {c.short(): c for cands in lists.values() for c in cands}
+    pool = {c.short(): c for cands in kg.sweep_lists(kind).values() for c in cands}
     pool.update({c.short(): c for (k, _), c in list(kg.TUNED.items()) + list(kg.TUNED_NARROW.items()) if k == kind})
     return pool
+
+
+def indexed_regime(tokens: int, top_k: int, num_experts: int) -> tuple[float, int, str]:
+    """(mean rows per expert, row block, regime) of `fused_experts`' default INDEXED metadata for a
+    call of `tokens` tokens, from the layout builder itself."""
+    meta = build_layout(GemmLayout.INDEXED, torch.zeros(tokens, top_k, dtype=torch.int32), num_experts)
+    return tokens * top_k / num_experts, meta.block_m, kg.regime(meta.rows_per_expert())
 
 
 def table_kind_of(w13) -> str:
@@ -93,8 +98,7 @@ def main() -> None:
     table = kg.TUNED[key]
     pool = candidate_pool(kind)
     if args.candidates == "sweep":
-        lists = kg.SWEEP_MXFP4_HOPPER if kind.startswith("mxfp4_hopper") else kg.SWEEP
-        names = [c.short() for c in lists[args.regime]]
+        names = [c.short() for c in kg.sweep_lists(kind)[args.regime]]
     else:
         names = [n.strip() for n in args.candidates.split(",") if n.strip()]
     unknown = [n for n in names if n not in pool]
@@ -106,10 +110,8 @@ def main() -> None:
 
     regimes = []
     for T in (int(t) for t in args.tokens.split(",")):
-        slots = T * layer.top_k
-        block = default_block_m(slots, layer.num_experts)
-        regimes.append([T, round(slots / layer.num_experts, 1), block,
-                        kg.regime(max(slots / layer.num_experts, block))])
+        mean, block, reg = indexed_regime(T, layer.top_k, layer.num_experts)
+        regimes.append([T, round(mean, 1), block, reg])
     print_table(f"{args.preset} {args.weights}: INDEXED regime per token count", ["T", "mean rows", "block",
                                                                                   "regime"], regimes)
 

@@ -115,12 +115,14 @@ for stage in "$@"; do
                 STEP_TIMEOUT=320 step peers env OUT="$OUT/peers" BUDGET_S=270 TIMEOUT_S=310 bash .peers/run.sh \
                     --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx,dsv4,qwen3,mixtral --check-tokens 64,1024
             fi ;;
-        mx-resweep)  # GPT-OSS prepared MXFP4 after its loads became 16-byte: where the layer spends its time, then the
-            # sweep on the token counts the peers run (4, 32, 64 and 256 rows per expert), timed on INDEXED
+        mx-resweep)  # prepared MXFP4 tiles: where the GPT-OSS layer spends its time, then the sweep timed on INDEXED on
+            # both models (rows per expert from GPTOSS_ROWS / DSV4_ROWS; runs 90-92 split them over three calls)
             step profile-gptoss python3 benchmarks/profile_layer.py --preset gpt-oss-120b --weights mxfp4 \
                 --tokens 128 1024 8192 --graph
-            STEP_TIMEOUT=${SWEEP_S:-240} step sweep-mx4 python3 benchmarks/bench_gemm.py --mxfp4-hopper --models gpt-oss \
-                --rows 4,32,64,256 --sweep-planes 4 --out "$OUT/sweep-mx4" ;;
+            STEP_TIMEOUT=${SWEEP_S:-300} step sweep-mx4-gptoss python3 benchmarks/bench_gemm.py --mxfp4-hopper \
+                --models gpt-oss --rows "${GPTOSS_ROWS:-4,16,64,256,1024}" --sweep-planes 4 --out "$OUT/sweep-mx4"
+            STEP_TIMEOUT=${SWEEP_S:-300} step sweep-mx4-dsv4 python3 benchmarks/bench_gemm.py --mxfp4-hopper \
+                --models dsv4-flash --rows "${DSV4_ROWS:-8,64,192,1024}" --sweep-planes 4 --out "$OUT/sweep-mx4" ;;
         mx-retable)  # the re-swept prepared-MXFP4 table: GPU exactness of every candidate and of the table, sanitizer
             step test-hopper python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k "hopper"
             step sanitizer-hopper compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
@@ -139,16 +141,6 @@ for stage in "$@"; do
             step ab-small python3 benchmarks/bench_tiles_ab.py --preset gpt-oss-120b --weights mxfp4 --tokens 1024 \
                 --regime small --candidates BM64_BN128_BK128_G4_w4_s3_hop_ptx,BM64_BN128_BK128_G4_w4_s4_hop_ptx,BM64_BN256_BK64_G4_w8_s3_hop_ptx \
                 --out "$OUT/ab-small" ;;
-        mx-resweep-small)  # decode and small regimes on both MXFP4 models
-            STEP_TIMEOUT=${SWEEP_S:-240} step sweep-mx4-gptoss python3 benchmarks/bench_gemm.py --mxfp4-hopper \
-                --models gpt-oss --rows 4,16,64 --sweep-planes 4 --out "$OUT/sweep-mx4"
-            STEP_TIMEOUT=${SWEEP_S:-300} step sweep-mx4-dsv4 python3 benchmarks/bench_gemm.py --mxfp4-hopper \
-                --models dsv4-flash --rows 8,64 --sweep-planes 4 --out "$OUT/sweep-mx4" ;;
-        mx-resweep-big)  # the same for the medium and prefill regimes on both MXFP4 models
-            STEP_TIMEOUT=${SWEEP_S:-240} step sweep-mx4-gptoss python3 benchmarks/bench_gemm.py --mxfp4-hopper \
-                --models gpt-oss --rows 256,1024 --sweep-planes 4 --out "$OUT/sweep-mx4"
-            STEP_TIMEOUT=${SWEEP_S:-300} step sweep-mx4-dsv4 python3 benchmarks/bench_gemm.py --mxfp4-hopper \
-                --models dsv4-flash --rows 64,192,1024 --sweep-planes 4 --out "$OUT/sweep-mx4" ;;
         decode-words)  # MXFP4 decode kernels reading 32-bit words (canonical or prepared): tests and launch plans, sanitizer, timing of each MX_STEP
             step test-decode python3 -m pytest -q -m gpu tests/test_decode_gpu.py tests/test_launch_plan_gpu.py
             step sanitizer-decode compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \

@@ -38,3 +38,13 @@ def test_table_kind_and_candidates():
     pool = bench_tiles_ab.candidate_pool("mxfp4_hopper4")
     assert all(c.short() in pool for c in kg.SWEEP_MXFP4_HOPPER["decode"])
     assert kg.TUNED_NARROW[("mxfp4_hopper4", "medium")].short() in pool
+    assert bench_tiles_ab.candidate_pool("mxfp4").keys() >= {c.short() for c in kg.SWEEP_MXFP4["small"]}
+
+
+def test_indexed_regime_of_the_gpt_oss_calls_the_docs_name():
+    # 128 tokens: 4 mean rows per expert (decode); 1024: 32 in 64-row blocks (small); 8192: 256 in
+    # 128-row blocks (medium); DeepSeek-V4 at 1024: 24 in 32-row blocks (decode).
+    assert bench_tiles_ab.indexed_regime(128, 4, 128) == (4.0, 16, "decode")
+    assert bench_tiles_ab.indexed_regime(1024, 4, 128) == (32.0, 64, "small")
+    assert bench_tiles_ab.indexed_regime(8192, 4, 128) == (256.0, 128, "medium")
+    assert bench_tiles_ab.indexed_regime(1024, 6, 256) == (24.0, 32, "decode")

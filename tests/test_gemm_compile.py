@@ -14,6 +14,20 @@ import pytest
 
 from helpers import compile_for_sm90
 
+# Both compile scripts look at the SASS loops that issue HGMMA (the wgmma main loops).
+HGMMA_LOOPS = r"""
+def hgmma_loop_bodies(sass):
+    # The lines of each SASS loop (a backward branch to a label) that issues HGMMA.
+    lines = sass.splitlines()
+    labels = {l.strip()[:-1]: i for i, l in enumerate(lines) if re.match(r"^\s*\.?L?\w+:$", l)}
+    for i, l in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?([.\w]+)\)?;", l)
+        if m and labels.get(m.group(1), i) < i:
+            body = lines[labels[m.group(1)] + 1:i + 1]
+            if any("HGMMA" in b for b in body):
+                yield body
+"""
+
 SCRIPT = r"""
 import json, os, re, subprocess, sys, tempfile
 from pathlib import Path
@@ -33,17 +47,8 @@ aligned = {"N", "K", "K_PAD", "stride_am", "stride_we", "stride_wn", "stride_se"
 def loop_shuffles(sass):
     # Shared-memory stores and warp shuffles in the SASS loops that issue HGMMA (a register layout
     # conversion goes through one or the other); -1 when no such loop is found.
-    lines = sass.splitlines()
-    labels = {l[:-1]: i for i, l in enumerate(lines) if re.match(r"^\.?L?\w+:$", l)}
-    found, count = False, 0
-    for i, l in enumerate(lines):
-        m = re.search(r"BRA\s+`?\(?([.\w]+)\)?;", l)
-        if m and labels.get(m.group(1), i) < i:
-            body = lines[labels[m.group(1)] + 1:i + 1]
-            if any("HGMMA" in b for b in body):
-                found = True
-                count += sum(bool(re.search(r"\b(STS|SHFL)\b", b)) for b in body)
-    return count if found else -1
+    bodies = list(hgmma_loop_bodies(sass))
+    return sum(bool(re.search(r"\b(STS|SHFL)\b", b)) for body in bodies for b in body) if bodies else -1
 
 
 def wgmma_serialized(ptx):
@@ -109,7 +114,7 @@ def test_hopper_kernel_compiles_for_sm90():
              + [(lay, c, folded, 4) for c in four for lay in (0, 1, 2) for folded in (True, False)]
              + [(1, c, True, 4) for c in w_shared])
     arg = json.dumps([(lay, dataclasses.asdict(c), folded, planes) for lay, c, folded, planes in cases])
-    results = compile_for_sm90(SCRIPT, arg)
+    results = compile_for_sm90(HGMMA_LOOPS + SCRIPT, arg)
     for r in results:
         assert r["cubin"] > 0 and r["wgmma"] > 0, r
         assert r["async_copies"] > 0, f"main loop not pipelined: {r}"
@@ -161,18 +166,12 @@ for sig, values, const, warps, stages in json.loads(sys.argv[1]):
              if sig[n].startswith("*") or (sig[n] == "i32" and (values is None or values[n] % 16 == 0))}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-    lines = k.asm["sass"].splitlines()
-    labels = {l.strip()[:-1]: i for i, l in enumerate(lines) if re.match(r"^\s*\.?L?\w+:$", l)}
-    loads = {}
-    for i, l in enumerate(lines):  # global loads by width in the loops that issue HGMMA
-        m = re.search(r"BRA\s+`?\(?([.\w]+)\)?;", l)
-        if m and labels.get(m.group(1), i) < i:
-            body = lines[labels[m.group(1)] + 1:i + 1]
-            if any("HGMMA" in b for b in body):
-                for b in body:
-                    op = re.search(r"\b(LDGSTS|LDG)(\.[.\w]+)?", b)
-                    if op:
-                        loads[op.group(0)] = loads.get(op.group(0), 0) + 1
+    loads = {}  # global loads by width in the loops that issue HGMMA
+    for body in hgmma_loop_bodies(k.asm["sass"]):
+        for b in body:
+            op = re.search(r"\b(LDGSTS|LDG)(\.[.\w]+)?", b)
+            if op:
+                loads[op.group(0)] = loads.get(op.group(0), 0) + 1
     out.append(loads)
 print(json.dumps(out))
 """
@@ -217,5 +216,5 @@ def test_prepared_weights_load_as_wide_on_gpt_oss_rows_as_on_aligned_ones(regime
     sig.update({c: "constexpr" for c in const})
     assert values["stride_wn"] % 16 == 0, "GPT-OSS rows are 1440 bytes: the launcher must say so"
     case = (sig, values, const, opt["num_warps"], opt["num_stages"])
-    real, aligned = compile_for_sm90(LOADS_SCRIPT, json.dumps([case, case[:1] + (None,) + case[2:]]))
+    real, aligned = compile_for_sm90(HGMMA_LOOPS + LOADS_SCRIPT, json.dumps([case, case[:1] + (None,) + case[2:]]))
     assert real == aligned and any(".128" in op for op in real), (real, aligned)

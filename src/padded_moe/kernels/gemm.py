@@ -226,6 +226,13 @@ def table_kind(mxfp4: bool, hopper: bool, planes: int = 2) -> str:
     return "mxfp4" if mxfp4 else "bf16"
 
 
+def sweep_lists(kind: str) -> dict[str, list[GemmConfig]]:
+    """The sweep candidates per regime for a `table_kind`."""
+    if kind.startswith("mxfp4_hopper"):
+        return SWEEP_MXFP4_HOPPER
+    return SWEEP_MXFP4 if kind == "mxfp4" else SWEEP
+
+
 def pick_config(rows_per_expert: float, mxfp4: bool, interpreted: bool, hopper: bool = False,
                 planes: int = 2, block_rows: Optional[int] = None) -> GemmConfig:
     """The tuned config for the regime; one table serves every layout (see the note above

@@ -128,6 +128,19 @@ for stage in "$@"; do
             step sanitizer-hopper compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
                 tests/test_gemm_gpu.py -k "hopper_small_sanitizer"
             step test-plans python3 -m pytest -q -m gpu tests/test_launch_plan_gpu.py tests/test_decode_gpu.py ;;
+        fusion)  # the activation in GEMM1's epilogue: GPU exactness vs two steps, sanitizer, the suites that call
+            # fused_experts, whole-call timing with and without it
+            STEP_TIMEOUT=300 step test-epilogue python3 -m pytest -q -n 4 -m gpu tests/test_gemm_epilogue_gpu.py
+            step sanitizer-epilogue compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_gemm_epilogue_gpu.py -k "sanitizer"
+            STEP_TIMEOUT=240 step bench-fusion python3 benchmarks/bench_fusion.py --out "$OUT/bench" ;;
+        fusion-suites)  # the GPU suites that call fused_experts (now with the epilogue), then the peers table
+            STEP_TIMEOUT=180 step test-pipeline python3 -m pytest -q -n 4 -m gpu tests/test_experts_gpu.py \
+                tests/test_launch_plan_gpu.py tests/test_decode_gpu.py tests/test_compile_gpu.py
+            if [ -d .peers ]; then
+                STEP_TIMEOUT=380 step peers env OUT="$OUT/peers" BUDGET_S=330 TIMEOUT_S=370 bash .peers/run.sh \
+                    --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx,dsv4,qwen3,mixtral --check-tokens 64,1024
+            fi ;;
         peers-all)  # the peers table of record: all five cases in one run
             if [ -d .peers ]; then
                 STEP_TIMEOUT=420 step peers env OUT="$OUT/peers" BUDGET_S=380 TIMEOUT_S=410 bash .peers/run.sh \

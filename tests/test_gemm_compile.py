@@ -62,15 +62,18 @@ def wgmma_serialized(ptx):
 
 
 out = []
-for layout, cfg, folded, planes in json.loads(sys.argv[1]):
+for layout, cfg, folded, planes, act in json.loads(sys.argv[1]):
     cfg = kg.GemmConfig(**cfg)
     sig = {"a_ptr": "*bf16", "w_ptr": "*i32" if planes == 4 else "*u8", "s_ptr": "*i16" if folded else "*u8",
            "bias_ptr": "*bf16", "c_ptr": "*bf16",
            "ids_ptr": "*i32", "blk_exp_ptr": "*i32", "npad_ptr": "*i32", "off_ptr": "*i64", "cnt_ptr": "*i32"}
     sig.update({n: "i32" for n in ints})
+    sig.update({n: "fp32" for n in ("limit", "alpha", "beta", "situ_beta", "situ_lambda")})
+    gated = 0 <= act < 16  # an activation in the epilogue (kernels.activation ids), -1: none
     const = dict(LAYOUT=layout, HAS_BIAS=True, A_DIV=1, BLOCK_MB=cfg.BM, SUB=1, ROWS=cfg.BM, L_POW2=128,
                  FP32_DOT=False, K_TAIL=True, UPCAST_PTX=cfg.mx_ptx, WIDE=cfg.mx_wide, FOLDED=folded, PLANES=planes,
-                 W_SHARED=cfg.mx_w_shared, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+                 W_SHARED=cfg.mx_w_shared, ACT=act, HAS_LIMIT=act >= 0, HAS_LAMBDA=False, FAST=act >= 0,
+                 GATED=gated, BM=cfg.BM, BN=cfg.BN, BN_OUT=cfg.BN // 2 if gated else cfg.BN, BK=cfg.BK,
                  GROUP_M=cfg.GROUP_M)
     sig.update({k: "constexpr" for k in const})
     names = fn.arg_names
@@ -81,7 +84,7 @@ for layout, cfg, folded, planes in json.loads(sys.argv[1]):
     ptx = k.asm["ptx"]
     ttgir = k.asm["ttgir"]
     wgmma = [l for l in ptx.splitlines() if "wgmma.mma_async" in l]
-    out.append(dict(config=cfg.short(), layout=layout, folded=folded, planes=planes, shared=k.metadata.shared,
+    out.append(dict(config=cfg.short(), layout=layout, folded=folded, planes=planes, act=act, shared=k.metadata.shared,
                     cubin=len(k.asm["cubin"]), bf16x2_muls=ptx.count("mul.rn.bf16x2"),
                     logic_ops=len(re.findall(r"^\s*(?:and|or|shl|shr|prmt)\.b32", ptx, re.M)),
                     async_copies=ttgir.count("async_copy_global_to_local"),
@@ -113,7 +116,10 @@ def test_hopper_kernel_compiles_for_sm90():
              + [(0, tuned[0], True, 2), (2, tuned[0], True, 2)]
              + [(lay, c, folded, 4) for c in four for lay in (0, 1, 2) for folded in (True, False)]
              + [(1, c, True, 4) for c in w_shared])
-    arg = json.dumps([(lay, dataclasses.asdict(c), folded, planes) for lay, c, folded, planes in cases])
+    cases = [case + (-1,) for case in cases]
+    # GEMM1 with swigluoai (3) and silu (0) in the epilogue, on the 4-plane table's tiles
+    cases += [(lay, c, True, 4, act) for c in four if c.planes_ok(4) for lay in (0, 1) for act in (3, 0)]
+    arg = json.dumps([(lay, dataclasses.asdict(c), folded, planes, act) for lay, c, folded, planes, act in cases])
     results = compile_for_sm90(HGMMA_LOOPS + SCRIPT, arg)
     for r in results:
         assert r["cubin"] > 0 and r["wgmma"] > 0, r
@@ -126,7 +132,7 @@ def test_hopper_kernel_compiles_for_sm90():
             assert r["a_in_registers"], f"wgmma reads the upcast weights from shared memory: {r}"
         assert r["shared"] <= 227 * 1024, r
     # Folded scales drop the 2^126 multiply: the inline-PTX upcast has half the bf16x2 multiplies.
-    by_key = {(r["config"], r["layout"], r["folded"], r["planes"]): r for r in results}
+    by_key = {(r["config"], r["layout"], r["folded"], r["planes"]): r for r in results if r["act"] < 0}
     for c in unfolded_ptx:
         folded, plain = by_key[(c.short(), 1, True, 2)], by_key[(c.short(), 1, False, 2)]
         assert 0 < folded["bf16x2_muls"] and 2 * folded["bf16x2_muls"] == plain["bf16x2_muls"], (folded, plain)
@@ -147,6 +153,14 @@ def test_hopper_kernel_compiles_for_sm90():
             assert max(r["wait_pendings"]) > 0 and r["loop_shuffles"] >= 0, r
             if r["config"] == prefill and r["folded"]:
                 assert r["loop_shuffles"] == 0, r
+    # The activation epilogue changes what follows the loop, not the loop: the same wgmmas from
+    # registers, the same pipelined copies, no extra shared-memory store or shuffle per K step.
+    # (Whether ptxas serializes the wgmmas, C7515, flips either way with the code after the loop.)
+    for r in results:
+        if r["act"] >= 0:
+            plain = by_key[(r["config"], r["layout"], True, 4)]
+            for key in ("wgmma", "a_in_registers", "loop_shuffles", "async_copies", "wait_pendings"):
+                assert r[key] == plain[key], (key, r, plain)
 
 
 LOADS_SCRIPT = r"""
@@ -209,6 +223,8 @@ def test_prepared_weights_load_as_wide_on_gpt_oss_rows_as_on_aligned_ones(regime
         if isinstance(a, torch.Tensor):
             sig[n] = "*" + {torch.bfloat16: "bf16", torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8",
                             torch.int64: "i64", torch.float32: "fp32"}[a.dtype]
+        elif isinstance(a, float):
+            sig[n] = "fp32"
         else:
             sig[n], values[n] = "i32", a
     const = {c: getattr(v, "value", v) for c, v in const.items()}  # tl.constexpr codes as plain values

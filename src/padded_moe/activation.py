@@ -44,6 +44,11 @@ class MoEActivation(enum.Enum):
     def is_gated(self) -> bool:
         return not self.value.endswith("_no_mul")
 
+    @property
+    def interleaved(self) -> bool:
+        """Gate and up interleaved in the input's columns (gate 2i, up 2i+1), not gate half first."""
+        return self is MoEActivation.SWIGLUOAI
+
     def without_mul(self) -> "MoEActivation":
         """The non-gated variant (`silu` → `silu_no_mul`); non-gated ones return themselves."""
         if not self.is_gated:
@@ -187,6 +192,40 @@ def _resolve(act: MoEActivation, cfg: ApplyMoEActivationConfig) -> _Params:
     return _Params(limit, float(alpha), float(beta), float(situ_beta), situ_lambda)
 
 
+@dataclass(frozen=True)
+class ActivationEpilogue:
+    """An activation applied in GEMM1's epilogue (`padded_moe.gemm.expert_gemm(activation=...)`):
+    the activation and its resolved parameters, for the kernel that computes GEMM1."""
+
+    activation: MoEActivation
+    params: _Params
+
+    @classmethod
+    def of(cls, activation: Union[str, MoEActivation],
+           config: Optional[ApplyMoEActivationConfig] = None) -> "ActivationEpilogue":
+        act = resolve_supported(activation)
+        cfg = ApplyMoEActivationConfig() if config is None else config
+        if not isinstance(cfg, ApplyMoEActivationConfig):
+            raise TypeError(f"activation_config must be an ApplyMoEActivationConfig, got {type(cfg).__name__}")
+        return cls(act, _resolve(act, cfg))
+
+    def kernel_args(self, fast: bool) -> tuple[tuple, dict]:
+        return kernel_args(self.activation, self.params, fast)
+
+
+def kernel_args(act: MoEActivation, p: _Params, fast: bool) -> tuple[tuple, dict]:
+    """What a kernel that applies `act` takes besides its tensors: the floats (limit, alpha, beta,
+    situ_beta, situ_lambda; placeholders where a feature is off) and the constexprs ACT, HAS_LIMIT,
+    HAS_LAMBDA, FAST in that order. `fast`: approximate tanh (compiled 16-bit outputs only, whose
+    rounding hides its error)."""
+    from padded_moe.kernels.activation import KERNEL_IDS
+
+    floats = (p.limit if p.limit is not None else 0.0, p.alpha, p.beta, p.situ_beta,
+              p.situ_lambda if p.situ_lambda is not None else 1.0)
+    return floats, dict(ACT=KERNEL_IDS[act.value], HAS_LIMIT=p.limit is not None,
+                        HAS_LAMBDA=p.situ_lambda is not None, FAST=fast)
+
+
 def _check_tensors(act: MoEActivation, output: Any, input: Any, counts: Any) -> None:
     require_tensor("output", output)
     require_tensor("input", input)
@@ -311,7 +350,7 @@ def _run_torch(act: MoEActivation, output: torch.Tensor, input: torch.Tensor,
     ns = [num_rows] * in3.shape[0] if counts is None else [max(0, min(int(c), num_rows)) for c in counts.tolist()]
     kwargs = dict(limit=p.limit, alpha=p.alpha, beta=p.beta, situ_beta=p.situ_beta, situ_lambda=p.situ_lambda)
     for e, n in enumerate(ns):
-        torch_activation.apply_rows(act.value, act.is_gated, act is MoEActivation.SWIGLUOAI,
+        torch_activation.apply_rows(act.value, act.is_gated, act.interleaved,
                                     out3[e, :n], in3[e, :n], kwargs)
 
 
@@ -329,7 +368,7 @@ def _block_shape(d: int, tuning: dict) -> tuple[int, int, int]:
 def _launch_triton(act: MoEActivation, output: torch.Tensor, input: torch.Tensor,
                    counts: Optional[torch.Tensor], p: _Params, tuning: dict) -> None:
     from padded_moe.kernels._launch import launch, ptr_key
-    from padded_moe.kernels.activation import KERNEL_IDS, moe_activation_kernel
+    from padded_moe.kernels.activation import moe_activation_kernel
 
     out3, in3 = _as_batched(output), _as_batched(input)
     num_experts, num_rows, d = out3.shape
@@ -341,12 +380,8 @@ def _launch_triton(act: MoEActivation, output: torch.Tensor, input: torch.Tensor
     grid = (row_programs, col_blocks, num_experts)
     counts_arg = counts if counts is not None else in3  # unused pointer when HAS_COUNTS is False
     ptrs = (out3, in3, counts_arg)
-    scalars = (num_rows, d, in3.stride(0), in3.stride(1), out3.stride(0), out3.stride(1),
-               p.limit if p.limit is not None else 0.0, p.alpha, p.beta, p.situ_beta,
-               p.situ_lambda if p.situ_lambda is not None else 1.0)
-    constexprs = dict(
-        ACT=KERNEL_IDS[act.value], HAS_COUNTS=counts is not None, HAS_LIMIT=p.limit is not None,
-        HAS_LAMBDA=p.situ_lambda is not None,
-        # Approximate tanh only where the output's rounding hides it, and never in the interpreter.
-        FAST=input.is_cuda and output.dtype != torch.float32, BLOCK_T=block_t, BLOCK_D=block_d)
+    # Approximate tanh only where the output's rounding hides it, and never in the interpreter.
+    floats, flags = kernel_args(act, p, fast=input.is_cuda and output.dtype != torch.float32)
+    scalars = (num_rows, d, in3.stride(0), in3.stride(1), out3.stride(0), out3.stride(1)) + floats
+    constexprs = dict(ACT=flags.pop("ACT"), HAS_COUNTS=counts is not None, **flags, BLOCK_T=block_t, BLOCK_D=block_d)
     launch(moe_activation_kernel, grid, scalars + ptr_key(*ptrs), ptrs + scalars, constexprs, num_warps=num_warps)

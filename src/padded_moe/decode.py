@@ -26,7 +26,7 @@ import torch
 
 from padded_moe import _platform
 from padded_moe._util import cdiv, next_pow2
-from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, _resolve
+from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, _resolve, kernel_args
 from padded_moe.gemm import check_bias, check_weight
 from padded_moe.mxfp4 import Mxfp4Tensor
 
@@ -175,7 +175,6 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
     """Run the decode path on arguments `fused_experts` checked; `h [M*k, N]` is scratch for the
     activation's output, `out [M, K]` receives the result (rows at/after `valid_tokens` untouched)."""
     from padded_moe.kernels._launch import launch, ptr_key
-    from padded_moe.kernels.activation import KERNEL_IDS
     from padded_moe.kernels.decode import _decode_w2_combine_kernel, _decode_w13_act_kernel, _decode_w13_mx_kernel
 
     num_tokens, hidden_size = hidden.shape
@@ -197,12 +196,9 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
     flags = dict(TOP_K=top_k, HAS_MAP=table is not None, HAS_VT=valid_tokens is not None)
 
     a13, a2 = _weight_parts(w13), _weight_parts(w2)
-    floats = (p.limit if p.limit is not None else 0.0, p.alpha, p.beta, p.situ_beta,
-              p.situ_lambda if p.situ_lambda is not None else 1.0)
-    constexprs = dict(flags, HAS_BIAS=w13_bias is not None, ACT=KERNEL_IDS[act.value], HAS_LIMIT=p.limit is not None,
-                      HAS_LAMBDA=p.situ_lambda is not None,
-                      # The activation kernel's choice: approximate tanh only under 16-bit rounding.
-                      FAST=hidden.is_cuda and hidden.dtype != torch.float32)
+    # The activation kernel's choice: approximate tanh only under 16-bit rounding.
+    floats, act_flags = kernel_args(act, p, fast=hidden.is_cuda and hidden.dtype != torch.float32)
+    constexprs = dict(flags, HAS_BIAS=w13_bias is not None, **act_flags)
     b13 = dummy if w13_bias is None else w13_bias
     tail = (0 if w13_bias is None else w13_bias.stride(0), h.stride(0))
     ints = (n, hidden_size, num_slots, num_experts, num_local, hidden.stride(0)) + ids_stride + a13.strides

@@ -1,5 +1,8 @@
 """The fused expert call (spec 03): layout → (permute) → GEMM1 → activation → GEMM2 → unpermute.
 
+On the Triton backend GEMM1 applies spec 01's activation in its epilogue (`expert_gemm(activation=)`)
+where that is measured faster (`PADDED_MOE_FUSE_ACTIVATION` overrides) and writes only the
+activation's `[rows, N]`; otherwise GEMM1 writes `[rows, 2N]` and the activation op follows.
 The activation always receives the layout's valid-prefix count, so rows that hold padding
 (dropped slots, tokens past `valid_tokens`, capacity past an expert's count) are never activated,
 and the GEMMs skip them by reading their bounds on the device. With a scratch object every
@@ -34,7 +37,8 @@ from padded_moe.activation import (
 )
 from padded_moe.decode import DECODE_ENV, decode_allowed, decode_experts, fits_decode
 from padded_moe.expert_map import ExpertMap, check_topk_ids, check_valid_tokens
-from padded_moe.gemm import expert_gemm
+from padded_moe.backends import resolve_backend
+from padded_moe.gemm import FUSE_ENV, expert_gemm, fuse_activation_mode
 from padded_moe.layouts import (
     LAYOUT_ENV,
     GemmLayout,
@@ -84,7 +88,8 @@ def expert_workspace(num_tokens: int, top_k: int, hidden_size: int, w13_rows: in
                      num_local: Optional[int] = None) -> tuple[WorkspaceBuffer, ...]:
     """The buffers `fused_experts` (flat: `num_local` None, `[M*k, .]` rows) or `batched_experts`
     (`[L, T, .]` slabs with `T = num_tokens`, `top_k` unused) allocates besides the layout's
-    own (`PermuteScratch`): the one description both allocate from and the planner sizes."""
+    own (`PermuteScratch`): the one description both allocate from and the planner sizes (the
+    worst case: a call whose GEMM1 applies the activation allocates no GEMM1 output)."""
     if num_local is None:
         rows = (num_tokens * top_k,)
         return (WorkspaceBuffer("gemm1", "GEMM1 out", rows + (w13_rows,)),
@@ -265,7 +270,7 @@ def _plan_key(x, topk_weights, topk_ids, valid_tokens, weights: tuple, options: 
         return None
     device = torch.cuda.current_device()
     return (device, _launch.current_stream(device), threading.get_ident(), os.environ.get(LAYOUT_ENV),
-            os.environ.get(DECODE_ENV), eager_cache,
+            os.environ.get(DECODE_ENV), os.environ.get(FUSE_ENV), eager_cache,
             options, weight_keys, _input_key(x), _input_key(topk_weights), _input_key(topk_ids),
             None if valid_tokens is None else _input_key(valid_tokens))
 
@@ -379,13 +384,22 @@ def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, step: _Step, cfg: 
                               table, w13_bias, w2_bias, valid_tokens, allocate("act"), allocate("out"))
     meta = build_layout_resolved(layout, topk_ids, num_experts, num_local, table, valid_tokens=valid_tokens,
                                  scratch=buffers)
-    gemm1, act, gemm2, out = (allocate(name) for name in ("gemm1", "act", "gemm2", "out"))
-    expert_gemm(permute(hidden_states, meta), w13, meta, stage="w13", bias=w13_bias, out=gemm1, backend=backend)
-    if isinstance(step.activation, MoEActivation):
-        apply_moe_activation(step.activation, act, gemm1, activation_config=cfg,
-                             valid_token_counts=meta.activation_counts)
+    act, gemm2, out = (allocate(name) for name in ("act", "gemm2", "out"))
+    x = permute(hidden_states, meta)
+    impl = resolve_backend(backend, device, meta.layout, w13)
+    mode = fuse_activation_mode()
+    if isinstance(step.activation, MoEActivation) and impl.fuses_activation \
+            and (mode == "on" or (mode == "auto" and impl.epilogue_pays(x, w13, meta))):
+        expert_gemm(x, w13, meta, stage="w13", bias=w13_bias, out=act, backend=backend,
+                    activation=step.activation, activation_config=cfg)
     else:
-        act = _row_function("activation", step.activation, gemm1, act.shape[1], act)
+        gemm1 = allocate("gemm1")
+        expert_gemm(x, w13, meta, stage="w13", bias=w13_bias, out=gemm1, backend=backend)
+        if isinstance(step.activation, MoEActivation):
+            apply_moe_activation(step.activation, act, gemm1, activation_config=cfg,
+                                 valid_token_counts=meta.activation_counts)
+        else:
+            act = _row_function("activation", step.activation, gemm1, act.shape[1], act)
     expert_gemm(act, w2, meta, stage="w2", bias=w2_bias, out=gemm2, backend=backend)
     if step.output_transform is not None:
         gemm2 = _row_function("output_transform", step.output_transform, gemm2, hidden_size, gemm2)

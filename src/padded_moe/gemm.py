@@ -13,21 +13,46 @@ once to `out`'s dtype:
 
 `out=None` allocates with `torch.empty`, so rows the layout does not cover hold garbage; pass a
 buffer when they must keep a value.
+
+`activation=` (stage "w13" only): spec 01's activation applied to GEMM1's rows before they are
+stored, so `out` has the activation's width (`Nout/2` gated, `Nout` otherwise) and no `[rows, Nout]`
+buffer is written. The values equal GEMM1 into a buffer of `a`'s dtype followed by
+`apply_moe_activation` on the valid rows: the epilogue rounds to `a`'s dtype before the
+activation as that buffer would. The Triton backend computes it in GEMM1's epilogue; other backends
+run the two steps (allocating the intermediate). `fused_experts` uses the epilogue on the Triton
+backend where it is measured faster (`GemmBackend.epilogue_pays`), or as the environment variable
+`PADDED_MOE_FUSE_ACTIVATION` says (`fuse_activation_mode`).
 """
 
 from __future__ import annotations
 
 from typing import Optional, Union
 
+import os
+
 import torch
 
 from padded_moe._validation import (FLOAT_DTYPES, INDEX_DTYPES, require_dtype, require_last_dim_contiguous,
                                     require_rank, require_same_device, require_shape, require_tensor)
+from padded_moe.activation import ActivationEpilogue, ApplyMoEActivationConfig, MoEActivation, apply_moe_activation
 from padded_moe.backends import resolve_backend
 from padded_moe.layouts import LayoutMeta, LayoutMetaBase
 from padded_moe.mxfp4 import Mxfp4Tensor
 
 STAGES = ("w13", "w2")
+# Whether `fused_experts` applies the activation in GEMM1's epilogue: "auto" (or unset) where
+# the backend measures it faster, "1" always (backends that offer it), "0" never (GEMM1, then the
+# activation op). The two give equal results; the variable is for comparing them.
+FUSE_ENV = "PADDED_MOE_FUSE_ACTIVATION"
+_FUSE_MODES = {"": "auto", "auto": "auto", "1": "on", "0": "off"}
+
+
+def fuse_activation_mode() -> str:
+    """"auto", "on" or "off", from `PADDED_MOE_FUSE_ACTIVATION` (read at every call)."""
+    value = os.environ.get(FUSE_ENV, "").strip().lower()
+    if value not in _FUSE_MODES:
+        raise ValueError(f"{FUSE_ENV} must be one of auto, 1, 0 (or unset), got {value!r}")
+    return _FUSE_MODES[value]
 
 
 def _check_meta(meta, device: torch.device) -> None:
@@ -80,28 +105,52 @@ def check_weight(w, a: torch.Tensor, num_local: int) -> tuple[int, int]:
 
 def expert_gemm(a: torch.Tensor, w: Union[torch.Tensor, Mxfp4Tensor], layout_meta: LayoutMeta, *,
                 stage: str = "w13", bias: Optional[torch.Tensor] = None,
-                out: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
+                out: Optional[torch.Tensor] = None, backend: str = "auto",
+                activation: Union[None, str, MoEActivation] = None,
+                activation_config: Optional[ApplyMoEActivationConfig] = None) -> torch.Tensor:
     """One expert GEMM over `layout_meta`'s layout; returns `out` (see the module docstring)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    epilogue = None
+    if activation is not None:
+        if stage != "w13":
+            raise ValueError(f"activation applies to stage 'w13' (GEMM1's epilogue), got stage {stage!r}")
+        epilogue = ActivationEpilogue.of(activation, activation_config)
+    elif activation_config is not None:
+        raise ValueError("activation_config needs activation")
     require_tensor("a", a)
     require_dtype("a", a, FLOAT_DTYPES)
     require_last_dim_contiguous("a", a)
     _check_meta(layout_meta, a.device)
     n_out, _ = check_weight(w, a, layout_meta.num_local)
-    out_shape = layout_meta.gemm_out_shape(a, stage, n_out)
     check_bias(bias, a, layout_meta.num_local, n_out)
+    width = n_out
+    if epilogue is not None and epilogue.activation.is_gated:
+        if n_out % 2:
+            raise ValueError(f"w's rows must be even (gate and up) for gated {epilogue.activation.value}, "
+                             f"got {n_out}")
+        width = n_out // 2
+    out_shape = layout_meta.gemm_out_shape(a, stage, width)
     if out is None:
         out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
     else:
         _check_out(out, out_shape, a, layout_meta)
     impl = resolve_backend(backend, a.device, layout_meta.layout, w)
+    out_rows = out
     if layout_meta.CAPACITY_ROWS and out.shape[0] != a.shape[0]:
         # Capacity buffers of different sizes: every valid row is < M*k <= both.
         rows = min(a.shape[0], out.shape[0])
-        impl.gemm(a[:rows], w, layout_meta, stage=stage, bias=bias, out=out[:rows])
-        return out
-    return impl.gemm(a, w, layout_meta, stage=stage, bias=bias, out=out)
+        a, out_rows = a[:rows], out[:rows]
+    if epilogue is None:
+        impl.gemm(a, w, layout_meta, stage=stage, bias=bias, out=out_rows)
+    elif impl.fuses_activation:
+        impl.gemm_activation(a, w, layout_meta, bias=bias, out=out_rows, epilogue=epilogue)
+    else:  # GEMM1 into an intermediate, then the activation op on the layout's valid rows
+        h = torch.empty(out_rows.shape[:-1] + (n_out,), dtype=a.dtype, device=a.device)
+        impl.gemm(a, w, layout_meta, stage=stage, bias=bias, out=h)
+        apply_moe_activation(epilogue.activation, out_rows, h, activation_config=activation_config,
+                             valid_token_counts=layout_meta.activation_counts)
+    return out
 
 
 def _check_out(out, out_shape: tuple[int, ...], a: torch.Tensor, meta: LayoutMeta) -> None:

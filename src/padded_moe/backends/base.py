@@ -26,6 +26,9 @@ class GemmBackend(ABC):
     # (`distributed._backend_quantizes_inputs`). No backend here does; the flag stays on the
     # interface for backends added later (and the refusal is tested with one that sets it).
     quantizes_inputs: bool = False
+    # Whether `gemm_activation` applies spec 01's activation in GEMM1's epilogue. The pipeline
+    # (`fused_experts`) uses it where offered; other backends run GEMM1, then the activation op.
+    fuses_activation: bool = False
 
     def available(self, device: torch.device) -> Optional[str]:
         """None when usable on `device`; otherwise the reason it is not."""
@@ -41,3 +44,15 @@ class GemmBackend(ABC):
     def gemm(self, a: torch.Tensor, w: Weight, meta: LayoutMeta, *, stage: str,
              bias: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """Fill `out` at the layout's valid rows; leave every other row untouched."""
+
+    def gemm_activation(self, a: torch.Tensor, w: Weight, meta: LayoutMeta, *, bias: Optional[torch.Tensor],
+                        out: torch.Tensor, epilogue) -> torch.Tensor:
+        """GEMM1 with `epilogue` (an `ActivationEpilogue`) applied before the store: `out` has the
+        activation's width and is filled at the valid rows only, with the values GEMM1 then the
+        activation op would give. Only backends with `fuses_activation`."""
+        raise NotImplementedError(f"backend {self.name!r} does not apply the activation in GEMM1's epilogue")
+
+    def epilogue_pays(self, a: torch.Tensor, w: Weight, meta: LayoutMeta) -> bool:
+        """Whether the epilogue is measured faster than the two steps for this GEMM1 (what
+        `fused_experts` asks by default); only backends with `fuses_activation`."""
+        return self.fuses_activation

@@ -17,6 +17,7 @@ from padded_moe.mxfp4 import Mxfp4Tensor
 
 class TritonBackend(GemmBackend):
     name = "triton"
+    fuses_activation = True
 
     def available(self, device: torch.device) -> Optional[str]:
         # use_triton first: on CPU without the interpreter it answers without importing triton
@@ -34,7 +35,19 @@ class TritonBackend(GemmBackend):
     def supports(self, layout: GemmLayout, weight: Weight) -> bool:
         return True
 
-    def gemm(self, a, w, meta, *, stage, bias, out, config=None):
+    def epilogue_pays(self, a, w, meta) -> bool:
+        from padded_moe.kernels import gemm as kg
+
+        args = meta.gemm_args("w13")
+        mx = isinstance(w, Mxfp4Tensor)
+        cfg = kg.default_config(a.is_cuda, mx, w.hopper if mx else None, args["layout"], args["block_m"],
+                                args["rows_per_expert"])
+        return kg.epilogue_pays(cfg)
+
+    def gemm_activation(self, a, w, meta, *, bias, out, epilogue, config=None):
+        return self.gemm(a, w, meta, stage="w13", bias=bias, out=out, config=config, epilogue=epilogue)
+
+    def gemm(self, a, w, meta, *, stage, bias, out, config=None, epilogue=None):
         from padded_moe.kernels import gemm as kg
 
         a2 = a.reshape(-1, a.shape[-1])
@@ -47,5 +60,5 @@ class TritonBackend(GemmBackend):
         else:
             wt, ws = w, None
         kg.launch(a2, wt, ws, out2, num_local=meta.num_local, bias=bias, config=config, w_hopper=wh,
-                  **meta.gemm_args(stage))
+                  epilogue=epilogue, **meta.gemm_args(stage))
         return out

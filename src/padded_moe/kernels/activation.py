@@ -159,3 +159,35 @@ def moe_activation_kernel(
             y = _gated(g, u, ACT, HAS_LIMIT, limit, alpha, beta, situ_beta, HAS_LAMBDA, situ_lambda, FAST)
         out_rows = out_base + rows[:, None] * stride_out_t
         tl.store(out_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- GEMM1's epilogue: the same activation applied to GEMM1's accumulators (the decode kernels and
+# the layout GEMM kernel), so that no [rows, 2N] buffer is written and read back ----
+
+
+@triton.jit
+def _gate_up_rows(rn, N, ACT: tl.constexpr):
+    """w13 rows of activation columns `rn`: the gate's and the up projection's (interleaved for
+    swigluoai, else the gate half first)."""
+    if ACT == ACT_SWIGLUOAI:
+        return 2 * rn, 2 * rn + 1
+    return rn, rn + N
+
+
+@triton.jit
+def _bias_act(acc_g, acc_u, b_row, g_rows, u_rows, n_ok, h_ptr, limit, alpha, beta, situ_beta, situ_lambda,
+              HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr,
+              FAST: tl.constexpr):
+    """GEMM1's epilogue, for accumulators of any rank ending in the activation columns: the gate and
+    up biases (`b_row`: the expert's bias row), rounding to the activation dtype first (the values
+    the activation reads from GEMM1's output buffer on the layout path), then the activation, fp32."""
+    h_ty = h_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc_g += tl.load(b_row + g_rows, mask=n_ok, other=0.0).to(tl.float32)
+    g = acc_g.to(h_ty).to(tl.float32)
+    if ACT < ACT_SILU_NO_MUL:
+        if HAS_BIAS:
+            acc_u += tl.load(b_row + u_rows, mask=n_ok, other=0.0).to(tl.float32)
+        return _gated(g, acc_u.to(h_ty).to(tl.float32), ACT, HAS_LIMIT, limit, alpha, beta, situ_beta, HAS_LAMBDA,
+                      situ_lambda, FAST)
+    return _ungated(g, ACT, FAST)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from padded_moe.kernels.activation import ACT_SILU_NO_MUL, ACT_SWIGLUOAI, _gated, _ungated
+from padded_moe.kernels.activation import ACT_SILU_NO_MUL, _bias_act, _gate_up_rows
 from padded_moe.kernels.gemm import (_E2M1_PTX_FOLDED_ASM, _FOUR_PLANE_PTX_FOLDED_ASM, _byte_strided_rows, _dot_fp32_or,
                                      _e2m1_plane, _factor_f32, _four_plane, _scale_factor)
 from padded_moe.kernels.guard import slot_local_expert
@@ -40,34 +40,6 @@ from padded_moe.kernels.guard import slot_local_expert
 # How the MXFP4 decode kernels read weights (`MX_ROUTE`): the canonical packed bytes, decoded per
 # byte in float32; the same bytes as 32-bit words of eight codes; the prepared 4-plane words.
 MX_BYTES, MX_WORDS, MX_PREPARED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-
-
-@triton.jit
-def _gate_up_rows(rn, N, ACT: tl.constexpr):
-    """w13 rows of activation columns `rn`: the gate's and the up projection's (interleaved for
-    swigluoai, else the gate half first)."""
-    if ACT == ACT_SWIGLUOAI:
-        return 2 * rn, 2 * rn + 1
-    return rn, rn + N
-
-
-@triton.jit
-def _bias_act(acc_g, acc_u, b_row, g_rows, u_rows, n_ok, h_ptr, limit, alpha, beta, situ_beta, situ_lambda,
-              HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr,
-              FAST: tl.constexpr):
-    """GEMM1's epilogue, for accumulators of any rank ending in the activation columns: the gate and
-    up biases (`b_row`: the expert's bias row), rounding to the activation dtype first (the values
-    the activation reads from GEMM1's output buffer on the layout path), then the activation, fp32."""
-    h_ty = h_ptr.dtype.element_ty
-    if HAS_BIAS:
-        acc_g += tl.load(b_row + g_rows, mask=n_ok, other=0.0).to(tl.float32)
-    g = acc_g.to(h_ty).to(tl.float32)
-    if ACT < ACT_SILU_NO_MUL:
-        if HAS_BIAS:
-            acc_u += tl.load(b_row + u_rows, mask=n_ok, other=0.0).to(tl.float32)
-        return _gated(g, acc_u.to(h_ty).to(tl.float32), ACT, HAS_LIMIT, limit, alpha, beta, situ_beta, HAS_LAMBDA,
-                      situ_lambda, FAST)
-    return _ungated(g, ACT, FAST)
 
 
 @triton.jit

@@ -37,6 +37,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from padded_moe import layout_codes as codes
 from padded_moe.kernels._codes import GROUPED_CONTIGUOUS, INDEXED
 from padded_moe.kernels._launch import launch as launch_kernel, ptr_key
+from padded_moe.kernels.activation import ACT_SWIGLUOAI, _bias_act, _gate_up_rows
 from padded_moe.kernels.guard import expert_id_ok
 
 
@@ -249,6 +250,31 @@ def pick_config(rows_per_expert: float, mxfp4: bool, interpreted: bool, hopper: 
     return cfg
 
 
+def default_config(cuda: bool, mxfp4: bool, w_hopper, layout: int, block_m: int,
+                   rows_per_expert: float) -> GemmConfig:
+    """The config `launch` takes when none is given."""
+    from padded_moe.kernels import INTERPRETED
+
+    return pick_config(rows_per_expert, mxfp4, INTERPRETED and not cuda, hopper=w_hopper is not None,
+                       planes=2 if w_hopper is None else w_hopper.planes,
+                       block_rows=block_m if layout == codes.INDEXED else None)
+
+
+# The activation in GEMM1's epilogue against GEMM1 then the activation kernel, on whole
+# `FusedMoE.experts` calls (benchmarks/bench_fusion.py on an H200, alternating graph replays):
+# with tiles of up to 128 weight rows 1-3% faster on DeepSeek-V4 (bf16 and MXFP4), Qwen3-MoE and
+# Mixtral from 16 to 1024 tokens (GPT-OSS at 16 and 128 tokens 1.5-2.3% slower, at 1024 2% faster);
+# with the 256-row tiles of the wide entries 3-5% slower on GPT-OSS (MXFP4, 256 rows per expert),
+# DeepSeek-V4 (bf16, 64-row blocks) and Mixtral at 8192 tokens, though 2-3% faster on Qwen3-MoE
+# at 8192 and Mixtral at 1024. `fused_experts` takes the epilogue where the tile is this wide or
+# narrower (PADDED_MOE_FUSE_ACTIVATION=1: always).
+EPILOGUE_MAX_BN = 128
+
+
+def epilogue_pays(cfg: GemmConfig) -> bool:
+    return cfg.BN <= EPILOGUE_MAX_BN
+
+
 # ---------------------------------------------------------------------------------------------
 # Device code
 # ---------------------------------------------------------------------------------------------
@@ -372,23 +398,75 @@ def _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_o
 
 
 @triton.jit
+def _weight_rows(n0, N, ACT: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr):
+    """The BN weight rows of the tile whose output columns start at `n0`, and their mask. Without
+    a gated activation in the epilogue they are the columns. With one (`GATED`: BN/2 activation
+    columns) they are the columns' gate and up rows: for interleaved gate/up rows (swigluoai) the
+    contiguous range from 2*n0 (gate of column i at tile row 2i, up at 2i+1), else the gate rows
+    of the columns, then their up rows (two contiguous halves: loads stay vectorized). Plain
+    arithmetic on one arange, so the rows keep the layout the loads and the MMA expect."""
+    j = tl.arange(0, BN)
+    if GATED:
+        if ACT == ACT_SWIGLUOAI:
+            col = n0 + j // 2
+            wr = 2 * n0 + j
+        else:
+            up = (j >= BN // 2).to(tl.int32)
+            col = n0 + j - up * (BN // 2)
+            wr = col + up * N
+    else:
+        col = n0 + j
+        wr = col
+    return wr, col < N
+
+
+@triton.jit
+def _store_act_tile(acc, acc_u, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, N,
+                    limit, alpha, beta, situ_beta, situ_lambda, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                    HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr,
+                    TWO_ACC: tl.constexpr, BM: tl.constexpr, BN_OUT: tl.constexpr):
+    """GEMM1's epilogue with the activation (`ACT` >= 0): `acc [BM, 2*BN_OUT]` holds the gates and
+    ups of BN_OUT activation columns as `_weight_rows` placed them, or with `TWO_ACC` the gates are
+    `acc` and the ups `acc_u`; biases, the rounding GEMM1's output buffer would apply, the
+    activation (`_bias_act`, as the decode kernels do), then `[BM, BN_OUT]` stored at the valid
+    rows: the layout path's math without its `[rows, 2N]` buffer."""
+    if GATED and not TWO_ACC:
+        if ACT == ACT_SWIGLUOAI:  # gate and up of a column side by side
+            acc, acc_u = tl.split(tl.reshape(acc, (BM, BN_OUT, 2)))
+        else:  # the gates, then the ups
+            acc, acc_u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN_OUT)), (0, 2, 1)))
+    g_rows, u_rows = _gate_up_rows(rn, N, ACT)
+    y = _bias_act(acc, acc_u, bias_ptr + e64 * stride_be, g_rows, u_rows, n_ok, c_ptr, limit, alpha, beta,
+                  situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
+    c_ptrs = c_ptr + c_rows.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _expert_gemm_kernel(
     a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr,
     ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr,
     N, K, R_a, num_local, mk, T_max, num_pid_m,
-    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_cm,
+    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_cm, W_ROWS,
+    limit, alpha, beta, situ_beta, situ_lambda,
     LAYOUT: tl.constexpr, W_MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, A_DIV: tl.constexpr,
     BLOCK_MB: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, L_POW2: tl.constexpr,
     FP32_DOT: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, MX_NATIVE: tl.constexpr,
     SWAP_AB: tl.constexpr,
     A_FMT: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
+    GATED: tl.constexpr, TWO_ACC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    """`N` counts output columns (activation columns with `ACT` >= 0), `W_ROWS` the weight's rows
+    per expert; a tile reads BN weight rows for BN_OUT output columns (`_weight_rows`). TWO_ACC
+    (TMA weights, gated, gate half first): the gate and up rows are two TMA tiles and two dots."""
     live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid = _program_tile(
         N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN, GROUP_M)
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M)
     if live == 0:
         return
+    wr, wr_ok = _weight_rows(n0, N, ACT, GATED, BN)
 
     # ---- main loop ------------------------------------------------------------------------
     rk = tl.arange(0, BK)
@@ -396,15 +474,25 @@ def _expert_gemm_kernel(
         a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
     if SWAP_AB:
         acc = tl.zeros((BN, BM), dtype=tl.float32)
+    elif TWO_ACC:
+        acc = tl.zeros((BM, BN_OUT), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN_OUT), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     if W_MXFP4:
         rkb = tl.arange(0, BK // 2)
         rks = tl.arange(0, BK // 32)
-        b_base = w_ptr + e64 * stride_we + rn.to(tl.int64)[:, None] * stride_wn
-        s_base = s_ptr + e64 * stride_se + rn.to(tl.int64)[:, None] * stride_sn
-    elif not W_DESC:
-        w_base = w_ptr + e64 * stride_we + rn.to(tl.int64)[None, :] * stride_wn
+        b_base = w_ptr + e64 * stride_we + wr.to(tl.int64)[:, None] * stride_wn
+        s_base = s_ptr + e64 * stride_se + wr.to(tl.int64)[:, None] * stride_sn
+    elif W_DESC:
+        # The tile's first row in the [L*W_ROWS, K] view: its rows are contiguous there except
+        # for TWO_ACC's two halves (gate rows from n0, up rows from N + n0).
+        if GATED and not TWO_ACC:
+            w_row0 = (e64 * W_ROWS + 2 * n0).to(tl.int32)
+        else:
+            w_row0 = (e64 * W_ROWS + n0).to(tl.int32)
+    else:
+        w_base = w_ptr + e64 * stride_we + wr.to(tl.int64)[None, :] * stride_wn
     for k0 in range(0, K, BK):
         k_ok = k0 + rk < K
         if A_DESC:
@@ -415,9 +503,9 @@ def _expert_gemm_kernel(
             a = tl.load(a_base + (k0 + rk)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         if W_MXFP4:
             kb_ok = k0 // 2 + rkb < K // 2
-            packed = tl.load(b_base + (k0 // 2 + rkb)[None, :], mask=n_ok[:, None] & kb_ok[None, :], other=0)
+            packed = tl.load(b_base + (k0 // 2 + rkb)[None, :], mask=wr_ok[:, None] & kb_ok[None, :], other=0)
             ks_ok = k0 // 32 + rks < K // 32
-            sc = tl.load(s_base + (k0 // 32 + rks)[None, :], mask=n_ok[:, None] & ks_ok[None, :], other=127)
+            sc = tl.load(s_base + (k0 // 32 + rks)[None, :], mask=wr_ok[:, None] & ks_ok[None, :], other=127)
             if SWAP_AB:  # lhs [BN, BK/2] packed along K with its scales [BN, BK/32], as stored
                 acc = tl.dot_scaled(packed, sc, "e2m1", tl.trans(a), None, A_FMT, acc)
             elif MX_NATIVE:
@@ -430,18 +518,29 @@ def _expert_gemm_kernel(
                 else:
                     acc = tl.dot(a, w, acc)
         else:
-            if W_DESC:  # weights viewed as [L*Nout, K]; columns past Nout are never stored
-                w = tl.trans(w_ptr.load([(e64 * N + n0).to(tl.int32), k0]))
+            if TWO_ACC:  # rows past an expert's half are read but never stored
+                wg = tl.trans(w_ptr.load([w_row0, k0]))
+                wu = tl.trans(w_ptr.load([w_row0 + N, k0]))
+                acc = _dot_fp32_or(a, wg, acc, FP32_DOT)
+                acc_u = _dot_fp32_or(a, wu, acc_u, FP32_DOT)
             else:
-                w = tl.load(w_base + (k0 + rk)[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if FP32_DOT:
-                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w, acc)
+                if W_DESC:  # weights viewed as [L*W_ROWS, K]; rows past the expert's are never stored
+                    w = tl.trans(w_ptr.load([w_row0, k0]))
+                else:
+                    w = tl.load(w_base + (k0 + rk)[:, None] * stride_wk, mask=k_ok[:, None] & wr_ok[None, :],
+                                other=0.0)
+                acc = _dot_fp32_or(a, w, acc, FP32_DOT)
 
     if SWAP_AB:
         acc = tl.trans(acc)
-    _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, HAS_BIAS)
+    if ACT >= 0:
+        if not TWO_ACC:
+            acc_u = acc  # unused: the epilogue splits `acc`
+        _store_act_tile(acc, acc_u, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, N, limit,
+                        alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED,
+                        TWO_ACC, BM, BN_OUT)
+    else:
+        _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, HAS_BIAS)
 
 
 @triton.jit
@@ -717,10 +816,13 @@ def _expert_gemm_mx_hopper_kernel(
     ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr,
     N, K, K_PAD, R_a, num_local, mk, T_max, num_pid_m,
     stride_am, stride_we, stride_wn, stride_se, stride_sg, stride_be, stride_cm,
+    limit, alpha, beta, situ_beta, situ_lambda,
     LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, A_DIV: tl.constexpr,
     BLOCK_MB: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, L_POW2: tl.constexpr,
     FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr, UPCAST_PTX: tl.constexpr, WIDE: tl.constexpr,
-    FOLDED: tl.constexpr, PLANES: tl.constexpr, W_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    FOLDED: tl.constexpr, PLANES: tl.constexpr, W_SHARED: tl.constexpr,
+    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
+    GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr,
     BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """MXFP4 weights in the `HopperMxfp4` arrangement (mxfp4.py): per 64-element K block, byte j
@@ -738,17 +840,21 @@ def _expert_gemm_mx_hopper_kernel(
     and the few token rows of decode are the MMA's narrow N side. The upcast is a mask, shifts
     and two float32 multiplies per element (`_e2m1_plane`; `_e2m1_planes_ptx` with UPCAST_PTX),
     no shuffles. BK is a multiple of 64; a loop iteration covers BK/64 blocks.
+
+    With the activation in the epilogue (`ACT` >= 0) `N` counts activation columns and a tile's BN
+    weight rows serve BN_OUT of them, as in `_expert_gemm_kernel`.
     """
     live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid = _program_tile(
         N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN, GROUP_M)
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M)
     if live == 0:
         return
+    wr, wr_ok = _weight_rows(n0, N, ACT, GATED, BN)
 
     rh = tl.arange(0, 32)
     a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
-    w_base = _byte_strided_rows(w_ptr, e64, rn.to(tl.int64)[:, None], stride_we, stride_wn, PLANES == 4)
-    s_base = s_ptr + e64 * stride_se + rn
+    w_base = _byte_strided_rows(w_ptr, e64, wr.to(tl.int64)[:, None], stride_we, stride_wn, PLANES == 4)
+    s_base = s_ptr + e64 * stride_se + wr
     if W_SHARED:
         acc = tl.zeros((BM, BN), dtype=tl.float32)  # out = a W^T: token rows on the MMA's M side
     else:
@@ -769,8 +875,8 @@ def _expert_gemm_mx_hopper_kernel(
             # One dot per iteration over the whole tile in K order. Triton waits for each of the
             # per-plane dots below before the next; this one it leaves pending (though ptxas still
             # serializes register-operand wgmmas: see GemmConfig.mx_w_shared).
-            w_ok = n_ok[:, None]
-            s_ok = n_ok[:, None]
+            w_ok = wr_ok[:, None]
+            s_ok = wr_ok[:, None]
             if K_TAIL:  # the last iteration may hold blocks past K_PAD: they read nothing
                 # (per 64-element block: a mask constant over 8 words keeps the loads vectorized)
                 w_ok = w_ok & (k0 + 64 * (wi // 8) < K_PAD)[None, :]
@@ -787,12 +893,12 @@ def _expert_gemm_mx_hopper_kernel(
                 acc = _dot_fp32_or(wt, tl.trans(x), acc, FP32_DOT)
         elif WIDE:
             kblk = k0 + blk_col
-            w_ok = n_ok[:, None]
+            w_ok = wr_ok[:, None]
             if K_TAIL:  # the last iteration may hold blocks past K_PAD: they read nothing
                 w_ok = w_ok & (kblk < K_PAD)[None, :]
             packed = tl.load(w_base + (k0 // 2 + cols)[None, :], mask=w_ok, other=0)
-            s_lo = _block_scales(s_base, stride_sg, k0, n_ok, K_PAD, K_TAIL, 0, BN, BK, S_ONE)
-            s_hi = _block_scales(s_base, stride_sg, k0, n_ok, K_PAD, K_TAIL, 1, BN, BK, S_ONE)
+            s_lo = _block_scales(s_base, stride_sg, k0, wr_ok, K_PAD, K_TAIL, 0, BN, BK, S_ONE)
+            s_hi = _block_scales(s_base, stride_sg, k0, wr_ok, K_PAD, K_TAIL, 1, BN, BK, S_ONE)
             x_lo = tl.load(a_base + (k0 + x_off)[None, :], mask=valid[:, None] & (kblk < K)[None, :], other=0.0)
             x_hi = tl.load(a_base + (k0 + x_off + 32)[None, :], mask=valid[:, None] & (kblk + 32 < K)[None, :],
                            other=0.0)
@@ -801,9 +907,9 @@ def _expert_gemm_mx_hopper_kernel(
         else:
             for j in tl.static_range(BK // 64):
                 kb = k0 + j * 64
-                w_ok = n_ok
+                w_ok = wr_ok
                 if K_TAIL:  # the last iteration may hold blocks past K_PAD: they read nothing
-                    w_ok = n_ok & (kb < K_PAD)
+                    w_ok = wr_ok & (kb < K_PAD)
                 s_lo = tl.load(s_base + (kb // 32) * stride_sg, mask=w_ok, other=S_ONE)
                 s_hi = tl.load(s_base + (kb // 32 + 1) * stride_sg, mask=w_ok, other=S_ONE)
                 # K is a multiple of 32, so each 32-column half of a block is wholly inside or past
@@ -816,7 +922,12 @@ def _expert_gemm_mx_hopper_kernel(
 
     if not W_SHARED:
         acc = tl.trans(acc)
-    _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, HAS_BIAS)
+    if ACT >= 0:
+        _store_act_tile(acc, acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, N, limit,
+                        alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED,
+                        False, BM, BN_OUT)
+    else:
+        _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, HAS_BIAS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -854,20 +965,20 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
            sorted_ids=None, block_expert=None, num_padded=None, block_m: int = 1, a_div: int = 1,
            mk: int = 0, offsets=None, counts=None, t_max: int = 1,
            rows_per_expert: float = 1.0, config: Optional[GemmConfig] = None,
-           w_hopper=None) -> torch.Tensor:
+           w_hopper=None, epilogue=None) -> torch.Tensor:
     """Launch on flattened `a2 [rows, K]` / `out2 [rows_out, N]`. `w` is the float weight or the
     MXFP4 blocks (then `w_scales` is set, and `w_hopper` is the weight's prepared `HopperMxfp4`
-    form when it has one). All metadata stays on the device."""
+    form when it has one). `epilogue` (an `ActivationEpilogue`): GEMM1 with the activation applied
+    before the store, `out2 [rows_out, N]` with N the activation's width (half the weight's rows
+    when gated). All metadata stays on the device."""
     mx = w_scales is not None
-    N = w.shape[1]
+    w_rows = w.shape[1]
+    gated = epilogue is not None and epilogue.activation.is_gated
+    N = w_rows // 2 if gated else w_rows
     K = a2.shape[1]
     if num_local == 0 or N == 0 or out2.shape[0] == 0:
         return out2
-    from padded_moe.kernels import INTERPRETED
-
-    cfg = config or pick_config(rows_per_expert, mx, INTERPRETED and not a2.is_cuda, hopper=w_hopper is not None,
-                                planes=2 if w_hopper is None else w_hopper.planes,
-                                block_rows=block_m if layout == codes.INDEXED else None)
+    cfg = config or default_config(a2.is_cuda, mx, w_hopper, layout, block_m, rows_per_expert)
     hopper = mx and cfg.mx_hopper
     if hopper and w_hopper is None:
         raise ValueError("config.mx_hopper needs the weight's prepared form: call Mxfp4Tensor.prepare_for() "
@@ -881,6 +992,16 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     if hopper and (cfg.BK % 64 != 0 or w_hopper.k != K):
         raise ValueError(f"config.BK must be a multiple of 64 for mx_hopper and the prepared weight's K "
                          f"({w_hopper.k}) must equal a's K ({K}); got BK={cfg.BK}")
+    if gated and (cfg.BN < 32 or cfg.BN % 2):
+        raise ValueError(f"config.BN must be an even number >= 32 with a gated activation in the epilogue "
+                         f"(each tile computes BN/2 activation columns), got {cfg.BN}")
+    BN_OUT = cfg.BN // 2 if gated else cfg.BN
+    if epilogue is not None:
+        act_floats, act_flags = epilogue.kernel_args(fast=a2.is_cuda and out2.dtype != torch.float32)
+    else:
+        act_floats = (0.0, 1.0, 0.0, 1.0, 1.0)
+        act_flags = dict(ACT=-1, HAS_LIMIT=False, HAS_LAMBDA=False, FAST=False)
+    act_flags["GATED"] = gated
     BM, SUB, ROWS = cfg.BM, 1, cfg.BM
     # Grids are sized from shapes only (graph-safe), but tightly: experts hold at most
     # cdiv(rows, tile) + min(L, rows) tiles in all, so a decode call on 256 experts launches a few
@@ -900,7 +1021,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         BK = max(32, BK)
     dummy = out2  # stands in for pointers a layout does not use (never dereferenced)
     meta_ptrs = tuple(dummy if t is None else t for t in (sorted_ids, block_expert, num_padded, offsets, counts))
-    grid = (num_pid_m * triton.cdiv(N, cfg.BN),)
+    grid = (num_pid_m * triton.cdiv(N, BN_OUT),)
     if hopper:
         hb, hs = w_hopper.blocks, w_hopper.scales
         k_pad = w_hopper.k_padded
@@ -914,23 +1035,27 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
             BLOCK_MB=block_m, SUB=SUB, ROWS=ROWS, L_POW2=max(2, triton.next_power_of_2(num_local)),
             FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda, K_TAIL=k_pad % BK != 0,
             UPCAST_PTX=cfg.mx_ptx and a2.is_cuda and a2.dtype == torch.bfloat16, WIDE=cfg.mx_wide,
-            FOLDED=w_hopper.folded, PLANES=w_hopper.planes, W_SHARED=cfg.mx_w_shared,
-            BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M)
-        launch_kernel(_expert_gemm_mx_hopper_kernel, grid, ints + ptr_key(*ptrs), ptrs + ints, constexprs,
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            FOLDED=w_hopper.folded, PLANES=w_hopper.planes, W_SHARED=cfg.mx_w_shared, **act_flags,
+            BM=BM, BN=cfg.BN, BN_OUT=BN_OUT, BK=BK, GROUP_M=cfg.GROUP_M)
+        launch_kernel(_expert_gemm_mx_hopper_kernel, grid, ints + act_floats + ptr_key(*ptrs),
+                      ptrs + ints + act_floats, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out2
     a_desc = cfg.tma and layout != codes.INDEXED and _tma_ok(a2, a2.shape[0], BK)
-    w_desc = cfg.tma and not mx and w.dtype == a2.dtype and w.stride(0) == N * w.stride(1) \
-        and _tma_ok(w, w.shape[0] * N, BK)
+    w_desc = cfg.tma and not mx and w.dtype == a2.dtype and w.stride(0) == w_rows * w.stride(1) \
+        and _tma_ok(w, w.shape[0] * w_rows, BK)
+    # A gated epilogue's tile reads each column's gate and up rows: adjacent rows when they are
+    # interleaved (swigluoai), else two TMA tiles of BN/2 rows N apart, and two accumulators.
+    two_acc = w_desc and gated and not epilogue.activation.interleaved
     a_arg = TensorDescriptor(a2, [a2.shape[0], K], [a2.stride(0), 1], [BM, BK]) if a_desc else a2
-    w_arg = TensorDescriptor(w, [w.shape[0] * N, K], [w.stride(1), 1], [cfg.BN, BK]) if w_desc else w
+    w_arg = TensorDescriptor(w, [w.shape[0] * w_rows, K], [w.stride(1), 1],
+                             [BN_OUT if two_acc else cfg.BN, BK]) if w_desc else w
     # tl.dot_scaled: compiled 16-bit activations only (the interpreter has no dot_scaled).
     mx_native = cfg.mx_native and mx and a2.is_cuda and a2.dtype in (torch.bfloat16, torch.float16)
     ptrs = (a2, w, w_scales if mx else dummy, bias if bias is not None else dummy, out2) + meta_ptrs
     ints = (N, K, a2.shape[0], num_local, mk, t_max, num_pid_m,
             a2.stride(0), w.stride(0), w.stride(1), w.stride(2),
             w_scales.stride(0) if mx else 0, w_scales.stride(1) if mx else 0,
-            bias.stride(0) if bias is not None else 0, out2.stride(0))
+            bias.stride(0) if bias is not None else 0, out2.stride(0), w_rows)
     constexprs = dict(
         LAYOUT=layout, W_MXFP4=mx, HAS_BIAS=bias is not None, A_DIV=a_div,
         BLOCK_MB=block_m, SUB=SUB, ROWS=ROWS, L_POW2=max(2, triton.next_power_of_2(num_local)),
@@ -938,11 +1063,11 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         # garbage for bf16 operands, so upcast there (exact: products of bf16 fit in fp32).
         FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda,
         A_DESC=a_desc, W_DESC=w_desc, MX_NATIVE=mx_native, SWAP_AB=mx_native and cfg.swap_ab,
-        A_FMT="fp16" if a2.dtype == torch.float16 else "bf16",
-        BM=BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M)
-    # The key: every int argument, every pointer's dtype and alignment, and the weight's expert
-    # count (a TMA descriptor's shape); constexprs and options are added by `launch`.
-    launch_kernel(_expert_gemm_kernel, grid, ints + (w.shape[0],) + ptr_key(*ptrs),
-                  (a_arg, w_arg) + ptrs[2:] + ints, constexprs,
+        A_FMT="fp16" if a2.dtype == torch.float16 else "bf16", **act_flags, TWO_ACC=two_acc,
+        BM=BM, BN=cfg.BN, BN_OUT=BN_OUT, BK=BK, GROUP_M=cfg.GROUP_M)
+    # The key: every int and float argument, every pointer's dtype and alignment, and the weight's
+    # expert count (a TMA descriptor's shape); constexprs and options are added by `launch`.
+    launch_kernel(_expert_gemm_kernel, grid, ints + act_floats + (w.shape[0],) + ptr_key(*ptrs),
+                  (a_arg, w_arg) + ptrs[2:] + ints + act_floats, constexprs,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out2

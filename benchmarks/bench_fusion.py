@@ -1,0 +1,98 @@
+"""The activation in GEMM1's epilogue against GEMM1 then the activation op, on whole calls.
+
+For each model preset and token count, `FusedMoE.experts` (its own router's routing) is captured
+in a CUDA graph twice, with the epilogue (the default) and with `PADDED_MOE_FUSE_ACTIVATION=0`,
+and the two replays are timed in turn, round after round, so clock drift hits both alike. The
+outputs must be equal bit for bit (the epilogue rounds to bf16 before the activation, as GEMM1's
+output buffer does). Also reported: the `[slots, 2N]` buffer the epilogue does not write and read.
+
+    python benchmarks/bench_fusion.py --cases gpt-oss-120b:mxfp4,dsv4-flash:bf16 --tokens 16,128,1024,8192
+
+Calls of at most 4 tokens take the decode path, which already applies the activation in GEMM1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import bench_us, captured, print_table, write_report  # noqa: E402
+
+from padded_moe.gemm import FUSE_ENV  # noqa: E402
+from padded_moe.layer import FusedMoE  # noqa: E402
+
+DEFAULT_CASES = "gpt-oss-120b:mxfp4,dsv4-flash:bf16,dsv4-flash:mxfp4,qwen3-30b-a3b:bf16,mixtral-8x7b:bf16"
+SETTINGS = (("epilogue", "1"), ("two steps", "0"))
+
+
+def capture_with(setting: str, call):
+    """The call captured with `PADDED_MOE_FUSE_ACTIVATION=setting` (the environment restored)."""
+    old = os.environ.get(FUSE_ENV)
+    os.environ[FUSE_ENV] = setting
+    try:
+        return captured(call)
+    finally:
+        if old is None:
+            del os.environ[FUSE_ENV]
+        else:
+            os.environ[FUSE_ENV] = old
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default=DEFAULT_CASES, help="comma list of preset:weights (bf16 or mxfp4)")
+    p.add_argument("--tokens", default="16,128,1024,8192")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default="bench-out/fusion")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_fusion times CUDA graphs: it needs a GPU")
+    t0 = time.time()
+    rows = []
+    for case in args.cases.split(","):
+        preset, _, weights = case.partition(":")
+        layer = FusedMoE.from_preset(preset, weight_format=weights or "bf16", device="cuda", dtype=torch.bfloat16)
+        layer.randomize(seed=0, std=0.02)
+        layer.expert_weights()  # quantized and prepared once, outside the timing
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for T in (int(t) for t in args.tokens.split(",")):
+            x = torch.randn(T, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+            tw, ids = layer.route(layer.gate(x), None)
+            call = lambda: layer.experts(x, tw, ids)  # noqa: E731
+            graphs = []
+            for name, setting in SETTINGS:
+                graph, out = capture_with(setting, call)
+                graph.replay()
+                torch.cuda.synchronize()
+                graphs.append((name, graph, out.clone()))
+            equal = torch.equal(graphs[0][2], graphs[1][2])
+            times = {name: [] for name, _, _ in graphs}
+            for _ in range(args.rounds):
+                for name, graph, _ in graphs:
+                    times[name].append(bench_us(graph.replay, warmup_ms=10, rep_ms=100))
+            fused, plain = (statistics.median(times[n]) for n, _ in SETTINGS)
+            saved_mb = T * layer.top_k * 2 * layer.intermediate_size * 2 / 1e6
+            rows.append([f"{preset} {weights or 'bf16'}", T, round(fused, 1), round(plain, 1),
+                         round(plain / fused, 3), round(saved_mb, 1), "yes" if equal else "NO"])
+            del graphs
+        del layer
+        torch.cuda.empty_cache()
+    headers = ["case", "T", "epilogue us", "two steps us", "two steps / epilogue", "GEMM1 buffer MB", "bit-equal"]
+    print_table(f"Activation in GEMM1's epilogue vs GEMM1 + activation op ({args.rounds} alternating rounds, "
+                "graph replay of FusedMoE.experts)", headers, rows)
+    write_report(args.out, "bench_fusion", "Activation in GEMM1's epilogue vs two steps",
+                 "Graph replays of `FusedMoE.experts` with the epilogue (default) and with "
+                 f"{FUSE_ENV}=0, timed in alternating rounds; medians.", headers, rows,
+                 extra={"wall_s": time.time() - t0})
+    print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -91,6 +91,8 @@ for layout, cfg, folded, planes, act in json.loads(sys.argv[1]):
                     # how many wgmma groups each wait in the loop leaves in flight (0: each dot waits for the last)
                     wait_pendings=sorted({int(p) for p in re.findall(r"warp_group_dot_wait .*pendings = (\d+)", ttgir)}),
                     loop_shuffles=loop_shuffles(k.asm["sass"]),
+                    # shared-memory stores and shuffles anywhere (the epilogue's layout conversions)
+                    sts_shfl=len(re.findall(r"\b(?:STS|SHFL)\b", k.asm["sass"])),
                     wgmma_serialized=wgmma_serialized(ptx) if cfg.mx_w_shared or planes == 4 else None,
                     wgmma=len(wgmma),
                     # `wgmma ... {acc}, {a regs}, b_desc, ...` when A comes from registers, `{acc}, a_desc, ...` from shared

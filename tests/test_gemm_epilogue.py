@@ -281,11 +281,39 @@ def test_fuse_mode_variable(monkeypatch):
 
 def test_measured_rule_follows_the_tile_width():
     """The epilogue is taken for tiles of up to EPILOGUE_MAX_BN weight rows (measured faster), not
-    for the wide medium/prefill tiles (measured slower); the interpreter's small tile takes it."""
+    for the wide medium/prefill tiles (measured slower), nor for interleaved gate/up rows on the
+    prepared-MXFP4 kernel's 16-row tiles; the interpreter's small tiles take it."""
     from padded_moe.kernels import gemm as kg
 
-    assert kg.epilogue_pays(kg.TUNED[("bf16", "decode")]) and kg.epilogue_pays(kg.TUNED[("mxfp4_hopper4", "decode")])
-    assert not kg.epilogue_pays(kg.TUNED[("bf16", "prefill")])
-    assert not kg.epilogue_pays(kg.TUNED[("mxfp4_hopper4", "medium")])
-    assert kg.epilogue_pays(kg.TUNED_NARROW[("mxfp4_hopper4", "medium")])
-    assert kg.epilogue_pays(kg.INTERPRET_CONFIG) and kg.epilogue_pays(kg.INTERPRET_HOPPER_CONFIG)
+    dec, mx_dec = kg.TUNED[("bf16", "decode")], kg.TUNED[("mxfp4_hopper4", "decode")]
+    assert kg.epilogue_pays(dec, 16, True) and kg.epilogue_pays(mx_dec, 16, False)
+    assert kg.epilogue_pays(mx_dec, 32, True) and not kg.epilogue_pays(mx_dec, 16, True)
+    assert not kg.epilogue_pays(kg.TUNED[("bf16", "prefill")], 128, False)
+    assert not kg.epilogue_pays(kg.TUNED[("mxfp4_hopper4", "medium")], 128, False)
+    assert kg.epilogue_pays(kg.TUNED_NARROW[("mxfp4_hopper4", "medium")], 64, False)
+    assert kg.epilogue_pays(kg.INTERPRET_CONFIG, 16, True) and kg.epilogue_pays(kg.INTERPRET_HOPPER_CONFIG, 16, False)
+
+
+@pytest.mark.parametrize("tokens,fused", [(8, False), (80, True)])
+def test_fused_experts_follows_the_rule(monkeypatch, tokens, fused):
+    """`fused_experts` asks the backend with the call's own tile: GPT-OSS-like interleaved rows on
+    prepared MXFP4 keep the two steps on 16-row tiles and take the epilogue on 32-row ones
+    (interpreter: the rule is evaluated on a stand-in for the GPU's decode config)."""
+    import padded_moe as pm
+    from padded_moe import experts as ex
+    from padded_moe.kernels import gemm as kg
+
+    require_interpreter(monkeypatch)
+    monkeypatch.setattr(kg, "INTERPRET_HOPPER_CONFIG", dataclasses.replace(kg.INTERPRET_HOPPER_CONFIG, BM=32))
+    calls = []
+    real = ex.apply_moe_activation
+    monkeypatch.setattr(ex, "apply_moe_activation", lambda *a, **k: calls.append(1) or real(*a, **k))
+    L, K, n = 16, 64, 32
+    gen = torch.Generator().manual_seed(0)
+    w13 = quantize_mxfp4(torch.randn(L, 2 * n, K, generator=gen) / 8).prepare_for()
+    w2 = quantize_mxfp4(torch.randn(L, K, n, generator=gen) / 5).prepare_for()
+    x = torch.randn(tokens, K, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(L, generator=gen)[:4] for _ in range(tokens)]).to(torch.int32)
+    pm.fused_experts(x, w13, w2, torch.rand(tokens, 4, generator=gen), ids, activation="swigluoai",
+                     layout="indexed")
+    assert (not calls) == fused

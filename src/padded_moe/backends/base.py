@@ -52,7 +52,8 @@ class GemmBackend(ABC):
         activation op would give. Only backends with `fuses_activation`."""
         raise NotImplementedError(f"backend {self.name!r} does not apply the activation in GEMM1's epilogue")
 
-    def epilogue_pays(self, a: torch.Tensor, w: Weight, meta: LayoutMeta) -> bool:
-        """Whether the epilogue is measured faster than the two steps for this GEMM1 (what
-        `fused_experts` asks by default); only backends with `fuses_activation`."""
+    def epilogue_pays(self, a: torch.Tensor, w: Weight, meta: LayoutMeta, activation) -> bool:
+        """Whether the epilogue with `activation` (a `MoEActivation`) is measured faster than the two
+        steps for this GEMM1 (what `fused_experts` asks by default); only backends with
+        `fuses_activation`."""
         return self.fuses_activation

@@ -35,14 +35,15 @@ class TritonBackend(GemmBackend):
     def supports(self, layout: GemmLayout, weight: Weight) -> bool:
         return True
 
-    def epilogue_pays(self, a, w, meta) -> bool:
+    def epilogue_pays(self, a, w, meta, activation) -> bool:
         from padded_moe.kernels import gemm as kg
 
         args = meta.gemm_args("w13")
         mx = isinstance(w, Mxfp4Tensor)
         cfg = kg.default_config(a.is_cuda, mx, w.hopper if mx else None, args["layout"], args["block_m"],
                                 args["rows_per_expert"])
-        return kg.epilogue_pays(cfg)
+        tile_m = kg.indexed_tiling(args["block_m"], cfg.BM)[0] if args["layout"] == kg.codes.INDEXED else cfg.BM
+        return kg.epilogue_pays(cfg, tile_m, activation.interleaved)
 
     def gemm_activation(self, a, w, meta, *, bias, out, epilogue, config=None):
         return self.gemm(a, w, meta, stage="w13", bias=bias, out=out, config=config, epilogue=epilogue)

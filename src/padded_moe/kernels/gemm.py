@@ -261,18 +261,27 @@ def default_config(cuda: bool, mxfp4: bool, w_hopper, layout: int, block_m: int,
 
 
 # The activation in GEMM1's epilogue against GEMM1 then the activation kernel, on whole
-# `FusedMoE.experts` calls (benchmarks/bench_fusion.py on an H200, alternating graph replays):
-# with tiles of up to 128 weight rows 1-3% faster on DeepSeek-V4 (bf16 and MXFP4), Qwen3-MoE and
-# Mixtral from 16 to 1024 tokens (GPT-OSS at 16 and 128 tokens 1.5-2.3% slower, at 1024 2% faster);
-# with the 256-row tiles of the wide entries 3-5% slower on GPT-OSS (MXFP4, 256 rows per expert),
-# DeepSeek-V4 (bf16, 64-row blocks) and Mixtral at 8192 tokens, though 2-3% faster on Qwen3-MoE
-# at 8192 and Mixtral at 1024. `fused_experts` takes the epilogue where the tile is this wide or
-# narrower (PADDED_MOE_FUSE_ACTIVATION=1: always).
+# `FusedMoE.experts` calls (benchmarks/bench_fusion.py on an H200, alternating graph replays, three
+# runs; run-to-run spread about 2%): with tiles of up to 128 weight rows 0-3% faster on
+# DeepSeek-V4 (bf16 and MXFP4), Qwen3-MoE and Mixtral from 16 to 1024 tokens; with the 256-row
+# tiles of the wide entries 3-5% slower on GPT-OSS (MXFP4, 256 rows per expert), DeepSeek-V4 (bf16,
+# 64-row blocks) and Mixtral at 8192 tokens (2-3% faster on Qwen3-MoE at 8192 tokens). GPT-OSS on
+# the prepared-MXFP4 kernel with 16-row tiles (16 and 128 tokens) was 1.2-2.9% slower in every run,
+# and 1-2% faster with 32-row tiles (1024 tokens); the main loop compiles to the same instructions
+# with and without the epilogue, and the cause is not established (the split of interleaved rows
+# moves data between lanes there, and ptxas's C7515 wgmma serialization flips with the code after
+# the loop). `fused_experts` takes the epilogue where `epilogue_pays` (PADDED_MOE_FUSE_ACTIVATION=1:
+# always).
 EPILOGUE_MAX_BN = 128
+EPILOGUE_MIN_BM_INTERLEAVED_PREPARED = 32
 
 
-def epilogue_pays(cfg: GemmConfig) -> bool:
-    return cfg.BN <= EPILOGUE_MAX_BN
+def epilogue_pays(cfg: GemmConfig, tile_m: int, interleaved: bool) -> bool:
+    """Whether the activation epilogue measured faster for this config, with `tile_m` rows per
+    kernel tile and gate/up rows `interleaved` (swigluoai)."""
+    if cfg.BN > EPILOGUE_MAX_BN:
+        return False
+    return not (cfg.mx_hopper and interleaved and tile_m < EPILOGUE_MIN_BM_INTERLEAVED_PREPARED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,21 +407,32 @@ def _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_o
 
 
 @triton.jit
-def _weight_rows(n0, N, ACT: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr):
+def _weight_rows(n0, N, ACT: tl.constexpr, GATED: tl.constexpr, M_SIDE: tl.constexpr, BN: tl.constexpr):
     """The BN weight rows of the tile whose output columns start at `n0`, and their mask. Without
     a gated activation in the epilogue they are the columns. With one (`GATED`: BN/2 activation
-    columns) they are the columns' gate and up rows: for interleaved gate/up rows (swigluoai) the
-    contiguous range from 2*n0 (gate of column i at tile row 2i, up at 2i+1), else the gate rows
-    of the columns, then their up rows (two contiguous halves: loads stay vectorized). Plain
-    arithmetic on one arange, so the rows keep the layout the loads and the MMA expect."""
+    columns) they are the columns' gate and up rows:
+    - interleaved gate/up rows (swigluoai): the contiguous range from 2*n0, gate of column i at
+      tile row 2i and up at 2i+1;
+    - gate-first halves, weight rows on the MMA's N side (`_expert_gemm_kernel`): side by side as
+      above (a thread holds pairs of adjacent accumulator columns, so the split moves no data);
+    - gate-first halves, weight rows on the M side (`M_SIDE`, the prepared-MXFP4 kernel): the
+      gate rows of the columns, then their up rows (two contiguous halves keep its scale loads,
+      along N, vectorized and asynchronous; the split goes through shared memory once per tile).
+      Placing each column's gate and up in accumulator rows r and r+8 (one thread) made the split
+      free but measured 3% slower on DeepSeek-V4 MXFP4 at 128 tokens.
+    Plain arithmetic on one arange, so the rows keep the layout the loads and the MMA expect."""
     j = tl.arange(0, BN)
     if GATED:
         if ACT == ACT_SWIGLUOAI:
             col = n0 + j // 2
             wr = 2 * n0 + j
         else:
-            up = (j >= BN // 2).to(tl.int32)
-            col = n0 + j - up * (BN // 2)
+            if M_SIDE:
+                up = (j >= BN // 2).to(tl.int32)
+                col = n0 + j - up * (BN // 2)
+            else:
+                up = j % 2
+                col = n0 + j // 2
             wr = col + up * N
     else:
         col = n0 + j
@@ -421,20 +441,26 @@ def _weight_rows(n0, N, ACT: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr
 
 
 @triton.jit
+def _gate_up_split(acc, ACT: tl.constexpr, M_SIDE: tl.constexpr, BM: tl.constexpr, BN_OUT: tl.constexpr):
+    """The gates and ups `[BM, BN_OUT]` of a tile whose rows `_weight_rows` placed: from
+    `acc [BM, 2*BN_OUT]`, or with `M_SIDE` from the prepared-MXFP4 kernel's `acc^T [2*BN_OUT, BM]`."""
+    if M_SIDE:
+        acc = tl.trans(acc)
+    if M_SIDE and ACT != ACT_SWIGLUOAI:  # the gates, then the ups
+        g, u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN_OUT)), (0, 2, 1)))
+    else:  # gate and up of a column side by side
+        g, u = tl.split(tl.reshape(acc, (BM, BN_OUT, 2)))
+    return g, u
+
+
+@triton.jit
 def _store_act_tile(acc, acc_u, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, N,
                     limit, alpha, beta, situ_beta, situ_lambda, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                    HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr,
-                    TWO_ACC: tl.constexpr, BM: tl.constexpr, BN_OUT: tl.constexpr):
-    """GEMM1's epilogue with the activation (`ACT` >= 0): `acc [BM, 2*BN_OUT]` holds the gates and
-    ups of BN_OUT activation columns as `_weight_rows` placed them, or with `TWO_ACC` the gates are
-    `acc` and the ups `acc_u`; biases, the rounding GEMM1's output buffer would apply, the
-    activation (`_bias_act`, as the decode kernels do), then `[BM, BN_OUT]` stored at the valid
-    rows: the layout path's math without its `[rows, 2N]` buffer."""
-    if GATED and not TWO_ACC:
-        if ACT == ACT_SWIGLUOAI:  # gate and up of a column side by side
-            acc, acc_u = tl.split(tl.reshape(acc, (BM, BN_OUT, 2)))
-        else:  # the gates, then the ups
-            acc, acc_u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN_OUT)), (0, 2, 1)))
+                    HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr):
+    """GEMM1's epilogue with the activation (`ACT` >= 0) on `[BM, BN_OUT]` accumulators: the gates
+    `acc` and ups `acc_u` (`_gate_up_split`; `acc` alone for a non-gated activation); biases, the
+    rounding GEMM1's output buffer would apply, the activation (`_bias_act`, as the decode kernels
+    do), then stored at the valid rows: the layout path's math without its `[rows, 2N]` buffer."""
     g_rows, u_rows = _gate_up_rows(rn, N, ACT)
     y = _bias_act(acc, acc_u, bias_ptr + e64 * stride_be, g_rows, u_rows, n_ok, c_ptr, limit, alpha, beta,
                   situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
@@ -466,7 +492,7 @@ def _expert_gemm_kernel(
         LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M)
     if live == 0:
         return
-    wr, wr_ok = _weight_rows(n0, N, ACT, GATED, BN)
+    wr, wr_ok = _weight_rows(n0, N, ACT, GATED, False, BN)
 
     # ---- main loop ------------------------------------------------------------------------
     rk = tl.arange(0, BK)
@@ -534,11 +560,12 @@ def _expert_gemm_kernel(
     if SWAP_AB:
         acc = tl.trans(acc)
     if ACT >= 0:
-        if not TWO_ACC:
-            acc_u = acc  # unused: the epilogue splits `acc`
+        if not GATED:
+            acc_u = acc  # unused
+        elif not TWO_ACC:
+            acc, acc_u = _gate_up_split(acc, ACT, False, BM, BN_OUT)
         _store_act_tile(acc, acc_u, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, N, limit,
-                        alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED,
-                        TWO_ACC, BM, BN_OUT)
+                        alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
     else:
         _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, HAS_BIAS)
 
@@ -849,7 +876,7 @@ def _expert_gemm_mx_hopper_kernel(
         LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M)
     if live == 0:
         return
-    wr, wr_ok = _weight_rows(n0, N, ACT, GATED, BN)
+    wr, wr_ok = _weight_rows(n0, N, ACT, GATED, not W_SHARED, BN)
 
     rh = tl.arange(0, 32)
     a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
@@ -920,13 +947,18 @@ def _expert_gemm_mx_hopper_kernel(
                 w_lo, w_hi = _upcast_planes(packed, s_lo, s_hi, x_lo.dtype, UPCAST_PTX, False, FOLDED)
                 acc = _dot_planes(acc, w_lo, w_hi, x_lo, x_hi, FP32_DOT)
 
-    if not W_SHARED:
-        acc = tl.trans(acc)
-    if ACT >= 0:
+    if ACT >= 0 and GATED:
+        g, u = _gate_up_split(acc, ACT, not W_SHARED, BM, BN_OUT)
+        _store_act_tile(g, u, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, N, limit,
+                        alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
+    elif ACT >= 0:
+        if not W_SHARED:
+            acc = tl.trans(acc)
         _store_act_tile(acc, acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, N, limit,
-                        alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED,
-                        False, BM, BN_OUT)
+                        alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
     else:
+        if not W_SHARED:
+            acc = tl.trans(acc)
         _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, HAS_BIAS)
 
 

@@ -68,6 +68,36 @@ def test_fused_experts_fullgraph_matches_eager(gen, mxfp4):
         torch.testing.assert_close(got, step(x, w, ids), rtol=0, atol=0)
 
 
+def test_compiled_call_applies_the_activation_in_gemm1(gen, monkeypatch):
+    """Inside the compiled graph the custom op's pipeline takes GEMM1's activation epilogue, as the
+    eager call does (interpreted Triton here), and agrees with the two steps to the last bit
+    of the float32 sums (tests/test_gemm_epilogue.py says why not bitwise under the interpreter)."""
+    from padded_moe import experts as ex
+    from padded_moe._platform import kernels_interpreted
+    from padded_moe.gemm import FUSE_ENV
+
+    if not kernels_interpreted():
+        pytest.skip("the interpreted kernels are not in use")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+    real = ex.apply_moe_activation
+    monkeypatch.setattr(ex, "apply_moe_activation", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    E, k, K, N, M = 8, 2, 64, 32, 7
+    w13, w2 = _weights(gen, E, N, K)
+
+    def step(x, w, ids):
+        return fused_experts(x, w13, w2, w, ids, activation="silu")
+
+    x = torch.randn(M, K, generator=gen)
+    w, ids = _routes(gen, M, E, k)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(x, w, ids)
+    assert not calls, "the compiled call ran the activation as its own op"
+    monkeypatch.setenv(FUSE_ENV, "0")
+    plain = step(x, w, ids)
+    assert calls
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
+
+
 def test_fused_experts_dynamic_no_recompile(gen):
     """One graph serves every token count (dynamic=True), valid_tokens and an expert map included."""
     E, k, K, N = 8, 2, 64, 32

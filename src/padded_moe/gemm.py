@@ -26,9 +26,8 @@ backend where it is measured faster (`GemmBackend.epilogue_pays`), or as the env
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import os
+from typing import Optional, Union
 
 import torch
 

@@ -4,7 +4,8 @@ For each model preset and token count, `FusedMoE.experts` (its own router's rout
 in a CUDA graph twice, with the epilogue (the default) and with `PADDED_MOE_FUSE_ACTIVATION=0`,
 and the two replays are timed in turn, round after round, so clock drift hits both alike. The
 outputs must be equal bit for bit (the epilogue rounds to bf16 before the activation, as GEMM1's
-output buffer does). Also reported: the `[slots, 2N]` buffer the epilogue does not write and read.
+output buffer does). Also reported: the `[slots, 2N]` buffer the epilogue does not write and read,
+and which of the two `fused_experts` takes by default (`PADDED_MOE_FUSE_ACTIVATION` unset).
 
     python benchmarks/bench_fusion.py --cases gpt-oss-120b:mxfp4,dsv4-flash:bf16 --tokens 16,128,1024,8192
 
@@ -25,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_us, captured, print_table, write_report  # noqa: E402
 
+from padded_moe import experts as ex  # noqa: E402
 from padded_moe.gemm import FUSE_ENV  # noqa: E402
 from padded_moe.layer import FusedMoE  # noqa: E402
 
@@ -45,15 +47,35 @@ def capture_with(setting: str, call):
             os.environ[FUSE_ENV] = old
 
 
+def default_choice(call) -> str:
+    """Which of the two an eager call takes with the variable unset: the activation op runs
+    only without the epilogue (the pipeline's own decision, observed, not restated)."""
+    old, calls = os.environ.pop(FUSE_ENV, None), []
+    real = ex.apply_moe_activation
+    ex.apply_moe_activation = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    try:
+        call()
+    finally:
+        ex.apply_moe_activation = real
+        if old is not None:
+            os.environ[FUSE_ENV] = old
+    return "two steps" if calls else "epilogue"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma list of preset:weights (bf16 or mxfp4)")
     p.add_argument("--tokens", default="16,128,1024,8192")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--gate-up-tile", default="two_tiles", choices=("two_tiles", "one_tile"),
+                   help="how bf16 TMA tiles read gate-first w13 rows with the epilogue (kernels.gemm.GATE_UP_TMA)")
     p.add_argument("--out", default="bench-out/fusion")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fusion times CUDA graphs: it needs a GPU")
+    from padded_moe.kernels import gemm as kg
+
+    kg.GATE_UP_TMA = args.gate_up_tile
     t0 = time.time()
     rows = []
     for case in args.cases.split(","):
@@ -73,6 +95,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 graphs.append((name, graph, out.clone()))
             equal = torch.equal(graphs[0][2], graphs[1][2])
+            default = default_choice(call)
             times = {name: [] for name, _, _ in graphs}
             for _ in range(args.rounds):
                 for name, graph, _ in graphs:
@@ -80,16 +103,18 @@ def main() -> None:
             fused, plain = (statistics.median(times[n]) for n, _ in SETTINGS)
             saved_mb = T * layer.top_k * 2 * layer.intermediate_size * 2 / 1e6
             rows.append([f"{preset} {weights or 'bf16'}", T, round(fused, 1), round(plain, 1),
-                         round(plain / fused, 3), round(saved_mb, 1), "yes" if equal else "NO"])
+                         round(plain / fused, 3), round(saved_mb, 1), "yes" if equal else "NO", default])
             del graphs
         del layer
         torch.cuda.empty_cache()
-    headers = ["case", "T", "epilogue us", "two steps us", "two steps / epilogue", "GEMM1 buffer MB", "bit-equal"]
+    headers = ["case", "T", "epilogue us", "two steps us", "two steps / epilogue", "GEMM1 buffer MB", "bit-equal",
+               "default"]
     print_table(f"Activation in GEMM1's epilogue vs GEMM1 + activation op ({args.rounds} alternating rounds, "
-                "graph replay of FusedMoE.experts)", headers, rows)
+                f"graph replay of FusedMoE.experts; gate-first TMA tiles: {args.gate_up_tile})", headers, rows)
     write_report(args.out, "bench_fusion", "Activation in GEMM1's epilogue vs two steps",
                  "Graph replays of `FusedMoE.experts` with the epilogue (default) and with "
-                 f"{FUSE_ENV}=0, timed in alternating rounds; medians.", headers, rows,
+                 f"{FUSE_ENV}=0, timed in alternating rounds; medians. Gate-first TMA tiles: "
+                 f"{args.gate_up_tile}.", headers, rows,
                  extra={"wall_s": time.time() - t0})
     print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
 

@@ -134,6 +134,13 @@ for stage in "$@"; do
             step sanitizer-epilogue compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
                 tests/test_gemm_epilogue_gpu.py -k "sanitizer"
             STEP_TIMEOUT=240 step bench-fusion python3 benchmarks/bench_fusion.py --out "$OUT/bench" ;;
+        fusion-one-tile)  # gate-first bf16 TMA tiles as one 4-D descriptor tile (GATE_UP_TMA=one_tile): exactness,
+            # sanitizer, then whole calls with the epilogue forced on vs off for the bf16 presets
+            STEP_TIMEOUT=300 step test-epilogue python3 -m pytest -q -n 4 -m gpu tests/test_gemm_epilogue_gpu.py
+            step sanitizer-epilogue compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_gemm_epilogue_gpu.py -k "sanitizer"
+            STEP_TIMEOUT=240 step bench-fusion-one-tile python3 benchmarks/bench_fusion.py --gate-up-tile one_tile \
+                --cases dsv4-flash:bf16,qwen3-30b-a3b:bf16,mixtral-8x7b:bf16 --rounds 5 --out "$OUT/bench-one-tile" ;;
         fusion-suites)  # the GPU suites that call fused_experts (now with the epilogue), then the peers table
             STEP_TIMEOUT=180 step test-pipeline python3 -m pytest -q -n 4 -m gpu tests/test_experts_gpu.py \
                 tests/test_launch_plan_gpu.py tests/test_decode_gpu.py tests/test_compile_gpu.py

@@ -236,3 +236,81 @@ def test_prepared_weights_load_as_wide_on_gpt_oss_rows_as_on_aligned_ones(regime
     case = (sig, values, const, opt["num_warps"], opt["num_stages"])
     real, aligned = compile_for_sm90(HGMMA_LOOPS + LOADS_SCRIPT, json.dumps([case, case[:1] + (None,) + case[2:]]))
     assert real == aligned and any(".128" in op for op in real), (real, aligned)
+
+
+TMA_SCRIPT = r"""
+import json, os, re, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from padded_moe.kernels import gemm as kg
+
+fn = kg._expert_gemm_kernel
+out = []
+for sig, const, warps, stages in json.loads(sys.argv[1]):
+    names = fn.arg_names
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    ptx = k.asm["ptx"]
+    wgmma = [l for l in ptx.splitlines() if "wgmma.mma_async" in l]
+    ttgir = k.asm["ttgir"]
+    dots = [l for l in ttgir.splitlines() if "ttng.warp_group_dot " in l]
+    out.append(dict(widths=sorted({int(n) for n in re.findall(r"m64n(\d+)k16", " ".join(wgmma))}),
+                    wgmma=len(wgmma), tma=ptx.count("cp.async.bulk.tensor"),
+                    # register tiles stored to shared memory (none when TMA feeds both operands)
+                    local_stores=ttgir.count("ttg.local_store"),
+                    dot_operands_shared=all(l.count("!ttg.memdesc") >= 2 for l in dots) and bool(dots)))
+print(json.dumps(out))
+"""
+
+
+def test_gate_first_tma_tile_compiles_to_one_full_width_mma():
+    """bf16 TMA tiles with silu in the epilogue: `GATE_UP_TMA = "one_tile"` (a 4-D descriptor over
+    [L, 2, N, K]) compiles to the plain kernel's loop, MMAs of the tile's full width and the same
+    TMA copies; "two_tiles" to MMAs of half the width. Arguments captured from `launch` itself."""
+    pytest.importorskip("triton")
+    import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from padded_moe.activation import ActivationEpilogue
+    from padded_moe.kernels import _codes as codes
+    from padded_moe.kernels import gemm as kg
+
+    L, n, k = 2, 512, 1024
+    cfg = kg.TUNED[("bf16", "prefill")]
+    assert cfg.tma and cfg.BN == 256
+    cases = []
+    for tile, epi in (("two_tiles", None), ("two_tiles", "silu"), ("one_tile", "silu")):
+        calls = []
+
+        def grab(fn, grid, key, args, const, **opt):
+            calls.append((fn, args, const, opt))
+
+        kg_launch, kg.launch_kernel, kg.GATE_UP_TMA = kg.launch_kernel, grab, tile
+        try:
+            w = torch.zeros(L, 2 * n, k, dtype=torch.bfloat16)
+            kg.launch(torch.zeros(256, k, dtype=torch.bfloat16), w, None,
+                      torch.empty(256, n if epi else 2 * n, dtype=torch.bfloat16), layout=codes.GROUPED_CONTIGUOUS,
+                      num_local=L, offsets=torch.tensor([0, 128, 256]), counts=torch.tensor([128, 128], dtype=torch.int32),
+                      config=cfg, epilogue=ActivationEpilogue.of(epi) if epi else None, rows_per_expert=1024)
+        finally:
+            kg.launch_kernel, kg.GATE_UP_TMA = kg_launch, "two_tiles"
+        (fn, args, const, opt), = calls
+        sig = {}
+        for name, a in zip(fn.arg_names, args):
+            if isinstance(a, TensorDescriptor):
+                sig[name] = f"tensordesc<bf16[{', '.join(str(b) for b in a.block_shape)}]>"
+            elif isinstance(a, torch.Tensor):
+                sig[name] = "*" + {torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64"}[a.dtype]
+            else:
+                sig[name] = "fp32" if isinstance(a, float) else "i32"
+        const = {c: getattr(v, "value", v) for c, v in const.items()}
+        const.update(FP32_DOT=False)  # what a CUDA bf16 call takes
+        sig.update({c: "constexpr" for c in const})
+        cases.append((sig, const, opt["num_warps"], opt["num_stages"]))
+    plain, two, one = compile_for_sm90(HGMMA_LOOPS + TMA_SCRIPT, json.dumps(cases))
+    assert plain["widths"] == [256] and two["widths"] == [128] and one["widths"] == [256], (plain, two, one)
+    assert one["tma"] == plain["tma"] and one["local_stores"] == plain["local_stores"], (plain, one)
+    assert plain["dot_operands_shared"] and one["dot_operands_shared"], (plain, one)

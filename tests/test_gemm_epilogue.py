@@ -174,14 +174,17 @@ def test_weight_formats(monkeypatch, layout, act, wdtype, gen):
     check(a, w, w64, meta, bias, act, None)
 
 
+@pytest.mark.parametrize("gate_up", ["two_tiles", "one_tile"])
 @pytest.mark.parametrize("act", [MoEActivation.SILU, MoEActivation.SWIGLUOAI], ids=lambda a: a.value)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
-def test_tma_weights(monkeypatch, layout, act, gen):
-    """TMA weight tiles: interleaved gate/up rows are one contiguous tile, gate-first halves are two
-    tiles and two accumulators (the interpreter runs tensor descriptors)."""
+def test_tma_weights(monkeypatch, layout, act, gate_up, gen):
+    """TMA weight tiles: interleaved gate/up rows are one contiguous tile; gate-first halves are two
+    tiles and two accumulators, or one tile from a 4-D descriptor (`GATE_UP_TMA`); the interpreter
+    runs tensor descriptors."""
     from padded_moe.kernels import gemm as kg
 
     require_interpreter(monkeypatch)
+    monkeypatch.setattr(kg, "GATE_UP_TMA", gate_up)
     a, w, w64, meta = edge_count_case(layout, torch.float32, gen, extra_invalid=2)
     bias = torch.randn(w.shape[0], w.shape[1], generator=gen)
     check(a, w, w64, meta, bias, act, None, config=dataclasses.replace(kg.INTERPRET_CONFIG, tma=True))
@@ -317,3 +320,13 @@ def test_fused_experts_follows_the_rule(monkeypatch, tokens, fused):
     pm.fused_experts(x, w13, w2, torch.rand(tokens, 4, generator=gen), ids, activation="swigluoai",
                      layout="indexed")
     assert (not calls) == fused
+
+
+def test_gate_up_tma_setting_is_checked(monkeypatch, gen):
+    from padded_moe.kernels import gemm as kg
+
+    require_interpreter(monkeypatch)
+    monkeypatch.setattr(kg, "GATE_UP_TMA", "both")
+    a, w, w64, meta = edge_count_case(GemmLayout.GROUPED_CONTIGUOUS, torch.float32, gen, extra_invalid=0)
+    with pytest.raises(ValueError, match="GATE_UP_TMA must be 'two_tiles' or 'one_tile'"):
+        fused(a, w, meta, None, MoEActivation.SILU, None, config=dataclasses.replace(kg.INTERPRET_CONFIG, tma=True))

@@ -106,12 +106,17 @@ def check(layout, w, meta, a, bias, act, fused, plain, w_ref=None):
     assert math.sqrt(num / max(den, 1e-30)) < 2e-2
 
 
+@pytest.mark.parametrize("gate_up", ["two_tiles", "one_tile"])
 @pytest.mark.parametrize("regime", REGIMES)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
-def test_bf16_model_shapes(shape, layout, regime, weights):
-    w, meta, a, bias, act = case(shape, layout, "bf16", weights)
+def test_bf16_model_shapes(shape, layout, regime, gate_up, weights, monkeypatch):
+    """`gate_up`: how TMA tiles read gate-first rows (`kernels.gemm.GATE_UP_TMA`)."""
     cfg = kg.TUNED[("bf16", regime)]
+    if gate_up == "one_tile" and not (cfg.tma and shape[6] == "silu"):
+        pytest.skip("GATE_UP_TMA applies to TMA tiles of gate-first rows")
+    monkeypatch.setattr(kg, "GATE_UP_TMA", gate_up)
+    w, meta, a, bias, act = case(shape, layout, "bf16", weights)
     fused, plain = run_both(layout, w, meta, a, bias, act, cfg)
     check(layout, w, meta, a, bias, act, fused, plain)
 
@@ -145,10 +150,10 @@ def test_other_activations(act, weights):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
-def test_epilogue_small_sanitizer(layout):
+def test_epilogue_small_sanitizer(layout, monkeypatch):
     """Small and quick, for `compute-sanitizer --tool memcheck`: every epilogue route (pointer
-    weights, TMA one tile, TMA two tiles, MXFP4 dot_scaled, prepared MXFP4) on ragged counts with
-    K = 160 and 100 activation columns (partial n-tiles)."""
+    weights, TMA one tile, TMA two tiles or one 4-D tile for gate-first rows, MXFP4 dot_scaled,
+    prepared MXFP4) on ragged counts with K = 160 and 100 activation columns (partial n-tiles)."""
     L, K, N, M, k = 4, 160, 100, 37, 2
     g = torch.Generator(device=DEV).manual_seed(37)
     ids = torch.randint(-1, L + 1, (M, k), generator=g, device=DEV, dtype=torch.int32)
@@ -161,6 +166,8 @@ def test_epilogue_small_sanitizer(layout):
         w = make_weight(L, 2 * N, K, wdtype, 31)
         for cfg in cfgs:
             for act in (MoEActivation.SILU, MoEActivation.SWIGLUOAI):
-                a = inputs_for(layout, meta, "w13", K, M, k, 41)
-                fused, plain = run_both(layout, w, meta, a, bias, act, cfg)
-                check(layout, w, meta, a, bias, act, fused, plain)
+                for gate_up in ("two_tiles", "one_tile") if cfg.tma else ("two_tiles",):
+                    monkeypatch.setattr(kg, "GATE_UP_TMA", gate_up)
+                    a = inputs_for(layout, meta, "w13", K, M, k, 41)
+                    fused, plain = run_both(layout, w, meta, a, bias, act, cfg)
+                    check(layout, w, meta, a, bias, act, fused, plain)

@@ -275,6 +275,15 @@ def default_config(cuda: bool, mxfp4: bool, w_hopper, layout: int, block_m: int,
 EPILOGUE_MAX_BN = 128
 EPILOGUE_MIN_BM_INTERLEAVED_PREPARED = 32
 
+# How a bf16 TMA tile with a gated epilogue reads gate-first `w13` rows (the gate rows of its
+# columns and, N rows further, their up rows): "two_tiles", two TMA tiles of BN/2 rows and two
+# accumulators (two MMAs of half the width; what the measurements above ran), or "one_tile", one
+# [BN, BK] tile from a 4-D descriptor over [L, 2, N, K] (one MMA of the full width: on sm_90 the
+# same loop as the plain kernel's, 4 wgmma m64n256k16 per BK 64 step; not yet measured). For
+# measurement (benchmarks/bench_fusion.py --gate-up-tile); set it before the first call, as
+# launch plans keep what a call launched.
+GATE_UP_TMA = "two_tiles"
+
 
 def epilogue_pays(cfg: GemmConfig, tile_m: int, interleaved: bool) -> bool:
     """Whether the activation epilogue measured faster for this config, with `tile_m` rows per
@@ -441,12 +450,14 @@ def _weight_rows(n0, N, ACT: tl.constexpr, GATED: tl.constexpr, M_SIDE: tl.const
 
 
 @triton.jit
-def _gate_up_split(acc, ACT: tl.constexpr, M_SIDE: tl.constexpr, BM: tl.constexpr, BN_OUT: tl.constexpr):
-    """The gates and ups `[BM, BN_OUT]` of a tile whose rows `_weight_rows` placed: from
-    `acc [BM, 2*BN_OUT]`, or with `M_SIDE` from the prepared-MXFP4 kernel's `acc^T [2*BN_OUT, BM]`."""
+def _gate_up_split(acc, ACT: tl.constexpr, M_SIDE: tl.constexpr, HALVES: tl.constexpr, BM: tl.constexpr,
+                   BN_OUT: tl.constexpr):
+    """The gates and ups `[BM, BN_OUT]` of a tile whose rows `_weight_rows` placed (or, with
+    `HALVES`, a 4-D TMA tile: the columns' gate rows, then their up rows): from `acc [BM, 2*BN_OUT]`,
+    or with `M_SIDE` from the prepared-MXFP4 kernel's `acc^T [2*BN_OUT, BM]`."""
     if M_SIDE:
         acc = tl.trans(acc)
-    if M_SIDE and ACT != ACT_SWIGLUOAI:  # the gates, then the ups
+    if HALVES and ACT != ACT_SWIGLUOAI:  # the gates, then the ups
         g, u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN_OUT)), (0, 2, 1)))
     else:  # gate and up of a column side by side
         g, u = tl.split(tl.reshape(acc, (BM, BN_OUT, 2)))
@@ -481,12 +492,14 @@ def _expert_gemm_kernel(
     SWAP_AB: tl.constexpr,
     A_FMT: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
-    GATED: tl.constexpr, TWO_ACC: tl.constexpr,
+    GATED: tl.constexpr, TWO_ACC: tl.constexpr, W_DESC4: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """`N` counts output columns (activation columns with `ACT` >= 0), `W_ROWS` the weight's rows
-    per expert; a tile reads BN weight rows for BN_OUT output columns (`_weight_rows`). TWO_ACC
-    (TMA weights, gated, gate half first): the gate and up rows are two TMA tiles and two dots."""
+    per expert; a tile reads BN weight rows for BN_OUT output columns (`_weight_rows`). TMA weights
+    with a gated activation whose gate half comes first (`GATE_UP_TMA`): TWO_ACC reads the gate and
+    up rows as two TMA tiles into two accumulators; W_DESC4 reads one tile of both from a 4-D
+    descriptor over the weight viewed as [L, 2, N, K] (gate rows, then up rows)."""
     live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid = _program_tile(
         N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
         LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M)
@@ -550,7 +563,9 @@ def _expert_gemm_kernel(
                 acc = _dot_fp32_or(a, wg, acc, FP32_DOT)
                 acc_u = _dot_fp32_or(a, wu, acc_u, FP32_DOT)
             else:
-                if W_DESC:  # weights viewed as [L*W_ROWS, K]; rows past the expert's are never stored
+                if W_DESC4:  # [1, 2, BN/2, BK] -> [BN, BK]; rows past the expert's half read as zeros
+                    w = tl.trans(tl.reshape(w_ptr.load([e64.to(tl.int32), 0, n0, k0]), (BN, BK)))
+                elif W_DESC:  # weights viewed as [L*W_ROWS, K]; rows past the expert's are never stored
                     w = tl.trans(w_ptr.load([w_row0, k0]))
                 else:
                     w = tl.load(w_base + (k0 + rk)[:, None] * stride_wk, mask=k_ok[:, None] & wr_ok[None, :],
@@ -563,7 +578,7 @@ def _expert_gemm_kernel(
         if not GATED:
             acc_u = acc  # unused
         elif not TWO_ACC:
-            acc, acc_u = _gate_up_split(acc, ACT, False, BM, BN_OUT)
+            acc, acc_u = _gate_up_split(acc, ACT, False, W_DESC4, BM, BN_OUT)
         _store_act_tile(acc, acc_u, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, N, limit,
                         alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
     else:
@@ -948,7 +963,7 @@ def _expert_gemm_mx_hopper_kernel(
                 acc = _dot_planes(acc, w_lo, w_hi, x_lo, x_hi, FP32_DOT)
 
     if ACT >= 0 and GATED:
-        g, u = _gate_up_split(acc, ACT, not W_SHARED, BM, BN_OUT)
+        g, u = _gate_up_split(acc, ACT, not W_SHARED, not W_SHARED, BM, BN_OUT)
         _store_act_tile(g, u, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, N, limit,
                         alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
     elif ACT >= 0:
@@ -1076,11 +1091,20 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     w_desc = cfg.tma and not mx and w.dtype == a2.dtype and w.stride(0) == w_rows * w.stride(1) \
         and _tma_ok(w, w.shape[0] * w_rows, BK)
     # A gated epilogue's tile reads each column's gate and up rows: adjacent rows when they are
-    # interleaved (swigluoai), else two TMA tiles of BN/2 rows N apart, and two accumulators.
-    two_acc = w_desc and gated and not epilogue.activation.interleaved
+    # interleaved (swigluoai), else as GATE_UP_TMA says.
+    halves = w_desc and gated and not epilogue.activation.interleaved
+    if GATE_UP_TMA not in ("two_tiles", "one_tile"):
+        raise ValueError(f"kernels.gemm.GATE_UP_TMA must be 'two_tiles' or 'one_tile', got {GATE_UP_TMA!r}")
+    w_desc4 = halves and GATE_UP_TMA == "one_tile"
+    two_acc = halves and not w_desc4
     a_arg = TensorDescriptor(a2, [a2.shape[0], K], [a2.stride(0), 1], [BM, BK]) if a_desc else a2
-    w_arg = TensorDescriptor(w, [w.shape[0] * w_rows, K], [w.stride(1), 1],
-                             [BN_OUT if two_acc else cfg.BN, BK]) if w_desc else w
+    if w_desc4:
+        w_arg = TensorDescriptor(w, [w.shape[0], 2, N, K], [w.stride(0), N * w.stride(1), w.stride(1), 1],
+                                 [1, 2, BN_OUT, BK])
+    elif w_desc:
+        w_arg = TensorDescriptor(w, [w.shape[0] * w_rows, K], [w.stride(1), 1], [BN_OUT if two_acc else cfg.BN, BK])
+    else:
+        w_arg = w
     # tl.dot_scaled: compiled 16-bit activations only (the interpreter has no dot_scaled).
     mx_native = cfg.mx_native and mx and a2.is_cuda and a2.dtype in (torch.bfloat16, torch.float16)
     ptrs = (a2, w, w_scales if mx else dummy, bias if bias is not None else dummy, out2) + meta_ptrs
@@ -1095,7 +1119,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         # garbage for bf16 operands, so upcast there (exact: products of bf16 fit in fp32).
         FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda,
         A_DESC=a_desc, W_DESC=w_desc, MX_NATIVE=mx_native, SWAP_AB=mx_native and cfg.swap_ab,
-        A_FMT="fp16" if a2.dtype == torch.float16 else "bf16", **act_flags, TWO_ACC=two_acc,
+        A_FMT="fp16" if a2.dtype == torch.float16 else "bf16", **act_flags, TWO_ACC=two_acc, W_DESC4=w_desc4,
         BM=BM, BN=cfg.BN, BN_OUT=BN_OUT, BK=BK, GROUP_M=cfg.GROUP_M)
     # The key: every int and float argument, every pointer's dtype and alignment, and the weight's
     # expert count (a TMA descriptor's shape); constexprs and options are added by `launch`.

@@ -157,21 +157,27 @@ def test_every_activation_every_layout(monkeypatch, layout, act, gen):
     check(a, w, w64, meta, bias, act, CONFIGS.get(act))
 
 
-@pytest.mark.parametrize("wdtype", [torch.float32, torch.float16, "mxfp4", "mxfp4-2planes", "mxfp4-4planes"],
-                         ids=str)
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.float16, "mxfp4", "mxfp4-2planes", "mxfp4-4planes",
+                                    "mxfp4-4planes-wshared"], ids=str)
 @pytest.mark.parametrize("act", [MoEActivation.SILU, MoEActivation.SWIGLUOAI, MoEActivation.GELU_TANH_NO_MUL],
                          ids=lambda a: a.value)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
 def test_weight_formats(monkeypatch, layout, act, wdtype, gen):
     """Float weights, MXFP4 canonical (dequantized in registers) and both prepared arrangements
-    (the Hopper kernel; canonical bytes replaced by garbage so only the prepared form can match)."""
+    (the Hopper kernel, its weight tile as either MMA operand; canonical bytes replaced by garbage
+    so only the prepared form can match)."""
+    from padded_moe.kernels import gemm as kg
+
     require_interpreter(monkeypatch)
     kind = "mxfp4" if str(wdtype).startswith("mxfp4") else wdtype
     a, w, w64, meta = edge_count_case(layout, kind, gen, extra_invalid=1)
-    if wdtype in ("mxfp4-2planes", "mxfp4-4planes"):
+    config = None
+    if str(wdtype).startswith("mxfp4-"):
         w = prepared_only(w, planes=int(wdtype[6]))
+        if wdtype.endswith("wshared"):
+            config = dataclasses.replace(kg.INTERPRET_HOPPER_CONFIG, mx_w_shared=True)
     bias = torch.randn(w.shape[0], w.shape[1], generator=gen).to(a.dtype) if act.is_gated else None
-    check(a, w, w64, meta, bias, act, None)
+    check(a, w, w64, meta, bias, act, None, config=config)
 
 
 @pytest.mark.parametrize("gate_up", ["two_tiles", "one_tile"])

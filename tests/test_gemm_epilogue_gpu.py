@@ -3,8 +3,9 @@
 On the GPU the epilogue must equal GEMM1 into a bf16 buffer followed by the activation op bit for
 bit: both accumulate each element in the same order and round it to bf16 once before the
 activation. Model shapes, every layout, every regime's tuned tile, bf16 weights (TMA tiles: one for
-interleaved gate/up rows, two for gate-first halves) and MXFP4 (dot_scaled on the canonical bytes,
-the Hopper kernel on the prepared form), with a float64 reference bounding the result.
+interleaved gate/up rows; for gate-first halves two, or one from a 4-D descriptor with
+`GATE_UP_TMA = "one_tile"`) and MXFP4 (dot_scaled on the canonical bytes, the Hopper kernel on the
+prepared form), with a float64 reference bounding the result.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 from helpers import SENTINEL, rel_err
-from test_gemm_gpu import DEV, LAYOUTS, inputs_for, make_weight, out_for, rows_of
+from test_gemm_gpu import DEV, LAYOUTS, inputs_for, make_weight, out_for, rows_of, weight_cache
 
 from padded_moe.activation import (ActivationEpilogue, ApplyMoEActivationConfig, MoEActivation, _resolve,
                                    apply_moe_activation)
@@ -38,16 +38,7 @@ REGIMES = ["decode", "small", "medium", "prefill"]
 
 @pytest.fixture(scope="module")
 def weights():
-    cache = {}
-
-    def get(name, L, n_out, K, wdtype):
-        key = (name, n_out, K, wdtype)
-        if key not in cache:
-            cache.clear()  # one model's weights at a time
-            cache[key] = make_weight(L, n_out, K, wdtype, hash(key) % 1000)
-        return cache[key]
-
-    return get
+    return weight_cache(one_at_a_time=True)
 
 
 def case(shape, layout, wdtype, weights, seed=7):

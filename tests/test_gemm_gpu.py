@@ -129,17 +129,25 @@ SHAPES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def weights():
+def weight_cache(one_at_a_time: bool = False):
+    """`get(name, L, n_out, K, wdtype)`: each model weight made once per module; with
+    `one_at_a_time` only the last one is kept (model-sized weights of several models)."""
     cache = {}
 
     def get(name, L, n_out, K, wdtype):
         key = (name, n_out, K, wdtype)
         if key not in cache:
+            if one_at_a_time:
+                cache.clear()
             cache[key] = make_weight(L, n_out, K, wdtype, hash(key) % 1000)
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return weight_cache()
 
 
 def real_shape_case(shape, stage, layout, weights, wdtype):

@@ -963,17 +963,15 @@ def _expert_gemm_mx_hopper_kernel(
                 acc = _dot_planes(acc, w_lo, w_hi, x_lo, x_hi, FP32_DOT)
 
     if ACT >= 0 and GATED:
-        g, u = _gate_up_split(acc, ACT, not W_SHARED, not W_SHARED, BM, BN_OUT)
-        _store_act_tile(g, u, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, N, limit,
-                        alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
-    elif ACT >= 0:
-        if not W_SHARED:
-            acc = tl.trans(acc)
-        _store_act_tile(acc, acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, N, limit,
-                        alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
+        acc, acc_u = _gate_up_split(acc, ACT, not W_SHARED, not W_SHARED, BM, BN_OUT)
     else:
         if not W_SHARED:
             acc = tl.trans(acc)
+        acc_u = acc  # unused
+    if ACT >= 0:
+        _store_act_tile(acc, acc_u, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, N, limit,
+                        alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
+    else:
         _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, HAS_BIAS)
 
 

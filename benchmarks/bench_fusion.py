@@ -31,16 +31,28 @@ from padded_moe.gemm import FUSE_ENV  # noqa: E402
 from padded_moe.layer import FusedMoE  # noqa: E402
 
 DEFAULT_CASES = "gpt-oss-120b:mxfp4,dsv4-flash:bf16,dsv4-flash:mxfp4,qwen3-30b-a3b:bf16,mixtral-8x7b:bf16"
-SETTINGS = (("epilogue", "1"), ("two steps", "0"))
+TWO_STEPS = "two steps"
 
 
-def capture_with(setting: str, call):
-    """The call captured with `PADDED_MOE_FUSE_ACTIVATION=setting` (the environment restored)."""
-    old = os.environ.get(FUSE_ENV)
-    os.environ[FUSE_ENV] = setting
+def settings(gate_up_tile: str) -> list:
+    """(column name, PADDED_MOE_FUSE_ACTIVATION, GATE_UP_TMA): the epilogue per tile arrangement
+    asked for, then the two steps (which read no gate-first tiles)."""
+    tiles = ("two_tiles", "one_tile") if gate_up_tile == "both" else (gate_up_tile,)
+    named = len(tiles) > 1
+    return [(f"epilogue {t}" if named else "epilogue", "1", t) for t in tiles] + [(TWO_STEPS, "0", "two_tiles")]
+
+
+def capture_with(setting: str, gate_up_tile: str, call):
+    """The call captured with `PADDED_MOE_FUSE_ACTIVATION=setting` and `GATE_UP_TMA=gate_up_tile`
+    (both restored: they are read when the kernels launch, so the graph keeps what it captured)."""
+    from padded_moe.kernels import gemm as kg
+
+    old, old_tile = os.environ.get(FUSE_ENV), kg.GATE_UP_TMA
+    os.environ[FUSE_ENV], kg.GATE_UP_TMA = setting, gate_up_tile
     try:
         return captured(call)
     finally:
+        kg.GATE_UP_TMA = old_tile
         if old is None:
             del os.environ[FUSE_ENV]
         else:
@@ -67,15 +79,14 @@ def main() -> None:
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma list of preset:weights (bf16 or mxfp4)")
     p.add_argument("--tokens", default="16,128,1024,8192")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--gate-up-tile", default="two_tiles", choices=("two_tiles", "one_tile"),
-                   help="how bf16 TMA tiles read gate-first w13 rows with the epilogue (kernels.gemm.GATE_UP_TMA)")
+    p.add_argument("--gate-up-tile", default="two_tiles", choices=("two_tiles", "one_tile", "both"),
+                   help="how bf16 TMA tiles read gate-first w13 rows with the epilogue (kernels.gemm.GATE_UP_TMA); "
+                        "both: one epilogue column per arrangement")
     p.add_argument("--out", default="bench-out/fusion")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fusion times CUDA graphs: it needs a GPU")
-    from padded_moe.kernels import gemm as kg
-
-    kg.GATE_UP_TMA = args.gate_up_tile
+    runs = settings(args.gate_up_tile)
     t0 = time.time()
     rows = []
     for case in args.cases.split(","):
@@ -89,26 +100,28 @@ def main() -> None:
             tw, ids = layer.route(layer.gate(x), None)
             call = lambda: layer.experts(x, tw, ids)  # noqa: E731
             graphs = []
-            for name, setting in SETTINGS:
-                graph, out = capture_with(setting, call)
+            for name, setting, tile in runs:
+                graph, out = capture_with(setting, tile, call)
                 graph.replay()
                 torch.cuda.synchronize()
                 graphs.append((name, graph, out.clone()))
-            equal = torch.equal(graphs[0][2], graphs[1][2])
+            equal = all(torch.equal(g[2], graphs[-1][2]) for g in graphs[:-1])
             default = default_choice(call)
             times = {name: [] for name, _, _ in graphs}
             for _ in range(args.rounds):
                 for name, graph, _ in graphs:
                     times[name].append(bench_us(graph.replay, warmup_ms=10, rep_ms=100))
-            fused, plain = (statistics.median(times[n]) for n, _ in SETTINGS)
+            med = {n: statistics.median(times[n]) for n, _, _ in runs}
+            plain = med[TWO_STEPS]
             saved_mb = T * layer.top_k * 2 * layer.intermediate_size * 2 / 1e6
-            rows.append([f"{preset} {weights or 'bf16'}", T, round(fused, 1), round(plain, 1),
-                         round(plain / fused, 3), round(saved_mb, 1), "yes" if equal else "NO", default])
+            rows.append([f"{preset} {weights or 'bf16'}", T] + [round(med[n], 1) for n, _, _ in runs]
+                        + [round(plain / med[n], 3) for n, _, _ in runs[:-1]]
+                        + [round(saved_mb, 1), "yes" if equal else "NO", default])
             del graphs
         del layer
         torch.cuda.empty_cache()
-    headers = ["case", "T", "epilogue us", "two steps us", "two steps / epilogue", "GEMM1 buffer MB", "bit-equal",
-               "default"]
+    headers = (["case", "T"] + [f"{n} us" for n, _, _ in runs] + [f"two steps / {n}" for n, _, _ in runs[:-1]]
+               + ["GEMM1 buffer MB", "bit-equal", "default"])
     print_table(f"Activation in GEMM1's epilogue vs GEMM1 + activation op ({args.rounds} alternating rounds, "
                 f"graph replay of FusedMoE.experts; gate-first TMA tiles: {args.gate_up_tile})", headers, rows)
     write_report(args.out, "bench_fusion", "Activation in GEMM1's epilogue vs two steps",

@@ -141,6 +141,18 @@ for stage in "$@"; do
                 tests/test_gemm_epilogue_gpu.py -k "sanitizer"
             STEP_TIMEOUT=240 step bench-fusion-one-tile python3 benchmarks/bench_fusion.py --gate-up-tile one_tile \
                 --cases dsv4-flash:bf16,qwen3-30b-a3b:bf16,mixtral-8x7b:bf16 --rounds 5 --out "$OUT/bench-one-tile" ;;
+        fusion-final)  # the final epilogue build as one: exactness of both gate-first tile arrangements, sanitizer,
+            # whole calls (bf16 presets: both arrangements and two steps in one run), then where Qwen3's HF decode step goes
+            STEP_TIMEOUT=240 step test-epilogue python3 -m pytest -q -n 4 -m gpu tests/test_gemm_epilogue_gpu.py
+            step sanitizer-epilogue compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_gemm_epilogue_gpu.py -k "sanitizer"
+            STEP_TIMEOUT=150 step bench-fusion-bf16 python3 benchmarks/bench_fusion.py --gate-up-tile both \
+                --cases dsv4-flash:bf16,qwen3-30b-a3b:bf16,mixtral-8x7b:bf16 --out "$OUT/bench-fusion-bf16"
+            STEP_TIMEOUT=100 step bench-fusion-mx python3 benchmarks/bench_fusion.py \
+                --cases gpt-oss-120b:mxfp4,dsv4-flash:mxfp4 --out "$OUT/bench-fusion-mx" ;;
+        hf-profile)  # kernels of the captured HF decode step per implementation (Qwen3-MoE b1 and b32)
+            STEP_TIMEOUT=150 step profile-hf-b1 python3 benchmarks/profile_hf.py --models qwen3_moe --batch 1
+            STEP_TIMEOUT=100 step profile-hf-b32 python3 benchmarks/profile_hf.py --models qwen3_moe --batch 32 ;;
         fusion-suites)  # the GPU suites that call fused_experts (now with the epilogue), then the peers table
             STEP_TIMEOUT=180 step test-pipeline python3 -m pytest -q -n 4 -m gpu tests/test_experts_gpu.py \
                 tests/test_launch_plan_gpu.py tests/test_decode_gpu.py tests/test_compile_gpu.py

@@ -36,3 +36,22 @@ def test_default_choice_is_observed_and_restores(monkeypatch, backend, want):
                                  backend=backend, layout="indexed")
     assert bench_fusion.default_choice(call) == want
     assert os.environ[FUSE_ENV] == "0" and ex.apply_moe_activation is real
+
+
+def test_settings_name_one_epilogue_column_per_tile_arrangement():
+    assert bench_fusion.settings("two_tiles") == [("epilogue", "1", "two_tiles"), ("two steps", "0", "two_tiles")]
+    assert [name for name, _, _ in bench_fusion.settings("both")] == ["epilogue two_tiles", "epilogue one_tile",
+                                                                      "two steps"]
+    assert [tile for _, _, tile in bench_fusion.settings("both")[:2]] == ["two_tiles", "one_tile"]
+
+
+def test_capture_with_sets_both_switches_during_capture_and_restores(monkeypatch):
+    from padded_moe.kernels import gemm as kg
+
+    seen, default = [], kg.GATE_UP_TMA
+    other = "two_tiles" if default == "one_tile" else "one_tile"
+    monkeypatch.setattr(bench_fusion, "captured", lambda call: seen.append((os.environ[FUSE_ENV], kg.GATE_UP_TMA)))
+    monkeypatch.delenv(FUSE_ENV, raising=False)
+    bench_fusion.capture_with("1", other, lambda: None)
+    assert seen == [("1", other)]
+    assert FUSE_ENV not in os.environ and kg.GATE_UP_TMA == default

@@ -298,6 +298,11 @@ def test_measured_rule_follows_the_tile_width():
     assert kg.epilogue_pays(dec, 16, True) and kg.epilogue_pays(mx_dec, 16, False)
     assert kg.epilogue_pays(mx_dec, 32, True) and not kg.epilogue_pays(mx_dec, 16, True)
     assert not kg.epilogue_pays(kg.TUNED[("bf16", "prefill")], 128, False)
+    # 256-row bf16 tiles: only gate-first rows read as one 4-D TMA tile measured faster.
+    prefill = kg.TUNED[("bf16", "prefill")]
+    assert prefill.BN > kg.EPILOGUE_MAX_BN
+    assert kg.epilogue_pays(prefill, 128, False, "tma_one_tile")
+    assert not any(kg.epilogue_pays(prefill, 128, False, r) for r in ("tma_two_tiles", "tma", "pointer"))
     assert not kg.epilogue_pays(kg.TUNED[("mxfp4_hopper4", "medium")], 128, False)
     assert kg.epilogue_pays(kg.TUNED_NARROW[("mxfp4_hopper4", "medium")], 64, False)
     assert kg.epilogue_pays(kg.INTERPRET_CONFIG, 16, True) and kg.epilogue_pays(kg.INTERPRET_HOPPER_CONFIG, 16, False)
@@ -336,3 +341,25 @@ def test_gate_up_tma_setting_is_checked(monkeypatch, gen):
     a, w, w64, meta = edge_count_case(GemmLayout.GROUPED_CONTIGUOUS, torch.float32, gen, extra_invalid=0)
     with pytest.raises(ValueError, match="GATE_UP_TMA must be 'two_tiles' or 'one_tile'"):
         fused(a, w, meta, None, MoEActivation.SILU, None, config=dataclasses.replace(kg.INTERPRET_CONFIG, tma=True))
+
+
+def test_weight_read_names_how_tiles_read_rows(monkeypatch):
+    """One definition of the weight read serves the launch and the measured rule: TMA tiles for
+    same-dtype canonical weights of a TMA config, gate-first halves as GATE_UP_TMA says, masked
+    loads otherwise."""
+    import dataclasses
+
+    from padded_moe.kernels import gemm as kg
+
+    cfg = dataclasses.replace(kg.TUNED[("bf16", "prefill")], tma=True)
+    a = torch.randn(8, 64, dtype=torch.bfloat16)
+    w = torch.randn(4, 96, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(kg, "GATE_UP_TMA", "one_tile")
+    assert kg.weight_read(cfg, a, w, gated=True, interleaved=False) == "tma_one_tile"
+    monkeypatch.setattr(kg, "GATE_UP_TMA", "two_tiles")
+    assert kg.weight_read(cfg, a, w, gated=True, interleaved=False) == "tma_two_tiles"
+    assert kg.weight_read(cfg, a, w, gated=True, interleaved=True) == "tma"
+    assert kg.weight_read(cfg, a, w, gated=False, interleaved=False) == "tma"
+    assert kg.weight_read(cfg, a, w.float(), gated=True, interleaved=False) == "pointer"
+    assert kg.weight_read(dataclasses.replace(cfg, tma=False), a, w, gated=True, interleaved=False) == "pointer"
+    assert kg.weight_read(cfg, a, w[::2], gated=True, interleaved=False) == "pointer"  # experts not one row run

@@ -43,7 +43,9 @@ class TritonBackend(GemmBackend):
         cfg = kg.default_config(a.is_cuda, mx, w.hopper if mx else None, args["layout"], args["block_m"],
                                 args["rows_per_expert"])
         tile_m = kg.indexed_tiling(args["block_m"], cfg.BM)[0] if args["layout"] == kg.codes.INDEXED else cfg.BM
-        return kg.epilogue_pays(cfg, tile_m, activation.interleaved)
+        read = "pointer" if mx else kg.weight_read(cfg, a.reshape(-1, a.shape[-1]), w, activation.is_gated,
+                                                   activation.interleaved)
+        return kg.epilogue_pays(cfg, tile_m, activation.interleaved, read)
 
     def gemm_activation(self, a, w, meta, *, bias, out, epilogue, config=None):
         return self.gemm(a, w, meta, stage="w13", bias=bias, out=out, config=config, epilogue=epilogue)

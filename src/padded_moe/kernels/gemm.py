@@ -263,9 +263,12 @@ def default_config(cuda: bool, mxfp4: bool, w_hopper, layout: int, block_m: int,
 # The activation in GEMM1's epilogue against GEMM1 then the activation kernel, on whole
 # `FusedMoE.experts` calls (benchmarks/bench_fusion.py on an H200, alternating graph replays, three
 # runs; run-to-run spread about 2%): with tiles of up to 128 weight rows 0-3% faster on
-# DeepSeek-V4 (bf16 and MXFP4), Qwen3-MoE and Mixtral from 16 to 1024 tokens; with the 256-row
-# tiles of the wide entries 3-5% slower on GPT-OSS (MXFP4, 256 rows per expert), DeepSeek-V4 (bf16,
-# 64-row blocks) and Mixtral at 8192 tokens (2-3% faster on Qwen3-MoE at 8192 tokens). GPT-OSS on
+# DeepSeek-V4 (bf16 and MXFP4), Qwen3-MoE and Mixtral from 16 to 1024 tokens. With 256-row tiles:
+# 3-5% slower on GPT-OSS (prepared MXFP4, 256 rows per expert), and on DeepSeek-V4 bf16 and Mixtral
+# at 8192 tokens when gate-first rows are read as two TMA tiles of 128 rows into two accumulators;
+# read as one 256-row tile from a 4-D descriptor (GATE_UP_TMA = "one_tile": the plain kernel's
+# loop) 3-4% faster on DeepSeek-V4 bf16 (8192 tokens), Mixtral (1024, 8192) and Qwen3-MoE (8192),
+# and level with two tiles on every narrower tile. GPT-OSS on
 # the prepared-MXFP4 kernel with 16-row tiles (16 and 128 tokens) was 1.2-2.9% slower in every run,
 # and 1-2% faster with 32-row tiles (1024 tokens); the main loop compiles to the same instructions
 # with and without the epilogue, and the cause is not established (the split of interleaved rows
@@ -276,19 +279,19 @@ EPILOGUE_MAX_BN = 128
 EPILOGUE_MIN_BM_INTERLEAVED_PREPARED = 32
 
 # How a bf16 TMA tile with a gated epilogue reads gate-first `w13` rows (the gate rows of its
-# columns and, N rows further, their up rows): "two_tiles", two TMA tiles of BN/2 rows and two
-# accumulators (two MMAs of half the width; what the measurements above ran), or "one_tile", one
-# [BN, BK] tile from a 4-D descriptor over [L, 2, N, K] (one MMA of the full width: on sm_90 the
-# same loop as the plain kernel's, 4 wgmma m64n256k16 per BK 64 step; not yet measured). For
-# measurement (benchmarks/bench_fusion.py --gate-up-tile); set it before the first call, as
-# launch plans keep what a call launched.
-GATE_UP_TMA = "two_tiles"
+# columns and, N rows further, their up rows): "one_tile", one [BN, BK] tile from a 4-D descriptor
+# over [L, 2, N, K] (one MMA of the full width: on sm_90 the same loop as the plain kernel's, 4
+# wgmma m64n256k16 per BK 64 step), or "two_tiles", two TMA tiles of BN/2 rows and two accumulators
+# (two MMAs of half the width, 12 TMA copies per step instead of 8; slower on 256-row tiles, see
+# above). For measurement (benchmarks/bench_fusion.py --gate-up-tile); set it before the first call,
+# as launch plans keep what a call launched.
+GATE_UP_TMA = "one_tile"
 
 
-def epilogue_pays(cfg: GemmConfig, tile_m: int, interleaved: bool) -> bool:
+def epilogue_pays(cfg: GemmConfig, tile_m: int, interleaved: bool, read: str = "pointer") -> bool:
     """Whether the activation epilogue measured faster for this config, with `tile_m` rows per
-    kernel tile and gate/up rows `interleaved` (swigluoai)."""
-    if cfg.BN > EPILOGUE_MAX_BN:
+    kernel tile, gate/up rows `interleaved` (swigluoai) and weight rows read as `weight_read` says."""
+    if cfg.BN > EPILOGUE_MAX_BN and read != "tma_one_tile":
         return False
     return not (cfg.mx_hopper and interleaved and tile_m < EPILOGUE_MIN_BM_INTERLEAVED_PREPARED)
 
@@ -1005,6 +1008,19 @@ def _tma_ok(t: torch.Tensor, rows: int, bk: int) -> bool:
             and (t.stride(-2) * es) % 16 == 0 and bk * es >= 16)
 
 
+def weight_read(cfg: GemmConfig, a2: torch.Tensor, w, gated: bool, interleaved: bool) -> str:
+    """How `_expert_gemm_kernel`'s tiles read weight rows: "pointer" (masked loads: MXFP4 bytes,
+    another dtype than `a2`, or no TMA), "tma" (one descriptor tile of contiguous rows, also the
+    interleaved gate/up rows of swigluoai), or, for gate-first rows under a gated epilogue (a
+    column's gate row and, N rows further, its up row), "tma_two_tiles" / "tma_one_tile" as
+    GATE_UP_TMA says. `w` is the canonical weight (the prepared-MXFP4 kernel has its own reads)."""
+    if GATE_UP_TMA not in ("two_tiles", "one_tile"):
+        raise ValueError(f"kernels.gemm.GATE_UP_TMA must be 'two_tiles' or 'one_tile', got {GATE_UP_TMA!r}")
+    if not (cfg.tma and w.dtype == a2.dtype and w.stride(0) == w.shape[1] * w.stride(1) and _tma_ok(w, w.shape[0] * w.shape[1], cfg.BK)):
+        return "pointer"
+    return "tma_" + GATE_UP_TMA if gated and not interleaved else "tma"
+
+
 def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Tensor, *,
            layout: int, num_local: int, bias: Optional[torch.Tensor] = None,
            sorted_ids=None, block_expert=None, num_padded=None, block_m: int = 1, a_div: int = 1,
@@ -1086,15 +1102,9 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
                       ptrs + ints + act_floats, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out2
     a_desc = cfg.tma and layout != codes.INDEXED and _tma_ok(a2, a2.shape[0], BK)
-    w_desc = cfg.tma and not mx and w.dtype == a2.dtype and w.stride(0) == w_rows * w.stride(1) \
-        and _tma_ok(w, w.shape[0] * w_rows, BK)
-    # A gated epilogue's tile reads each column's gate and up rows: adjacent rows when they are
-    # interleaved (swigluoai), else as GATE_UP_TMA says.
-    halves = w_desc and gated and not epilogue.activation.interleaved
-    if GATE_UP_TMA not in ("two_tiles", "one_tile"):
-        raise ValueError(f"kernels.gemm.GATE_UP_TMA must be 'two_tiles' or 'one_tile', got {GATE_UP_TMA!r}")
-    w_desc4 = halves and GATE_UP_TMA == "one_tile"
-    two_acc = halves and not w_desc4
+    read = weight_read(cfg, a2, w, gated, gated and epilogue.activation.interleaved)
+    w_desc = read != "pointer"
+    w_desc4, two_acc = read == "tma_one_tile", read == "tma_two_tiles"
     a_arg = TensorDescriptor(a2, [a2.shape[0], K], [a2.stride(0), 1], [BM, BK]) if a_desc else a2
     if w_desc4:
         w_arg = TensorDescriptor(w, [w.shape[0], 2, N, K], [w.stride(0), N * w.stride(1), w.stride(1), 1],

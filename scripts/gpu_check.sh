@@ -153,6 +153,16 @@ for stage in "$@"; do
         hf-profile)  # kernels of the captured HF decode step per implementation (Qwen3-MoE b1 and b32)
             STEP_TIMEOUT=150 step profile-hf-b1 python3 benchmarks/profile_hf.py --models qwen3_moe --batch 1
             STEP_TIMEOUT=100 step profile-hf-b32 python3 benchmarks/profile_hf.py --models qwen3_moe --batch 32 ;;
+        decode-tma)  # decode GEMM1 weights by TMA on wgmma's M side: decode GPU tests, sanitizer, both reads side by
+            # side on every preset, the tile sweep on Qwen3-MoE, HF graph decode steps (issue 18's column)
+            STEP_TIMEOUT=240 step test-decode python3 -m pytest -q -m gpu tests/test_decode_gpu.py tests/test_launch_plan_gpu.py
+            step sanitizer-decode compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_decode_gpu.py -k sanitizer
+            STEP_TIMEOUT=150 step bench-decode-reads python3 benchmarks/bench_decode.py --read-ab --out "$OUT/bench-decode"
+            STEP_TIMEOUT=100 step bench-decode-sweep python3 benchmarks/bench_decode.py --presets qwen3-30b-a3b --sweep \
+                --out "$OUT/bench-decode-sweep"
+            STEP_TIMEOUT=200 step bench-hf-graph python3 benchmarks/bench_hf.py --models qwen3_moe,gpt_oss \
+                --columns graph_b1,graph_b32 --out "$OUT/bench-hf" ;;
         fusion-suites)  # the GPU suites that call fused_experts (now with the epilogue), then the peers table
             STEP_TIMEOUT=180 step test-pipeline python3 -m pytest -q -n 4 -m gpu tests/test_experts_gpu.py \
                 tests/test_launch_plan_gpu.py tests/test_decode_gpu.py tests/test_compile_gpu.py

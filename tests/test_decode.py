@@ -113,6 +113,48 @@ def test_every_activation_matches_reference(interpreted, decode_calls, act, dtyp
     assert rel_err(out, ref) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("read", dec.W13_READS)
+@pytest.mark.parametrize("act", ["silu", "swigluoai", "relu2_no_mul"])
+def test_w13_reads_match_reference(interpreted, decode_calls, monkeypatch, act, read, gen):
+    """Both GEMM1 weight reads (TMA tiles on the MMA's M side, per-thread copies) on gate-first,
+    interleaved and non-gated rows, with a dropped slot, an expert repeated across tokens, an
+    expert map and valid_tokens (the NaN row past it never read)."""
+    monkeypatch.setattr(dec, "W13_READ", read)
+    taken, real = [], dec._w13_descriptor
+    monkeypatch.setattr(dec, "_w13_descriptor", lambda *a: taken.append(real(*a)) or taken[-1])
+    M, k, E = 4, 3, 10
+    x, w13, w2, tw, ids, b13, b2 = make(M, k, E, gen, torch.bfloat16, gated=MoEActivation(act).is_gated, bias=True)
+    emap = ExpertMap(E, ep_rank=0, ep_size=2)
+    local = lambda t: t[:emap.num_local].contiguous()  # noqa: E731
+    ids[0, 1] = -1
+    ids[1, 0] = ids[0, 0] = 2
+    x[M - 1] = float("nan")
+    vt = torch.tensor([M - 1], dtype=torch.int32)
+    out = fused_experts(x, local(w13), local(w2), tw, ids, activation=act, expert_map=emap, valid_tokens=vt,
+                        w13_bias=local(b13), w2_bias=local(b2))
+    assert decode_calls == [M]
+    assert (taken[0] is not None) == (read == "tma")
+    ref = reference_moe(x, local(w13), local(w2), tw, ids, activation=act, expert_map=emap.map, num_experts=E,
+                        w13_bias=local(b13), w2_bias=local(b2), valid_tokens=M - 1)
+    assert rel_err(out[:M - 1], ref[:M - 1]) <= TOL[torch.bfloat16]
+
+
+def test_w13_read_setting_and_weights_the_tma_read_refuses(interpreted, monkeypatch, gen):
+    x, w13, *_ = make(2, 2, 4, gen, torch.bfloat16)
+    tiles = dec.INTERPRET_TILES
+    silu = MoEActivation("silu")
+    assert dec._w13_descriptor(w13, x, silu, tiles)[1:] == (32, True)  # BN raised to 32: 64 weight rows
+    assert dec._w13_descriptor(w13, x, MoEActivation("swigluoai"), tiles)[1:] == (32, False)
+    assert dec._w13_descriptor(w13[:, :48].contiguous(), x, MoEActivation("relu2_no_mul"), tiles)[1:] == (64, False)
+    assert dec._w13_descriptor(w13[::2], x, silu, tiles) is None  # experts not one run of rows
+    assert dec._w13_descriptor(w13.float(), x.float(), silu, tiles) is None  # fp32: the exact FMA dot
+    monkeypatch.setattr(dec, "W13_READ", "pointer")
+    assert dec._w13_descriptor(w13, x, silu, tiles) is None
+    monkeypatch.setattr(dec, "W13_READ", "ldg")
+    with pytest.raises(ValueError, match="W13_READ must be one of tma, pointer"):
+        dec._w13_descriptor(w13, x, silu, tiles)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_matches_the_layout_path(interpreted, decode_calls, monkeypatch, dtype, gen):
     """Same roundings as the layout path (GEMM outputs rounded to the activation dtype, fp32

@@ -180,3 +180,69 @@ def test_word_routes_load_as_wide_on_gpt_oss_rows_as_on_aligned_ones(step, monke
     for kernel in ("w13", "w2"):
         assert real[kernel]["loop_loads"] == aligned[kernel]["loop_loads"], (kernel, real, aligned)
         assert any(".128" in op for op in real[kernel]["loop_loads"]), real
+
+
+TMA_SCRIPT = r"""
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from padded_moe.kernels import decode as kd
+
+fn = kd._decode_w13_tma_kernel
+out = []
+for act, bn, bk, stages, halves, top_k in json.loads(sys.argv[1]):
+    rows = 2 * bn if act < kd.ACT_SILU_NO_MUL else bn
+    block = [1, 2, bn, bk] if halves else [rows, bk]
+    ptrs = {"x_ptr": "*bf16", "w_desc": "tensordesc<bf16[" + ",".join(map(str, block)) + "]>", "bias_ptr": "*bf16",
+            "h_ptr": "*bf16", "ids_ptr": "*i32", "map_ptr": "*i32", "vt_ptr": "*i32"}
+    ints = ["N", "K", "S", "E", "L", "W_ROWS", "stride_xm", "stride_im", "stride_ik", "stride_be", "stride_hm"]
+    floats = ["limit", "alpha", "beta", "situ_beta", "situ_lambda"]
+    const = dict(TOP_K=top_k, HAS_MAP=True, HAS_VT=True, HAS_BIAS=True, ACT=act, HAS_LIMIT=True, HAS_LAMBDA=False,
+                 FAST=True, FP32_DOT=False, RB=16, BN=bn, BK=bk, HALVES=halves)
+    sig = dict(ptrs)
+    sig.update({n: "i32" for n in ints})
+    sig.update({n: "fp32" for n in floats})
+    sig.update({k: "constexpr" for k in const})
+    names = fn.arg_names
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in ints}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=stages))
+    sass = k.asm["sass"]
+    out.append(dict(act=act, halves=halves, wgmma=sass.count("HGMMA"), tma_loads=sass.count("UTMALDG"),
+                    tma_copies=k.asm["ttgir"].count("async_tma_copy_global_to_local"), shared=k.metadata.shared))
+print(json.dumps(out))
+"""
+
+
+def test_tma_read_compiles_to_tma_copies_and_wgmma():
+    """The TMA weight read for gate-first halves (Qwen3-MoE, DeepSeek-V4), interleaved rows
+    (GPT-OSS) and non-gated rows, with the tiles `decode_experts` launches on an H200: the weight
+    tiles come by TMA and meet the slot rows in wgmma (weights on its M side), software-pipelined
+    (one TMA copy per stage in flight)."""
+    pytest.importorskip("triton")
+    from padded_moe import decode as dec
+    from padded_moe.activation import MoEActivation
+    from padded_moe.kernels.activation import KERNEL_IDS
+
+    class _Cuda:
+        type = "cuda"
+
+    real_cap = dec._platform.program_cap
+    dec._platform.program_cap = lambda device, per_sm=8: 132 * per_sm
+    try:
+        shapes = [("silu", 1, 8, 768, 2048), ("silu", 1, 6, 2048, 4096), ("swigluoai", 1, 4, 2880, 2880),
+                  ("relu2_no_mul", 2, 8, 1024, 1024)]
+        cases = []
+        for act, t, k, n, h in shapes:
+            tiles = dec.pick_tiles(t, t * k, n, h, _Cuda())
+            a = MoEActivation(act)
+            bn = max(tiles.bn1, 32 if a.is_gated else 64)
+            cases.append((KERNEL_IDS[act], bn, tiles.bk1, tiles.stages1, a.is_gated and not a.interleaved, k))
+    finally:
+        dec._platform.program_cap = real_cap
+    for r in compile_for_sm90(TMA_SCRIPT, json.dumps(cases)):
+        assert r["wgmma"] > 0 and r["tma_loads"] > 0, r
+        assert r["tma_copies"] >= 1, r
+        assert r["shared"] <= 227 * 1024, r

@@ -100,6 +100,25 @@ def test_model_shapes_match_reference(layers, decode_calls, monkeypatch, preset,
     assert rel_err(out[:T], layout_path[:T].float()) <= BF16_TOL
 
 
+@pytest.mark.parametrize("read", dec.W13_READS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_both_w13_reads_on_model_shapes(layers, decode_calls, monkeypatch, preset, read):
+    """GEMM1's two weight reads (`decode.W13_READ`: TMA tiles on wgmma's M side, per-thread
+    copies) at one token of each model, a slot dropped, against the oracle; the read asked for is
+    the one launched."""
+    monkeypatch.setattr(dec, "W13_READ", read)
+    taken, real = [], dec._w13_descriptor
+    monkeypatch.setattr(dec, "_w13_descriptor", lambda *a: taken.append(real(*a)) or taken[-1])
+    layer = layers(preset)
+    tw, ids = routes(1, layer.top_k, layer.num_experts, seed=30)
+    ids[0, -1] = -1
+    x = torch.randn(1, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    out = call(layer, x, tw, ids)
+    torch.cuda.synchronize()
+    assert decode_calls == [1] and (taken[0] is not None) == (read == "tma")
+    assert rel_err(out, oracle(layer, x, tw, ids, 1)) <= BF16_TOL
+
+
 def test_graph_replays_with_new_routes(layers, decode_calls):
     layer = layers("qwen3-30b-a3b")
     k, E = layer.top_k, layer.num_experts

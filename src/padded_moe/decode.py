@@ -167,6 +167,38 @@ def _weight_parts(w) -> _WeightArgs:
                        route, False)
 
 
+# How the bf16/fp16 decode GEMM1 reads its weights: "tma", tiles of the program's gate and up rows
+# by TMA into shared memory, the weights on the MMA's M side (`_decode_w13_tma_kernel`), where the
+# weight is TMA-readable (16-byte aligned rows, each expert's rows one run); "pointer", per-thread
+# copies into an MMA tile of the slot rows (`_decode_w13_act_kernel`). Set it before the first call:
+# launch plans keep what a call launched.
+W13_READS = ("tma", "pointer")
+W13_READ = "tma"
+
+
+def _w13_descriptor(w13, hidden: torch.Tensor, act: MoEActivation, tiles: DecodeTiles):
+    """(TMA descriptor of `w13`, activation columns per program, gate-first halves) for
+    `_decode_w13_tma_kernel`, or None where W13_READ or the weight rules it out. A program's weight
+    tile is at least 64 rows (wgmma's M): BN >= 32 columns gated, >= 64 not."""
+    if W13_READ not in W13_READS:
+        raise ValueError(f"padded_moe.decode.W13_READ must be one of {', '.join(W13_READS)}, got {W13_READ!r}")
+    from padded_moe.kernels.gemm import _tma_ok
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if W13_READ != "tma" or type(w13) not in (torch.Tensor, torch.nn.Parameter) or hidden.dtype == torch.float32 \
+            or w13.stride(0) != w13.shape[1] * w13.stride(1) or not _tma_ok(w13, w13.shape[0] * w13.shape[1], tiles.bk1):
+        return None
+    gated = act.is_gated
+    bn = max(tiles.bn1, 32 if gated else 64)
+    num_local, rows, k = w13.shape
+    if gated and not act.interleaved:
+        n = rows // 2
+        return (TensorDescriptor(w13, [num_local, 2, n, k], [w13.stride(0), n * w13.stride(1), w13.stride(1), 1],
+                                 [1, 2, bn, tiles.bk1]), bn, True)
+    return (TensorDescriptor(w13, [num_local * rows, k], [w13.stride(1), 1], [2 * bn if gated else bn, tiles.bk1]),
+            bn, False)
+
+
 def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, act: MoEActivation, cfg: ApplyMoEActivationConfig, num_experts: int,
                    table: Optional[torch.Tensor], w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
@@ -175,7 +207,8 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
     """Run the decode path on arguments `fused_experts` checked; `h [M*k, N]` is scratch for the
     activation's output, `out [M, K]` receives the result (rows at/after `valid_tokens` untouched)."""
     from padded_moe.kernels._launch import launch, ptr_key
-    from padded_moe.kernels.decode import _decode_w2_combine_kernel, _decode_w13_act_kernel, _decode_w13_mx_kernel
+    from padded_moe.kernels.decode import (_decode_w2_combine_kernel, _decode_w13_act_kernel, _decode_w13_mx_kernel,
+                                           _decode_w13_tma_kernel)
 
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
@@ -210,13 +243,24 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
         launch(_decode_w13_mx_kernel, (num_slots, cdiv(n, tiles.bn1)), ints + floats + ptr_key(*ptrs),
                ptrs + ints + floats, constexprs, num_warps=tiles.warps1)
     else:
-        ptrs = (hidden, a13.tensor, b13, h) + common
-        ints = ints + tail
         # Interpreter: triton 3.6's interpreted bf16 tl.dot is wrong, so upcast (exact).
-        constexprs.update(FP32_DOT=hidden.dtype == torch.float32 or interpreted, RB=max(16, next_pow2(num_slots)),
-                          BN=tiles.bn1, BK=tiles.bk1)
-        launch(_decode_w13_act_kernel, (cdiv(n, tiles.bn1), num_slots), ints + floats + ptr_key(*ptrs),
-               ptrs + ints + floats, constexprs, num_warps=tiles.warps1, num_stages=tiles.stages1)
+        constexprs.update(FP32_DOT=hidden.dtype == torch.float32 or interpreted, RB=max(16, next_pow2(num_slots)))
+        desc = _w13_descriptor(w13, hidden, act, tiles)
+        if desc is not None:
+            w_desc, bn, halves = desc
+            ptrs = (hidden, b13, h) + common
+            ints = (n, hidden_size, num_slots, num_experts, num_local, w13.shape[1], hidden.stride(0)) + ids_stride \
+                + tail
+            constexprs.update(BN=bn, BK=tiles.bk1, HALVES=halves)
+            launch(_decode_w13_tma_kernel, (cdiv(n, bn), num_slots), ints + floats + (num_local,) + ptr_key(w13, *ptrs),
+                   (hidden, w_desc) + ptrs[1:] + ints + floats, constexprs, num_warps=tiles.warps1,
+                   num_stages=tiles.stages1)
+        else:
+            ptrs = (hidden, a13.tensor, b13, h) + common
+            ints = ints + tail
+            constexprs.update(BN=tiles.bn1, BK=tiles.bk1)
+            launch(_decode_w13_act_kernel, (cdiv(n, tiles.bn1), num_slots), ints + floats + ptr_key(*ptrs),
+                   ptrs + ints + floats, constexprs, num_warps=tiles.warps1, num_stages=tiles.stages1)
 
     ptrs = (h, a2.tensor, a2.scales, dummy if w2_bias is None else w2_bias, topk_weights, out) + common
     ints = (hidden_size, n, num_experts, num_local, h.stride(0), *a2.strides, *a2.scale_strides, a2.row_bytes,

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from padded_moe.kernels.activation import ACT_SILU_NO_MUL, _bias_act, _gate_up_rows
 from padded_moe.kernels.gemm import (_E2M1_PTX_FOLDED_ASM, _FOUR_PLANE_PTX_FOLDED_ASM, _byte_strided_rows, _dot_fp32_or,
-                                     _e2m1_plane, _factor_f32, _four_plane, _scale_factor)
+                                     _e2m1_plane, _factor_f32, _four_plane, _gate_up_split, _scale_factor)
 from padded_moe.kernels.guard import slot_local_expert
 
 # How the MXFP4 decode kernels read weights (`MX_ROUTE`): the canonical packed bytes, decoded per
@@ -248,6 +248,21 @@ def _decode_w13_mx_kernel(
 
 
 @triton.jit
+def _slot_owner(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, s, S, E, L, TOP_K: tl.constexpr,
+                HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr, RB: tl.constexpr):
+    """Slot `s`'s local expert `e`, the slots `rows [RB]` routed to it, and whether `s` owns it:
+    a kept slot (dropped ones compute nothing; their h rows are never read) that is the first
+    slot of its expert (the programs of later slots leave the expert to it)."""
+    sl = tl.arange(0, RB)
+    experts = slot_local_expert(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, sl, sl < S, E, L,
+                                TOP_K, HAS_MAP, HAS_VT)
+    e = tl.sum(tl.where(sl == s, experts, 0), 0)
+    rows = experts == e
+    owner = (e < L) & (tl.min(tl.where(rows, sl, RB), 0) == s)
+    return e, rows, owner
+
+
+@triton.jit
 def _decode_w13_act_kernel(
     x_ptr, w_ptr, bias_ptr, h_ptr, ids_ptr, map_ptr, vt_ptr,
     N, K, S, E, L,
@@ -260,14 +275,10 @@ def _decode_w13_act_kernel(
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     sl = tl.arange(0, RB)
-    experts = slot_local_expert(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, sl, sl < S, E, L,
-                                TOP_K, HAS_MAP, HAS_VT)
-    e = tl.sum(tl.where(sl == s, experts, 0), 0)
-    if e >= L:  # dropped slot: nothing to compute, its h row is never read
+    e, rows, owner = _slot_owner(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, s, S, E, L, TOP_K, HAS_MAP, HAS_VT,
+                                 RB)
+    if owner == 0:
         return
-    if tl.min(tl.where(experts == e, sl, RB), 0) != s:  # an earlier slot's program does this expert
-        return
-    rows = experts == e
     x_rows = tl.where(rows, sl // TOP_K, 0).to(tl.int64)
     rn = pid_n * BN + tl.arange(0, BN)
     n_ok = rn < N
@@ -292,6 +303,58 @@ def _decode_w13_act_kernel(
             acc_u = _dot_fp32_or(a, wu, acc_u, FP32_DOT)
     y = _bias_act(acc_g, acc_u, bias_ptr + e64 * stride_be, g_rows, u_rows, n_ok, h_ptr, limit, alpha, beta,
                   situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
+    h_ptrs = h_ptr + sl.to(tl.int64)[:, None] * stride_hm + rn[None, :]
+    tl.store(h_ptrs, y.to(h_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _decode_w13_tma_kernel(
+    x_ptr, w_desc, bias_ptr, h_ptr, ids_ptr, map_ptr, vt_ptr,
+    N, K, S, E, L, W_ROWS,
+    stride_xm, stride_im, stride_ik, stride_be, stride_hm,
+    limit, alpha, beta, situ_beta, situ_lambda,
+    TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
+    FP32_DOT: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HALVES: tl.constexpr,
+):
+    """`_decode_w13_act_kernel` with the weights on the MMA's M side, read by TMA: the program's
+    weight rows (its BN columns' gate and up rows, 2*BN >= 64, or BN >= 64 rows non-gated) go
+    straight to shared memory, and `acc^T [rows, RB] = W x^T` takes them from there as a wgmma
+    operand (no per-thread copies, no ldmatrix). `w_desc`: the weight viewed as [L, 2, N, K] with
+    `HALVES` (gate-first rows: the columns' gate rows, then their up rows), else as
+    [L * W_ROWS, K] (interleaved gate/up rows, or non-gated rows; a tile's rows past the expert's
+    belong to the next expert or read as zeros, and are never stored)."""
+    pid_n = tl.program_id(0)
+    s = tl.program_id(1)
+    sl = tl.arange(0, RB)
+    e, rows, owner = _slot_owner(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, s, S, E, L, TOP_K, HAS_MAP, HAS_VT,
+                                 RB)
+    if owner == 0:
+        return
+    x_base = x_ptr + tl.where(rows, sl // TOP_K, 0).to(tl.int64)[:, None] * stride_xm
+    n0 = pid_n * BN
+    GATED: tl.constexpr = ACT < ACT_SILU_NO_MUL
+    WR: tl.constexpr = 2 * BN if GATED else BN
+    row0 = e * W_ROWS + (2 * n0 if GATED else n0)
+    acc = tl.zeros((WR, RB), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        a = tl.load(x_base + rk[None, :], mask=rows[:, None] & (rk < K)[None, :], other=0.0)
+        if HALVES:
+            w = tl.reshape(w_desc.load([e, 0, n0, k0]), (WR, BK))
+        else:
+            w = w_desc.load([row0, k0])
+        acc = _dot_fp32_or(w, tl.trans(a), acc, FP32_DOT)
+    if GATED:
+        acc_g, acc_u = _gate_up_split(acc, ACT, True, HALVES, RB, BN)
+    else:
+        acc_g = tl.trans(acc)
+        acc_u = acc_g
+    rn = n0 + tl.arange(0, BN)
+    n_ok = rn < N
+    g_rows, u_rows = _gate_up_rows(rn, N, ACT)
+    y = _bias_act(acc_g, acc_u, bias_ptr + e.to(tl.int64) * stride_be, g_rows, u_rows, n_ok, h_ptr, limit, alpha,
+                  beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
     h_ptrs = h_ptr + sl.to(tl.int64)[:, None] * stride_hm + rn[None, :]
     tl.store(h_ptrs, y.to(h_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
 

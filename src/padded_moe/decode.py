@@ -182,21 +182,16 @@ def _w13_descriptor(w13, hidden: torch.Tensor, act: MoEActivation, tiles: Decode
     tile is at least 64 rows (wgmma's M): BN >= 32 columns gated, >= 64 not."""
     if W13_READ not in W13_READS:
         raise ValueError(f"padded_moe.decode.W13_READ must be one of {', '.join(W13_READS)}, got {W13_READ!r}")
-    from padded_moe.kernels.gemm import _tma_ok
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    from padded_moe.kernels.gemm import gate_up_descriptor, rows_descriptor, weight_rows_tma_ok
 
     if W13_READ != "tma" or type(w13) not in (torch.Tensor, torch.nn.Parameter) or hidden.dtype == torch.float32 \
-            or w13.stride(0) != w13.shape[1] * w13.stride(1) or not _tma_ok(w13, w13.shape[0] * w13.shape[1], tiles.bk1):
+            or not weight_rows_tma_ok(w13, tiles.bk1):
         return None
     gated = act.is_gated
     bn = max(tiles.bn1, 32 if gated else 64)
-    num_local, rows, k = w13.shape
     if gated and not act.interleaved:
-        n = rows // 2
-        return (TensorDescriptor(w13, [num_local, 2, n, k], [w13.stride(0), n * w13.stride(1), w13.stride(1), 1],
-                                 [1, 2, bn, tiles.bk1]), bn, True)
-    return (TensorDescriptor(w13, [num_local * rows, k], [w13.stride(1), 1], [2 * bn if gated else bn, tiles.bk1]),
-            bn, False)
+        return gate_up_descriptor(w13, bn, tiles.bk1), bn, True
+    return rows_descriptor(w13, 2 * bn if gated else bn, tiles.bk1), bn, False
 
 
 def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,

@@ -1008,6 +1008,26 @@ def _tma_ok(t: torch.Tensor, rows: int, bk: int) -> bool:
             and (t.stride(-2) * es) % 16 == 0 and bk * es >= 16)
 
 
+def weight_rows_tma_ok(w: torch.Tensor, bk: int) -> bool:
+    """Whether TMA can read `w [L, rows, K]` as `[L * rows, K]`: each expert's rows follow the
+    previous expert's, 16-byte aligned (`_tma_ok`), blocks of `bk` columns."""
+    return w.stride(0) == w.shape[1] * w.stride(1) and _tma_ok(w, w.shape[0] * w.shape[1], bk)
+
+
+def rows_descriptor(w: torch.Tensor, block_rows: int, bk: int) -> TensorDescriptor:
+    """TMA descriptor of `w [L, rows, K]` viewed as `[L * rows, K]` (`weight_rows_tma_ok`), blocks of
+    `[block_rows, bk]`."""
+    return TensorDescriptor(w, [w.shape[0] * w.shape[1], w.shape[2]], [w.stride(1), 1], [block_rows, bk])
+
+
+def gate_up_descriptor(w: torch.Tensor, block_n: int, bk: int) -> TensorDescriptor:
+    """TMA descriptor of gate-first `w13 [L, 2N, K]` viewed as `[L, 2, N, K]`, blocks of
+    `[1, 2, block_n, bk]`: a column block's gate rows, then its up rows, past N read as zeros."""
+    n = w.shape[1] // 2
+    return TensorDescriptor(w, [w.shape[0], 2, n, w.shape[2]], [w.stride(0), n * w.stride(1), w.stride(1), 1],
+                            [1, 2, block_n, bk])
+
+
 def weight_read(cfg: GemmConfig, a2: torch.Tensor, w, gated: bool, interleaved: bool) -> str:
     """How `_expert_gemm_kernel`'s tiles read weight rows: "pointer" (masked loads: MXFP4 bytes,
     another dtype than `a2`, or no TMA), "tma" (one descriptor tile of contiguous rows, also the
@@ -1016,7 +1036,7 @@ def weight_read(cfg: GemmConfig, a2: torch.Tensor, w, gated: bool, interleaved: 
     GATE_UP_TMA says. `w` is the canonical weight (the prepared-MXFP4 kernel has its own reads)."""
     if GATE_UP_TMA not in ("two_tiles", "one_tile"):
         raise ValueError(f"kernels.gemm.GATE_UP_TMA must be 'two_tiles' or 'one_tile', got {GATE_UP_TMA!r}")
-    if not (cfg.tma and w.dtype == a2.dtype and w.stride(0) == w.shape[1] * w.stride(1) and _tma_ok(w, w.shape[0] * w.shape[1], cfg.BK)):
+    if not (cfg.tma and w.dtype == a2.dtype and weight_rows_tma_ok(w, cfg.BK)):
         return "pointer"
     return "tma_" + GATE_UP_TMA if gated and not interleaved else "tma"
 
@@ -1107,10 +1127,9 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     w_desc4, two_acc = read == "tma_one_tile", read == "tma_two_tiles"
     a_arg = TensorDescriptor(a2, [a2.shape[0], K], [a2.stride(0), 1], [BM, BK]) if a_desc else a2
     if w_desc4:
-        w_arg = TensorDescriptor(w, [w.shape[0], 2, N, K], [w.stride(0), N * w.stride(1), w.stride(1), 1],
-                                 [1, 2, BN_OUT, BK])
+        w_arg = gate_up_descriptor(w, BN_OUT, BK)
     elif w_desc:
-        w_arg = TensorDescriptor(w, [w.shape[0] * w_rows, K], [w.stride(1), 1], [BN_OUT if two_acc else cfg.BN, BK])
+        w_arg = rows_descriptor(w, BN_OUT if two_acc else cfg.BN, BK)
     else:
         w_arg = w
     # tl.dot_scaled: compiled 16-bit activations only (the interpreter has no dot_scaled).

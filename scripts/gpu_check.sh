@@ -163,6 +163,14 @@ for stage in "$@"; do
                 --out "$OUT/bench-decode-sweep"
             STEP_TIMEOUT=200 step bench-hf-graph python3 benchmarks/bench_hf.py --models qwen3_moe,gpt_oss \
                 --columns graph_b1,graph_b32 --out "$OUT/bench-hf" ;;
+        final-suites)  # the session's end state: the GEMM and decode kernels' GPU tests, the suites that call
+            # fused_experts (eager, plans, compile) and the HF parity tests
+            STEP_TIMEOUT=120 step test-epilogue python3 -m pytest -q -n 4 -m gpu tests/test_gemm_epilogue_gpu.py
+            STEP_TIMEOUT=150 step test-decode-plans python3 -m pytest -q -n 2 -m gpu tests/test_decode_gpu.py \
+                tests/test_launch_plan_gpu.py
+            STEP_TIMEOUT=150 step test-experts-compile python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py \
+                tests/test_compile_gpu.py
+            STEP_TIMEOUT=100 step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py ;;
         fusion-suites)  # the GPU suites that call fused_experts (now with the epilogue), then the peers table
             STEP_TIMEOUT=180 step test-pipeline python3 -m pytest -q -n 4 -m gpu tests/test_experts_gpu.py \
                 tests/test_launch_plan_gpu.py tests/test_decode_gpu.py tests/test_compile_gpu.py

@@ -79,7 +79,6 @@ def reference_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     ids = topk_ids.long().cpu()
     weights = topk_weights.double().cpu()
     x = hidden.double().cpu()
-    w13d, w2d = w13.double().cpu(), w2.double().cpu()
     emap = expert_map.long().cpu() if expert_map is not None else None
     out = torch.zeros(M, w2.shape[1], dtype=torch.float64)
     n_valid = M if valid_tokens is None else max(0, min(int(valid_tokens), M))
@@ -93,10 +92,12 @@ def reference_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         tok, slot = (local == e).nonzero(as_tuple=True)
         if tok.numel() == 0:
             continue
-        h = x[tok] @ w13d[e].T
+        # One expert's weights at a time, moved before widening: a model's experts in float64
+        # would take four times their bf16 bytes on the device.
+        h = x[tok] @ w13[e].cpu().double().T
         if w13_bias is not None:
             h = h + w13_bias[e].double().cpu()
-        y = activation_f64(activation, h, **kw) @ w2d[e].T
+        y = activation_f64(activation, h, **kw) @ w2[e].cpu().double().T
         if w2_bias is not None:
             y = y + w2_bias[e].double().cpu()
         out.index_add_(0, tok, weights[tok, slot, None] * y)

@@ -10,6 +10,21 @@ import pytest
 
 from helpers import compile_for_sm90
 
+
+def h200_tiles(*args, **kwargs):
+    """`decode.pick_tiles(*args, <a CUDA device>, **kwargs)` as on an H200's 132 SMs, without a GPU."""
+    from padded_moe import decode as dec
+
+    class _Cuda:
+        type = "cuda"
+
+    real_cap = dec._platform.program_cap
+    dec._platform.program_cap = lambda device, per_sm=8: 132 * per_sm
+    try:
+        return dec.pick_tiles(*args, _Cuda(), **kwargs)
+    finally:
+        dec._platform.program_cap = real_cap
+
 SCRIPT = r"""
 import json, os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
@@ -96,25 +111,16 @@ def test_decode_kernels_compile_for_sm90_pipelined():
     pytest.importorskip("triton")
     import dataclasses
 
-    from padded_moe import decode as dec
     from padded_moe.kernels.activation import KERNEL_IDS
 
-    class _Cuda:  # pick_tiles on an H200's 132 SMs, without a GPU
-        type = "cuda"
-
-    real_cap = dec._platform.program_cap
-    dec._platform.program_cap = lambda device, per_sm=8: 132 * per_sm
-    try:
-        cases = [(8, "silu", dec.pick_tiles(1, 8, 768, 2048, _Cuda())),          # Qwen3-MoE, T=1
-                 (6, "silu", dec.pick_tiles(1, 6, 2048, 4096, _Cuda())),         # DeepSeek-V4, T=1
-                 (2, "silu", dec.pick_tiles(8, 16, 14336, 4096, _Cuda())),       # Mixtral, T=8
-                 (4, "swigluoai", dec.pick_tiles(4, 16, 2880, 2880, _Cuda())),   # GPT-OSS, T=4
-                 (4, "relu2_no_mul", dec.pick_tiles(2, 8, 1024, 1024, _Cuda()))]
-        mx_cases = [(6, "silu", dec.pick_tiles(1, 6, 2048, 4096, _Cuda(), mxfp4=True)),        # DeepSeek-V4 MXFP4
-                    (4, "swigluoai", dec.pick_tiles(1, 4, 2880, 2880, _Cuda(), mxfp4=True)),   # GPT-OSS MXFP4
-                    (4, "relu2_no_mul", dec.pick_tiles(4, 16, 1024, 1024, _Cuda(), mxfp4=True))]
-    finally:
-        dec._platform.program_cap = real_cap
+    cases = [(8, "silu", h200_tiles(1, 8, 768, 2048)),          # Qwen3-MoE, T=1
+             (6, "silu", h200_tiles(1, 6, 2048, 4096)),         # DeepSeek-V4, T=1
+             (2, "silu", h200_tiles(8, 16, 14336, 4096)),       # Mixtral, T=8
+             (4, "swigluoai", h200_tiles(4, 16, 2880, 2880)),   # GPT-OSS, T=4
+             (4, "relu2_no_mul", h200_tiles(2, 8, 1024, 1024))]
+    mx_cases = [(6, "silu", h200_tiles(1, 6, 2048, 4096, mxfp4=True)),        # DeepSeek-V4 MXFP4
+                (4, "swigluoai", h200_tiles(1, 4, 2880, 2880, mxfp4=True)),   # GPT-OSS MXFP4
+                (4, "relu2_no_mul", h200_tiles(4, 16, 1024, 1024, mxfp4=True))]
     # MXFP4 cases on the canonical bytes, the same bytes as words, and the prepared 4-plane words
     # (E8M0 and folded scales).
     arg = json.dumps([(k, KERNEL_IDS[a], dataclasses.asdict(t), False, "", None, None) for k, a, t in cases]
@@ -144,15 +150,7 @@ def test_word_routes_load_as_wide_on_gpt_oss_rows_as_on_aligned_ones(step, monke
     from padded_moe.kernels.activation import KERNEL_IDS
     from padded_moe.mxfp4 import Mxfp4Tensor
 
-    class _Cuda:
-        type = "cuda"
-
-    real_cap = dec._platform.program_cap
-    dec._platform.program_cap = lambda device, per_sm=8: 132 * per_sm
-    try:
-        t = dec.pick_tiles(1, 4, 2880, 2880, _Cuda(), mxfp4=True)
-    finally:
-        dec._platform.program_cap = real_cap
+    t = h200_tiles(1, 4, 2880, 2880, mxfp4=True)
     monkeypatch.setattr(dec, "MX_STEP", step)
     n = k = 2880
     top_k, experts = 4, 128
@@ -222,26 +220,17 @@ def test_tma_read_compiles_to_tma_copies_and_wgmma():
     tiles come by TMA and meet the slot rows in wgmma (weights on its M side), software-pipelined
     (one TMA copy per stage in flight)."""
     pytest.importorskip("triton")
-    from padded_moe import decode as dec
     from padded_moe.activation import MoEActivation
     from padded_moe.kernels.activation import KERNEL_IDS
 
-    class _Cuda:
-        type = "cuda"
-
-    real_cap = dec._platform.program_cap
-    dec._platform.program_cap = lambda device, per_sm=8: 132 * per_sm
-    try:
-        shapes = [("silu", 1, 8, 768, 2048), ("silu", 1, 6, 2048, 4096), ("swigluoai", 1, 4, 2880, 2880),
-                  ("relu2_no_mul", 2, 8, 1024, 1024)]
-        cases = []
-        for act, t, k, n, h in shapes:
-            tiles = dec.pick_tiles(t, t * k, n, h, _Cuda())
-            a = MoEActivation(act)
-            bn = max(tiles.bn1, 32 if a.is_gated else 64)
-            cases.append((KERNEL_IDS[act], bn, tiles.bk1, tiles.stages1, a.is_gated and not a.interleaved, k))
-    finally:
-        dec._platform.program_cap = real_cap
+    shapes = [("silu", 1, 8, 768, 2048), ("silu", 1, 6, 2048, 4096), ("swigluoai", 1, 4, 2880, 2880),
+              ("relu2_no_mul", 2, 8, 1024, 1024)]
+    cases = []
+    for act, t, k, n, h in shapes:
+        tiles = h200_tiles(t, t * k, n, h)
+        a = MoEActivation(act)
+        bn = max(tiles.bn1, 32 if a.is_gated else 64)
+        cases.append((KERNEL_IDS[act], bn, tiles.bk1, tiles.stages1, a.is_gated and not a.interleaved, k))
     for r in compile_for_sm90(TMA_SCRIPT, json.dumps(cases)):
         assert r["wgmma"] > 0 and r["tma_loads"] > 0, r
         assert r["tma_copies"] >= 1, r

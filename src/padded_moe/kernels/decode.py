@@ -250,16 +250,17 @@ def _decode_w13_mx_kernel(
 @triton.jit
 def _slot_owner(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, s, S, E, L, TOP_K: tl.constexpr,
                 HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr, RB: tl.constexpr):
-    """Slot `s`'s local expert `e`, the slots `rows [RB]` routed to it, and whether `s` owns it:
-    a kept slot (dropped ones compute nothing; their h rows are never read) that is the first
-    slot of its expert (the programs of later slots leave the expert to it)."""
+    """Slot `s`'s local expert `e`, the slots `rows [RB]` routed to it, their tokens' hidden rows
+    `x_rows [RB]` (int64; 0 for the other slots), and whether `s` owns the expert: a kept slot
+    (dropped ones compute nothing; their h rows are never read) that is the first slot of its
+    expert (the programs of later slots leave the expert to it)."""
     sl = tl.arange(0, RB)
     experts = slot_local_expert(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, sl, sl < S, E, L,
                                 TOP_K, HAS_MAP, HAS_VT)
     e = tl.sum(tl.where(sl == s, experts, 0), 0)
     rows = experts == e
     owner = (e < L) & (tl.min(tl.where(rows, sl, RB), 0) == s)
-    return e, rows, owner
+    return e, rows, tl.where(rows, sl // TOP_K, 0).to(tl.int64), owner
 
 
 @triton.jit
@@ -275,11 +276,10 @@ def _decode_w13_act_kernel(
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     sl = tl.arange(0, RB)
-    e, rows, owner = _slot_owner(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, s, S, E, L, TOP_K, HAS_MAP, HAS_VT,
-                                 RB)
+    e, rows, x_rows, owner = _slot_owner(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, s, S, E, L, TOP_K, HAS_MAP,
+                                         HAS_VT, RB)
     if owner == 0:
         return
-    x_rows = tl.where(rows, sl // TOP_K, 0).to(tl.int64)
     rn = pid_n * BN + tl.arange(0, BN)
     n_ok = rn < N
     GATED: tl.constexpr = ACT < ACT_SILU_NO_MUL
@@ -327,11 +327,11 @@ def _decode_w13_tma_kernel(
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     sl = tl.arange(0, RB)
-    e, rows, owner = _slot_owner(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, s, S, E, L, TOP_K, HAS_MAP, HAS_VT,
-                                 RB)
+    e, rows, x_rows, owner = _slot_owner(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, s, S, E, L, TOP_K, HAS_MAP,
+                                         HAS_VT, RB)
     if owner == 0:
         return
-    x_base = x_ptr + tl.where(rows, sl // TOP_K, 0).to(tl.int64)[:, None] * stride_xm
+    x_base = x_ptr + x_rows[:, None] * stride_xm
     n0 = pid_n * BN
     GATED: tl.constexpr = ACT < ACT_SILU_NO_MUL
     WR: tl.constexpr = 2 * BN if GATED else BN

@@ -79,9 +79,11 @@ def main() -> None:
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma list of preset:weights (bf16 or mxfp4)")
     p.add_argument("--tokens", default="16,128,1024,8192")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--gate-up-tile", default="two_tiles", choices=("two_tiles", "one_tile", "both"),
-                   help="how bf16 TMA tiles read gate-first w13 rows with the epilogue (kernels.gemm.GATE_UP_TMA); "
-                        "both: one epilogue column per arrangement")
+    from padded_moe.kernels import gemm as kg
+
+    p.add_argument("--gate-up-tile", default=kg.GATE_UP_TMA, choices=("two_tiles", "one_tile", "both"),
+                   help="how bf16 TMA tiles read gate-first w13 rows with the epilogue (kernels.gemm.GATE_UP_TMA, "
+                        "whose value is the default); both: one epilogue column per arrangement")
     p.add_argument("--out", default="bench-out/fusion")
     args = p.parse_args()
     if not torch.cuda.is_available():

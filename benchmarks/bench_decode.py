@@ -3,7 +3,7 @@
     python benchmarks/bench_decode.py                       # Qwen3-MoE, DeepSeek-V4 (bf16), Mixtral, GPT-OSS (bf16)
     python benchmarks/bench_decode.py --sweep               # also time the decode kernels' tile candidates
     python benchmarks/bench_decode.py --weights mxfp4 --presets gpt-oss-120b,dsv4-flash
-    python benchmarks/bench_decode.py --read-ab             # GEMM1's weight reads (decode.W13_READ) side by side
+    python benchmarks/bench_decode.py --ab read            # decode kernel variants side by side (GEMM1's reads)
 
 For each model shape (bf16 or MXFP4 weights, random routing from the layer's own router) and token count,
 times one routed-experts call (`FusedMoE.experts`: no router, no shared experts) as a CUDA-graph
@@ -74,31 +74,43 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
-AB_HEADERS = ["model", "T"] + [f"{r} us" for r in dec.W13_READS] + [f"{dec.W13_READS[1]} / {dec.W13_READS[0]}",
-                                                                   "max rel diff"]
+# Variants of the decode kernels timed side by side (`--ab`): label -> the `padded_moe.decode`
+# settings it runs with; the first is the reference of the ratios.
+AB_VARIANTS = {
+    "read": {f"{r}": dict(W13_READ=r) for r in dec.W13_READS},
+}
 
 
-def reads_ab(call) -> list:
-    """The decode call captured once per GEMM1 weight read (`decode.W13_READ`), the replays timed
-    in alternating rounds: [µs per read..., second / first, largest relative difference of an
-    output to the first's]."""
-    real, graphs = dec.W13_READ, []
-    try:
-        for read in dec.W13_READS:
-            dec.W13_READ = read
+def ab_headers(kind: str) -> list:
+    labels = list(AB_VARIANTS[kind])
+    return ["model", "T"] + [f"{v} us" for v in labels] + [f"{labels[0]} / {v}" for v in labels[1:]] \
+        + ["max rel diff"]
+
+
+def variants_ab(call, kind: str) -> list:
+    """The decode call captured once per variant of `AB_VARIANTS[kind]`, the replays timed in
+    alternating rounds: [µs per variant..., first / each other (above 1: the other is faster),
+    largest relative difference of an output to the first's]."""
+    graphs = []
+    for settings in AB_VARIANTS[kind].values():
+        real = {k: getattr(dec, k) for k in settings}
+        try:
+            for k, v in settings.items():
+                setattr(dec, k, v)
             graph, out = with_decode(True, lambda: captured(call))
             graph.replay()
             torch.cuda.synchronize()
             graphs.append((graph, out.clone()))
-    finally:
-        dec.W13_READ = real
+        finally:
+            for k, v in real.items():
+                setattr(dec, k, v)
     times = [[] for _ in graphs]
     for _ in range(5):
         for i, (graph, _) in enumerate(graphs):
             times[i].append(bench_us(graph.replay, warmup_ms=10, rep_ms=100))
     us = [sorted(t)[2] for t in times]
     diff = max(rel(out, graphs[0][1]) for _, out in graphs[1:])
-    return [round(u, 1) for u in us] + [round(us[1] / us[0], 3), f"{diff:.1e}"]
+    return [round(u, 1) for u in us] + [round(us[0] / u, 3) for u in us[1:]] + [f"{diff:.1e}"]
 
 
 def main() -> None:
@@ -109,9 +121,9 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time the decode tile candidates at T=1 per preset")
     p.add_argument("--mx-step", choices=dec.MX_STEPS, default=dec.MX_STEP,
                    help="mxfp4: how the decode kernels read the weights (decode.MX_STEP)")
-    p.add_argument("--read-ab", action="store_true",
-                   help="bf16: also time each decode call with every GEMM1 weight read (decode.W13_READS), "
-                        "alternating rounds")
+    p.add_argument("--ab", choices=tuple(AB_VARIANTS),
+                   help="bf16: also time each decode call with each variant of the decode kernels, alternating "
+                        "rounds: read (decode.W13_READS)")
     p.add_argument("--out", default="bench-out/decode")
     args = p.parse_args()
     dec.MX_STEP = args.mx_step
@@ -143,8 +155,8 @@ def main() -> None:
             e_off = with_decode(False, lambda: bench_us(call))
             rows.append([name, T, hit, round(floor, 1), round(g_on, 1), round(g_off, 1), round(g_off / g_on, 2),
                          round(floor / g_on, 2), round(e_on, 1), round(e_off, 1), f"{err:.1e}"])
-            if args.read_ab and args.weights == "bf16":
-                ab_rows.append([name, T] + reads_ab(call))
+            if args.ab and args.weights == "bf16":
+                ab_rows.append([name, T] + variants_ab(call, args.ab))
             if args.sweep and T == 1:
                 plans = ex._launch_plans()
                 for tiles in (MX_SWEEP if args.weights == "mxfp4" else SWEEP):
@@ -168,11 +180,12 @@ def main() -> None:
     if sweep_rows:
         print_table("decode tiles at T=1 (graph us)", ["model", "tiles", "us", "check"], sweep_rows)
     if ab_rows:
-        print_table("GEMM1 weight reads (decode graph us, 5 alternating rounds)", AB_HEADERS, ab_rows)
+        print_table(f"decode kernel variants: {args.ab} (graph us, 5 alternating rounds)", ab_headers(args.ab),
+                    ab_rows)
     write_report(args.out, "bench_decode", "Decode-sized calls: decode path vs layout path",
                  f"One routed-experts call (FusedMoE.experts), {args.weights} weights, graph replay and eager, "
                  "PADDED_MOE_DECODE on and off; floor = bytes of the experts hit / copy bandwidth.",
-                 headers, rows, extra={"sweep": sweep_rows, "reads_ab": [AB_HEADERS] + ab_rows,
+                 headers, rows, extra={"sweep": sweep_rows, "ab": [ab_headers(args.ab)] + ab_rows if args.ab else [],
                                        "copy_bytes_per_s": copy, "wall_s": time.time() - t0})
     print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
 

@@ -158,7 +158,7 @@ for stage in "$@"; do
             STEP_TIMEOUT=240 step test-decode python3 -m pytest -q -m gpu tests/test_decode_gpu.py tests/test_launch_plan_gpu.py
             step sanitizer-decode compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
                 tests/test_decode_gpu.py -k sanitizer
-            STEP_TIMEOUT=150 step bench-decode-reads python3 benchmarks/bench_decode.py --read-ab --out "$OUT/bench-decode"
+            STEP_TIMEOUT=150 step bench-decode-reads python3 benchmarks/bench_decode.py --ab read --out "$OUT/bench-decode"
             STEP_TIMEOUT=100 step bench-decode-sweep python3 benchmarks/bench_decode.py --presets qwen3-30b-a3b --sweep \
                 --out "$OUT/bench-decode-sweep"
             STEP_TIMEOUT=200 step bench-hf-graph python3 benchmarks/bench_hf.py --models qwen3_moe,gpt_oss \

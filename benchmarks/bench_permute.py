@@ -61,7 +61,7 @@ def run(args) -> tuple[list, dict]:
             extra["masked_overflow"] = int(meta.overflow)
         t_bp = bench_us(build_and_permute)
         t_bp_graph = bench_graph_us(build_and_permute)
-        t_build = bench_us(lambda: build_layout(layout, ids, E, scratch=scratch))
+        t_build = bench_us(lambda: build_layout(layout, ids, E, scratch=scratch, drop_overflow=True))
         t_un = bench_us(lambda: unpermute(out, y, weights, meta))
         t_un_graph = bench_graph_us(lambda: unpermute(out, y, weights, meta))
         rows.append([layout.value, t_build, t_bp, t_bp_graph, t_bp / t_copy, t_bp_graph / t_copy,

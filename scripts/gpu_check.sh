@@ -163,6 +163,31 @@ for stage in "$@"; do
                 --out "$OUT/bench-decode-sweep"
             STEP_TIMEOUT=200 step bench-hf-graph python3 benchmarks/bench_hf.py --models qwen3_moe,gpt_oss \
                 --columns graph_b1,graph_b32 --out "$OUT/bench-hf" ;;
+        small-kernels)  # the activation's launch shapes (incl. one program per row block) and Nsight Compute
+            # sections of the activation (ours vs torch.compile's kernel) and of unpermute (indexed vs grouped)
+            STEP_TIMEOUT=150 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"
+            ncu_sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
+                          --section WarpStateStats --section LaunchStats)
+            STEP_TIMEOUT=120 step ncu-activation ncu "${ncu_sections[@]}" -k "regex:moe_activation|triton_poi" \
+                --launch-count 4 python3 scripts/ncu_small.py act
+            STEP_TIMEOUT=120 step ncu-unpermute ncu "${ncu_sections[@]}" -k "regex:_unpermute" --launch-count 6 \
+                python3 scripts/ncu_small.py unpermute ;;
+        striding)  # grid-striding kernels sized to one wave of resident programs: the driver's occupancy
+            # cross-check, the activation / layout / plan GPU tests, sanitizer, both benches
+            STEP_TIMEOUT=200 step test-striding python3 -m pytest -q -n 2 -m gpu tests/test_platform_gpu.py \
+                tests/test_activation_gpu.py tests/test_layouts_gpu.py tests/test_launch_plan_gpu.py
+            step sanitizer-layouts compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_layouts_gpu.py tests/test_platform_gpu.py -k "sanitizer or wave"
+            STEP_TIMEOUT=150 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"
+            STEP_TIMEOUT=100 step bench-permute python3 benchmarks/bench_permute.py --out "$OUT/bench-permute" ;;
+        striding-final)  # the activation's launch shapes for silu and situ, then the suites that call the
+            # striding kernels through fused_experts (eager, plans, compile) and the HF parity tests
+            STEP_TIMEOUT=150 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"
+            STEP_TIMEOUT=200 step test-experts-compile python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py \
+                tests/test_compile_gpu.py
+            STEP_TIMEOUT=120 step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py ;;
+        experts-owed)  # the fused_experts GPU suite alone (the Kimi preset's float64 reference is large)
+            STEP_TIMEOUT=240 step test-experts python3 -m pytest -q -m gpu tests/test_experts_gpu.py ;;
         final-suites)  # the session's end state: the GEMM and decode kernels' GPU tests, the suites that call
             # fused_experts (eager, plans, compile) and the HF parity tests
             STEP_TIMEOUT=120 step test-epilogue python3 -m pytest -q -n 4 -m gpu tests/test_gemm_epilogue_gpu.py

@@ -246,3 +246,14 @@ def test_check_counts_rejects_out_of_range():
                                  valid_token_counts=torch.tensor([bad]), check_counts=True)
     apply_moe_activation("silu", torch.empty(4, 4), torch.randn(4, 8),
                          valid_token_counts=torch.tensor([4]), check_counts=True)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "16"])
+def test_tuning_programs_per_sm_must_be_none_or_positive(bad):
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        apply_moe_activation("silu", torch.empty(4, 4), torch.randn(4, 8), tuning={"programs_per_sm": bad})
+
+
+def test_tuning_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="unknown keys"):
+        apply_moe_activation("silu", torch.empty(4, 4), torch.randn(4, 8), tuning={"programs": 4})

@@ -52,6 +52,25 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# What an SM of compute capability 7.0 to 9.0 has for resident programs: 64K 32-bit registers,
+# allocated per warp in units of 256; at most 32 programs; 1 KB of shared memory reserved per program.
+_REGS_PER_SM, _REG_UNIT, _MAX_PROGRAMS_PER_SM, _SHARED_RESERVED = 65536, 256, 32, 1024
+
+
+@functools.lru_cache(maxsize=64)
+def programs_per_sm(device_index: int, num_warps: int, regs_per_thread: int, shared_bytes: int) -> int:
+    """How many programs of `num_warps` warps, `regs_per_thread` registers and `shared_bytes` of
+    shared memory an SM of this device holds at once (at least 1)."""
+    props = torch.cuda.get_device_properties(device_index)
+    warp = props.warp_size
+    regs_per_warp = -(-max(regs_per_thread, 1) * warp // _REG_UNIT) * _REG_UNIT
+    fits = [_MAX_PROGRAMS_PER_SM, props.max_threads_per_multi_processor // (num_warps * warp),
+            _REGS_PER_SM // (regs_per_warp * num_warps)]
+    if shared_bytes:
+        fits.append(props.shared_memory_per_multiprocessor // (shared_bytes + _SHARED_RESERVED))
+    return max(1, min(fits))
+
+
 def program_cap(device: torch.device, per_sm: int = 8) -> int:
     """Upper bound on resident programs for grid-striding kernels (small under the interpreter)."""
     if device.type == "cuda":

@@ -309,7 +309,11 @@ def _tuning(tuning: Optional[Mapping]) -> dict:
     unknown = sorted(set(tuning) - set(TUNING))
     if unknown:
         raise ValueError(f"tuning has unknown keys {unknown}; TUNING's keys are {sorted(TUNING)}")
-    return {**TUNING, **tuning}
+    merged = {**TUNING, **tuning}
+    per_sm = merged["programs_per_sm"]
+    if per_sm is not None and (not isinstance(per_sm, int) or isinstance(per_sm, bool) or per_sm < 1):
+        raise ValueError(f"tuning['programs_per_sm'] must be None (all resident) or a positive int, got {per_sm!r}")
+    return merged
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,7 +359,9 @@ def _run_torch(act: MoEActivation, output: torch.Tensor, input: torch.Tensor,
 
 
 # Launch shape of the activation kernel; benchmarks/bench_activation.py sweeps these on a GPU.
-TUNING = {"tile_elems": 4096, "max_block_d": 1024, "num_warps": 4, "programs_per_sm": 16}
+# programs_per_sm: None, as many programs as the device holds at once (from the compiled kernel's
+# registers and shared memory), each striding over its rows; a number, that many per SM.
+TUNING = {"tile_elems": 4096, "max_block_d": 1024, "num_warps": 4, "programs_per_sm": None}
 
 
 def _block_shape(d: int, tuning: dict) -> tuple[int, int, int]:
@@ -367,21 +373,28 @@ def _block_shape(d: int, tuning: dict) -> tuple[int, int, int]:
 
 def _launch_triton(act: MoEActivation, output: torch.Tensor, input: torch.Tensor,
                    counts: Optional[torch.Tensor], p: _Params, tuning: dict) -> None:
-    from padded_moe.kernels._launch import launch, ptr_key
+    from padded_moe.kernels._launch import launch, ptr_key, resident_programs
     from padded_moe.kernels.activation import moe_activation_kernel
 
     out3, in3 = _as_batched(output), _as_batched(input)
     num_experts, num_rows, d = out3.shape
     block_t, block_d, num_warps = _block_shape(d, tuning)
     col_blocks = cdiv(d, block_d)
-    # Enough resident programs to fill the chip; each strides over its expert's valid row blocks.
-    budget = max(1, _platform.program_cap(input.device, per_sm=tuning["programs_per_sm"]) // (col_blocks * num_experts))
-    row_programs = max(1, min(cdiv(num_rows, block_t), budget))
-    grid = (row_programs, col_blocks, num_experts)
     counts_arg = counts if counts is not None else in3  # unused pointer when HAS_COUNTS is False
     ptrs = (out3, in3, counts_arg)
     # Approximate tanh only where the output's rounding hides it, and never in the interpreter.
     floats, flags = kernel_args(act, p, fast=input.is_cuda and output.dtype != torch.float32)
     scalars = (num_rows, d, in3.stride(0), in3.stride(1), out3.stride(0), out3.stride(1)) + floats
     constexprs = dict(ACT=flags.pop("ACT"), HAS_COUNTS=counts is not None, **flags, BLOCK_T=block_t, BLOCK_D=block_d)
-    launch(moe_activation_kernel, grid, scalars + ptr_key(*ptrs), ptrs + scalars, constexprs, num_warps=num_warps)
+    key = scalars + ptr_key(*ptrs)
+    # Programs that stride over their expert's valid row blocks, all resident at once; as many row
+    # blocks each (for a full buffer), so none runs an extra round alone at the end.
+    per_sm = tuning["programs_per_sm"]
+    if per_sm is None:
+        resident = resident_programs(moe_activation_kernel, key, ptrs + scalars, constexprs, num_warps=num_warps)
+    else:
+        resident = _platform.program_cap(input.device, per_sm=per_sm)
+    row_blocks = cdiv(num_rows, block_t)
+    budget = max(1, resident // (col_blocks * num_experts))
+    grid = (max(1, cdiv(row_blocks, cdiv(row_blocks, budget))), col_blocks, num_experts)
+    launch(moe_activation_kernel, grid, key, ptrs + scalars, constexprs, num_warps=num_warps)

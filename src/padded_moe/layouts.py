@@ -18,7 +18,7 @@ from typing import ClassVar, Optional, Union
 import torch
 
 from padded_moe import layout_codes
-from padded_moe._platform import program_cap, use_triton
+from padded_moe._platform import use_triton
 from padded_moe._util import cdiv, next_pow2, round_up
 from padded_moe._validation import require_int, require_rank, require_shape, require_tensor
 from padded_moe.expert_map import (Experts, ExpertMap, check_topk_ids, check_valid_tokens,
@@ -706,6 +706,17 @@ def _block_k(K: int, elem_size: int) -> tuple[int, int]:
     return block, (8 if block >= 2048 else 4)
 
 
+def _striding_grid(num_tokens: int, fn, key: tuple, args: tuple, constexprs: dict, warps: int) -> int:
+    """Programs of a kernel that strides over tokens: all resident at once (the compiled kernel's
+    occupancy), as many tokens each, never more programs than tokens."""
+    from padded_moe.kernels._launch import resident_programs
+
+    if num_tokens <= 0:
+        return 1
+    budget = resident_programs(fn, key, args, constexprs, num_warps=warps)
+    return cdiv(num_tokens, cdiv(num_tokens, budget))
+
+
 def _slab_strides(t: torch.Tensor, meta: LayoutMeta) -> tuple[int, int]:
     """(slab stride, row stride) of a buffer of `meta.rows_shape`: a flat buffer is one slab."""
     return (t.stride(0), t.stride(1)) if t.dim() == 3 else (0, t.stride(0))
@@ -754,11 +765,12 @@ def _permute_triton(hidden, out, meta: LayoutMeta) -> None:
     M, k, K = meta.num_tokens, meta.top_k, hidden.shape[1]
     s0, s1 = _slab_strides(out, meta)
     block_k, warps = _block_k(K, hidden.element_size())
-    grid = (min(M, program_cap(hidden.device)),)
     ptrs = (hidden, out, meta.inv)
     ints = (hidden.stride(0), s0, s1, M, K, meta.row_limit, meta.slab_rows)
-    launch(_permute_kernel, grid, ints + ptr_key(*ptrs), (hidden, ints[0], out, s0, s1, meta.inv) + ints[3:],
-           dict(TOP_K=k, K_PAD=next_pow2(k), BLOCK_K=block_k), num_warps=warps)
+    key, args = ints + ptr_key(*ptrs), (hidden, ints[0], out, s0, s1, meta.inv) + ints[3:]
+    constexprs = dict(TOP_K=k, K_PAD=next_pow2(k), BLOCK_K=block_k)
+    grid = (_striding_grid(M, _permute_kernel, key, args, constexprs, warps),)
+    launch(_permute_kernel, grid, key, args, constexprs, num_warps=warps)
 
 
 def unpermute(out: torch.Tensor, expert_out: torch.Tensor, topk_weights: torch.Tensor,
@@ -805,15 +817,16 @@ def _unpermute_triton(out, expert_out, weights, meta: LayoutMeta) -> None:
     s0, s1 = _slab_strides(expert_out, meta)
     rows, vt = meta.slot_rows, meta.valid_tokens
     block_k, warps = _block_k(K, 4)
-    grid = (min(M, program_cap(out.device)),)
     rows_arg = rows if rows is not None else meta.slot_expert
     vt_arg = vt if vt is not None else meta.slot_expert
     ints = (s0, s1, meta.slab_rows, weights.stride(0), weights.stride(1), out.stride(0), M, K, meta.num_local,
             meta.row_limit)
     args = (expert_out, s0, s1, meta.slab_rows, weights, ints[3], ints[4], out, ints[5],
             rows_arg, meta.slot_expert, vt_arg) + ints[6:]
-    launch(_unpermute_kernel, grid, ints + ptr_key(expert_out, weights, out, rows_arg, meta.slot_expert, vt_arg),
-           args, dict(TOP_K=k, HAS_ROWS=rows is not None, HAS_VT=vt is not None, BLOCK_K=block_k), num_warps=warps)
+    key = ints + ptr_key(expert_out, weights, out, rows_arg, meta.slot_expert, vt_arg)
+    constexprs = dict(TOP_K=k, HAS_ROWS=rows is not None, HAS_VT=vt is not None, BLOCK_K=block_k)
+    grid = (_striding_grid(M, _unpermute_kernel, key, args, constexprs, warps),)
+    launch(_unpermute_kernel, grid, key, args, constexprs, num_warps=warps)
 
 
 __all__ = [

@@ -89,6 +89,38 @@ def launch(fn, grid: Sequence[int], key: tuple, args: tuple, constexprs: dict[st
         events.append(("launch", (kernel, g3, full_args)))
 
 
+_RESIDENT: dict = {}
+
+
+def resident_programs(fn, key: tuple, args: tuple, constexprs: dict[str, Any], *, num_warps: int,
+                      num_stages: int | None = None) -> int:
+    """How many programs of `fn`, compiled as `launch` would compile it for these arguments, the
+    current device holds at once: the grid of a grid-striding kernel that runs in one wave. A
+    fixed number of programs per SM does not know the kernel's registers: a 45-register kernel of
+    4 warps fits 10 per SM on an H200, and a grid sized for 16 ran a second, partial wave (its
+    programs start when the first ones are done, and the kernel ends on a tail). Under the
+    interpreter, `_platform.program_cap`'s small number."""
+    from padded_moe import _platform
+
+    if INTERPRETED:
+        return _platform.program_cap(torch.device("cpu"))
+    device = torch.cuda.current_device()
+    full_key = (fn, device, key, num_warps, num_stages, *constexprs.values())
+    n = _RESIDENT.get(full_key)
+    if n is None:
+        options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps,
+                                                                        "num_stages": num_stages}
+        _check_order(fn, args, constexprs)
+        kernel = fn.warmup(*args, grid=(1,), **constexprs, **options)  # compiles; launches nothing
+        kernel._init_handles()  # loads it: the register count comes from the loaded function
+        n = _platform.num_sms(device) * _platform.programs_per_sm(device, num_warps, kernel.n_regs,
+                                                                   kernel.metadata.shared)
+        if len(_RESIDENT) >= _MAX_ENTRIES:
+            _RESIDENT.clear()
+        _RESIDENT[full_key] = n
+    return n
+
+
 def _check_order(fn, args: tuple, constexprs: dict) -> None:
     """The fast path passes `constexprs` by position after `args`: a launcher that names them in
     another order than the kernel declares them is a bug, not a reason to launch slowly."""

@@ -1,0 +1,42 @@
+"""Drive one small kernel for Nsight Compute (`ncu`): a few warm-up calls, then the profiled ones.
+
+    ncu --kernel-name regex:NAME python3 scripts/ncu_small.py act|unpermute
+"""
+import sys
+
+import torch
+
+from padded_moe.activation import apply_moe_activation
+from padded_moe.layouts import GemmLayout, PermuteScratch, build_layout, permute, unpermute
+
+case = sys.argv[1]
+torch.manual_seed(0)
+if case == "act":  # silu, [49152, 2*2048] -> [49152, 2048], all rows valid; and torch.compile's kernel
+    D, R = 2048, 49152
+    x = torch.randn(R, 2 * D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(R, D, device="cuda", dtype=torch.bfloat16)
+    counts = torch.full((1,), R, device="cuda", dtype=torch.int32)
+
+    def math(x):
+        g, u = x[..., :D].float(), x[..., D:].float()
+        return (torch.nn.functional.silu(g) * u).to(x.dtype)
+
+    compiled = torch.compile(math)
+    for _ in range(3):
+        apply_moe_activation("silu", out, x, valid_token_counts=counts)
+        compiled(x)
+else:  # unpermute of every layout, M=4096, k=8, E=128, K=4096 (bench_permute's shape)
+    M, k, E, K = 4096, 8, 128, 4096
+    ids = torch.rand(M, E, device="cuda").topk(k, dim=1).indices.to(torch.int32)
+    hidden = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    weights = torch.rand(M, k, device="cuda")
+    out = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+    scratch = PermuteScratch(M, k, E, E, "cuda", max_tokens_per_expert=2 * (M * k // E + 1), hidden_size=K,
+                             dtype=torch.bfloat16)
+    for layout in (GemmLayout.INDEXED, GemmLayout.GROUPED_CONTIGUOUS):
+        meta = build_layout(layout, ids, E, scratch=scratch, drop_overflow=True)
+        y = permute(hidden, meta) if layout != GemmLayout.INDEXED else torch.randn(M * k, K, device="cuda",
+                                                                                  dtype=torch.bfloat16)
+        for _ in range(3):
+            unpermute(out, y, weights, meta)
+torch.cuda.synchronize()

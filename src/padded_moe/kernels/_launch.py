@@ -97,8 +97,8 @@ def resident_programs(fn, key: tuple, args: tuple, constexprs: dict[str, Any], *
     """How many programs of `fn`, compiled as `launch` would compile it for these arguments, the
     current device holds at once: the grid of a grid-striding kernel that runs in one wave. A
     fixed number of programs per SM does not know the kernel's registers: a 45-register kernel of
-    4 warps fits 10 per SM on an H200, and a grid sized for 16 ran a second, partial wave (its
-    programs start when the first ones are done, and the kernel ends on a tail). Under the
+    4 warps fits 10 per SM on an H200, so a grid sized for 16 per SM runs a second, partial wave
+    (its programs start when the first ones are done, and the kernel ends on a tail). Under the
     interpreter, `_platform.program_cap`'s small number."""
     from padded_moe import _platform
 

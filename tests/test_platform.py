@@ -33,3 +33,13 @@ def test_programs_per_sm_from_registers_threads_and_shared_memory(h200, warps, r
 
 def test_at_least_one_program(h200):
     assert _platform.programs_per_sm(0, 32, 255, 200 * 1024) == 1
+
+
+@pytest.mark.parametrize("items,cap,want", [(24576, 1056, 1024), (12288, 1056, 1024), (10, 4, 4), (9, 4, 3),
+                                            (3, 8, 3), (5, 0, 1), (7, 1, 1)])
+def test_even_split_gives_each_part_the_same_rounds(items, cap, want):
+    from padded_moe._util import cdiv, even_split
+
+    parts = even_split(items, cap)
+    assert parts == want and parts <= max(1, cap)
+    assert cdiv(items, parts) == cdiv(items, max(1, cap))  # no more rounds than `cap` parts would take

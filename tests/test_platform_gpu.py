@@ -34,8 +34,8 @@ def launches(monkeypatch):
 
     def spy(fn, grid, key, args, constexprs, **kw):
         real(fn, grid, key, args, constexprs, **kw)
-        seen.append((fn, tuple(grid), _launch._CACHE[(fn, torch.cuda.current_device(), key, kw["num_warps"],
-                                                     kw.get("num_stages"), *constexprs.values())]))
+        seen.append((fn, tuple(grid), _launch._CACHE[_launch.cache_key(fn, torch.cuda.current_device(), key, constexprs,
+                                                                     kw["num_warps"], kw.get("num_stages"))]))
 
     monkeypatch.setattr(_launch, "launch", spy)
     return seen

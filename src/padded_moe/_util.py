@@ -20,6 +20,13 @@ def round_up(a: int, b: int) -> int:
     return cdiv(a, b) * b
 
 
+def even_split(items: int, cap: int) -> int:
+    """The fewest parts, at most `cap`, that share `items` (>= 1) as evenly as whole numbers allow:
+    a striding grid of this many programs gives each the same number of items, give or take one
+    round, so none runs a last round alone."""
+    return cdiv(items, cdiv(items, max(1, cap)))
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two `>= n` (1 for `n <= 1`)."""
     return 1 << max(0, (n - 1).bit_length())

@@ -18,7 +18,7 @@ import torch
 
 from padded_moe import _platform
 from padded_moe._ops import custom_op, register_fake
-from padded_moe._util import cdiv, next_pow2
+from padded_moe._util import cdiv, even_split, next_pow2
 from padded_moe._validation import (FLOAT_DTYPES, INDEX_DTYPES, require_dtype, require_last_dim_contiguous,
                                     require_rank, require_real, require_same_device, require_tensor)
 from padded_moe.torch_path import activation as torch_activation
@@ -394,7 +394,6 @@ def _launch_triton(act: MoEActivation, output: torch.Tensor, input: torch.Tensor
         resident = resident_programs(moe_activation_kernel, key, ptrs + scalars, constexprs, num_warps=num_warps)
     else:
         resident = _platform.program_cap(input.device, per_sm=per_sm)
-    row_blocks = cdiv(num_rows, block_t)
-    budget = max(1, resident // (col_blocks * num_experts))
-    grid = (max(1, cdiv(row_blocks, cdiv(row_blocks, budget))), col_blocks, num_experts)
+    grid = (even_split(max(1, cdiv(num_rows, block_t)), resident // (col_blocks * num_experts)), col_blocks,
+            num_experts)
     launch(moe_activation_kernel, grid, key, ptrs + scalars, constexprs, num_warps=num_warps)

@@ -19,7 +19,7 @@ import torch
 
 from padded_moe import layout_codes
 from padded_moe._platform import use_triton
-from padded_moe._util import cdiv, next_pow2, round_up
+from padded_moe._util import cdiv, even_split, next_pow2, round_up
 from padded_moe._validation import require_int, require_rank, require_shape, require_tensor
 from padded_moe.expert_map import (Experts, ExpertMap, check_topk_ids, check_valid_tokens,
                                    resolve_experts)
@@ -713,8 +713,7 @@ def _striding_grid(num_tokens: int, fn, key: tuple, args: tuple, constexprs: dic
 
     if num_tokens <= 0:
         return 1
-    budget = resident_programs(fn, key, args, constexprs, num_warps=warps)
-    return cdiv(num_tokens, cdiv(num_tokens, budget))
+    return even_split(num_tokens, resident_programs(fn, key, args, constexprs, num_warps=warps))
 
 
 def _slab_strides(t: torch.Tensor, meta: LayoutMeta) -> tuple[int, int]:

@@ -59,7 +59,7 @@ def launch(fn, grid: Sequence[int], key: tuple, args: tuple, constexprs: dict[st
            num_warps: int, num_stages: int | None = None) -> None:
     """`fn[grid](*args, **constexprs, num_warps=..., num_stages=...)`, fast after the first call
     with this `key`. `constexprs` must be the kernel's trailing parameters, in declaration order."""
-    options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+    options = _options(num_warps, num_stages)
     events = getattr(_RECORD, "events", None)
     if not fast_path():
         _check_order(fn, args, constexprs)
@@ -68,7 +68,7 @@ def launch(fn, grid: Sequence[int], key: tuple, args: tuple, constexprs: dict[st
             events.append(("launch", None))
         return
     device = torch.cuda.current_device()
-    full_key = (fn, device, key, num_warps, num_stages, *constexprs.values())
+    full_key = cache_key(fn, device, key, constexprs, num_warps, num_stages)
     kernel = _CACHE.get(full_key)
     g3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     if kernel is None:
@@ -105,13 +105,11 @@ def resident_programs(fn, key: tuple, args: tuple, constexprs: dict[str, Any], *
     if INTERPRETED:
         return _platform.program_cap(torch.device("cpu"))
     device = torch.cuda.current_device()
-    full_key = (fn, device, key, num_warps, num_stages, *constexprs.values())
+    full_key = cache_key(fn, device, key, constexprs, num_warps, num_stages)
     n = _RESIDENT.get(full_key)
     if n is None:
-        options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps,
-                                                                        "num_stages": num_stages}
         _check_order(fn, args, constexprs)
-        kernel = fn.warmup(*args, grid=(1,), **constexprs, **options)  # compiles; launches nothing
+        kernel = fn.warmup(*args, grid=(1,), **constexprs, **_options(num_warps, num_stages))  # compiles only
         kernel._init_handles()  # loads it: the register count comes from the loaded function
         n = _platform.num_sms(device) * _platform.programs_per_sm(device, num_warps, kernel.n_regs,
                                                                    kernel.metadata.shared)
@@ -119,6 +117,16 @@ def resident_programs(fn, key: tuple, args: tuple, constexprs: dict[str, Any], *
             _RESIDENT.clear()
         _RESIDENT[full_key] = n
     return n
+
+
+def _options(num_warps: int, num_stages: int | None) -> dict:
+    return {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+
+
+def cache_key(fn, device: int, key: tuple, constexprs: dict[str, Any], num_warps: int,
+              num_stages: int | None = None) -> tuple:
+    """What identifies one compiled kernel of `fn` in `launch`'s cache (and `resident_programs`')."""
+    return (fn, device, key, num_warps, num_stages, *constexprs.values())
 
 
 def _check_order(fn, args: tuple, constexprs: dict) -> None:

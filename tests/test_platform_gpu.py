@@ -35,7 +35,8 @@ def launches(monkeypatch):
     def spy(fn, grid, key, args, constexprs, **kw):
         real(fn, grid, key, args, constexprs, **kw)
         seen.append((fn, tuple(grid), _launch._CACHE[_launch.cache_key(fn, torch.cuda.current_device(), key, constexprs,
-                                                                     kw["num_warps"], kw.get("num_stages"))]))
+                                                                     kw["num_warps"], kw.get("num_stages"),
+                                                                     kw.get("maxnreg"))]))
 
     monkeypatch.setattr(_launch, "launch", spy)
     return seen

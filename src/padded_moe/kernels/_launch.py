@@ -56,10 +56,10 @@ def current_stream(device: int) -> int:
 
 
 def launch(fn, grid: Sequence[int], key: tuple, args: tuple, constexprs: dict[str, Any], *,
-           num_warps: int, num_stages: int | None = None) -> None:
+           num_warps: int, num_stages: int | None = None, maxnreg: int | None = None) -> None:
     """`fn[grid](*args, **constexprs, num_warps=..., num_stages=...)`, fast after the first call
     with this `key`. `constexprs` must be the kernel's trailing parameters, in declaration order."""
-    options = _options(num_warps, num_stages)
+    options = _options(num_warps, num_stages, maxnreg)
     events = getattr(_RECORD, "events", None)
     if not fast_path():
         _check_order(fn, args, constexprs)
@@ -68,7 +68,7 @@ def launch(fn, grid: Sequence[int], key: tuple, args: tuple, constexprs: dict[st
             events.append(("launch", None))
         return
     device = torch.cuda.current_device()
-    full_key = cache_key(fn, device, key, constexprs, num_warps, num_stages)
+    full_key = cache_key(fn, device, key, constexprs, num_warps, num_stages, maxnreg)
     kernel = _CACHE.get(full_key)
     g3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     if kernel is None:
@@ -93,7 +93,7 @@ _RESIDENT: dict = {}
 
 
 def resident_programs(fn, key: tuple, args: tuple, constexprs: dict[str, Any], *, num_warps: int,
-                      num_stages: int | None = None) -> int:
+                      num_stages: int | None = None, maxnreg: int | None = None) -> int:
     """How many programs of `fn`, compiled as `launch` would compile it for these arguments, the
     current device holds at once: the grid of a grid-striding kernel that runs in one wave. A
     fixed number of programs per SM does not know the kernel's registers: a 45-register kernel of
@@ -105,11 +105,11 @@ def resident_programs(fn, key: tuple, args: tuple, constexprs: dict[str, Any], *
     if INTERPRETED:
         return _platform.program_cap(torch.device("cpu"))
     device = torch.cuda.current_device()
-    full_key = cache_key(fn, device, key, constexprs, num_warps, num_stages)
+    full_key = cache_key(fn, device, key, constexprs, num_warps, num_stages, maxnreg)
     n = _RESIDENT.get(full_key)
     if n is None:
         _check_order(fn, args, constexprs)
-        kernel = fn.warmup(*args, grid=(1,), **constexprs, **_options(num_warps, num_stages))  # compiles only
+        kernel = fn.warmup(*args, grid=(1,), **constexprs, **_options(num_warps, num_stages, maxnreg))  # compiles only
         kernel._init_handles()  # loads it: the register count comes from the loaded function
         n = _platform.num_sms(device) * _platform.programs_per_sm(device, num_warps, kernel.n_regs,
                                                                    kernel.metadata.shared)
@@ -119,14 +119,16 @@ def resident_programs(fn, key: tuple, args: tuple, constexprs: dict[str, Any], *
     return n
 
 
-def _options(num_warps: int, num_stages: int | None) -> dict:
-    return {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+def _options(num_warps: int, num_stages: int | None, maxnreg: int | None = None) -> dict:
+    """Triton's launch options; those left at None keep Triton's defaults."""
+    options = {"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg}
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def cache_key(fn, device: int, key: tuple, constexprs: dict[str, Any], num_warps: int,
-              num_stages: int | None = None) -> tuple:
+              num_stages: int | None = None, maxnreg: int | None = None) -> tuple:
     """What identifies one compiled kernel of `fn` in `launch`'s cache (and `resident_programs`')."""
-    return (fn, device, key, num_warps, num_stages, *constexprs.values())
+    return (fn, device, key, num_warps, num_stages, maxnreg, *constexprs.values())
 
 
 def _check_order(fn, args: tuple, constexprs: dict) -> None:

@@ -1,0 +1,92 @@
+"""The unpermute kernel compiles for sm_90 within its register budget (Triton's own ptxas, no GPU).
+
+`layouts.UNPERMUTE_MAXNREG` caps the kernel's registers so that 8 programs of 8 warps fit an SM:
+left free, the INDEXED variant (slot rows read directly) took 48 registers. The cap must not make
+ptxas spill. The arguments are captured from an interpreted `unpermute` call on model-like widths
+and specialised as the launcher's first call would be (ints that are multiples of 16 marked so,
+ints equal to 1 made constants).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import compile_for_sm90
+
+SCRIPT = r"""
+import json, os, re, subprocess, sys, tempfile
+from pathlib import Path
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from padded_moe.kernels.layouts import _unpermute_kernel as fn
+
+ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+out = []
+for sig, const, div16, warps, maxnreg in json.loads(sys.argv[1]):
+    names = fn.arg_names
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in div16}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, maxnreg=maxnreg))
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "k.ptx").write_text(k.asm["ptx"])
+        r = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(Path(d, "k.ptx")), "-o", str(Path(d, "k.cubin"))],
+                           capture_output=True, text=True)
+    log = r.stdout + r.stderr
+    out.append(dict(regs=int(re.search(r"Used (\d+) registers", log).group(1)),
+                    spills=sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))))
+print(json.dumps(out))
+"""
+
+
+def captured_launches(monkeypatch, layout) -> list:
+    """(signature, constexprs, ints divisible by 16, warps, maxnreg) of the unpermute launch of an
+    interpreted call on `layout` (K = 4096, k = 8)."""
+    from padded_moe.kernels import _launch
+    from padded_moe.layouts import build_layout, unpermute
+
+    seen, real = [], _launch.launch
+
+    def spy(fn, grid, key, args, constexprs, **opt):
+        seen.append((fn, args, constexprs, opt))
+        return real(fn, grid, key, args, constexprs, **opt)
+
+    monkeypatch.setattr(_launch, "launch", spy)
+    M, k, E, K = 16, 8, 32, 4096
+    ids = torch.randint(0, E, (M, k), dtype=torch.int32)
+    meta = build_layout(layout, ids, E)
+    y = torch.randn(*meta.rows_shape(K)).bfloat16()
+    unpermute(torch.empty(M, K, dtype=torch.bfloat16), y, torch.rand(M, k), meta)
+    (fn, args, constexprs, opt), = [s for s in seen if s[0].__name__ == "_unpermute_kernel"]
+    sig, const, div16 = {}, dict(constexprs), []
+    for name, a in zip(fn.arg_names, args):
+        if isinstance(a, torch.Tensor):
+            sig[name] = "*" + {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
+                               torch.int64: "i64"}[a.dtype]
+        elif a == 1:
+            sig[name], const[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if a % 16 == 0:
+                div16.append(name)
+    sig.update({c: "constexpr" for c in constexprs})
+    return [sig, const, div16, opt["num_warps"], opt["maxnreg"]]
+
+
+def test_unpermute_fits_its_register_budget_without_spills(monkeypatch):
+    pytest.importorskip("triton")
+    from padded_moe._platform import kernels_interpreted
+    from padded_moe.layouts import UNPERMUTE_MAXNREG, GemmLayout
+
+    if not kernels_interpreted():
+        pytest.skip("captures the launch from an interpreted call")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cases = [captured_launches(monkeypatch, layout) for layout in (GemmLayout.INDEXED, GemmLayout.GROUPED_CONTIGUOUS)]
+    assert all(c[4] == UNPERMUTE_MAXNREG for c in cases)
+    for case, res in zip(cases, compile_for_sm90(SCRIPT, json.dumps(cases))):
+        assert res["regs"] <= UNPERMUTE_MAXNREG and res["spills"] == 0, (case[1], res)
+        # 64K registers per SM on sm_90: 8 programs of 8 warps need at most 32 per thread.
+        assert res["regs"] * 32 * case[3] * 8 <= 65536, (case[1], res)

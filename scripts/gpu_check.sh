@@ -186,6 +186,14 @@ for stage in "$@"; do
             STEP_TIMEOUT=200 step test-experts-compile python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py \
                 tests/test_compile_gpu.py
             STEP_TIMEOUT=120 step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py ;;
+        pipeline-suites)  # the kernels every fused_experts call runs outside the GEMMs (activation, layouts'
+            # unpermute) through the suites that call fused_experts (decode, plans, eager, compile, HF parity)
+            STEP_TIMEOUT=90 step test-activation python3 -m pytest -q -m gpu tests/test_activation_gpu.py
+            STEP_TIMEOUT=150 step test-decode-plans python3 -m pytest -q -n 2 -m gpu tests/test_decode_gpu.py \
+                tests/test_launch_plan_gpu.py
+            STEP_TIMEOUT=180 step test-experts-compile python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py \
+                tests/test_compile_gpu.py
+            STEP_TIMEOUT=100 step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py ;;
         experts-owed)  # the fused_experts GPU suite alone (the Kimi preset's float64 reference is large)
             STEP_TIMEOUT=240 step test-experts python3 -m pytest -q -m gpu tests/test_experts_gpu.py ;;
         final-suites)  # the session's end state: the GEMM and decode kernels' GPU tests, the suites that call

@@ -194,6 +194,8 @@ for stage in "$@"; do
             STEP_TIMEOUT=180 step test-experts-compile python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py \
                 tests/test_compile_gpu.py
             STEP_TIMEOUT=100 step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py ;;
+        ws-probe)  # whether Triton's automatic warp specialization runs here (each variant under a timeout)
+            STEP_TIMEOUT=420 step ws-probe python3 scripts/ws_probe.py --timeout 45 ;;
         experts-owed)  # the fused_experts GPU suite alone (the Kimi preset's float64 reference is large)
             STEP_TIMEOUT=240 step test-experts python3 -m pytest -q -m gpu tests/test_experts_gpu.py ;;
         final-suites)  # the session's end state: the GEMM and decode kernels' GPU tests, the suites that call

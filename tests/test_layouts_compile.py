@@ -1,8 +1,9 @@
 """The unpermute kernel compiles for sm_90 within its register budget (Triton's own ptxas, no GPU).
 
 `layouts.UNPERMUTE_MAXNREG` caps the kernel's registers so that 8 programs of 8 warps fit an SM:
-left free, the INDEXED variant (slot rows read directly) took 48 registers. The cap must not make
-ptxas spill. The arguments are captured from an interpreted `unpermute` call on model-like widths
+left free, the INDEXED variant (slot rows read directly) took 48 registers. The cap applies up to
+top-k `UNPERMUTE_MAXNREG_TOP_K` and must not make ptxas spill there; wider top-k (where it would)
+launches without it. The arguments are captured from an interpreted `unpermute` call on model-like widths
 and specialised as the launcher's first call would be (ints that are multiples of 16 marked so,
 ints equal to 1 made constants).
 """
@@ -42,9 +43,9 @@ print(json.dumps(out))
 """
 
 
-def captured_launches(monkeypatch, layout) -> list:
+def captured_launches(monkeypatch, layout, dtype=torch.bfloat16, k=8, K=4096) -> list:
     """(signature, constexprs, ints divisible by 16, warps, maxnreg) of the unpermute launch of an
-    interpreted call on `layout` (K = 4096, k = 8)."""
+    interpreted call on `layout` (expert outputs of `dtype`, top-k `k`, width `K`)."""
     from padded_moe.kernels import _launch
     from padded_moe.layouts import build_layout, unpermute
 
@@ -55,11 +56,11 @@ def captured_launches(monkeypatch, layout) -> list:
         return real(fn, grid, key, args, constexprs, **opt)
 
     monkeypatch.setattr(_launch, "launch", spy)
-    M, k, E, K = 16, 8, 32, 4096
+    M, E = 16, 32
     ids = torch.randint(0, E, (M, k), dtype=torch.int32)
     meta = build_layout(layout, ids, E)
-    y = torch.randn(*meta.rows_shape(K)).bfloat16()
-    unpermute(torch.empty(M, K, dtype=torch.bfloat16), y, torch.rand(M, k), meta)
+    y = torch.randn(*meta.rows_shape(K)).to(dtype)
+    unpermute(torch.empty(M, K, dtype=dtype), y, torch.rand(M, k), meta)
     (fn, args, constexprs, opt), = [s for s in seen if s[0].__name__ == "_unpermute_kernel"]
     sig, const, div16 = {}, dict(constexprs), []
     for name, a in zip(fn.arg_names, args):
@@ -77,16 +78,25 @@ def captured_launches(monkeypatch, layout) -> list:
 
 
 def test_unpermute_fits_its_register_budget_without_spills(monkeypatch):
+    """Model widths: DeepSeek-V4 / Kimi (k 6-8, K 4096-7168), GPT-OSS (k 4, K 2880), Mixtral (k 2),
+    float32 outputs; and a top-k past the cap's range, which launches without it."""
     pytest.importorskip("triton")
     from padded_moe._platform import kernels_interpreted
-    from padded_moe.layouts import UNPERMUTE_MAXNREG, GemmLayout
+    from padded_moe.layouts import UNPERMUTE_MAXNREG, UNPERMUTE_MAXNREG_TOP_K, GemmLayout
 
     if not kernels_interpreted():
         pytest.skip("captures the launch from an interpreted call")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cases = [captured_launches(monkeypatch, layout) for layout in (GemmLayout.INDEXED, GemmLayout.GROUPED_CONTIGUOUS)]
+    layouts = (GemmLayout.INDEXED, GemmLayout.GROUPED_CONTIGUOUS)
+    shapes = [(torch.bfloat16, 8, 4096), (torch.float32, 8, 4096), (torch.bfloat16, 4, 2880),
+              (torch.bfloat16, 2, 4096), (torch.bfloat16, 8, 7168), (torch.float32, 8, 7168)]
+    assert max(k for _, k, _ in shapes) == UNPERMUTE_MAXNREG_TOP_K
+    cases = [captured_launches(monkeypatch, layout, *shape) for shape in shapes for layout in layouts]
     assert all(c[4] == UNPERMUTE_MAXNREG for c in cases)
     for case, res in zip(cases, compile_for_sm90(SCRIPT, json.dumps(cases))):
         assert res["regs"] <= UNPERMUTE_MAXNREG and res["spills"] == 0, (case[1], res)
         # 64K registers per SM on sm_90: 8 programs of 8 warps need at most 32 per thread.
         assert res["regs"] * 32 * case[3] * 8 <= 65536, (case[1], res)
+    wide = [captured_launches(monkeypatch, layout, torch.bfloat16, UNPERMUTE_MAXNREG_TOP_K + 2, 4096)
+            for layout in layouts]
+    assert all(c[4] is None for c in wide)

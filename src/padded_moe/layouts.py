@@ -809,11 +809,14 @@ def unpermute(out: torch.Tensor, expert_out: torch.Tensor, topk_weights: torch.T
     return out
 
 
-# Registers per thread the unpermute kernel may use. Left free, the compiler hoists the loads of
-# a token's k slot rows together when the rows are the slots themselves (INDEXED): 48 registers,
-# so 5 programs of 8 warps per SM on an H200, against the 8 of the variant that reads row indices
-# first (32 registers). 32 fits 8 per SM with no spills (ptxas -v, sm_90) on either variant.
+# Registers per thread the unpermute kernel may use, for top-k up to UNPERMUTE_MAXNREG_TOP_K. Left
+# free, the compiler hoists the loads of a token's k slot rows together when the rows are the
+# slots themselves (INDEXED): 48 registers at k = 8, so 5 programs of 8 warps per SM on an H200,
+# against the 8 of the variant that reads row indices first (32 registers). 32 fits 8 per SM with
+# no spills (ptxas, sm_90) on either variant up to k = 8; from k = 10 the cap spills, so wider
+# top-k keeps the compiler's choice.
 UNPERMUTE_MAXNREG = 32
+UNPERMUTE_MAXNREG_TOP_K = 8
 
 
 def _unpermute_triton(out, expert_out, weights, meta: LayoutMeta) -> None:
@@ -832,8 +835,9 @@ def _unpermute_triton(out, expert_out, weights, meta: LayoutMeta) -> None:
             rows_arg, meta.slot_expert, vt_arg) + ints[6:]
     key = ints + ptr_key(expert_out, weights, out, rows_arg, meta.slot_expert, vt_arg)
     constexprs = dict(TOP_K=k, HAS_ROWS=rows is not None, HAS_VT=vt is not None, BLOCK_K=block_k)
-    grid = (_striding_grid(M, _unpermute_kernel, key, args, constexprs, warps, UNPERMUTE_MAXNREG),)
-    launch(_unpermute_kernel, grid, key, args, constexprs, num_warps=warps, maxnreg=UNPERMUTE_MAXNREG)
+    maxnreg = UNPERMUTE_MAXNREG if k <= UNPERMUTE_MAXNREG_TOP_K else None
+    grid = (_striding_grid(M, _unpermute_kernel, key, args, constexprs, warps, maxnreg),)
+    launch(_unpermute_kernel, grid, key, args, constexprs, num_warps=warps, maxnreg=maxnreg)
 
 
 __all__ = [

@@ -75,6 +75,22 @@ def fp8_dequant_reference(q, scales, dtype):
     return vals.view(n, K).to(dtype)
 
 
+# For `compile_for_sm90` scripts (prepend it): `ptxas_log(ptx)`, the output of Triton's bundled
+# ptxas -v assembling `ptx` for sm_90a (registers, spills, advisories such as C7515).
+PTXAS_LOG = r"""
+def ptxas_log(ptx):
+    import subprocess, tempfile
+    from pathlib import Path
+    import triton
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "k.ptx").write_text(ptx)
+        r = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(Path(d, "k.ptx")), "-o", str(Path(d, "k.cubin"))],
+                           capture_output=True, text=True)
+    return r.stdout + r.stderr
+"""
+
+
 def compile_for_sm90(script: str, arg: str) -> list:
     """Run `script` (which compiles kernels with `triton.compile` for sm_90 and prints a JSON list
     as its last line) in a subprocess with the kernels compiled, not interpreted; the list. Skips

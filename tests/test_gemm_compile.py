@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from helpers import compile_for_sm90
+from helpers import PTXAS_LOG, compile_for_sm90
 
 # Both compile scripts look at the SASS loops that issue HGMMA (the wgmma main loops).
 HGMMA_LOOPS = r"""
@@ -29,8 +29,7 @@ def hgmma_loop_bodies(sass):
 """
 
 SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
-from pathlib import Path
+import json, os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
@@ -53,12 +52,7 @@ def loop_shuffles(sass):
 
 def wgmma_serialized(ptx):
     # ptxas's advisory C7515: it serializes the kernel's wgmmas (each waits for the one before).
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as d:
-        Path(d, "k.ptx").write_text(ptx)
-        r = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(Path(d, "k.ptx")), "-o", str(Path(d, "k.cubin"))],
-                           capture_output=True, text=True)
-    return "C7515" in r.stdout + r.stderr
+    return "C7515" in ptxas_log(ptx)
 
 
 out = []
@@ -122,7 +116,7 @@ def test_hopper_kernel_compiles_for_sm90():
     # GEMM1 with swigluoai (3) and silu (0) in the epilogue, on the 4-plane table's tiles
     cases += [(lay, c, True, 4, act) for c in four if c.planes_ok(4) for lay in (0, 1) for act in (3, 0)]
     arg = json.dumps([(lay, dataclasses.asdict(c), folded, planes, act) for lay, c, folded, planes, act in cases])
-    results = compile_for_sm90(HGMMA_LOOPS + SCRIPT, arg)
+    results = compile_for_sm90(PTXAS_LOG + HGMMA_LOOPS + SCRIPT, arg)
     for r in results:
         assert r["cubin"] > 0 and r["wgmma"] > 0, r
         assert r["async_copies"] > 0, f"main loop not pipelined: {r}"

@@ -14,29 +14,23 @@ import json
 
 import pytest
 import torch
-from helpers import compile_for_sm90
+from helpers import PTXAS_LOG, compile_for_sm90
 
 SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
-from pathlib import Path
+import json, os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from padded_moe.kernels.layouts import _unpermute_kernel as fn
 
-ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 out = []
 for sig, const, div16, warps, maxnreg in json.loads(sys.argv[1]):
     names = fn.arg_names
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in div16}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, maxnreg=maxnreg))
-    with tempfile.TemporaryDirectory() as d:
-        Path(d, "k.ptx").write_text(k.asm["ptx"])
-        r = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(Path(d, "k.ptx")), "-o", str(Path(d, "k.cubin"))],
-                           capture_output=True, text=True)
-    log = r.stdout + r.stderr
+    log = ptxas_log(k.asm["ptx"])
     out.append(dict(regs=int(re.search(r"Used (\d+) registers", log).group(1)),
                     spills=sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))))
 print(json.dumps(out))
@@ -93,7 +87,7 @@ def test_unpermute_fits_its_register_budget_without_spills(monkeypatch):
     assert max(k for _, k, _ in shapes) == UNPERMUTE_MAXNREG_TOP_K
     cases = [captured_launches(monkeypatch, layout, *shape) for shape in shapes for layout in layouts]
     assert all(c[4] == UNPERMUTE_MAXNREG for c in cases)
-    for case, res in zip(cases, compile_for_sm90(SCRIPT, json.dumps(cases))):
+    for case, res in zip(cases, compile_for_sm90(PTXAS_LOG + SCRIPT, json.dumps(cases))):
         assert res["regs"] <= UNPERMUTE_MAXNREG and res["spills"] == 0, (case[1], res)
         # 64K registers per SM on sm_90: 8 programs of 8 warps need at most 32 per thread.
         assert res["regs"] * 32 * case[3] * 8 <= 65536, (case[1], res)

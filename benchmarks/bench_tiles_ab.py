@@ -12,14 +12,17 @@ first (relative L2 difference at most 2e-2; a wrong tile is off by O(1)).
         --regime decode --candidates BM32_BN128_BK128_G1_w4_s3_hop_ptx,BM32_BN128_BK256_G1_w4_s4_hop_ptx
 
 The candidates replace `TUNED[(kind, regime)]` (kind: the table the call's weights use), and
-`TUNED_NARROW`'s entry where it has one, for their turn; `--candidates sweep` takes every sweep candidate of that regime. Calls whose GEMMs run
-another regime are not affected: the table printed first gives each token count's regime.
+`TUNED_NARROW`'s entry where it has one, for their turn; `--candidates sweep` takes every sweep
+candidate of that regime, `--candidates persistent` the table entry with `GemmConfig.persistent`
+flipped (in the narrow-block entry too). Calls whose GEMMs run another regime are not affected:
+the table printed first gives each token count's regime.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import sys
 import time
@@ -38,9 +41,12 @@ from padded_moe.mxfp4 import Mxfp4Tensor  # noqa: E402
 
 
 def candidate_pool(kind: str) -> dict:
-    """Every config the sweep lists and tables know for `kind`, by short name."""
+    """Every config the sweep lists and tables know for `kind`, and each one's persistent form
+    (`GemmConfig.persistent`, short name ending in `_pers`), by short name."""
     pool = {c.short(): c for cands in kg.sweep_lists(kind).values() for c in cands}
     pool.update({c.short(): c for (k, _), c in list(kg.TUNED.items()) + list(kg.TUNED_NARROW.items()) if k == kind})
+    twins = [dataclasses.replace(c, persistent=not c.persistent) for c in pool.values()]
+    pool.update({c.short(): c for c in twins})
     return pool
 
 
@@ -60,12 +66,15 @@ def table_kind_of(w13) -> str:
 @contextlib.contextmanager
 def table_entry(key: tuple, cfg: kg.GemmConfig):
     """`cfg` in place of the table entry `key` (and of its narrow-block entry, where there is one),
-    with launch plans off so that every call picks its config afresh; both restored on exit."""
+    with launch plans off so that every call picks its config afresh; both restored on exit. The
+    table entry in its other persistence (`GemmConfig.persistent`) changes only that in each entry,
+    so a narrow-block entry keeps its own tile."""
     tables = [t for t in (kg.TUNED, kg.TUNED_NARROW) if key in t]
     saved = [t[key] for t in tables]
     plans = ex._launch_plans()
+    twin = dataclasses.replace(cfg, persistent=kg.TUNED[key].persistent) == kg.TUNED[key]
     for t in tables:
-        t[key] = cfg
+        t[key] = dataclasses.replace(t[key], persistent=cfg.persistent) if twin else cfg
     plans.enabled = False
     try:
         yield
@@ -81,7 +90,8 @@ def main() -> None:
     p.add_argument("--weights", default="mxfp4", choices=("bf16", "mxfp4"))
     p.add_argument("--tokens", default="128", help="comma list of token counts")
     p.add_argument("--regime", required=True, choices=("decode", "small", "medium", "prefill"))
-    p.add_argument("--candidates", required=True, help="comma list of config short names, or 'sweep'")
+    p.add_argument("--candidates", required=True,
+                   help="comma list of config short names, 'sweep', or 'persistent' (the table entry's other persistence)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default="bench-out/tiles-ab")
     args = p.parse_args()
@@ -99,6 +109,8 @@ def main() -> None:
     pool = candidate_pool(kind)
     if args.candidates == "sweep":
         names = [c.short() for c in kg.sweep_lists(kind)[args.regime]]
+    elif args.candidates == "persistent":
+        names = [dataclasses.replace(table, persistent=not table.persistent).short()]
     else:
         names = [n.strip() for n in args.candidates.split(",") if n.strip()]
     unknown = [n for n in names if n not in pool]

@@ -226,6 +226,37 @@ for stage in "$@"; do
             step ab-small python3 benchmarks/bench_tiles_ab.py --preset gpt-oss-120b --weights mxfp4 --tokens 1024 \
                 --regime small --candidates BM64_BN128_BK128_G4_w4_s3_hop_ptx,BM64_BN128_BK128_G4_w4_s4_hop_ptx,BM64_BN256_BK64_G4_w8_s3_hop_ptx \
                 --out "$OUT/ab-small" ;;
+        persistent)  # GemmConfig.persistent: GPU tests (bits of one program per tile, graphs), then each
+            # medium / prefill table entry against its persistent form on whole calls, alternating rounds
+            STEP_TIMEOUT=400 step test-persistent python3 -m pytest -q -n 2 -m gpu tests/test_gemm_gpu.py -k persistent
+            for run in "dsv4-flash bf16 medium 4096,8192" "mixtral-8x7b bf16 prefill 4096,8192" \
+                       "mixtral-8x7b bf16 medium 1024" "qwen3-30b-a3b bf16 medium 4096,8192" \
+                       "gpt-oss-120b mxfp4 medium 8192" "dsv4-flash mxfp4 medium 8192"; do
+                set -- $run
+                STEP_TIMEOUT=240 step "ab-pers-$1-$2-$3" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights "$2" \
+                    --regime "$3" --tokens "$4" --candidates persistent --rounds 3 --out "$OUT/ab-pers-$1-$2-$3"
+            done ;;
+        persistent-final)  # persistent bf16 medium/prefill tiles as the table's: GPU tests, sanitizer, the suites
+            # that call fused_experts, then the bf16 peers at 1024 / 8192 tokens
+            STEP_TIMEOUT=200 step test-persistent python3 -m pytest -q -n 2 -m gpu tests/test_gemm_gpu.py -k persistent
+            step sanitizer-persistent compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_gemm_gpu.py -k persistent_graph_replay
+            STEP_TIMEOUT=150 step test-epilogue python3 -m pytest -q -n 4 -m gpu tests/test_gemm_epilogue_gpu.py
+            STEP_TIMEOUT=180 step test-experts-compile python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py \
+                tests/test_compile_gpu.py tests/test_launch_plan_gpu.py
+            if [ -d .peers ]; then
+                STEP_TIMEOUT=300 step peers env OUT="$OUT/peers" BUDGET_S=260 TIMEOUT_S=290 bash .peers/run.sh \
+                    --tokens 1024,8192 --cases dsv4,qwen3,mixtral --check-tokens 1024
+            fi ;;
+        persistent-small)  # the small-regime table entries (33-128 rows per expert) against their persistent form
+            for run in "qwen3-30b-a3b bf16 small 1024,2048" "dsv4-flash bf16 small 4096" \
+                       "gpt-oss-120b mxfp4 small 1024,2048" "dsv4-flash mxfp4 small 4096"; do
+                set -- $run
+                STEP_TIMEOUT=240 step "ab-pers-$1-$2-$3" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights "$2" \
+                    --regime "$3" --tokens "$4" --candidates persistent --rounds 5 --out "$OUT/ab-pers-$1-$2-$3"
+            done ;;
+        persistent-probe)  # where the probe's persistent matmul gained: stages and descriptors apart
+            STEP_TIMEOUT=300 step ws-probe python3 scripts/ws_probe.py --timeout 45 --only host_desc_s3,device_desc_s3,persistent_host_desc,persistent_device_desc_s4 ;;
         decode-words)  # MXFP4 decode kernels reading 32-bit words (canonical or prepared): tests and launch plans, sanitizer, timing of each MX_STEP
             step test-decode python3 -m pytest -q -m gpu tests/test_decode_gpu.py tests/test_launch_plan_gpu.py
             step sanitizer-decode compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \

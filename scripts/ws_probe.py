@@ -36,6 +36,11 @@ VARIANTS = [
     ("ws_device_desc_s4", True, None, True, 4, 4),
     ("ws_persistent_outer", True, "outer", True, 4, 3),
     ("ws_persistent_inner", True, "inner", True, 4, 3),
+    # where the persistent kernel's gain comes from: stages, descriptors
+    ("host_desc_s3", False, None, False, 8, 3),
+    ("device_desc_s3", True, None, False, 8, 3),
+    ("persistent_host_desc", False, "outer", False, 8, 3),
+    ("persistent_device_desc_s4", True, "outer", False, 8, 4),
 ]
 BM, BN, BK, GROUP_M = 128, 256, 64, 8
 
@@ -74,11 +79,14 @@ def _tile_kernel(a, b, c, M, N, K, DEVICE_DESC: tl.constexpr, WS: tl.constexpr,
 
 @triton.jit
 def _persistent_kernel(a, b, c, M, N, K, NUM_PROGRAMS: tl.constexpr, WS_OUTER: tl.constexpr,
-                       WS_INNER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       GROUP_M: tl.constexpr):
-    """NUM_PROGRAMS programs walk the output tiles through device-side descriptors."""
-    a_d = tl.make_tensor_descriptor(a, [M, K], [K, 1], [BM, BK])
-    b_d = tl.make_tensor_descriptor(b, [N, K], [K, 1], [BN, BK])
+                       WS_INNER: tl.constexpr, DEVICE_DESC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """NUM_PROGRAMS programs walk the output tiles through device-side (or host) descriptors."""
+    if DEVICE_DESC:
+        a_d = tl.make_tensor_descriptor(a, [M, K], [K, 1], [BM, BK])
+        b_d = tl.make_tensor_descriptor(b, [N, K], [K, 1], [BN, BK])
+    else:
+        a_d, b_d = a, b
     num_pid_m, num_pid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=WS_OUTER,
                          warp_specialize=WS_OUTER):
@@ -104,8 +112,7 @@ def _compile_only(v) -> dict:
     if persistent:
         const.pop("WS")
         const.update(NUM_PROGRAMS=132, WS_OUTER=ws and persistent == "outer", WS_INNER=ws and persistent == "inner")
-    else:
-        const.update(DEVICE_DESC=dev)
+    const.update(DEVICE_DESC=dev)
     sig.update({k: "constexpr" for k in const})
     names = fn.arg_names
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("a", "b", "c", "M", "N", "K") if n in sig and
@@ -128,14 +135,14 @@ def _run_one(v, m, n, k) -> dict:
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g)
     c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     tiles = triton.cdiv(m, BM) * triton.cdiv(n, BN)
+    args = (a, b, c) if dev else (TensorDescriptor.from_tensor(a, [BM, BK]), TensorDescriptor.from_tensor(b, [BN, BK]), c)
     if persistent:
         progs = torch.cuda.get_device_properties(0).multi_processor_count
         call = lambda: _persistent_kernel[(min(progs, tiles),)](  # noqa: E731
-            a, b, c, m, n, k, NUM_PROGRAMS=min(progs, tiles), WS_OUTER=ws and persistent == "outer",
-            WS_INNER=ws and persistent == "inner", BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, num_warps=warps,
-            num_stages=stages)
+            *args, m, n, k, NUM_PROGRAMS=min(progs, tiles), WS_OUTER=ws and persistent == "outer",
+            WS_INNER=ws and persistent == "inner", DEVICE_DESC=dev, BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M,
+            num_warps=warps, num_stages=stages)
     else:
-        args = (a, b, c) if dev else (TensorDescriptor.from_tensor(a, [BM, BK]), TensorDescriptor.from_tensor(b, [BN, BK]), c)
         call = lambda: _tile_kernel[(tiles,)](*args, m, n, k, DEVICE_DESC=dev, WS=ws, BM=BM, BN=BN, BK=BK,  # noqa: E731
                                               GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
     call()
@@ -156,6 +163,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--k", type=int, default=8192)
     p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--only", help="comma list of variant names (default: all)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
@@ -163,6 +171,8 @@ def main() -> None:
         print(json.dumps(_compile_only(v) if args.compile_only else _run_one(v, args.m, args.n, args.k)))
         return
     for v in VARIANTS:
+        if args.only and v[0] not in args.only.split(","):
+            continue
         cmd = [sys.executable, __file__, "--one", v[0], "--m", str(args.m), "--n", str(args.n), "--k", str(args.k)]
         cmd += ["--compile-only"] if args.compile_only else []
         try:

@@ -560,6 +560,39 @@ def test_grid_bound_few_rows_many_experts(cpu_path, layout, M, k, L, gen):
     run_and_check(nan_unused_rows(a, meta, "w13"), w, w64, meta, "w13")
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, "mxfp4", "mxfp4-prepared"], ids=str)
+def test_persistent_programs_walk_every_tile(monkeypatch, layout, wdtype, gen):
+    """`GemmConfig.persistent`: fewer programs than tiles (the interpreter's cap is 4), each walking
+    the tiles with rows (invalid ids, empty experts, a worst-case grouped grid around them): the
+    reference on every written row, nothing else written, and the same bits as one program per
+    tile. GROUPED_MASKED keeps one program per tile."""
+    from padded_moe.kernels import _launch
+    from padded_moe.kernels import gemm as kg
+
+    require_interpreter(monkeypatch)
+    prepared = wdtype == "mxfp4-prepared"
+    a, w, w64, meta = edge_count_case(layout, "mxfp4" if prepared else wdtype, gen, extra_invalid=3)
+    base = kg.INTERPRET_HOPPER_CONFIG if prepared else kg.INTERPRET_CONFIG
+    if prepared:
+        w = prepared_only(w, 4)
+    grids = []
+    real = _launch.launch
+
+    def spy(fn, grid, *args, **kwargs):
+        grids.append(grid[0])
+        return real(fn, grid, *args, **kwargs)
+
+    monkeypatch.setattr(kg, "launch_kernel", spy)
+    one = run_and_check(a, w, w64, meta, "w13", backend="triton", config=base)
+    walked = run_and_check(a, w, w64, meta, "w13", backend="triton", config=dataclasses.replace(base, persistent=True))
+    if layout == GemmLayout.GROUPED_MASKED:  # whole-capacity slabs: one program per tile either way
+        assert grids[1] == grids[0], grids
+    else:
+        assert grids[1] <= 4 < grids[0], grids
+    assert torch.equal(one, walked)
+
+
 # ---------------------------------------------------------------------------------------------
 # MXFP4 in the prepared Hopper arrangement (`Mxfp4Tensor.prepare_for`, the Hopper kernel)
 # ---------------------------------------------------------------------------------------------

@@ -67,8 +67,8 @@ for layout, cfg, folded, planes, act in json.loads(sys.argv[1]):
     const = dict(LAYOUT=layout, HAS_BIAS=True, A_DIV=1, BLOCK_MB=cfg.BM, SUB=1, ROWS=cfg.BM, L_POW2=128,
                  FP32_DOT=False, K_TAIL=True, UPCAST_PTX=cfg.mx_ptx, WIDE=cfg.mx_wide, FOLDED=folded, PLANES=planes,
                  W_SHARED=cfg.mx_w_shared, ACT=act, HAS_LIMIT=act >= 0, HAS_LAMBDA=False, FAST=act >= 0,
-                 GATED=gated, BM=cfg.BM, BN=cfg.BN, BN_OUT=cfg.BN // 2 if gated else cfg.BN, BK=cfg.BK,
-                 GROUP_M=cfg.GROUP_M)
+                 GATED=gated, PERSISTENT=cfg.persistent, BM=cfg.BM, BN=cfg.BN,
+                 BN_OUT=cfg.BN // 2 if gated else cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M)
     sig.update({k: "constexpr" for k in const})
     names = fn.arg_names
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in aligned}
@@ -115,6 +115,9 @@ def test_hopper_kernel_compiles_for_sm90():
     cases = [case + (-1,) for case in cases]
     # GEMM1 with swigluoai (3) and silu (0) in the epilogue, on the 4-plane table's tiles
     cases += [(lay, c, True, 4, act) for c in four if c.planes_ok(4) for lay in (0, 1) for act in (3, 0)]
+    # persistent programs (`GemmConfig.persistent`) on the 4-plane prefill tile, with and without the epilogue
+    walked = dataclasses.replace(kg.TUNED[("mxfp4_hopper4", "prefill")], persistent=True)
+    cases += [(lay, walked, True, 4, act) for lay in (0, 1, 2) for act in (-1, 3)]
     arg = json.dumps([(lay, dataclasses.asdict(c), folded, planes, act) for lay, c, folded, planes, act in cases])
     results = compile_for_sm90(PTXAS_LOG + HGMMA_LOOPS + SCRIPT, arg)
     for r in results:
@@ -152,11 +155,14 @@ def test_hopper_kernel_compiles_for_sm90():
     # The activation epilogue changes what follows the loop, not the loop: the same wgmmas from
     # registers, the same pipelined copies, no extra shared-memory store or shuffle per K step.
     # (Whether ptxas serializes the wgmmas, C7515, flips either way with the code after the loop.)
+    # (A persistent program's tile loop holds the K loop and the epilogue: its loop_shuffles count
+    # the epilogue's too.)
     for r in results:
         if r["act"] >= 0:
             plain = by_key[(r["config"], r["layout"], True, 4)]
             for key in ("wgmma", "a_in_registers", "loop_shuffles", "async_copies", "wait_pendings"):
-                assert r[key] == plain[key], (key, r, plain)
+                if key != "loop_shuffles" or "_pers" not in r["config"]:
+                    assert r[key] == plain[key], (key, r, plain)
 
 
 LOADS_SCRIPT = r"""
@@ -241,10 +247,17 @@ from triton.compiler import ASTSource
 from padded_moe.kernels import gemm as kg
 
 fn = kg._expert_gemm_kernel
+
+
+def spills(ptx):
+    # bytes ptxas spills (stores + loads), from its -v report
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", ptxas_log(ptx)))
+
+
 out = []
-for sig, const, warps, stages in json.loads(sys.argv[1]):
+for sig, const, warps, stages, aligned in json.loads(sys.argv[1]):
     names = fn.arg_names
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     ptx = k.asm["ptx"]
@@ -253,6 +266,8 @@ for sig, const, warps, stages in json.loads(sys.argv[1]):
     dots = [l for l in ttgir.splitlines() if "ttng.warp_group_dot " in l]
     out.append(dict(widths=sorted({int(n) for n in re.findall(r"m64n(\d+)k16", " ".join(wgmma))}),
                     wgmma=len(wgmma), tma=ptx.count("cp.async.bulk.tensor"),
+                    async_copies=ttgir.count("async_copy_global_to_local"), shared=k.metadata.shared,
+                    spills=spills(ptx) if "ptxas_log" in globals() else None,
                     # register tiles stored to shared memory (none when TMA feeds both operands)
                     local_stores=ttgir.count("ttg.local_store"),
                     dot_operands_shared=all(l.count("!ttg.memdesc") >= 2 for l in dots) and bool(dots)))
@@ -260,11 +275,11 @@ print(json.dumps(out))
 """
 
 
-def test_gate_first_tma_tile_compiles_to_one_full_width_mma():
-    """bf16 TMA tiles with silu in the epilogue: `GATE_UP_TMA = "one_tile"` (a 4-D descriptor over
-    [L, 2, N, K]) compiles to the plain kernel's loop, MMAs of the tile's full width and the same
-    TMA copies; "two_tiles" to MMAs of half the width. Arguments captured from `launch` itself."""
-    pytest.importorskip("triton")
+def _captured_launch(cfg, layout: int, epi, tile: str = "one_tile", rows: int = 256):
+    """(signature, constexprs, num_warps, num_stages, ints divisible by 16) of the
+    `_expert_gemm_kernel` launch that `kg.launch` makes for a bf16 GEMM1 of 2 experts (K 1024, N 512) on `layout`, `epi` the
+    activation in the epilogue (None: none), gate-first weights read as `tile` says: the
+    arguments as the launcher passes them (TMA descriptors, pointers, ints)."""
     import torch
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -273,38 +288,78 @@ def test_gate_first_tma_tile_compiles_to_one_full_width_mma():
     from padded_moe.kernels import gemm as kg
 
     L, n, k = 2, 512, 1024
+    calls = []
+
+    def grab(fn, grid, key, args, const, **opt):
+        calls.append((fn, args, const, opt))
+
+    kg_launch, kg_tile, kg.launch_kernel, kg.GATE_UP_TMA = kg.launch_kernel, kg.GATE_UP_TMA, grab, tile
+    try:
+        w = torch.zeros(L, 2 * n, k, dtype=torch.bfloat16)
+        out = torch.empty(rows, n if epi else 2 * n, dtype=torch.bfloat16)
+        if layout == codes.INDEXED:
+            meta = dict(sorted_ids=torch.arange(rows, dtype=torch.int32), block_m=cfg.BM, mk=rows,
+                        block_expert=torch.tensor([0, 1], dtype=torch.int32),
+                        num_padded=torch.tensor([rows], dtype=torch.int32))
+        else:
+            meta = dict(offsets=torch.tensor([0, rows // 2, rows]),
+                        counts=torch.tensor([rows // 2, rows // 2], dtype=torch.int32))
+        kg.launch(torch.zeros(rows, k, dtype=torch.bfloat16), w, None, out, layout=layout, num_local=L, config=cfg,
+                  epilogue=ActivationEpilogue.of(epi) if epi else None, rows_per_expert=1024, **meta)
+    finally:
+        kg.launch_kernel, kg.GATE_UP_TMA = kg_launch, kg_tile
+    (fn, args, const, opt), = calls
+    sig, aligned = {}, []
+    for name, a in zip(fn.arg_names, args):
+        if isinstance(a, TensorDescriptor):
+            sig[name] = f"tensordesc<bf16[{', '.join(str(b) for b in a.block_shape)}]>"
+        elif isinstance(a, torch.Tensor):
+            sig[name] = "*" + {torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64"}[a.dtype]
+        else:
+            sig[name] = "fp32" if isinstance(a, float) else "i32"
+            if isinstance(a, int) and a % 16 == 0:  # Triton specialises such ints (vectorized loads)
+                aligned.append(name)
+    const = {c: getattr(v, "value", v) for c, v in const.items()}
+    const.update(FP32_DOT=False)  # what a CUDA bf16 call takes
+    sig.update({c: "constexpr" for c in const})
+    return sig, const, opt["num_warps"], opt["num_stages"], aligned
+
+
+def test_gate_first_tma_tile_compiles_to_one_full_width_mma():
+    """bf16 TMA tiles with silu in the epilogue: `GATE_UP_TMA = "one_tile"` (a 4-D descriptor over
+    [L, 2, N, K]) compiles to the plain kernel's loop, MMAs of the tile's full width and the same
+    TMA copies; "two_tiles" to MMAs of half the width. Arguments captured from `launch` itself."""
+    pytest.importorskip("triton")
+    from padded_moe.kernels import _codes as codes
+    from padded_moe.kernels import gemm as kg
+
     cfg = kg.TUNED[("bf16", "prefill")]
     assert cfg.tma and cfg.BN == 256
-    cases = []
-    for tile, epi in (("two_tiles", None), ("two_tiles", "silu"), ("one_tile", "silu")):
-        calls = []
-
-        def grab(fn, grid, key, args, const, **opt):
-            calls.append((fn, args, const, opt))
-
-        kg_launch, kg.launch_kernel, kg.GATE_UP_TMA = kg.launch_kernel, grab, tile
-        try:
-            w = torch.zeros(L, 2 * n, k, dtype=torch.bfloat16)
-            kg.launch(torch.zeros(256, k, dtype=torch.bfloat16), w, None,
-                      torch.empty(256, n if epi else 2 * n, dtype=torch.bfloat16), layout=codes.GROUPED_CONTIGUOUS,
-                      num_local=L, offsets=torch.tensor([0, 128, 256]), counts=torch.tensor([128, 128], dtype=torch.int32),
-                      config=cfg, epilogue=ActivationEpilogue.of(epi) if epi else None, rows_per_expert=1024)
-        finally:
-            kg.launch_kernel, kg.GATE_UP_TMA = kg_launch, "two_tiles"
-        (fn, args, const, opt), = calls
-        sig = {}
-        for name, a in zip(fn.arg_names, args):
-            if isinstance(a, TensorDescriptor):
-                sig[name] = f"tensordesc<bf16[{', '.join(str(b) for b in a.block_shape)}]>"
-            elif isinstance(a, torch.Tensor):
-                sig[name] = "*" + {torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64"}[a.dtype]
-            else:
-                sig[name] = "fp32" if isinstance(a, float) else "i32"
-        const = {c: getattr(v, "value", v) for c, v in const.items()}
-        const.update(FP32_DOT=False)  # what a CUDA bf16 call takes
-        sig.update({c: "constexpr" for c in const})
-        cases.append((sig, const, opt["num_warps"], opt["num_stages"]))
+    cases = [_captured_launch(cfg, codes.GROUPED_CONTIGUOUS, epi, tile)
+             for tile, epi in (("two_tiles", None), ("two_tiles", "silu"), ("one_tile", "silu"))]
     plain, two, one = compile_for_sm90(HGMMA_LOOPS + TMA_SCRIPT, json.dumps(cases))
     assert plain["widths"] == [256] and two["widths"] == [128] and one["widths"] == [256], (plain, two, one)
     assert one["tma"] == plain["tma"] and one["local_stores"] == plain["local_stores"], (plain, one)
     assert plain["dot_operands_shared"] and one["dot_operands_shared"], (plain, one)
+
+
+def test_persistent_programs_compile_to_the_same_main_loop():
+    """`GemmConfig.persistent` on the bf16 prefill tile (INDEXED: gathered A rows; grouped: TMA A),
+    with and without silu in the epilogue: the same wgmma widths and the same TMA and async
+    copies as one program per tile, the K loop still pipelined, no spills, and shared memory
+    within the SM's."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from padded_moe.kernels import _codes as codes
+    from padded_moe.kernels import gemm as kg
+
+    cfg = kg.TUNED[("bf16", "prefill")]
+    cases = [_captured_launch(c, layout, epi) for layout in (codes.INDEXED, codes.GROUPED_CONTIGUOUS)
+             for epi in (None, "silu") for c in (cfg, dataclasses.replace(cfg, persistent=True))]
+    results = compile_for_sm90(PTXAS_LOG + HGMMA_LOOPS + TMA_SCRIPT, json.dumps(cases))
+    for one, walked in zip(results[::2], results[1::2]):
+        same = ("widths", "tma", "async_copies", "local_stores", "dot_operands_shared")
+        assert {k: one[k] for k in same} == {k: walked[k] for k in same}, (one, walked)
+        assert walked["tma"] + walked["async_copies"] > 0 and walked["spills"] == 0, walked
+        assert walked["shared"] <= 227 * 1024, walked

@@ -215,23 +215,22 @@ def test_torch_backend_cuda(layout):
     check(a, w, meta, "w13", out)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
-@pytest.mark.parametrize("wdtype", ["bf16", "mxfp4", "mxfp4_hopper"])
-def test_cuda_graph_replay_after_ids_change(layout, wdtype):
-    L, K, n_out, M, k = 16, 512, 256, 64, 4
-    w = make_weight(L, n_out, K, wdtype, 2)
+def replay_on_new_routings(layout, w, gemm, id_highs=(17, 17), L=16, K=512, M=64, k=4):
+    """`gemm(a, meta, out)` captured once in a CUDA graph, then replayed after the layout's buffers
+    took new routings (ids in [-1, high) per trial: garbage ids past L, or few experts) and fresh
+    NaN-poisoned inputs; each replay checked against the reference."""
+    n_out = w.shape[1]
     ids = torch.randint(0, L, (M, k), device=DEV, dtype=torch.int32)
     meta = build_layout(layout, ids, L)
     a = inputs_for(layout, meta, "w13", K, M, k, 9)
     out = out_for(layout, meta, a, n_out)
-    expert_gemm(a, w, meta, out=out)  # compile outside the capture
+    gemm(a, meta, out)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        expert_gemm(a, w, meta, out=out)
-    for trial in range(2):
-        new_ids = torch.randint(-1, L + 1, (M, k), device=DEV, dtype=torch.int32)
-        fresh = build_layout(layout, new_ids, L)
+        gemm(a, meta, out)
+    for trial, high in enumerate(id_highs):
+        fresh = build_layout(layout, torch.randint(-1, high, (M, k), device=DEV, dtype=torch.int32), L)
         for f in dataclasses.fields(meta):  # same buffers, new contents
             old, new = getattr(meta, f.name), getattr(fresh, f.name)
             if isinstance(old, torch.Tensor):
@@ -241,6 +240,49 @@ def test_cuda_graph_replay_after_ids_change(layout, wdtype):
         graph.replay()
         torch.cuda.synchronize()
         check(a, w, meta, "w13", out)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+@pytest.mark.parametrize("wdtype", ["bf16", "mxfp4", "mxfp4_hopper"])
+def test_cuda_graph_replay_after_ids_change(layout, wdtype):
+    w = make_weight(16, 256, 512, wdtype, 2)
+    replay_on_new_routings(layout, w, lambda a, meta, out: expert_gemm(a, w, meta, out=out))
+
+
+# Persistent programs (`GemmConfig.persistent`) on the medium / prefill tiles of both tables.
+PERSISTENT_CONFIGS = [(w, kg.TUNED[(kind, reg)]) for w, kind in (("bf16", "bf16"), ("mxfp4_hopper", "mxfp4_hopper4"))
+                      for reg in ("medium", "prefill")]
+
+
+@pytest.mark.parametrize("wdtype,cfg", PERSISTENT_CONFIGS, ids=lambda v: v if isinstance(v, str) else v.short())
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
+@pytest.mark.parametrize("stage", ["w13", "w2"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+def test_persistent_programs_match_one_per_tile(layout, stage, shape, wdtype, cfg, weights):
+    """Model shapes with garbage ids, NaN-poisoned padding and biases: the persistent kernel matches
+    the reference and gives the bits of one program per tile."""
+    w, meta, a, bias, out = real_shape_case(shape, stage, layout, weights, "mxfp4" if wdtype != "bf16" else "bf16")
+    w_ref = None
+    if wdtype == "mxfp4_hopper":
+        w, w_ref = prepared_only(w, 4), w
+    be = get_backend("triton")
+    one = be.gemm(a, w, meta, stage=stage, bias=bias, out=out.clone(), config=cfg)
+    walked = be.gemm(a, w, meta, stage=stage, bias=bias, out=out, config=dataclasses.replace(cfg, persistent=True))
+    torch.cuda.synchronize()
+    check(a, w, meta, stage, walked, bias, w_ref=w_ref)
+    assert torch.equal(one, walked)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+def test_persistent_graph_replay_after_ids_change(layout):
+    """Captured once, replayed on new routings (garbage ids, then few experts): INDEXED's walk ends
+    where each routing's `num_padded` says (a device value), GROUPED_CONTIGUOUS's where its offsets
+    say."""
+    w = make_weight(16, 256, 512, "bf16", 2)
+    cfg = dataclasses.replace(kg.TUNED[("bf16", "prefill")], persistent=True)
+    be = get_backend("triton")
+    replay_on_new_routings(layout, w, lambda a, meta, out: be.gemm(a, w, meta, stage="w13", bias=None, out=out,
+                                                                   config=cfg), id_highs=(17, 3), M=512)
 
 
 @pytest.mark.slow

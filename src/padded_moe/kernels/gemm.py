@@ -8,6 +8,10 @@ One kernel, specialised by constexprs; `LAYOUT` is the layout's code (`padded_mo
   The grid is the worst case `cdiv(R, BM) + L` m-tiles; tiles past the real ones exit at once.
 - GROUPED_MASKED: grid `L * cdiv(T_max, BM)` m-tiles; tiles at/past `counts[e]` exit.
 
+With `GemmConfig.persistent` the grid is what the GPU holds at once and each program walks the
+tiles with rows (`_walk`: INDEXED's blocks below `num_padded`, GROUPED_CONTIGUOUS's experts'
+tiles), the same tiles with the same math; GROUPED_MASKED keeps one program per tile.
+
 Row masks keep every load and store inside the valid rows, so padded rows (NaN in tests) are never
 read and rows past a count/offset are never written. Weights are `[L, Nout, K]` in bf16/fp16/fp32,
 or MXFP4 (`blocks [L, Nout, K/2]`, `scales [L, Nout, K/32]`) dequantized to the activation dtype in
@@ -36,7 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from padded_moe import layout_codes as codes
 from padded_moe.kernels._codes import GROUPED_CONTIGUOUS, INDEXED
-from padded_moe.kernels._launch import launch as launch_kernel, ptr_key
+from padded_moe.kernels._launch import launch as launch_kernel, ptr_key, resident_programs
 from padded_moe.kernels.activation import ACT_SWIGLUOAI, _bias_act, _gate_up_rows
 from padded_moe.kernels.guard import expert_id_ok
 
@@ -76,11 +80,17 @@ class GemmConfig:
     # DeepSeek-V4 shape swept (the store of the upcast tile to shared memory costs more than the
     # serialization it avoids), so no table entry or sweep list uses it.
     mx_w_shared: bool = False
+    # Persistent programs (as many as the GPU holds at once, see `launch`) that each walk tiles
+    # `program, program + programs, ...` instead of one program per tile: the SM starts its next
+    # tile without a new program's start-up, and the walk covers only tiles with rows (INDEXED's
+    # blocks below `num_padded`, GROUPED_CONTIGUOUS's experts' tiles). Same tiles, same math per
+    # tile: bit-identical outputs. GROUPED_MASKED launches one program per tile either way.
+    persistent: bool = False
 
     def short(self) -> str:
         tag = ("_tma" if self.tma else "") + ("" if self.mx_native else "_bitdq") + ("_swap" if self.swap_ab else "")
         tag += ("_hop" if self.mx_hopper else "") + ("_ptx" if self.mx_ptx else "") + ("_wide" if self.mx_wide else "")
-        tag += "_wsh" if self.mx_w_shared else ""
+        tag += ("_wsh" if self.mx_w_shared else "") + ("_pers" if self.persistent else "")
         return f"BM{self.BM}_BN{self.BN}_BK{self.BK}_G{self.GROUP_M}_w{self.num_warps}_s{self.num_stages}{tag}"
 
     def planes_ok(self, planes: int) -> bool:
@@ -92,12 +102,16 @@ class GemmConfig:
 # decode <= 32 (weight-bandwidth bound: small BM, many programs), small <= 128, medium <= 512,
 # prefill > 512 (compute bound: big tiles, grouped ordering so an expert's weight tile stays in L2).
 # Each entry is the winner of `benchmarks/bench_gemm.py`'s H200 sweep for its regime (the sweep
-# candidates are SWEEP below; measurements in notes.md).
+# candidates are SWEEP below; measurements in notes.md). The bf16 medium and prefill tiles run as
+# persistent programs (`GemmConfig.persistent`): on whole `fused_experts` calls (bench_tiles_ab,
+# alternating graph replays, H200) 0.961x the time of one program per tile on DeepSeek-V4 at 8192
+# tokens, 0.971x on Mixtral at 1024, 0.986-0.998x at 4096-8192, Qwen3-MoE 0.979x at 8192 and 1.02x
+# at 4096. The prepared-MXFP4 tile does not: 1.02x on GPT-OSS and 1.11x on DeepSeek-V4 at 8192.
 TUNED: dict[tuple[str, str], GemmConfig] = {
     ("bf16", "decode"): GemmConfig(32, 64, 128, 1, 4, 4),
     ("bf16", "small"): GemmConfig(64, 128, 64, 4, 4, 4, tma=True),
-    ("bf16", "medium"): GemmConfig(128, 256, 64, 16, 8, 4, tma=True),
-    ("bf16", "prefill"): GemmConfig(128, 256, 64, 8, 8, 4, tma=True),
+    ("bf16", "medium"): GemmConfig(128, 256, 64, 16, 8, 4, tma=True, persistent=True),
+    ("bf16", "prefill"): GemmConfig(128, 256, 64, 8, 8, 4, tma=True, persistent=True),
     ("mxfp4", "decode"): GemmConfig(32, 64, 128, 1, 4, 4),
     ("mxfp4", "small"): GemmConfig(64, 128, 128, 4, 4, 3),
     ("mxfp4", "medium"): GemmConfig(128, 128, 64, 8, 4, 4),
@@ -155,11 +169,13 @@ SWEEP: dict[str, list[GemmConfig]] = {
                GemmConfig(32, 128, 128, 1, 4, 4), GemmConfig(16, 64, 128, 1, 4, 4, True)],
     "small": [GemmConfig(64, 128, 64, 4, 4, 4, True), GemmConfig(64, 256, 64, 4, 8, 3, True),
               GemmConfig(64, 128, 64, 4, 4, 4), GemmConfig(64, 128, 128, 4, 4, 3, True)],
-    "medium": [GemmConfig(128, 256, 64, 16, 8, 4, True), GemmConfig(128, 256, 64, 8, 8, 4, True),
+    "medium": [GemmConfig(128, 256, 64, 16, 8, 4, True, persistent=True), GemmConfig(128, 256, 64, 16, 8, 4, True),
+               GemmConfig(128, 256, 64, 8, 8, 4, True),
                GemmConfig(128, 256, 64, 8, 8, 3, True),
                GemmConfig(128, 128, 64, 8, 4, 4, True), GemmConfig(128, 256, 64, 8, 8, 3),
                GemmConfig(256, 128, 64, 8, 8, 3, True)],
-    "prefill": [GemmConfig(128, 256, 64, 8, 8, 4, True), GemmConfig(128, 256, 64, 16, 8, 4, True),
+    "prefill": [GemmConfig(128, 256, 64, 8, 8, 4, True, persistent=True), GemmConfig(128, 256, 64, 8, 8, 4, True),
+                GemmConfig(128, 256, 64, 16, 8, 4, True),
                 GemmConfig(256, 128, 64, 8, 8, 3, True), GemmConfig(128, 256, 64, 8, 8, 3, True),
                 GemmConfig(256, 128, 64, 8, 8, 4, True), GemmConfig(128, 256, 64, 8, 8, 4)],
 }
@@ -302,9 +318,8 @@ def epilogue_pays(cfg: GemmConfig, tile_m: int, interleaved: bool, read: str = "
 
 
 @triton.jit
-def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Program -> (m tile, n tile), GROUP_M m-tiles sharing each sweep over n (L2 reuse of weights)."""
-    pid = tl.program_id(0)
+def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile `pid` -> (m tile, n tile), GROUP_M m-tiles sharing each sweep over n (L2 reuse of weights)."""
     per_group = GROUP_M * num_pid_n
     first_m = (pid // per_group) * GROUP_M
     group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
@@ -357,13 +372,7 @@ def _tile_rows(pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num
         c_rows = ids
         row_start = row0 * 0
     elif LAYOUT == GROUPED_CONTIGUOUS:  # scan the offsets for this tile's expert
-        ev = tl.arange(0, L_POW2)
-        ein = ev < num_local
-        lo = tl.load(off_ptr + ev, mask=ein, other=0).to(tl.int32)
-        hi = tl.load(off_ptr + ev + 1, mask=ein, other=0).to(tl.int32)
-        lo = tl.minimum(tl.maximum(lo, 0), R_a)
-        hi = tl.minimum(tl.maximum(hi, lo), R_a)
-        tiles = tl.where(ein, (hi - lo + BM - 1) // BM, 0)
+        ev, lo, hi, tiles = _contiguous_tiles(off_ptr, R_a, num_local, L_POW2, BM)
         tile_end = tl.cumsum(tiles, 0)
         e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)
         live = (e < num_local).to(tl.int32)
@@ -392,19 +401,52 @@ def _tile_rows(pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num
 
 
 @triton.jit
-def _program_tile(N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
+def _contiguous_tiles(off_ptr, R_a, num_local, L_POW2: tl.constexpr, BM: tl.constexpr):
+    """GROUPED_CONTIGUOUS: per expert slot `ev [L_POW2]` its rows [lo, hi) (clamped into the buffer
+    and ordered) and its m-tiles (0 past `num_local`)."""
+    ev = tl.arange(0, L_POW2)
+    ein = ev < num_local
+    lo = tl.load(off_ptr + ev, mask=ein, other=0).to(tl.int32)
+    hi = tl.load(off_ptr + ev + 1, mask=ein, other=0).to(tl.int32)
+    lo = tl.minimum(tl.maximum(lo, 0), R_a)
+    hi = tl.minimum(tl.maximum(hi, lo), R_a)
+    return ev, lo, hi, tl.where(ein, (hi - lo + BM - 1) // BM, 0)
+
+
+@triton.jit
+def _program_tile(tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
                   LAYOUT: tl.constexpr, A_DIV: tl.constexpr, BLOCK_MB: tl.constexpr, SUB: tl.constexpr,
                   ROWS: tl.constexpr, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  GROUP_M: tl.constexpr):
-    """This program's tile, shared by both GEMM kernels: `_tile_rows`' values for its m-tile (the
-    expert as int64), its first output column `n0`, the columns `rn` and their mask `n_ok`."""
-    pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(N, BN), GROUP_M)
+                  GROUP_M: tl.constexpr, IN_LOOP: tl.constexpr):
+    """Tile `tile`, shared by both GEMM kernels: `_tile_rows`' values for its m-tile (the expert as
+    int64), its first output column `n0`, the columns `rn` and their mask `n_ok`. `IN_LOOP` (a
+    persistent program, which cannot return early): a dead tile gets expert 0 and no valid rows,
+    so its bias loads stay in bounds and it stores nothing."""
+    pid_m, pid_n = _tile_ids(tile, num_pid_m, tl.cdiv(N, BN), GROUP_M)
     live, e, row_start, a_rows, c_rows, valid = _tile_rows(
         pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
         LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM)
+    if IN_LOOP:
+        e = tl.where(live != 0, e, 0)
+        valid = valid & (live != 0)
     n0 = pid_n * BN
     rn = n0 + tl.arange(0, BN)
     return live, e.to(tl.int64), n0, rn, rn < N, row_start, a_rows, c_rows, valid
+
+
+@triton.jit
+def _walk(N, num_pid_m, npad_ptr, off_ptr, R_a, num_local, LAYOUT: tl.constexpr, BLOCK_MB: tl.constexpr,
+          SUB: tl.constexpr, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """(tiles, m-tiles) a persistent program walks: the m-tiles that hold rows times the n-tiles.
+    INDEXED: the blocks below `num_padded`; GROUPED_CONTIGUOUS: the experts' tiles from the offsets
+    (a capacity-sized buffer's worst-case grid is mostly empty). The m-tiles come first in
+    `_tile_rows`' order either way, so the walk visits no tile without rows."""
+    if LAYOUT == INDEXED:
+        num_pid_m = tl.minimum(num_pid_m, tl.cdiv(tl.load(npad_ptr), BLOCK_MB) * SUB)
+    elif LAYOUT == GROUPED_CONTIGUOUS:
+        _, _, _, tiles = _contiguous_tiles(off_ptr, R_a, num_local, L_POW2, BM)
+        num_pid_m = tl.minimum(num_pid_m, tl.sum(tiles, 0))
+    return num_pid_m * tl.cdiv(N, BN), num_pid_m
 
 
 @triton.jit
@@ -496,18 +538,63 @@ def _expert_gemm_kernel(
     A_FMT: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
     GATED: tl.constexpr, TWO_ACC: tl.constexpr, W_DESC4: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """`N` counts output columns (activation columns with `ACT` >= 0), `W_ROWS` the weight's rows
     per expert; a tile reads BN weight rows for BN_OUT output columns (`_weight_rows`). TMA weights
     with a gated activation whose gate half comes first (`GATE_UP_TMA`): TWO_ACC reads the gate and
     up rows as two TMA tiles into two accumulators; W_DESC4 reads one tile of both from a 4-D
-    descriptor over the weight viewed as [L, 2, N, K] (gate rows, then up rows)."""
+    descriptor over the weight viewed as [L, 2, N, K] (gate rows, then up rows).
+
+    PERSISTENT: `GemmConfig.persistent` (the grid is what the GPU holds at once; each program
+    walks tiles `program_id + i * programs`, `_walk`).
+    """
+    if PERSISTENT:
+        tiles, live_m = _walk(N, num_pid_m, npad_ptr, off_ptr, R_a, num_local, LAYOUT, BLOCK_MB, SUB, L_POW2, BM,
+                              BN_OUT)
+        for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0)):
+            _expert_gemm_tile(tile, live_m, a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, ids_ptr, blk_exp_ptr, npad_ptr,
+                off_ptr, cnt_ptr, N, K, R_a, num_local, mk, T_max, stride_am, stride_we, stride_wn, stride_wk,
+                stride_se, stride_sn, stride_be, stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda, LAYOUT,
+                W_MXFP4, HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, A_DESC, W_DESC, MX_NATIVE, SWAP_AB,
+                A_FMT, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, TWO_ACC, W_DESC4, BM, BN, BN_OUT, BK, GROUP_M, True)
+    else:
+        _expert_gemm_tile(tl.program_id(0), num_pid_m, a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, ids_ptr, blk_exp_ptr,
+            npad_ptr, off_ptr, cnt_ptr, N, K, R_a, num_local, mk, T_max, stride_am, stride_we, stride_wn, stride_wk,
+            stride_se, stride_sn, stride_be, stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda, LAYOUT,
+            W_MXFP4, HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, A_DESC, W_DESC, MX_NATIVE, SWAP_AB, A_FMT,
+            ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, TWO_ACC, W_DESC4, BM, BN, BN_OUT, BK, GROUP_M, False)
+
+
+@triton.jit
+def _expert_gemm_tile(
+    tile, num_pid_m,
+    a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr,
+    ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr,
+    N, K, R_a, num_local, mk, T_max,
+    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_cm, W_ROWS,
+    limit, alpha, beta, situ_beta, situ_lambda,
+    LAYOUT: tl.constexpr, W_MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, A_DIV: tl.constexpr,
+    BLOCK_MB: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, L_POW2: tl.constexpr,
+    FP32_DOT: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, MX_NATIVE: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    A_FMT: tl.constexpr,
+    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
+    GATED: tl.constexpr, TWO_ACC: tl.constexpr, W_DESC4: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    IN_LOOP: tl.constexpr,
+):
+    """One tile of `_expert_gemm_kernel` (`tile` < the m-tiles `num_pid_m` times the n-tiles)."""
     live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid = _program_tile(
-        N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M)
-    if live == 0:
-        return
+        tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP)
+    if not IN_LOOP:
+        if live == 0:
+            return
+    k_end = K
+    if IN_LOOP:  # a dead tile of a persistent program: no steps
+        k_end = tl.where(live != 0, K, 0)
     wr, wr_ok = _weight_rows(n0, N, ACT, GATED, False, BN)
 
     # ---- main loop ------------------------------------------------------------------------
@@ -535,7 +622,7 @@ def _expert_gemm_kernel(
             w_row0 = (e64 * W_ROWS + n0).to(tl.int32)
     else:
         w_base = w_ptr + e64 * stride_we + wr.to(tl.int64)[None, :] * stride_wn
-    for k0 in range(0, K, BK):
+    for k0 in range(0, k_end, BK):
         k_ok = k0 + rk < K
         if A_DESC:
             # Grouped layouts: the tile's rows are contiguous from `row_start`; rows past the
@@ -867,7 +954,7 @@ def _expert_gemm_mx_hopper_kernel(
     FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr, UPCAST_PTX: tl.constexpr, WIDE: tl.constexpr,
     FOLDED: tl.constexpr, PLANES: tl.constexpr, W_SHARED: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
-    GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr,
+    GATED: tl.constexpr, PERSISTENT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr,
     BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """MXFP4 weights in the `HopperMxfp4` arrangement (mxfp4.py): per 64-element K block, byte j
@@ -888,12 +975,52 @@ def _expert_gemm_mx_hopper_kernel(
 
     With the activation in the epilogue (`ACT` >= 0) `N` counts activation columns and a tile's BN
     weight rows serve BN_OUT of them, as in `_expert_gemm_kernel`.
+
+    PERSISTENT: as in `_expert_gemm_kernel`.
     """
+    if PERSISTENT:
+        tiles, live_m = _walk(N, num_pid_m, npad_ptr, off_ptr, R_a, num_local, LAYOUT, BLOCK_MB, SUB, L_POW2, BM,
+                              BN_OUT)
+        for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0)):
+            _expert_gemm_mx_hopper_tile(tile, live_m, a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, ids_ptr, blk_exp_ptr,
+                npad_ptr, off_ptr, cnt_ptr, N, K, K_PAD, R_a, num_local, mk, T_max, stride_am, stride_we, stride_wn,
+                stride_se, stride_sg, stride_be, stride_cm, limit, alpha, beta, situ_beta, situ_lambda, LAYOUT,
+                HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, K_TAIL, UPCAST_PTX, WIDE, FOLDED, PLANES,
+                W_SHARED, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, BM, BN, BN_OUT, BK, GROUP_M, True)
+    else:
+        _expert_gemm_mx_hopper_tile(tl.program_id(0), num_pid_m, a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, ids_ptr,
+            blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, N, K, K_PAD, R_a, num_local, mk, T_max, stride_am, stride_we,
+            stride_wn, stride_se, stride_sg, stride_be, stride_cm, limit, alpha, beta, situ_beta, situ_lambda, LAYOUT,
+            HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, K_TAIL, UPCAST_PTX, WIDE, FOLDED, PLANES, W_SHARED,
+            ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, BM, BN, BN_OUT, BK, GROUP_M, False)
+
+
+@triton.jit
+def _expert_gemm_mx_hopper_tile(
+    tile, num_pid_m,
+    a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr,
+    ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr,
+    N, K, K_PAD, R_a, num_local, mk, T_max,
+    stride_am, stride_we, stride_wn, stride_se, stride_sg, stride_be, stride_cm,
+    limit, alpha, beta, situ_beta, situ_lambda,
+    LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, A_DIV: tl.constexpr,
+    BLOCK_MB: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, L_POW2: tl.constexpr,
+    FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr, UPCAST_PTX: tl.constexpr, WIDE: tl.constexpr,
+    FOLDED: tl.constexpr, PLANES: tl.constexpr, W_SHARED: tl.constexpr,
+    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
+    GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr,
+    BK: tl.constexpr, GROUP_M: tl.constexpr, IN_LOOP: tl.constexpr,
+):
+    """One tile of `_expert_gemm_mx_hopper_kernel` (`tile` < the m-tiles `num_pid_m` times the n-tiles)."""
     live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid = _program_tile(
-        N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M)
-    if live == 0:
-        return
+        tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP)
+    if not IN_LOOP:
+        if live == 0:
+            return
+    k_end = K_PAD
+    if IN_LOOP:  # a dead tile of a persistent program: no steps
+        k_end = tl.where(live != 0, K_PAD, 0)
     wr, wr_ok = _weight_rows(n0, N, ACT, GATED, not W_SHARED, BN)
 
     rh = tl.arange(0, 32)
@@ -915,7 +1042,7 @@ def _expert_gemm_mx_hopper_kernel(
         wi = tl.arange(0, BK // 8)
         gi = tl.arange(0, BK // 32)
         kk = tl.arange(0, BK)
-    for k0 in range(0, K_PAD, BK):
+    for k0 in range(0, k_end, BK):
         if PLANES == 4:
             # One dot per iteration over the whole tile in K order. Triton waits for each of the
             # per-plane dots below before the next; this one it leaves pending (though ptxas still
@@ -1103,6 +1230,10 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     dummy = out2  # stands in for pointers a layout does not use (never dereferenced)
     meta_ptrs = tuple(dummy if t is None else t for t in (sorted_ids, block_expert, num_padded, offsets, counts))
     grid = (num_pid_m * triton.cdiv(N, BN_OUT),)
+    # Persistent programs walk INDEXED's and GROUPED_CONTIGUOUS's tiles with rows (`_walk`); a
+    # GROUPED_MASKED grid holds every slab's whole capacity, mostly empty in expert parallelism, and
+    # a walk would visit each empty tile, so it keeps one program per tile.
+    walk = cfg.persistent and layout != codes.GROUPED_MASKED
     if hopper:
         hb, hs = w_hopper.blocks, w_hopper.scales
         k_pad = w_hopper.k_padded
@@ -1117,9 +1248,11 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
             FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda, K_TAIL=k_pad % BK != 0,
             UPCAST_PTX=cfg.mx_ptx and a2.is_cuda and a2.dtype == torch.bfloat16, WIDE=cfg.mx_wide,
             FOLDED=w_hopper.folded, PLANES=w_hopper.planes, W_SHARED=cfg.mx_w_shared, **act_flags,
-            BM=BM, BN=cfg.BN, BN_OUT=BN_OUT, BK=BK, GROUP_M=cfg.GROUP_M)
-        launch_kernel(_expert_gemm_mx_hopper_kernel, grid, ints + act_floats + ptr_key(*ptrs),
-                      ptrs + ints + act_floats, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            PERSISTENT=walk, BM=BM, BN=cfg.BN, BN_OUT=BN_OUT, BK=BK, GROUP_M=cfg.GROUP_M)
+        key, args = ints + act_floats + ptr_key(*ptrs), ptrs + ints + act_floats
+        grid = _grid(_expert_gemm_mx_hopper_kernel, grid, key, args, constexprs, cfg, walk)
+        launch_kernel(_expert_gemm_mx_hopper_kernel, grid, key, args, constexprs, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages)
         return out2
     a_desc = cfg.tma and layout != codes.INDEXED and _tma_ok(a2, a2.shape[0], BK)
     read = weight_read(cfg, a2, w, gated, gated and epilogue.activation.interleaved)
@@ -1147,10 +1280,21 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda,
         A_DESC=a_desc, W_DESC=w_desc, MX_NATIVE=mx_native, SWAP_AB=mx_native and cfg.swap_ab,
         A_FMT="fp16" if a2.dtype == torch.float16 else "bf16", **act_flags, TWO_ACC=two_acc, W_DESC4=w_desc4,
-        BM=BM, BN=cfg.BN, BN_OUT=BN_OUT, BK=BK, GROUP_M=cfg.GROUP_M)
+        PERSISTENT=walk, BM=BM, BN=cfg.BN, BN_OUT=BN_OUT, BK=BK, GROUP_M=cfg.GROUP_M)
     # The key: every int and float argument, every pointer's dtype and alignment, and the weight's
     # expert count (a TMA descriptor's shape); constexprs and options are added by `launch`.
-    launch_kernel(_expert_gemm_kernel, grid, ints + act_floats + (w.shape[0],) + ptr_key(*ptrs),
-                  (a_arg, w_arg) + ptrs[2:] + ints + act_floats, constexprs,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    key, args = ints + act_floats + (w.shape[0],) + ptr_key(*ptrs), (a_arg, w_arg) + ptrs[2:] + ints + act_floats
+    grid = _grid(_expert_gemm_kernel, grid, key, args, constexprs, cfg, walk)
+    launch_kernel(_expert_gemm_kernel, grid, key, args, constexprs, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
     return out2
+
+
+def _grid(fn, tiles: tuple[int], key: tuple, args: tuple, constexprs: dict, cfg: GemmConfig,
+          walk: bool) -> tuple[int]:
+    """One program per tile, or for persistent programs (`walk`) as many as the GPU holds at once
+    (from the compiled kernel's registers and shared memory), never more than the tiles."""
+    if not walk:
+        return tiles
+    resident = resident_programs(fn, key, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return (max(1, min(tiles[0], resident)),)

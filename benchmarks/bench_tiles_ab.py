@@ -14,8 +14,9 @@ first (relative L2 difference at most 2e-2; a wrong tile is off by O(1)).
 The candidates replace `TUNED[(kind, regime)]` (kind: the table the call's weights use), and
 `TUNED_NARROW`'s entry where it has one, for their turn; `--candidates sweep` takes every sweep
 candidate of that regime, `--candidates persistent` the table entry with `GemmConfig.persistent`
-flipped (in the narrow-block entry too). Calls whose GEMMs run another regime are not affected:
-the table printed first gives each token count's regime.
+flipped (in the narrow-block entry too). `--fuse-activation both` times each candidate also with
+the activation in GEMM1's epilogue forced on and forced off. Calls whose GEMMs run another regime
+are not affected: the table printed first gives each token count's regime.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_us, captured, print_table, write_report  # noqa: E402
 
 from padded_moe import experts as ex  # noqa: E402
+from padded_moe.gemm import FUSE_ENV  # noqa: E402
 from padded_moe.kernels import gemm as kg  # noqa: E402
 from padded_moe.layer import FusedMoE  # noqa: E402
 from padded_moe.layouts import GemmLayout, build_layout  # noqa: E402
@@ -84,6 +87,22 @@ def table_entry(key: tuple, cfg: kg.GemmConfig):
         plans.enabled = True
 
 
+@contextlib.contextmanager
+def fuse_activation(value):
+    """`PADDED_MOE_FUSE_ACTIVATION` set to `value` (None: as it is) inside the block, restored after:
+    it is read when `fused_experts` launches, so a graph keeps what it captured."""
+    old = os.environ.get(FUSE_ENV)
+    if value is not None:
+        os.environ[FUSE_ENV] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(FUSE_ENV, None)
+        else:
+            os.environ[FUSE_ENV] = old
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="gpt-oss-120b")
@@ -93,6 +112,9 @@ def main() -> None:
     p.add_argument("--candidates", required=True,
                    help="comma list of config short names, 'sweep', or 'persistent' (the table entry's other persistence)")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--fuse-activation", default="table", choices=("table", "both"),
+                   help="'both': each candidate also with the activation in GEMM1's epilogue forced "
+                        f"({FUSE_ENV}=1) and forced off ({FUSE_ENV}=0)")
     p.add_argument("--out", default="bench-out/tiles-ab")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -120,6 +142,7 @@ def main() -> None:
     if getattr(w13, "hopper", None) is not None:
         configs = [c for c in configs if c.planes_ok(w13.hopper.planes)]
 
+    fuse_settings = [None] if args.fuse_activation == "table" else [None, "1", "0"]
     regimes = []
     for T in (int(t) for t in args.tokens.split(",")):
         mean, block, reg = indexed_regime(T, layer.top_k, layer.num_experts)
@@ -135,24 +158,26 @@ def main() -> None:
         call = lambda: layer.experts(x, tw, ids)  # noqa: E731
         graphs, ref = [], None
         for cfg in configs:
-            with table_entry(key, cfg):
-                graph, out = captured(call)
-                graph.replay()
-            torch.cuda.synchronize()
-            ref = out.clone() if ref is None else ref
-            diff = ((out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30)).item()
-            ok = bool(torch.isfinite(out).all()) and diff <= 2e-2
-            graphs.append((cfg, graph if ok else None, diff))
-        times: dict = {cfg.short(): [] for cfg, _, _ in graphs}
+            for fuse in fuse_settings:
+                with table_entry(key, cfg), fuse_activation(fuse):
+                    graph, out = captured(call)
+                    graph.replay()
+                torch.cuda.synchronize()
+                ref = out.clone() if ref is None else ref
+                diff = ((out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30)).item()
+                ok = bool(torch.isfinite(out).all()) and diff <= 2e-2
+                name = cfg.short() + ("" if fuse is None else f" {FUSE_ENV}={fuse}")
+                graphs.append((name, graph if ok else None, diff))
+        times: dict = {name: [] for name, _, _ in graphs}
         for _ in range(args.rounds):
-            for cfg, graph, _ in graphs:
+            for name, graph, _ in graphs:
                 if graph is not None:
-                    times[cfg.short()].append(bench_us(graph.replay, warmup_ms=10, rep_ms=100))
+                    times[name].append(bench_us(graph.replay, warmup_ms=10, rep_ms=100))
         base = statistics.median(times[table.short()])
-        for cfg, graph, diff in graphs:
-            ts = times[cfg.short()]
+        for name, graph, diff in graphs:
+            ts = times[name]
             med = statistics.median(ts) if ts else float("nan")
-            rows.append([T, reg, cfg.short() + (" (table)" if cfg == table else ""),
+            rows.append([T, reg, name + (" (table)" if name == table.short() else ""),
                          round(med, 1), round(min(ts), 1) if ts else float("nan"),
                          round(med / base, 3), f"{diff:.1e}", "ok" if graph is not None else "WRONG"])
         del graphs

@@ -255,6 +255,36 @@ for stage in "$@"; do
                 STEP_TIMEOUT=240 step "ab-pers-$1-$2-$3" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights "$2" \
                     --regime "$3" --tokens "$4" --candidates persistent --rounds 5 --out "$OUT/ab-pers-$1-$2-$3"
             done ;;
+        persistent-epilogue)  # prepared MXFP4: persistent tiles with the activation in GEMM1's epilogue forced on / off
+            # (ptxas serializes the one-program-per-tile kernel's wgmmas with the epilogue, not the persistent one's)
+            for run in "gpt-oss-120b mxfp4 medium 8192" "gpt-oss-120b mxfp4 decode 1024" "gpt-oss-120b mxfp4 small 2048" \
+                       "dsv4-flash mxfp4 medium 8192"; do
+                set -- $run
+                STEP_TIMEOUT=240 step "ab-epi-$1-$2-$3" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights "$2" \
+                    --regime "$3" --tokens "$4" --candidates persistent --fuse-activation both --rounds 5 \
+                    --out "$OUT/ab-epi-$1-$2-$3"
+            done ;;
+        mx-c7515)  # prepared MXFP4 with its K loop assumed non-empty (no C7515 serialization): GPU tests, the
+            # epilogue / persistence A/B on GPT-OSS at 8192 tokens, then the GPT-OSS peers at 1024 / 8192 tokens
+            STEP_TIMEOUT=120 step test-hopper python3 -m pytest -q -n 3 -m gpu tests/test_gemm_gpu.py \
+                -k "hopper_real_shapes or persistent_graph or cuda_graph_replay"
+            STEP_TIMEOUT=120 step sanitizer-hopper compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_gemm_gpu.py -k "hopper_small_sanitizer"
+            STEP_TIMEOUT=100 step ab-epi-gpt-oss python3 benchmarks/bench_tiles_ab.py --preset gpt-oss-120b --weights mxfp4 \
+                --regime medium --tokens 8192 --candidates persistent --fuse-activation both --rounds 3 --out "$OUT/ab-epi-gpt-oss"
+            if [ -d .peers ]; then
+                STEP_TIMEOUT=150 step peers env OUT="$OUT/peers" BUDGET_S=120 TIMEOUT_S=140 bash .peers/run.sh \
+                    --tokens 1024,8192 --cases gptoss --check-tokens 1024
+            fi ;;
+        mx-sweep-calls)  # prepared-MXFP4 tile candidates on whole calls (alternating graph replays) where
+            # the peers' 1024 / 8192-token columns land (decode / medium regimes), then the GEMM table of the docs
+            for spec in "gpt-oss-120b medium 8192" "dsv4-flash medium 8192" "gpt-oss-120b decode 1024"; do
+                set -- $spec
+                STEP_TIMEOUT=150 step "sweep-$1-$2" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 \
+                    --regime "$2" --tokens "$3" --candidates sweep --rounds 3 --out "$OUT/sweep-$1-$2"
+            done
+            STEP_TIMEOUT=200 step bench-mx-hopper python3 benchmarks/bench_gemm.py --mxfp4-hopper --models gpt-oss,dsv4-flash \
+                --rows 1,32,128,512,2048 --no-sweep --out "$OUT/bench-mx-hopper" ;;
         persistent-probe)  # where the probe's persistent matmul gained: stages and descriptors apart
             STEP_TIMEOUT=300 step ws-probe python3 scripts/ws_probe.py --timeout 45 --only host_desc_s3,device_desc_s3,persistent_host_desc,persistent_device_desc_s4 ;;
         decode-words)  # MXFP4 decode kernels reading 32-bit words (canonical or prepared): tests and launch plans, sanitizer, timing of each MX_STEP

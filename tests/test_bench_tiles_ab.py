@@ -3,6 +3,7 @@ the table patch reaches `pick_config` for wide and narrow blocks and is undone a
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -63,3 +64,18 @@ def test_indexed_regime_of_the_gpt_oss_calls_the_docs_name():
     assert bench_tiles_ab.indexed_regime(1024, 4, 128) == (32.0, 64, "small")
     assert bench_tiles_ab.indexed_regime(8192, 4, 128) == (256.0, 128, "medium")
     assert bench_tiles_ab.indexed_regime(1024, 6, 256) == (24.0, 32, "decode")
+
+
+def test_fuse_activation_setting_is_restored(monkeypatch):
+    from padded_moe.gemm import FUSE_ENV, fuse_activation_mode
+
+    monkeypatch.delenv(FUSE_ENV, raising=False)
+    with bench_tiles_ab.fuse_activation("1"):
+        assert fuse_activation_mode() == "on"
+    assert FUSE_ENV not in os.environ
+    monkeypatch.setenv(FUSE_ENV, "0")
+    with bench_tiles_ab.fuse_activation(None):
+        assert fuse_activation_mode() == "off"
+    with bench_tiles_ab.fuse_activation("1"):
+        assert fuse_activation_mode() == "on"
+    assert fuse_activation_mode() == "off"

@@ -74,9 +74,7 @@ class GemmConfig:
     mx_wide: bool = False
     # mx_hopper, 4-plane weights only: the upcast weight tile is the MMA's right operand, stored
     # to shared memory once per K step (out = a W^T, token rows on the M side), so both wgmma
-    # operands come from shared memory. Triton splits a register-operand dot along K and ptxas
-    # then serializes its wgmmas (advisory C7515); a shared-operand dot stays whole and async.
-    # On the H200 it was 1.6-3.2x slower than the register-operand tile on every GPT-OSS and
+    # operands come from shared memory. On the H200 it was 1.6-3.2x slower than the register-operand tile on every GPT-OSS and
     # DeepSeek-V4 shape swept (the store of the upcast tile to shared memory costs more than the
     # serialization it avoids), so no table entry or sweep list uses it.
     mx_w_shared: bool = False
@@ -288,8 +286,7 @@ def default_config(cuda: bool, mxfp4: bool, w_hopper, layout: int, block_m: int,
 # the prepared-MXFP4 kernel with 16-row tiles (16 and 128 tokens) was 1.2-2.9% slower in every run,
 # and 1-2% faster with 32-row tiles (1024 tokens); the main loop compiles to the same instructions
 # with and without the epilogue, and the cause is not established (the split of interleaved rows
-# moves data between lanes there, and ptxas's C7515 wgmma serialization flips with the code after
-# the loop). `fused_experts` takes the epilogue where `epilogue_pays` (PADDED_MOE_FUSE_ACTIVATION=1:
+# moves data between lanes there). `fused_experts` takes the epilogue where `epilogue_pays` (PADDED_MOE_FUSE_ACTIVATION=1:
 # always).
 EPILOGUE_MAX_BN = 128
 EPILOGUE_MIN_BM_INTERLEAVED_PREPARED = 32
@@ -954,8 +951,8 @@ def _expert_gemm_mx_hopper_kernel(
     FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr, UPCAST_PTX: tl.constexpr, WIDE: tl.constexpr,
     FOLDED: tl.constexpr, PLANES: tl.constexpr, W_SHARED: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
-    GATED: tl.constexpr, PERSISTENT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr,
-    BK: tl.constexpr, GROUP_M: tl.constexpr,
+    GATED: tl.constexpr, HAS_K: tl.constexpr, PERSISTENT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BN_OUT: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """MXFP4 weights in the `HopperMxfp4` arrangement (mxfp4.py): per 64-element K block, byte j
     holds columns j (low nibble) and 32+j (high nibble); scales are `[L, K_PAD/32, N]`. PLANES=4:
@@ -986,13 +983,13 @@ def _expert_gemm_mx_hopper_kernel(
                 npad_ptr, off_ptr, cnt_ptr, N, K, K_PAD, R_a, num_local, mk, T_max, stride_am, stride_we, stride_wn,
                 stride_se, stride_sg, stride_be, stride_cm, limit, alpha, beta, situ_beta, situ_lambda, LAYOUT,
                 HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, K_TAIL, UPCAST_PTX, WIDE, FOLDED, PLANES,
-                W_SHARED, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, BM, BN, BN_OUT, BK, GROUP_M, True)
+                W_SHARED, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, HAS_K, BM, BN, BN_OUT, BK, GROUP_M, True)
     else:
         _expert_gemm_mx_hopper_tile(tl.program_id(0), num_pid_m, a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, ids_ptr,
             blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, N, K, K_PAD, R_a, num_local, mk, T_max, stride_am, stride_we,
             stride_wn, stride_se, stride_sg, stride_be, stride_cm, limit, alpha, beta, situ_beta, situ_lambda, LAYOUT,
             HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, K_TAIL, UPCAST_PTX, WIDE, FOLDED, PLANES, W_SHARED,
-            ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, BM, BN, BN_OUT, BK, GROUP_M, False)
+            ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, HAS_K, BM, BN, BN_OUT, BK, GROUP_M, False)
 
 
 @triton.jit
@@ -1008,7 +1005,7 @@ def _expert_gemm_mx_hopper_tile(
     FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr, UPCAST_PTX: tl.constexpr, WIDE: tl.constexpr,
     FOLDED: tl.constexpr, PLANES: tl.constexpr, W_SHARED: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
-    GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr,
+    GATED: tl.constexpr, HAS_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr,
     BK: tl.constexpr, GROUP_M: tl.constexpr, IN_LOOP: tl.constexpr,
 ):
     """One tile of `_expert_gemm_mx_hopper_kernel` (`tile` < the m-tiles `num_pid_m` times the n-tiles)."""
@@ -1021,6 +1018,11 @@ def _expert_gemm_mx_hopper_tile(
     k_end = K_PAD
     if IN_LOOP:  # a dead tile of a persistent program: no steps
         k_end = tl.where(live != 0, K_PAD, 0)
+    elif HAS_K:
+        # A loop that may run zero times leaves a path on which the accumulators are defined by
+        # plain moves; ptxas then serializes every wgmma of the loop (advisory C7515). The host
+        # knows K > 0 (HAS_K), so the zero-trip path goes away.
+        tl.assume(K_PAD > 0)
     wr, wr_ok = _weight_rows(n0, N, ACT, GATED, not W_SHARED, BN)
 
     rh = tl.arange(0, 32)
@@ -1247,7 +1249,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
             BLOCK_MB=block_m, SUB=SUB, ROWS=ROWS, L_POW2=max(2, triton.next_power_of_2(num_local)),
             FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda, K_TAIL=k_pad % BK != 0,
             UPCAST_PTX=cfg.mx_ptx and a2.is_cuda and a2.dtype == torch.bfloat16, WIDE=cfg.mx_wide,
-            FOLDED=w_hopper.folded, PLANES=w_hopper.planes, W_SHARED=cfg.mx_w_shared, **act_flags,
+            FOLDED=w_hopper.folded, PLANES=w_hopper.planes, W_SHARED=cfg.mx_w_shared, **act_flags, HAS_K=K > 0,
             PERSISTENT=walk, BM=BM, BN=cfg.BN, BN_OUT=BN_OUT, BK=BK, GROUP_M=cfg.GROUP_M)
         key, args = ints + act_floats + ptr_key(*ptrs), ptrs + ints + act_floats
         grid = _grid(_expert_gemm_mx_hopper_kernel, grid, key, args, constexprs, cfg, walk)

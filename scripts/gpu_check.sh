@@ -285,6 +285,18 @@ for stage in "$@"; do
             done
             STEP_TIMEOUT=200 step bench-mx-hopper python3 benchmarks/bench_gemm.py --mxfp4-hopper --models gpt-oss,dsv4-flash \
                 --rows 1,32,128,512,2048 --no-sweep --out "$OUT/bench-mx-hopper" ;;
+        mx-small-ab)  # prepared-MXFP4 sweep winners on whole calls where the peers' 128 / 1024-token columns land
+            ab() { STEP_TIMEOUT=150 step "ab-$1-$2-$3" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 \
+                --regime "$2" --tokens "$3" --candidates "$4" --fuse-activation "${5:-table}" --rounds 5 --out "$OUT/ab-$1-$2-$3"; }
+            ab gpt-oss-120b small 1024 BM64_BN256_BK128_G4_w8_s3_hop_ptx,BM64_BN128_BK128_G4_w4_s4_hop_ptx,BM64_BN256_BK64_G4_w8_s3_hop_ptx both
+            ab gpt-oss-120b decode 128 BM32_BN128_BK128_G1_w4_s4_hop_ptx,BM16_BN128_BK256_G1_w4_s3_hop_ptx
+            ab dsv4-flash decode 1024 BM32_BN128_BK128_G1_w4_s4_hop_ptx,BM16_BN128_BK256_G1_w4_s3_hop_ptx ;;
+        mx-decode-ab)  # the decode entry's BK 128 / 4-stage twin on whole calls at every decode-regime column of the peers
+            for spec in "gpt-oss-120b 16" "gpt-oss-120b 128" "dsv4-flash 16" "dsv4-flash 128" "dsv4-flash 1024"; do
+                set -- $spec
+                STEP_TIMEOUT=100 step "ab-$1-$2" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 \
+                    --regime decode --tokens "$2" --candidates BM32_BN128_BK128_G1_w4_s4_hop_ptx --rounds 5 --out "$OUT/ab-$1-$2"
+            done ;;
         persistent-probe)  # where the probe's persistent matmul gained: stages and descriptors apart
             STEP_TIMEOUT=300 step ws-probe python3 scripts/ws_probe.py --timeout 45 --only host_desc_s3,device_desc_s3,persistent_host_desc,persistent_device_desc_s4 ;;
         decode-words)  # MXFP4 decode kernels reading 32-bit words (canonical or prepared): tests and launch plans, sanitizer, timing of each MX_STEP

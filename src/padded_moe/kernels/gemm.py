@@ -1047,8 +1047,7 @@ def _expert_gemm_mx_hopper_tile(
     for k0 in range(0, k_end, BK):
         if PLANES == 4:
             # One dot per iteration over the whole tile in K order. Triton waits for each of the
-            # per-plane dots below before the next; this one it leaves pending (though ptxas still
-            # serializes register-operand wgmmas: see GemmConfig.mx_w_shared).
+            # per-plane dots below before the next; this one it leaves pending.
             w_ok = wr_ok[:, None]
             s_ok = wr_ok[:, None]
             if K_TAIL:  # the last iteration may hold blocks past K_PAD: they read nothing

@@ -297,6 +297,8 @@ for stage in "$@"; do
                 STEP_TIMEOUT=100 step "ab-$1-$2" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 \
                     --regime decode --tokens "$2" --candidates BM32_BN128_BK128_G1_w4_s4_hop_ptx --rounds 5 --out "$OUT/ab-$1-$2"
             done ;;
+        pdl-probe)  # programmatic dependent launch between two decode-sized GEMVs, eager and in a captured graph
+            STEP_TIMEOUT=150 step pdl-probe python3 scripts/pdl_probe.py --out "$OUT/pdl.json" ;;
         persistent-probe)  # where the probe's persistent matmul gained: stages and descriptors apart
             STEP_TIMEOUT=300 step ws-probe python3 scripts/ws_probe.py --timeout 45 --only host_desc_s3,device_desc_s3,persistent_host_desc,persistent_device_desc_s4 ;;
         decode-words)  # MXFP4 decode kernels reading 32-bit words (canonical or prepared): tests and launch plans, sanitizer, timing of each MX_STEP

@@ -288,3 +288,24 @@ def test_prepare_for_caches_and_travels(gen):
         Mxfp4Tensor(q.blocks, q.scales, q.blocks)
     with pytest.raises(ValueError, match="^hopper must"):
         Mxfp4Tensor(q.blocks[:2], q.scales[:2], h)
+
+
+@pytest.mark.parametrize("major, warns", [(9, True), (8, False), (10, False)])
+def test_unprepared_weights_warn_only_where_the_prepared_kernel_is_tuned(monkeypatch, major, warns):
+    """`warn_unprepared` (called by the layout GEMM for an `Mxfp4Tensor` without `prepare_for()`)
+    warns on compute capability 9.x with the exported warning class, and stays quiet elsewhere."""
+    import warnings
+
+    import padded_moe
+    from padded_moe import _platform
+    from padded_moe.mxfp4 import Mxfp4NotPreparedWarning, warn_unprepared
+
+    assert padded_moe.Mxfp4NotPreparedWarning is Mxfp4NotPreparedWarning
+    monkeypatch.setattr(_platform, "capability", lambda index: (major, 0))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warn_unprepared(torch.device("cuda", 0))
+    hits = [w for w in seen if issubclass(w.category, Mxfp4NotPreparedWarning)]
+    assert len(hits) == (1 if warns else 0)
+    if warns:
+        assert "prepare_for()" in str(hits[0].message)

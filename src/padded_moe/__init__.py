@@ -29,6 +29,7 @@ _EXPORTS = {
     "select_gemm_layout": "layouts",
     "expert_gemm": "gemm",
     "Mxfp4Tensor": "mxfp4",
+    "Mxfp4NotPreparedWarning": "mxfp4",
     "quantize_mxfp4": "mxfp4",
     "dequantize_mxfp4": "mxfp4",
     "fused_experts": "experts",

@@ -48,6 +48,12 @@ def use_triton(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
+def capability(device_index: int) -> tuple[int, int]:
+    """The CUDA device's compute capability (major, minor)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.lru_cache(maxsize=8)
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

@@ -43,6 +43,7 @@ from padded_moe.kernels._codes import GROUPED_CONTIGUOUS, INDEXED
 from padded_moe.kernels._launch import launch as launch_kernel, ptr_key, resident_programs
 from padded_moe.kernels.activation import ACT_SWIGLUOAI, _bias_act, _gate_up_rows
 from padded_moe.kernels.guard import expert_id_ok
+from padded_moe.mxfp4 import warn_unprepared
 
 
 
@@ -1188,6 +1189,8 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     if num_local == 0 or N == 0 or out2.shape[0] == 0:
         return out2
     cfg = config or default_config(a2.is_cuda, mx, w_hopper, layout, block_m, rows_per_expert)
+    if mx and w_hopper is None and config is None and a2.is_cuda:
+        warn_unprepared(a2.device)
     hopper = mx and cfg.mx_hopper
     if hopper and w_hopper is None:
         raise ValueError("config.mx_hopper needs the weight's prepared form: call Mxfp4Tensor.prepare_for() "

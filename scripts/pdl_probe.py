@@ -85,7 +85,8 @@ def main() -> None:
         def pair():
             y.fill_(float("nan"))  # poisoned: a second kernel that reads too early sees NaN
             _gemv_a[(na // 16,)](wa, x, y, ka, BN=16, BK=256, TRIGGER=trigger, num_warps=4)
-            _gemv_b[(nb // 16,)](wb, y, z, kb, triton.next_power_of_2(kb), BN=16, WAIT=wait, PREFETCH=prefetch, num_warps=4, launch_pdl=pdl)
+            _gemv_b[(nb // 16,)](wb, y, z, kb, triton.next_power_of_2(kb), BN=16, WAIT=wait, PREFETCH=prefetch,
+                                 num_warps=4, launch_pdl=pdl)
 
         try:
             pair()

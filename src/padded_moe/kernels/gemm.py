@@ -75,9 +75,10 @@ class GemmConfig:
     mx_wide: bool = False
     # mx_hopper, 4-plane weights only: the upcast weight tile is the MMA's right operand, stored
     # to shared memory once per K step (out = a W^T, token rows on the M side), so both wgmma
-    # operands come from shared memory. On the H200 it was 1.6-3.2x slower than the register-operand tile on every GPT-OSS and
-    # DeepSeek-V4 shape swept (the store of the upcast tile to shared memory costs more than the
-    # serialization it avoids), so no table entry or sweep list uses it.
+    # operands come from shared memory. On the H200 it was 1.6-3.2x slower than the
+    # register-operand tile on every GPT-OSS and DeepSeek-V4 shape swept (storing the upcast tile
+    # to shared memory every K step costs more than it saves), so no table entry or sweep list
+    # uses it.
     mx_w_shared: bool = False
     # Persistent programs (as many as the GPU holds at once, see `launch`) that each walk tiles
     # `program, program + programs, ...` instead of one program per tile: the SM starts its next
@@ -287,8 +288,8 @@ def default_config(cuda: bool, mxfp4: bool, w_hopper, layout: int, block_m: int,
 # the prepared-MXFP4 kernel with 16-row tiles (16 and 128 tokens) was 1.2-2.9% slower in every run,
 # and 1-2% faster with 32-row tiles (1024 tokens); the main loop compiles to the same instructions
 # with and without the epilogue, and the cause is not established (the split of interleaved rows
-# moves data between lanes there). `fused_experts` takes the epilogue where `epilogue_pays` (PADDED_MOE_FUSE_ACTIVATION=1:
-# always).
+# moves data between lanes there). `fused_experts` takes the epilogue where `epilogue_pays`
+# (PADDED_MOE_FUSE_ACTIVATION=1: always).
 EPILOGUE_MAX_BN = 128
 EPILOGUE_MIN_BM_INTERLEAVED_PREPARED = 32
 

@@ -15,8 +15,10 @@ The candidates replace `TUNED[(kind, regime)]` (kind: the table the call's weigh
 `TUNED_NARROW`'s entry where it has one, for their turn; `--candidates sweep` takes every sweep
 candidate of that regime, `--candidates persistent` the table entry with `GemmConfig.persistent`
 flipped (in the narrow-block entry too). `--fuse-activation both` times each candidate also with
-the activation in GEMM1's epilogue forced on and forced off. Calls whose GEMMs run another regime
-are not affected: the table printed first gives each token count's regime.
+the activation in GEMM1's epilogue forced on and forced off. `--planes both` (prepared MXFP4) adds
+the same weights in the 2-plane arrangement (`prepare_for(planes=2)`) with that arrangement's table
+entry. Calls whose GEMMs run another regime are not affected: the table printed first gives each
+token count's regime.
 """
 
 from __future__ import annotations
@@ -87,6 +89,26 @@ def table_entry(key: tuple, cfg: kg.GemmConfig):
         plans.enabled = True
 
 
+def two_plane_twin(weights: dict) -> dict:
+    """The layer's prepared MXFP4 weights (`{"w13": q, "w2": q}`) again, prepared in the 2-plane
+    arrangement: the same canonical bytes, a second `HopperMxfp4`."""
+    return {name: Mxfp4Tensor(q.blocks, q.scales).prepare_for(planes=2) for name, q in weights.items()}
+
+
+@contextlib.contextmanager
+def layer_weights(layer: FusedMoE, weights):
+    """`layer`'s prepared MXFP4 weights replaced by `weights` (None: as they are) inside the block,
+    restored after; a graph captured inside keeps the weights it captured."""
+    saved = dict(layer._mxfp4)
+    if weights is not None:
+        layer._mxfp4.update(weights)
+    try:
+        yield
+    finally:
+        layer._mxfp4.clear()
+        layer._mxfp4.update(saved)
+
+
 @contextlib.contextmanager
 def fuse_activation(value):
     """`PADDED_MOE_FUSE_ACTIVATION` set to `value` (None: as it is) inside the block, restored after:
@@ -115,6 +137,8 @@ def main() -> None:
     p.add_argument("--fuse-activation", default="table", choices=("table", "both"),
                    help="'both': each candidate also with the activation in GEMM1's epilogue forced "
                         f"({FUSE_ENV}=1) and forced off ({FUSE_ENV}=0)")
+    p.add_argument("--planes", default="table", choices=("table", "both"),
+                   help="'both' (prepared MXFP4): also the weights in the 2-plane arrangement with its table entry")
     p.add_argument("--out", default="bench-out/tiles-ab")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -143,6 +167,14 @@ def main() -> None:
         configs = [c for c in configs if c.planes_ok(w13.hopper.planes)]
 
     fuse_settings = [None] if args.fuse_activation == "table" else [None, "1", "0"]
+    # (table key, config, fuse setting, weights in place of the layer's or None, name suffix)
+    variants = [(key, cfg, fuse, None, "") for cfg in configs for fuse in fuse_settings]
+    if args.planes == "both":
+        if kind != "mxfp4_hopper4":
+            raise SystemExit(f"--planes both needs prepared 4-plane MXFP4 weights, the layer's are {kind}")
+        key2 = ("mxfp4_hopper", args.regime)
+        twin = two_plane_twin(layer._mxfp4)
+        variants += [(key2, kg.TUNED[key2], fuse, twin, " planes=2") for fuse in fuse_settings]
     regimes = []
     for T in (int(t) for t in args.tokens.split(",")):
         mean, block, reg = indexed_regime(T, layer.top_k, layer.num_experts)
@@ -157,17 +189,16 @@ def main() -> None:
         tw, ids = layer.route(layer.gate(x), None)
         call = lambda: layer.experts(x, tw, ids)  # noqa: E731
         graphs, ref = [], None
-        for cfg in configs:
-            for fuse in fuse_settings:
-                with table_entry(key, cfg), fuse_activation(fuse):
-                    graph, out = captured(call)
-                    graph.replay()
-                torch.cuda.synchronize()
-                ref = out.clone() if ref is None else ref
-                diff = ((out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30)).item()
-                ok = bool(torch.isfinite(out).all()) and diff <= 2e-2
-                name = cfg.short() + ("" if fuse is None else f" {FUSE_ENV}={fuse}")
-                graphs.append((name, graph if ok else None, diff))
+        for vkey, cfg, fuse, weights, suffix in variants:
+            with table_entry(vkey, cfg), fuse_activation(fuse), layer_weights(layer, weights):
+                graph, out = captured(call)
+                graph.replay()
+            torch.cuda.synchronize()
+            ref = out.clone() if ref is None else ref
+            diff = ((out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30)).item()
+            ok = bool(torch.isfinite(out).all()) and diff <= 2e-2
+            name = cfg.short() + suffix + ("" if fuse is None else f" {FUSE_ENV}={fuse}")
+            graphs.append((name, graph if ok else None, diff))
         times: dict = {name: [] for name, _, _ in graphs}
         for _ in range(args.rounds):
             for name, graph, _ in graphs:

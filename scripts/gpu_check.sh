@@ -299,6 +299,16 @@ for stage in "$@"; do
             done ;;
         pdl-probe)  # programmatic dependent launch between two decode-sized GEMVs, eager and in a captured graph
             STEP_TIMEOUT=150 step pdl-probe python3 scripts/pdl_probe.py --out "$OUT/pdl.json" ;;
+        mx-planes)  # the 2-plane arrangement against 4 planes now that neither kernel's wgmmas are serialized:
+            # whole calls (same weights, each arrangement with its table entry), then the 2-plane sweep on INDEXED
+            for spec in "gpt-oss-120b small 1024" "gpt-oss-120b medium 8192" "dsv4-flash decode 1024" "dsv4-flash medium 8192"; do
+                set -- $spec
+                STEP_TIMEOUT=100 step "planes-$1-$3" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 \
+                    --regime "$2" --tokens "$3" --candidates "$(python3 -c "from padded_moe.kernels import gemm as kg; print(kg.TUNED[('mxfp4_hopper4', '$2')].short())")" \
+                    --planes both --rounds 5 --out "$OUT/planes-$1-$3"
+            done
+            STEP_TIMEOUT=300 step sweep-mx2 python3 benchmarks/bench_gemm.py --mxfp4-hopper --models gpt-oss,dsv4-flash \
+                --rows 64,256,1024 --sweep-planes 2 --out "$OUT/sweep-mx2" ;;
         persistent-probe)  # where the probe's persistent matmul gained: stages and descriptors apart
             STEP_TIMEOUT=300 step ws-probe python3 scripts/ws_probe.py --timeout 45 --only host_desc_s3,device_desc_s3,persistent_host_desc,persistent_device_desc_s4 ;;
         decode-words)  # MXFP4 decode kernels reading 32-bit words (canonical or prepared): tests and launch plans, sanitizer, timing of each MX_STEP

@@ -79,3 +79,26 @@ def test_fuse_activation_setting_is_restored(monkeypatch):
     with bench_tiles_ab.fuse_activation("1"):
         assert fuse_activation_mode() == "on"
     assert fuse_activation_mode() == "off"
+
+
+def test_two_plane_twin_swaps_in_and_out_with_the_same_results():
+    """`--planes both`: the twin holds the same canonical bytes in the 2-plane arrangement, and
+    `layer_weights` puts it in place for a call and restores the layer's own after (also on error)."""
+    from padded_moe.layer import FusedMoE
+
+    layer = FusedMoE.from_preset("tiny", weight_format="mxfp4", dtype=torch.float32)
+    layer.randomize(seed=0, std=0.1)
+    own = dict(zip(("w13", "w2"), layer.expert_weights()))
+    twin = bench_tiles_ab.two_plane_twin(layer._mxfp4)
+    for name, q in own.items():
+        assert q.hopper.planes == 4 and twin[name].hopper.planes == 2
+        assert torch.equal(twin[name].blocks, q.blocks) and torch.equal(twin[name].scales, q.scales)
+    x = torch.randn(5, layer.hidden_size)
+    tw, ids = layer.route(layer.gate(x), None)
+    base = layer.experts(x, tw, ids)
+    with pytest.raises(RuntimeError):
+        with bench_tiles_ab.layer_weights(layer, twin):
+            assert layer.expert_weights()[0] is twin["w13"]
+            assert torch.allclose(layer.experts(x, tw, ids), base, rtol=1e-5, atol=1e-6)
+            raise RuntimeError("restored on error too")
+    assert layer.expert_weights()[0] is own["w13"] and layer.expert_weights()[1] is own["w2"]

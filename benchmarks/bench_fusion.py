@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -47,30 +48,18 @@ def capture_with(setting: str, gate_up_tile: str, call):
     (both restored: they are read when the kernels launch, so the graph keeps what it captured)."""
     from padded_moe.kernels import gemm as kg
 
-    old, old_tile = os.environ.get(FUSE_ENV), kg.GATE_UP_TMA
-    os.environ[FUSE_ENV], kg.GATE_UP_TMA = setting, gate_up_tile
-    try:
+    with mock.patch.dict(os.environ, {FUSE_ENV: setting}), mock.patch.object(kg, "GATE_UP_TMA", gate_up_tile):
         return captured(call)
-    finally:
-        kg.GATE_UP_TMA = old_tile
-        if old is None:
-            del os.environ[FUSE_ENV]
-        else:
-            os.environ[FUSE_ENV] = old
 
 
 def default_choice(call) -> str:
     """Which of the two an eager call takes with the variable unset: the activation op runs
     only without the epilogue (the pipeline's own decision, observed, not restated)."""
-    old, calls = os.environ.pop(FUSE_ENV, None), []
-    real = ex.apply_moe_activation
-    ex.apply_moe_activation = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-    try:
+    calls, real = [], ex.apply_moe_activation
+    with mock.patch.dict(os.environ), mock.patch.object(ex, "apply_moe_activation",
+                                                        lambda *a, **kw: calls.append(1) or real(*a, **kw)):
+        os.environ.pop(FUSE_ENV, None)
         call()
-    finally:
-        ex.apply_moe_activation = real
-        if old is not None:
-            os.environ[FUSE_ENV] = old
     return "two steps" if calls else "epilogue"
 
 

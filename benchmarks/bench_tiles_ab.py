@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -109,20 +110,10 @@ def layer_weights(layer: FusedMoE, weights):
         layer._mxfp4.update(saved)
 
 
-@contextlib.contextmanager
 def fuse_activation(value):
     """`PADDED_MOE_FUSE_ACTIVATION` set to `value` (None: as it is) inside the block, restored after:
     it is read when `fused_experts` launches, so a graph keeps what it captured."""
-    old = os.environ.get(FUSE_ENV)
-    if value is not None:
-        os.environ[FUSE_ENV] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(FUSE_ENV, None)
-        else:
-            os.environ[FUSE_ENV] = old
+    return mock.patch.dict(os.environ, {} if value is None else {FUSE_ENV: value})
 
 
 def main() -> None:

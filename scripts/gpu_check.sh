@@ -297,6 +297,36 @@ for stage in "$@"; do
                 STEP_TIMEOUT=100 step "ab-$1-$2" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 \
                     --regime decode --tokens "$2" --candidates BM32_BN128_BK128_G1_w4_s4_hop_ptx --rounds 5 --out "$OUT/ab-$1-$2"
             done ;;
+        mx-planes-gemm)  # both prepared arrangements per GEMM (each with its own weights and table tile), the
+            # warning once per device on the GPU, and Nsight Compute on the small- and medium-regime GEMMs
+            # (occupancy, issue rate, what the warps wait on)
+            STEP_TIMEOUT=200 step gemm-gptoss python3 benchmarks/bench_gemm.py --mxfp4-hopper --models gpt-oss \
+                --rows 4,16,64,256,1024 --no-sweep --out "$OUT/gemm-gptoss"
+            STEP_TIMEOUT=200 step gemm-dsv4 python3 benchmarks/bench_gemm.py --mxfp4-hopper --models dsv4-flash \
+                --rows 8,64,192,1024 --no-sweep --out "$OUT/gemm-dsv4"
+            step warn-once python3 -W default -c "
+import warnings, torch
+from padded_moe import Mxfp4NotPreparedWarning
+from padded_moe.gemm import expert_gemm
+from padded_moe.layouts import GemmLayout, build_layout
+from padded_moe.mxfp4 import quantize_mxfp4
+q = quantize_mxfp4(torch.randn(4, 256, 128, device='cuda', dtype=torch.bfloat16))
+ids = (torch.arange(64, device='cuda', dtype=torch.int32) // 16).view(-1, 1)
+meta = build_layout(GemmLayout.GROUPED_CONTIGUOUS, ids, 4)
+a = torch.randn(64, 128, device='cuda', dtype=torch.bfloat16)
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter('default')
+    for _ in range(3):
+        with warnings.catch_warnings():  # a filter change, as torch and Triton make
+            pass
+        expert_gemm(a, q, meta)
+n = sum(issubclass(w.category, Mxfp4NotPreparedWarning) for w in seen)
+print('warnings', n); assert n == 1, n"
+            for rows in 32 256; do
+                STEP_TIMEOUT=150 step "ncu-mx-$rows" ncu --section SpeedOfLight --section Occupancy --section WarpStateStats \
+                    --section SchedulerStats --section LaunchStats --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+                    -k "regex:_expert_gemm_mx_hopper" --launch-skip 2 --launch-count 1 python3 scripts/ncu_small.py mx "$rows"
+            done ;;
         pdl-probe)  # programmatic dependent launch between two decode-sized GEMVs, eager and in a captured graph
             STEP_TIMEOUT=150 step pdl-probe python3 scripts/pdl_probe.py --out "$OUT/pdl.json" ;;
         mx-planes)  # the 2-plane arrangement against 4 planes now that neither kernel's wgmmas are serialized:

@@ -1,6 +1,6 @@
 """Drive one small kernel for Nsight Compute (`ncu`): a few warm-up calls, then the profiled ones.
 
-    ncu --kernel-name regex:NAME python3 scripts/ncu_small.py act|unpermute
+    ncu --kernel-name regex:NAME python3 scripts/ncu_small.py act|unpermute|mx [ROWS]
 """
 import sys
 
@@ -25,6 +25,19 @@ if case == "act":  # silu, [49152, 2*2048] -> [49152, 2048], all rows valid; and
     for _ in range(3):
         apply_moe_activation("silu", out, x, valid_token_counts=counts)
         compiled(x)
+elif case == "mx":  # prepared MXFP4 w13 of GPT-OSS (E=128, K=2880, N=5760), ROWS (32) rows per expert, INDEXED
+    from padded_moe.gemm import expert_gemm
+    from padded_moe.mxfp4 import Mxfp4Tensor, quantize_mxfp4
+
+    E, K, N, r = 128, 2880, 5760, int(sys.argv[2]) if len(sys.argv) > 2 else 32
+    parts = [quantize_mxfp4(torch.randn(8, N, K, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(E // 8)]
+    q = Mxfp4Tensor(torch.cat([p.blocks for p in parts]), torch.cat([p.scales for p in parts])).prepare_for()
+    ids = (torch.arange(E * r, device="cuda", dtype=torch.int32) // r).view(-1, 1)
+    meta = build_layout(GemmLayout.INDEXED, ids, E)  # the default block: 64 rows at 32 per expert, 128 at 256
+    a = torch.randn(E * r, K, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(E * r, N, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        expert_gemm(a, q, meta, out=out)
 else:  # unpermute of every layout, M=4096, k=8, E=128, K=4096 (bench_permute's shape)
     M, k, E, K = 4096, 8, 128, 4096
     ids = torch.rand(M, E, device="cuda").topk(k, dim=1).indices.to(torch.int32)

@@ -58,3 +58,24 @@ def test_tiny_hopper_sweep_rejects_corrupted_results(monkeypatch, tmp_path):
         wrong = results["sweep"]["wrong"][key]
         assert len(wrong) == 2 and all("grouped_contiguous: 1 non-finite values" in w for w in wrong), wrong
     assert results["sweep"]["winners"] == {}
+
+
+def test_tiny_hopper_sweep_gives_each_arrangement_its_own_weights(monkeypatch):
+    """The 2-plane sweep (`mxfp4_hopper/...`) must run on weights prepared with 2 planes and the
+    4-plane one on 4-plane weights: prepared weights name their arrangement, they do not default."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    real = bench_gemm.get_backend("triton")
+    seen = []
+
+    class Spy:
+        def gemm(self, a, w, meta, *, out, config=None, **kw):
+            if config is not None:
+                seen.append(w.hopper.planes)
+            return real.gemm(a, w, meta, out=out, config=config, **kw)
+
+    monkeypatch.setattr(bench_gemm, "get_backend", lambda name: Spy())
+    args = bench_gemm.argparse.Namespace(tiny=True, models="gpt-oss", rows="1", no_sweep=False, sweep_planes="2,4")
+    results = bench_gemm.run_hopper(args)
+    assert seen and set(seen) == {2, 4}, seen
+    assert seen[0] == 2  # `--sweep-planes 2,4`: each stage's 2-plane sweep comes first
+    assert not any(results["hopper_rows"][0]["wrong"].values())

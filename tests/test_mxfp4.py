@@ -293,19 +293,23 @@ def test_prepare_for_caches_and_travels(gen):
 @pytest.mark.parametrize("major, warns", [(9, True), (8, False), (10, False)])
 def test_unprepared_weights_warn_only_where_the_prepared_kernel_is_tuned(monkeypatch, major, warns):
     """`warn_unprepared` (called by the layout GEMM for an `Mxfp4Tensor` without `prepare_for()`)
-    warns on compute capability 9.x with the exported warning class, and stays quiet elsewhere."""
+    warns on compute capability 9.x with the exported warning class, once per device whatever the
+    warning filters, and stays quiet elsewhere."""
     import warnings
 
     import padded_moe
-    from padded_moe import _platform
+    from padded_moe import _platform, mxfp4
     from padded_moe.mxfp4 import Mxfp4NotPreparedWarning, warn_unprepared
 
     assert padded_moe.Mxfp4NotPreparedWarning is Mxfp4NotPreparedWarning
     monkeypatch.setattr(_platform, "capability", lambda index: (major, 0))
+    monkeypatch.setattr(mxfp4, "_WARNED_UNPREPARED", set())
     with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        warn_unprepared(torch.device("cuda", 0))
+        warnings.simplefilter("always")  # not the filter that keeps it to one: the module does
+        for _ in range(3):
+            warn_unprepared(torch.device("cuda", 0))
+        warn_unprepared(torch.device("cuda", 1))  # another device warns once more
     hits = [w for w in seen if issubclass(w.category, Mxfp4NotPreparedWarning)]
-    assert len(hits) == (1 if warns else 0)
+    assert len(hits) == (2 if warns else 0)
     if warns:
         assert "prepare_for()" in str(hits[0].message)

@@ -148,13 +148,20 @@ class Mxfp4NotPreparedWarning(UserWarning):
     Silence it with `warnings.simplefilter("ignore", Mxfp4NotPreparedWarning)`."""
 
 
+# Devices already warned about by `warn_unprepared`. Python's default filter alone does not keep
+# it to once: any change to the warning filters (torch and Triton enter `catch_warnings` often)
+# clears its record of what was shown.
+_WARNED_UNPREPARED: set = set()
+
+
 def warn_unprepared(device: torch.device) -> None:
-    """Warn (once per process, Python's default filter) that a GEMM on `device` reads unprepared
-    MXFP4 weights, on GPUs where the prepared kernel is the tuned one (compute capability 9.x)."""
+    """Warn, once per process and device, that a GEMM on `device` reads unprepared MXFP4 weights,
+    on GPUs where the prepared kernel is the tuned one (compute capability 9.x)."""
     from padded_moe import _platform
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if _platform.capability(index)[0] == 9:
+    if index not in _WARNED_UNPREPARED and _platform.capability(index)[0] == 9:
+        _WARNED_UNPREPARED.add(index)
         warnings.warn("MXFP4 weights without their prepared form run the slower tl.dot_scaled GEMM on this GPU "
                       "(1.3-2.7x the time): call `w = w.prepare_for()` once after loading each Mxfp4Tensor "
                       "(FusedMoE.load_experts and the transformers plug-in do it)", Mxfp4NotPreparedWarning,

@@ -276,6 +276,16 @@ for stage in "$@"; do
                 STEP_TIMEOUT=150 step peers env OUT="$OUT/peers" BUDGET_S=120 TIMEOUT_S=140 bash .peers/run.sh \
                     --tokens 1024,8192 --cases gptoss --check-tokens 1024
             fi ;;
+        mx-ktail)  # prepared MXFP4 without the per-column K test of the activations where K has no tail: GPU
+            # tests (real shapes without a tail, K = 1056 with one), sanitizer, peers of both MXFP4 models
+            STEP_TIMEOUT=150 step test-hopper python3 -m pytest -q -n 3 -m gpu tests/test_gemm_gpu.py \
+                -k "hopper_real_shapes or persistent_graph or cuda_graph_replay or (every_sweep_config and (indexed or grouped_masked))"
+            STEP_TIMEOUT=120 step sanitizer-hopper compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_gemm_gpu.py -k "hopper_small_sanitizer"
+            if [ -d .peers ]; then
+                STEP_TIMEOUT=200 step peers env OUT="$OUT/peers" BUDGET_S=170 TIMEOUT_S=190 bash .peers/run.sh \
+                    --tokens 1024,8192 --cases gptoss,dsv4mx --check-tokens 1024
+            fi ;;
         mx-sweep-calls)  # prepared-MXFP4 tile candidates on whole calls (alternating graph replays) where
             # the peers' 1024 / 8192-token columns land (decode / medium regimes), then the GEMM table of the docs
             for spec in "gpt-oss-120b medium 8192" "dsv4-flash medium 8192" "gpt-oss-120b decode 1024"; do

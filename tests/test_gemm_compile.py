@@ -56,7 +56,8 @@ def wgmma_serialized(ptx):
 
 
 out = []
-for layout, cfg, folded, planes, act in json.loads(sys.argv[1]):
+for layout, cfg, folded, planes, act, *rest in json.loads(sys.argv[1]):
+    k_tail = rest[0] if rest else True  # an iteration holding columns past K (the general case)
     cfg = kg.GemmConfig(**cfg)
     sig = {"a_ptr": "*bf16", "w_ptr": "*i32" if planes == 4 else "*u8", "s_ptr": "*i16" if folded else "*u8",
            "bias_ptr": "*bf16", "c_ptr": "*bf16",
@@ -65,7 +66,7 @@ for layout, cfg, folded, planes, act in json.loads(sys.argv[1]):
     sig.update({n: "fp32" for n in ("limit", "alpha", "beta", "situ_beta", "situ_lambda")})
     gated = 0 <= act < 16  # an activation in the epilogue (kernels.activation ids), -1: none
     const = dict(LAYOUT=layout, HAS_BIAS=True, A_DIV=1, BLOCK_MB=cfg.BM, SUB=1, ROWS=cfg.BM, L_POW2=128,
-                 FP32_DOT=False, K_TAIL=True, UPCAST_PTX=cfg.mx_ptx, WIDE=cfg.mx_wide, FOLDED=folded, PLANES=planes,
+                 FP32_DOT=False, K_TAIL=k_tail, UPCAST_PTX=cfg.mx_ptx, WIDE=cfg.mx_wide, FOLDED=folded, PLANES=planes,
                  W_SHARED=cfg.mx_w_shared, ACT=act, HAS_LIMIT=act >= 0, HAS_LAMBDA=False, FAST=act >= 0,
                  GATED=gated, HAS_K=True, PERSISTENT=cfg.persistent, BM=cfg.BM, BN=cfg.BN,
                  BN_OUT=cfg.BN // 2 if gated else cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M)
@@ -78,7 +79,9 @@ for layout, cfg, folded, planes, act in json.loads(sys.argv[1]):
     ptx = k.asm["ptx"]
     ttgir = k.asm["ttgir"]
     wgmma = [l for l in ptx.splitlines() if "wgmma.mma_async" in l]
-    out.append(dict(config=cfg.short(), layout=layout, folded=folded, planes=planes, act=act, shared=k.metadata.shared,
+    out.append(dict(config=cfg.short(), layout=layout, folded=folded, planes=planes, act=act, k_tail=k_tail,
+                    loop_instructions=sum(len(body) for body in hgmma_loop_bodies(k.asm["sass"])),
+                    shared=k.metadata.shared,
                     cubin=len(k.asm["cubin"]), bf16x2_muls=ptx.count("mul.rn.bf16x2"),
                     logic_ops=len(re.findall(r"^\s*(?:and|or|shl|shr|prmt)\.b32", ptx, re.M)),
                     async_copies=ttgir.count("async_copy_global_to_local"),
@@ -165,6 +168,29 @@ def test_hopper_kernel_compiles_for_sm90():
             for key in ("wgmma", "a_in_registers", "loop_shuffles", "async_copies", "wait_pendings"):
                 if key != "loop_shuffles" or "_pers" not in r["config"]:
                     assert r[key] == plain[key], (key, r, plain)
+
+
+def test_hopper_kernel_without_k_tail_compiles_for_sm90():
+    """Where K has no tail (`K_TAIL` false: every iteration's columns lie inside K, the case of the
+    models' shapes) the table tiles compile for sm_90 as they do with one: wgmmas asynchronous and
+    from registers, copies pipelined, and a K loop without the tail's masks no longer."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from padded_moe.kernels import gemm as kg
+
+    tiles = list(dict.fromkeys(kg.TUNED[("mxfp4_hopper4", r)] for r in ("decode", "small", "medium")))
+    cases = [(1, c, True, 4, act, k_tail) for c in tiles for act in (-1, 3) for k_tail in (True, False)]
+    arg = json.dumps([(lay, dataclasses.asdict(c), folded, planes, act, k_tail)
+                      for lay, c, folded, planes, act, k_tail in cases])
+    results = compile_for_sm90(PTXAS_LOG + HGMMA_LOOPS + SCRIPT, arg)
+    by_key = {(r["config"], r["act"], r["k_tail"]): r for r in results}
+    for c in tiles:
+        for act in (-1, 3):
+            tail, none = by_key[(c.short(), act, True)], by_key[(c.short(), act, False)]
+            assert none["wgmma_serialized"] is False and none["a_in_registers"] and none["async_copies"] > 0, none
+            assert none["wgmma"] == tail["wgmma"], (tail, none)
+            assert 0 < none["loop_instructions"] <= tail["loop_instructions"], (tail, none)
 
 
 LOADS_SCRIPT = r"""

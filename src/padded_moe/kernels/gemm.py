@@ -1060,7 +1060,10 @@ def _expert_gemm_mx_hopper_tile(
             # Masked scales read as 0 (a zero factor, not S_ONE): zero-filled async copies, no stores.
             # They scale only zero codes (past K_PAD) or rows never stored (past N).
             s = tl.load(s_base[:, None] + (k0 // 32 + gi)[None, :] * stride_sg, mask=s_ok, other=0)
-            x = tl.load(a_base + (k0 + kk)[None, :], mask=valid[:, None] & (k0 + kk < K)[None, :], other=0.0)
+            x_ok = valid[:, None]
+            if K_TAIL:  # without a tail every column of every iteration is inside K: no per-column test
+                x_ok = x_ok & (k0 + kk < K)[None, :]
+            x = tl.load(a_base + (k0 + kk)[None, :], mask=x_ok, other=0.0)
             wt = _upcast_pairs(words, s, x.dtype, UPCAST_PTX, FOLDED)
             if W_SHARED:
                 acc = _dot_fp32_or(x, tl.trans(wt), acc, FP32_DOT)
@@ -1250,7 +1253,8 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         constexprs = dict(
             LAYOUT=layout, HAS_BIAS=bias is not None, A_DIV=a_div,
             BLOCK_MB=block_m, SUB=SUB, ROWS=ROWS, L_POW2=max(2, triton.next_power_of_2(num_local)),
-            FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda, K_TAIL=k_pad % BK != 0,
+            # K_TAIL: some iteration holds columns past K (the weights' padded blocks, or past K_PAD)
+            FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda, K_TAIL=k_pad % BK != 0 or K != k_pad,
             UPCAST_PTX=cfg.mx_ptx and a2.is_cuda and a2.dtype == torch.bfloat16, WIDE=cfg.mx_wide,
             FOLDED=w_hopper.folded, PLANES=w_hopper.planes, W_SHARED=cfg.mx_w_shared, **act_flags, HAS_K=K > 0,
             PERSISTENT=walk, BM=BM, BN=cfg.BN, BN_OUT=BN_OUT, BK=BK, GROUP_M=cfg.GROUP_M)

@@ -17,7 +17,7 @@ first checked against the dot_scaled one; prints weight bytes read / time as a f
 bandwidth, and sweeps `SWEEP_MXFP4_HOPPER` per regime on the arrangements `--sweep-planes` names
 (winners for `TUNED[("mxfp4_hopper", regime)]` and `TUNED[("mxfp4_hopper4", regime)]`), timed on
 INDEXED with the row block `fused_experts` picks by default (`default_block_m`; it caps the tile's
-BM: 64 below 256 rows per expert), every candidate checked on all three layouts first.
+BM: 64 below 96 rows per expert for prepared weights), every candidate checked on all three layouts first.
 
 Shapes: per preset (`--presets`, default dsv4-flash), w13 (K=hidden -> 2N) and w2 (N -> hidden);
 dsv4-flash: K=4096, N=2048 on 32 and 128 local experts, the other presets on all their experts
@@ -346,8 +346,9 @@ def run_hopper(args) -> dict:
                 cfg = kg.pick_config(r, True, args.tiny, hopper=True)
                 cfg4 = kg.pick_config(r, True, args.tiny, hopper=True, planes=4)
                 # INDEXED with the row block `fused_experts` picks by default: it caps the kernel tile's BM.
-                imeta = build_layout(GemmLayout.INDEXED, ids, E, block_m=default_block_m(E * r, E))
-                # ... and with 128-row blocks, which let the tile keep BM 128 (the default takes them from 256 rows)
+                imeta = build_layout(GemmLayout.INDEXED, ids, E, block_m=default_block_m(E * r, E, upcast=True))
+                # ... and with 128-row blocks, which let the tile keep BM 128 (the default takes them from
+                # `BLOCK_128_MEAN_ROWS_UPCAST` rows for prepared weights)
                 imeta128 = build_layout(GemmLayout.INDEXED, ids, E, block_m=128) if r >= 128 else None
                 mmeta = masked_meta(E, r, r, dev)
                 am, om = a.view(E, r, K), out.view(E, r, n_out)

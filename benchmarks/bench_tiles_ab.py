@@ -12,12 +12,15 @@ first (relative L2 difference at most 2e-2; a wrong tile is off by O(1)).
         --regime decode --candidates BM32_BN128_BK128_G1_w4_s3_hop_ptx,BM32_BN128_BK256_G1_w4_s4_hop_ptx
 
 The candidates replace `TUNED[(kind, regime)]` (kind: the table the call's weights use), and
-`TUNED_NARROW`'s entry where it has one, for their turn; `--candidates sweep` takes every sweep
-candidate of that regime, `--candidates persistent` the table entry with `GemmConfig.persistent`
-flipped (in the narrow-block entry too). `--fuse-activation both` times each candidate also with
-the activation in GEMM1's epilogue forced on and forced off. `--planes both` (prepared MXFP4) adds
-the same weights in the 2-plane arrangement (`prepare_for(planes=2)`) with that arrangement's table
-entry. Calls whose GEMMs run another regime are not affected: the table printed first gives each
+`TUNED_NARROW`'s and `TUNED_WIDE`'s entries where it has them, for their turn; `--candidates sweep`
+takes every sweep candidate of that regime, `--candidates persistent` the table entry with
+`GemmConfig.persistent` flipped (in the narrow-block entry too), and any other tile may be named by
+its short name (e.g. BM256_BN128_BK64_G8_w8_s3_hop_ptx). A name ending in `@B` runs with INDEXED row
+blocks of B rows (a power of two) in place of `fused_experts`' default block, so a wider tile can
+take a whole block. `--fuse-activation both` times each candidate also with the activation in
+GEMM1's epilogue forced on and forced off. `--planes both` (prepared MXFP4) adds the same weights
+in the 2-plane arrangement (`prepare_for(planes=2)`) with that arrangement's table entry. Calls
+whose GEMMs run another regime are not affected: the table printed first gives each
 token count's regime.
 """
 
@@ -27,10 +30,12 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import re
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 from unittest import mock
 
 import torch
@@ -39,10 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_us, captured, print_table, write_report  # noqa: E402
 
 from padded_moe import experts as ex  # noqa: E402
+from padded_moe import layouts  # noqa: E402
 from padded_moe.gemm import FUSE_ENV  # noqa: E402
 from padded_moe.kernels import gemm as kg  # noqa: E402
 from padded_moe.layer import FusedMoE  # noqa: E402
-from padded_moe.layouts import GemmLayout, build_layout  # noqa: E402
+from padded_moe.layouts import GemmLayout, build_layout_resolved  # noqa: E402
 from padded_moe.mxfp4 import Mxfp4Tensor  # noqa: E402
 
 
@@ -56,10 +62,52 @@ def candidate_pool(kind: str) -> dict:
     return pool
 
 
-def indexed_regime(tokens: int, top_k: int, num_experts: int) -> tuple[float, int, str]:
+_TAGS = {"tma": "tma", "swap": "swap_ab", "hop": "mx_hopper", "ptx": "mx_ptx", "wide": "mx_wide",
+         "wsh": "mx_w_shared", "pers": "persistent"}
+
+
+def config_from_short(name: str) -> kg.GemmConfig:
+    """The `GemmConfig` whose `short()` is `name` (a tile no table or sweep lists)."""
+    m = re.fullmatch(r"BM(\d+)_BN(\d+)_BK(\d+)_G(\d+)_w(\d+)_s(\d+)((?:_[a-z]+)*)", name)
+    if m is None:
+        raise SystemExit(f"not a config short name: {name!r}")
+    tags = [t for t in m.group(7).split("_") if t]
+    unknown = [t for t in tags if t not in _TAGS and t != "bitdq"]
+    if unknown:
+        raise SystemExit(f"unknown tags {unknown} in {name!r}")
+    cfg = kg.GemmConfig(*(int(g) for g in m.groups()[:6]), mx_native="bitdq" not in tags,
+                        **{_TAGS[t]: True for t in tags if t in _TAGS})
+    if cfg.short() != name:
+        raise SystemExit(f"{name!r} reads back as {cfg.short()!r}")
+    return cfg
+
+
+def parse_candidate(name: str, pool: dict) -> tuple[kg.GemmConfig, Optional[int]]:
+    """(config, INDEXED row block or None for the default) of a `--candidates` entry `NAME[@B]`."""
+    base, _, block = name.partition("@")
+    cfg = pool[base] if base in pool else config_from_short(base)
+    if not block:
+        return cfg, None
+    if not block.isdigit() or int(block) < 16 or int(block) & (int(block) - 1):
+        raise SystemExit(f"row block in {name!r} must be a power of two >= 16")
+    return cfg, int(block)
+
+
+@contextlib.contextmanager
+def indexed_block(block: Optional[int]):
+    """INDEXED layouts built inside the block use row blocks of `block` rows (None: the default)."""
+    if block is None:
+        yield
+        return
+    with mock.patch.object(layouts, "default_block_m", lambda num_slots, num_local, upcast=False: block):
+        yield
+
+
+def indexed_regime(tokens: int, top_k: int, num_experts: int, upcast: bool = False) -> tuple[float, int, str]:
     """(mean rows per expert, row block, regime) of `fused_experts`' default INDEXED metadata for a
-    call of `tokens` tokens, from the layout builder itself."""
-    meta = build_layout(GemmLayout.INDEXED, torch.zeros(tokens, top_k, dtype=torch.int32), num_experts)
+    call of `tokens` tokens (`upcast`: prepared MXFP4 weights), from the layout builder itself."""
+    ids = torch.zeros(tokens, top_k, dtype=torch.int32)
+    meta = build_layout_resolved(GemmLayout.INDEXED, ids, num_experts, num_experts, None, upcast=upcast)
     return tokens * top_k / num_experts, meta.block_m, kg.regime(meta.rows_per_expert())
 
 
@@ -71,15 +119,17 @@ def table_kind_of(w13) -> str:
 
 @contextlib.contextmanager
 def table_entry(key: tuple, cfg: kg.GemmConfig):
-    """`cfg` in place of the table entry `key` (and of its narrow-block entry, where there is one),
-    with launch plans off so that every call picks its config afresh; both restored on exit. The
-    table entry in its other persistence (`GemmConfig.persistent`) changes only that in each entry,
-    so a narrow-block entry keeps its own tile."""
-    tables = [t for t in (kg.TUNED, kg.TUNED_NARROW) if key in t]
+    """`cfg` in place of the table entry `key` (and of its narrow- and wide-block entries, where
+    there are some), with launch plans off so that every call picks its config afresh; all restored
+    on exit. The table entry itself leaves the tables as they are; in its other persistence
+    (`GemmConfig.persistent`) it changes only that in each entry, so a narrow- or wide-block entry
+    keeps its own tile."""
+    tables = [t for t in (kg.TUNED, kg.TUNED_NARROW, kg.TUNED_WIDE) if key in t]
     saved = [t[key] for t in tables]
     plans = ex._launch_plans()
+    same = cfg == kg.TUNED[key]
     twin = dataclasses.replace(cfg, persistent=kg.TUNED[key].persistent) == kg.TUNED[key]
-    for t in tables:
+    for t in tables if not same else ():
         t[key] = dataclasses.replace(t[key], persistent=cfg.persistent) if twin else cfg
     plans.enabled = False
     try:
@@ -150,25 +200,24 @@ def main() -> None:
         names = [dataclasses.replace(table, persistent=not table.persistent).short()]
     else:
         names = [n.strip() for n in args.candidates.split(",") if n.strip()]
-    unknown = [n for n in names if n not in pool]
-    if unknown:
-        raise SystemExit(f"unknown candidates {unknown}; known for {kind}: {sorted(pool)}")
-    configs = [table] + [pool[n] for n in names if pool[n] != table]
+    # (config, INDEXED block or None), the table entry at the default block first
+    picked = [(table, None)] + [c for c in (parse_candidate(n, pool) for n in names) if c != (table, None)]
     if getattr(w13, "hopper", None) is not None:
-        configs = [c for c in configs if c.planes_ok(w13.hopper.planes)]
+        picked = [(c, b) for c, b in picked if c.planes_ok(w13.hopper.planes)]
 
     fuse_settings = [None] if args.fuse_activation == "table" else [None, "1", "0"]
-    # (table key, config, fuse setting, weights in place of the layer's or None, name suffix)
-    variants = [(key, cfg, fuse, None, "") for cfg in configs for fuse in fuse_settings]
+    # (table key, config, fuse setting, weights in place of the layer's or None, INDEXED block, name suffix)
+    variants = [(key, cfg, fuse, None, block, "" if block is None else f"@{block}")
+                for cfg, block in picked for fuse in fuse_settings]
     if args.planes == "both":
         if kind != "mxfp4_hopper4":
             raise SystemExit(f"--planes both needs prepared 4-plane MXFP4 weights, the layer's are {kind}")
         key2 = ("mxfp4_hopper", args.regime)
         twin = two_plane_twin(layer._mxfp4)
-        variants += [(key2, kg.TUNED[key2], fuse, twin, " planes=2") for fuse in fuse_settings]
+        variants += [(key2, kg.TUNED[key2], fuse, twin, None, " planes=2") for fuse in fuse_settings]
     regimes = []
     for T in (int(t) for t in args.tokens.split(",")):
-        mean, block, reg = indexed_regime(T, layer.top_k, layer.num_experts)
+        mean, block, reg = indexed_regime(T, layer.top_k, layer.num_experts, getattr(w13, "hopper", None) is not None)
         regimes.append([T, round(mean, 1), block, reg])
     print_table(f"{args.preset} {args.weights}: INDEXED regime per token count", ["T", "mean rows", "block",
                                                                                   "regime"], regimes)
@@ -180,8 +229,8 @@ def main() -> None:
         tw, ids = layer.route(layer.gate(x), None)
         call = lambda: layer.experts(x, tw, ids)  # noqa: E731
         graphs, ref = [], None
-        for vkey, cfg, fuse, weights, suffix in variants:
-            with table_entry(vkey, cfg), fuse_activation(fuse), layer_weights(layer, weights):
+        for vkey, cfg, fuse, weights, block, suffix in variants:
+            with table_entry(vkey, cfg), fuse_activation(fuse), layer_weights(layer, weights), indexed_block(block):
                 graph, out = captured(call)
                 graph.replay()
             torch.cuda.synchronize()

@@ -286,6 +286,46 @@ for stage in "$@"; do
                 STEP_TIMEOUT=200 step peers env OUT="$OUT/peers" BUDGET_S=170 TIMEOUT_S=190 bash .peers/run.sh \
                     --tokens 1024,8192 --cases gptoss,dsv4mx --check-tokens 1024
             fi ;;
+        mx-bm256)  # 256-row prepared-MXFP4 tiles (wgmma n256: half the upcast per MAC of the 128-row tile) on
+            # 256-row INDEXED blocks: whole calls against the table at 192-512 rows per expert, GPU tests, sanitizer
+            table=$(python3 -c "from padded_moe.kernels import gemm as kg; print(kg.TUNED[('mxfp4_hopper4', 'medium')].short())")
+            for spec in "gpt-oss-120b 8192,16384" "dsv4-flash 8192,16384"; do
+                set -- $spec
+                STEP_TIMEOUT=200 step "bm256-$1" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 \
+                    --regime medium --tokens "$2" --rounds 5 --out "$OUT/bm256-$1" \
+                    --candidates "$table@256,BM256_BN128_BK64_G8_w8_s3_hop_ptx@256,BM256_BN128_BK64_G8_w8_s4_hop_ptx@256,BM256_BN64_BK64_G8_w4_s3_hop_ptx@256"
+            done
+            STEP_TIMEOUT=150 step test-bm256 python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k "256_row_tiles"
+            STEP_TIMEOUT=120 step sanitizer-bm256 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_gemm_gpu.py -k "256_row_tiles and 1056 and s3"
+            step test-torch-backend python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k "torch_backend_cuda" ;;
+        mx-blocks)  # prepared MXFP4: 128-row INDEXED blocks from `BLOCK_128_MEAN_ROWS_UPCAST` mean rows (96-192 mean
+            # rows per expert): the table at the default block against the tiles at 64- and 128-row blocks,
+            # whole calls in alternating rounds; then the peers of the DeepSeek-V4 MXFP4 case at 8192 tokens
+            tile() { python3 -c "from padded_moe.kernels import gemm as kg; print(kg.$1[('mxfp4_hopper4', '$2')].short())"; }
+            med=$(tile TUNED medium); nar=$(tile TUNED_NARROW medium); sml=$(tile TUNED small)
+            for spec in "dsv4-flash medium 6144,8192 $nar@64,$med@128" "gpt-oss-120b medium 6144 $nar@64,$med@128" \
+                        "dsv4-flash small 4096 $sml@128,$med@128" "gpt-oss-120b small 4096 $sml@128,$med@128"; do
+                set -- $spec
+                STEP_TIMEOUT=150 step "blocks-$1-$2" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 \
+                    --regime "$2" --tokens "$3" --rounds 5 --out "$OUT/blocks-$1-$2" --candidates "$4"
+            done
+            if [ -d .peers ]; then
+                STEP_TIMEOUT=200 step peers env OUT="$OUT/peers" BUDGET_S=150 TIMEOUT_S=190 bash .peers/run.sh \
+                    --tokens 8192 --cases dsv4mx,gptoss
+            fi ;;
+        mx-wide)  # prepared MXFP4 in 128-row blocks from 96 mean rows (the wide-block entry): GPU tests, sanitizer,
+            # whole calls below the threshold (48-96 mean rows) against 64-row blocks
+            STEP_TIMEOUT=240 step test-wide python3 -m pytest -q -m gpu tests/test_experts_gpu.py tests/test_layouts_gpu.py
+            STEP_TIMEOUT=120 step sanitizer-wide compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_experts_gpu.py -k "upcast_blocks and (96 or 192)"
+            tile() { python3 -c "from padded_moe.kernels import gemm as kg; print(kg.$1[('mxfp4_hopper4', '$2')].short())"; }
+            med=$(tile TUNED medium); sml=$(tile TUNED small)
+            for spec in "dsv4-flash 2048,3072" "gpt-oss-120b 2048"; do
+                set -- $spec
+                STEP_TIMEOUT=150 step "wide-$1" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 \
+                    --regime small --tokens "$2" --rounds 5 --out "$OUT/wide-$1" --candidates "$med@128,$sml@64"
+            done ;;
         mx-sweep-calls)  # prepared-MXFP4 tile candidates on whole calls (alternating graph replays) where
             # the peers' 1024 / 8192-token columns land (decode / medium regimes), then the GEMM table of the docs
             for spec in "gpt-oss-120b medium 8192" "dsv4-flash medium 8192" "gpt-oss-120b decode 1024"; do

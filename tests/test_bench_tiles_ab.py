@@ -64,6 +64,9 @@ def test_indexed_regime_of_the_gpt_oss_calls_the_docs_name():
     assert bench_tiles_ab.indexed_regime(1024, 4, 128) == (32.0, 64, "small")
     assert bench_tiles_ab.indexed_regime(8192, 4, 128) == (256.0, 128, "medium")
     assert bench_tiles_ab.indexed_regime(1024, 6, 256) == (24.0, 32, "decode")
+    # prepared MXFP4 (weights upcast per tile): DeepSeek-V4 at 8192 tokens, 192 mean rows in 128-row blocks
+    assert bench_tiles_ab.indexed_regime(8192, 6, 256) == (192.0, 64, "medium")
+    assert bench_tiles_ab.indexed_regime(8192, 6, 256, upcast=True) == (192.0, 128, "medium")
 
 
 def test_fuse_activation_setting_is_restored(monkeypatch):
@@ -102,3 +105,44 @@ def test_two_plane_twin_swaps_in_and_out_with_the_same_results():
             assert torch.allclose(layer.experts(x, tw, ids), base, rtol=1e-5, atol=1e-6)
             raise RuntimeError("restored on error too")
     assert layer.expert_weights()[0] is own["w13"] and layer.expert_weights()[1] is own["w2"]
+
+
+def test_candidate_names_give_any_tile_and_a_row_block():
+    """`NAME@B`: a tile no table lists (by its short name) and the INDEXED block it runs with."""
+    pool = bench_tiles_ab.candidate_pool("mxfp4_hopper4")
+    big = kg.GemmConfig(256, 128, 64, 8, 8, 3, mx_hopper=True, mx_ptx=True)
+    assert big.short() not in pool
+    assert bench_tiles_ab.parse_candidate(big.short() + "@256", pool) == (big, 256)
+    table = kg.TUNED[("mxfp4_hopper4", "medium")]
+    assert bench_tiles_ab.parse_candidate(table.short(), pool) == (table, None)
+    pers = kg.GemmConfig(128, 256, 64, 8, 8, 4, tma=True, persistent=True)
+    assert bench_tiles_ab.config_from_short(pers.short()) == pers
+    for bad in ("BM256_BN128", "BM256_BN128_BK64_G8_w8_s3_hop_xyz", big.short() + "@100", big.short() + "@x"):
+        with pytest.raises(SystemExit):
+            bench_tiles_ab.parse_candidate(bad, pool)
+
+
+def test_indexed_block_reaches_the_layout_builder_and_is_restored():
+    from padded_moe.layouts import GemmLayout, build_layout
+
+    ids = torch.randint(0, 8, (64, 2), dtype=torch.int32)
+    default = build_layout(GemmLayout.INDEXED, ids, 8).block_m
+    with bench_tiles_ab.indexed_block(256):
+        assert build_layout(GemmLayout.INDEXED, ids, 8).block_m == 256
+    with bench_tiles_ab.indexed_block(None):
+        assert build_layout(GemmLayout.INDEXED, ids, 8).block_m == default
+    assert build_layout(GemmLayout.INDEXED, ids, 8).block_m == default != 256
+
+
+def test_the_table_entry_keeps_the_wide_block_entry():
+    """Naming the table entry times the table as it is (a wide block still takes `TUNED_WIDE`'s
+    tile); any other candidate replaces the wide-block entry for its turn too."""
+    key = ("mxfp4_hopper4", "small")
+    entry, wide = kg.TUNED[key], kg.TUNED_WIDE[key]
+    pick = lambda b: kg.pick_config(96, True, False, hopper=True, planes=4, block_rows=b)  # noqa: E731
+    with bench_tiles_ab.table_entry(key, entry):
+        assert pick(128) == wide and pick(64) == entry
+    cand = kg.GemmConfig(64, 64, 64, 4, 4, 4, mx_hopper=True, mx_ptx=True)
+    with bench_tiles_ab.table_entry(key, cand):
+        assert pick(128) == cand and pick(64) == cand
+    assert pick(128) == wide and pick(64) == entry

@@ -40,6 +40,36 @@ def test_dsv4_like_shapes(layout, fmt):
     assert rel_err(out, ref) <= BF16_TOL
 
 
+@pytest.mark.parametrize("mean_rows", [64, 96, 128, 192])
+def test_prepared_mxfp4_upcast_blocks(mean_rows):
+    """Prepared MXFP4 on INDEXED around `BLOCK_128_MEAN_ROWS_UPCAST`: 64-row blocks with the small
+    tile below it, 128-row blocks with the wide-block entry (small regime) or the medium tile at and
+    above it; swigluoai with biases, dropped and out-of-range ids, NaN rows past `valid_tokens`."""
+    from padded_moe.layouts import BLOCK_128_MEAN_ROWS_UPCAST, GemmLayout, build_layout_resolved
+
+    k, E, K, N = 4, 16, 512, 256
+    M = mean_rows * E // k
+    g = torch.Generator(device="cuda").manual_seed(mean_rows)
+    x = torch.randn(M + 8, K, device="cuda", generator=g).bfloat16()
+    q13 = quantize_mxfp4(torch.randn(E, 2 * N, K, device="cuda", generator=g) * 0.03).prepare_for()
+    q2 = quantize_mxfp4(torch.randn(E, K, N, device="cuda", generator=g) * 0.03).prepare_for()
+    b13 = (torch.randn(E, 2 * N, device="cuda", generator=g) * 0.1).bfloat16()
+    b2 = (torch.randn(E, K, device="cuda", generator=g) * 0.1).bfloat16()
+    tw, ids = _routes(M + 8, k, E)
+    ids[3, 2] = -1
+    ids[9, 0] = E + 5
+    x[M:] = float("nan")
+    ids[M:] = torch.randint(-3, E + 3, (8, k), device="cuda", generator=g, dtype=torch.int32)
+    valid = torch.tensor([M], dtype=torch.int32, device="cuda")
+    meta = build_layout_resolved(GemmLayout.INDEXED, ids, E, E, None, upcast=True)
+    assert meta.block_m == (128 if mean_rows * (M + 8) / M >= BLOCK_128_MEAN_ROWS_UPCAST else 64)
+    out = fused_experts(x, q13, q2, tw, ids, activation="swigluoai", layout="indexed", w13_bias=b13, w2_bias=b2,
+                        valid_tokens=valid)
+    ref = reference_moe(x[:M], dense_weights(q13), dense_weights(q2), tw[:M], ids[:M], activation="swigluoai",
+                        w13_bias=b13, w2_bias=b2)
+    assert torch.isfinite(out[:M]).all() and rel_err(out[:M], ref) <= BF16_TOL
+
+
 @pytest.mark.parametrize("layout", ["indexed", "grouped_contiguous"])
 def test_graph_capture_and_replay_with_new_routes(layout):
     M, k, E, K, N = 128, 4, 16, 512, 256

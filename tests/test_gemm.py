@@ -778,22 +778,41 @@ def test_every_tuned_entry_leads_its_sweep():
 
 
 def test_default_indexed_blocks_are_one_tile_of_their_regime():
-    """`fused_experts`' INDEXED blocks (`default_block_m`) are never split into several tiles by
-    the tuned entry their metadata picks: a split tile reads the expert's weights once per tile."""
+    """`fused_experts`' INDEXED blocks (`default_block_m`, with `upcast` for prepared MXFP4) are
+    never split into several tiles by the config their metadata picks: a split tile reads (and
+    upcasts) the expert's weights once per tile."""
     from padded_moe.kernels import gemm as kg
-    from padded_moe.layouts import build_layout, default_block_m
+    from padded_moe.layouts import build_layout_resolved, default_block_m
 
     for L in (8, 32):
-        for mean in (0.5, 1, 4, 12, 13, 16, 24, 26, 27, 32, 48, 64, 100, 192, 255, 256, 512, 2048):
+        for mean in (0.5, 1, 4, 12, 13, 16, 24, 26, 27, 32, 48, 64, 95, 96, 100, 128, 192, 255, 256, 512, 2048):
             S = max(1, round(mean * L))
-            bm = default_block_m(S, L)
-            M = S  # top-1 ids: M*k = S slots
-            meta = build_layout(GemmLayout.INDEXED, torch.zeros(M, 1, dtype=torch.int32), L)
-            assert meta.block_m == bm
             for kind in {k for k, _ in kg.TUNED}:
-                cfg = kg.TUNED[(kind, kg.regime(meta.rows_per_expert()))]
+                upcast = kind.startswith("mxfp4_hopper")
+                bm = default_block_m(S, L, upcast)
+                meta = build_layout_resolved(GemmLayout.INDEXED, torch.zeros(S, 1, dtype=torch.int32), L, L, None,
+                                             upcast=upcast)
+                assert meta.block_m == bm
+                cfg = kg.pick_config(meta.rows_per_expert(), kind != "bf16", False, hopper=upcast,
+                                     planes=4 if kind == "mxfp4_hopper4" else 2, block_rows=bm)
                 _, sub, _ = kg.indexed_tiling(bm, cfg.BM)
                 assert sub == 1, (L, mean, bm, kind, cfg.short())
+
+
+def test_indexed_blocks_wider_than_the_entry_take_the_wide_entry():
+    """`TUNED_WIDE` applies exactly when an INDEXED block holds more rows than the regime entry's
+    BM; other layouts (no block) and blocks of the entry's BM keep `TUNED`."""
+    from padded_moe.kernels import gemm as kg
+
+    assert kg.TUNED_WIDE
+    for (kind, reg), wide in kg.TUNED_WIDE.items():
+        entry = kg.TUNED[(kind, reg)]
+        rows = {"decode": 16, "small": 96, "medium": 192, "prefill": 1024}[reg]
+        pick = lambda b: kg.pick_config(rows, kind != "bf16", False, hopper=kind.startswith("mxfp4_hopper"),  # noqa: E731
+                                        planes=4 if kind == "mxfp4_hopper4" else 2, block_rows=b)
+        assert wide.BM > entry.BM
+        assert pick(wide.BM) == wide
+        assert pick(entry.BM) == entry and pick(None) == entry
 
 
 def test_indexed_blocks_narrower_than_the_entry_take_the_narrow_entry():

@@ -410,6 +410,34 @@ def test_mxfp4_hopper_every_sweep_config(layout, cfg, planes):
     check(a, None, meta, "w13", out, bias, w_ref=q)
 
 
+# 256-row tiles (token rows on the MMA's N side: wgmma n256, the widest the kernel compiles), which
+# take a whole 256-row INDEXED block. No table uses them (whole calls were 1.13-1.36x slower than the
+# table on GPT-OSS and DeepSeek-V4 at 192-512 mean rows), but a caller's config may: counts that
+# leave each expert a full and a partial tile, dropped slots, a bias, K with and without a tail,
+# NaN-poisoned padding, every layout.
+TILES_256 = [GemmConfig(256, 128, 64, 8, 8, 3, mx_hopper=True, mx_ptx=True),
+             GemmConfig(256, 64, 64, 8, 4, 3, mx_hopper=True, mx_ptx=True)]
+
+
+@pytest.mark.parametrize("cfg", TILES_256, ids=lambda c: c.short())
+@pytest.mark.parametrize("K", [1056, 2880])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+def test_mxfp4_hopper_256_row_tiles(layout, K, cfg):
+    L, n_out, M, k = 8, 384, 1500, 2
+    q = make_weight(L, n_out, K, "mxfp4", 43)
+    g = torch.Generator(device=DEV).manual_seed(47)
+    ids = torch.stack([torch.randperm(L, device=DEV, generator=g)[:k] for _ in range(M)]).int()
+    ids[::5, 1] = -1
+    ids[::11, 0] = L + 3
+    meta = build_layout(layout, ids, L, block_m=256)
+    a = inputs_for(layout, meta, "w13", K, M, k, 53)
+    bias = torch.randn(L, n_out, device=DEV).bfloat16()
+    out = out_for(layout, meta, a, n_out)
+    get_backend("triton").gemm(a, prepared_only(q, 4), meta, stage="w13", bias=bias, out=out, config=cfg)
+    torch.cuda.synchronize()
+    check(a, None, meta, "w13", out, bias, w_ref=q)
+
+
 @pytest.mark.parametrize("cfg", [None, GemmConfig(16, 64, 256, 1, 4, 3, mx_hopper=True),
                                  GemmConfig(64, 128, 64, 1, 8, 3, mx_hopper=True),
                                  GemmConfig(16, 128, 128, 1, 4, 4, mx_hopper=True, mx_ptx=True),

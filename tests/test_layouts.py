@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from helpers import SENTINEL
 from padded_moe.expert_map import ExpertMap
-from padded_moe.layouts import (BLOCK_128_MEAN_ROWS, GemmLayout, GroupedContiguousMeta, GroupedMaskedMeta,
-                                IndexedMeta, PermuteScratch, build_layout, default_block_m, permute,
-                                select_gemm_layout, unpermute)
+from padded_moe.layouts import (BLOCK_128_MEAN_ROWS, BLOCK_128_MEAN_ROWS_UPCAST, GemmLayout, GroupedContiguousMeta,
+                                GroupedMaskedMeta, IndexedMeta, PermuteScratch, build_layout, build_layout_resolved,
+                                default_block_m, permute, select_gemm_layout, unpermute)
 
 LAYOUTS = list(GemmLayout)
 
@@ -397,6 +397,40 @@ def test_default_block_m_grows_with_mean_rows_and_never_shrinks():
     assert picks[12 * L] == 16 and picks[13 * L] == 32 and picks[26 * L] == 32 and picks[27 * L] == 64
     assert picks[BLOCK_128_MEAN_ROWS * L - 1] == 64 and picks[BLOCK_128_MEAN_ROWS * L] == 128
     assert all(a <= b for a, b in zip(picks, picks[1:]))
+
+
+def test_upcast_weights_take_128_row_blocks_from_fewer_rows():
+    """GEMMs that upcast their weights per tile (`upcast`) get 128-row blocks from
+    `BLOCK_128_MEAN_ROWS_UPCAST` mean rows; below it, and in every case above, the same blocks as
+    without, and the pick never shrinks as slots grow."""
+    L = 8
+    plain = [default_block_m(S, L) for S in range(0, 300 * L)]
+    up = [default_block_m(S, L, upcast=True) for S in range(0, 300 * L)]
+    assert BLOCK_128_MEAN_ROWS_UPCAST < BLOCK_128_MEAN_ROWS
+    t = BLOCK_128_MEAN_ROWS_UPCAST * L
+    assert up[t - 1] == 64 and up[t] == 128 and plain[t] == 64
+    assert up[:t] == plain[:t] and up[BLOCK_128_MEAN_ROWS * L:] == plain[BLOCK_128_MEAN_ROWS * L:]
+    assert all(a <= b for a, b in zip(up, up[1:])) and all(a <= b for a, b in zip(plain, up))
+
+
+def test_scratch_reserves_the_upcast_block(gen):
+    """A scratch without a fixed block holds calls with either block at its largest size."""
+    L, k, M = 4, 1, 200 * 4  # 200 mean rows: 64-row blocks, 128 for upcast weights
+    s = PermuteScratch(M, k, L, L, "cpu")
+    assert s.block_m == 128
+    ids = torch.randint(0, L, (M, k), generator=gen, dtype=torch.int32)
+    for upcast, bm in ((False, 64), (True, 128)):
+        meta = build_layout_resolved(GemmLayout.INDEXED, ids, L, L, None, scratch=s, upcast=upcast)
+        fresh = build_layout(GemmLayout.INDEXED, ids, L, block_m=bm)
+        assert meta.block_m == bm and torch.equal(meta.sorted_ids, fresh.sorted_ids)
+
+
+def test_scratch_refuses_a_block_whose_metadata_does_not_fit():
+    """A scratch fixed at 128-row blocks has room for 128-row metadata; an explicit smaller block on
+    a full-size call needs more block entries than that: a typed error, not a short view."""
+    s = PermuteScratch(4096, 1, 1, 1, "cpu", block_m=128)
+    with pytest.raises(ValueError, match=r"int32 metadata entries \(block_m=128\) but block_m=16 with 4096 rows needs"):
+        build_layout(GemmLayout.INDEXED, torch.zeros(4096, 1, dtype=torch.int32), 1, scratch=s, block_m=16)
 
 
 @pytest.mark.parametrize("fixed", [None, 64])

@@ -332,13 +332,20 @@ def indexed_capacity(num_slots: int, num_local: int, block_m: int) -> int:
 # 128-row blocks were 5-13% faster at 256 to 2048 mean rows (GPT-OSS, Qwen3-MoE, Mixtral), about
 # level at 192 (DeepSeek-V4) and 15% slower at 128 (GPT-OSS).
 BLOCK_128_MEAN_ROWS = 256
+# The same for GEMMs that upcast their weights in every tile (MXFP4 prepared for the Hopper kernel,
+# `Mxfp4Tensor.prepare_for`): a 64-row tile pays the upcast of the expert's weights once per 64
+# rows, so 128-row blocks (one 128-row tile each, `kernels.gemm.TUNED_WIDE` in the small regime)
+# pay from fewer rows. Whole calls on the H200, 128-row blocks against 64-row ones: DeepSeek-V4
+# 0.81x the time at 96 mean rows, 0.97x at 144, 0.89x at 192; GPT-OSS 0.97x at 128, 0.86x at 192.
+BLOCK_128_MEAN_ROWS_UPCAST = 96
 
 
-def default_block_m(num_slots: int, num_local: int) -> int:
+def default_block_m(num_slots: int, num_local: int, upcast: bool = False) -> int:
     """INDEXED row block when the caller gives none: the smallest of 16/32/64 that holds the mean
-    rows per expert plus their square root, or 128 from `BLOCK_128_MEAN_ROWS` mean rows on. Never
-    decreases as `num_slots` grows (a scratch sized for its largest call has room for every
-    smaller one).
+    rows per expert plus their square root, or 128 from `BLOCK_128_MEAN_ROWS` mean rows on
+    (`BLOCK_128_MEAN_ROWS_UPCAST` with `upcast`: the GEMMs upcast their weights per tile). Never
+    decreases as `num_slots` grows, and never with `upcast` (a scratch sized for its largest call
+    has room for every smaller one).
 
     Routed counts scatter around the mean by about its square root, and an expert past its block
     gets a second, nearly empty one that reads (and, for MXFP4, upcasts) its weights again: on the
@@ -346,7 +353,7 @@ def default_block_m(num_slots: int, num_local: int) -> int:
     MXFP4, Qwen3-MoE, Mixtral) than the smallest block holding the mean; twice the margin was 23%
     slower at 24 mean rows (DeepSeek-V4 MXFP4)."""
     mean = num_slots / max(num_local, 1)
-    if mean >= BLOCK_128_MEAN_ROWS:
+    if mean >= (BLOCK_128_MEAN_ROWS_UPCAST if upcast else BLOCK_128_MEAN_ROWS):
         return 128
     need = mean + math.sqrt(mean)
     return 16 if need <= 16 else 32 if need <= 32 else 64
@@ -420,7 +427,7 @@ class PermuteScratch:
         # scratch sized for prefill must not force prefill's big blocks onto decode-sized calls.
         # The reserved capacity is that of the largest block any call up to max_tokens can get.
         self.fixed_block_m = block_m is not None
-        self.block_m = _check_block_m(block_m) if block_m is not None else default_block_m(S, num_local)
+        self.block_m = _check_block_m(block_m) if block_m is not None else default_block_m(S, num_local, upcast=True)
         self.max_tokens_per_expert = (require_int("max_tokens_per_expert", max_tokens_per_expert, 0)
                                       if max_tokens_per_expert is not None else S)
         self.max_slots = S
@@ -440,10 +447,10 @@ class PermuteScratch:
             for layout in (GemmLayout.GROUPED_CONTIGUOUS, GemmLayout.GROUPED_MASKED):
                 self.permute_buffer(layout, require_int("hidden_size", hidden_size, 1), dtype)
 
-    def block_for(self, num_slots: int) -> int:
+    def block_for(self, num_slots: int, upcast: bool = False) -> int:
         """The INDEXED block of a call of `num_slots` rows: the scratch's `block_m` if the caller
         fixed one, else `default_block_m` of the call's own slots (at most `block_m`)."""
-        return self.block_m if self.fixed_block_m else default_block_m(num_slots, self.num_local)
+        return self.block_m if self.fixed_block_m else default_block_m(num_slots, self.num_local, upcast)
 
     def buffers(self, M: int, k: int, num_experts: int, num_local: int, block_m: int, device) -> dict:
         """Views for one call (cached per shape), after checking the call fits."""
@@ -464,6 +471,10 @@ class PermuteScratch:
         key = (S, cap, block_m)
         views = self._views.get(key)
         if views is None:
+            need = _arena_size(S, num_local, cap, cap // block_m, _num_chunks(S))
+            if need > self._i32.numel():
+                raise ValueError(f"scratch reserves {self._i32.numel()} int32 metadata entries (block_m={self.block_m}) "
+                                 f"but block_m={block_m} with {S} rows needs {need}")
             views = _carve(self._i32, self._i64, S, num_local, cap, cap // block_m, _num_chunks(S))
             self._views[key] = views
         return views
@@ -553,17 +564,19 @@ def build_layout_resolved(layout: Union[GemmLayout, str], topk_ids: torch.Tensor
                           table: Optional[torch.Tensor], *, block_m: Optional[int] = None,
                           max_tokens_per_expert: Optional[int] = None,
                           valid_tokens: Optional[torch.Tensor] = None,
-                          scratch: Optional[PermuteScratch] = None, drop_overflow: bool = False) -> LayoutMeta:
+                          scratch: Optional[PermuteScratch] = None, drop_overflow: bool = False,
+                          upcast: bool = False) -> LayoutMeta:
     """`build_layout` after its checks, with the experts already resolved to `(E, L, map table or
     None)` on the ids' device: the entry the custom ops use, since an ExpertMap cannot cross one
-    (they pass the layout as its `.value`)."""
+    (they pass the layout as its `.value`). `upcast`: the GEMMs upcast their weights per tile, which
+    moves the default INDEXED block (`default_block_m`)."""
     layout = _as_layout(layout)
     M, k = topk_ids.shape
     S, L = M * k, num_local
     if block_m is not None:
         bm = _check_block_m(block_m)
     else:
-        bm = scratch.block_for(S) if scratch is not None else default_block_m(S, L)
+        bm = scratch.block_for(S, upcast) if scratch is not None else default_block_m(S, L, upcast)
     if max_tokens_per_expert is not None:
         t_max = require_int("max_tokens_per_expert", max_tokens_per_expert, 0)
     else:

@@ -155,6 +155,18 @@ TUNED_NARROW: dict[tuple[str, str], GemmConfig] = {
     ("mxfp4_hopper4", "medium"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True),
 }
 
+# Entries for INDEXED calls whose row blocks hold more rows than the `TUNED` entry's BM, where one
+# tile per block beats several: prepared MXFP4 takes 128-row blocks from fewer mean rows than the
+# other weights (`layouts.BLOCK_128_MEAN_ROWS_UPCAST`), still in the small regime, and each small
+# 64-row tile would upcast the expert's weights again. Whole calls on the H200 (alternating graph
+# replays, 128-row blocks): the medium tile took 0.81x the time of the small tile at 64-row blocks
+# on DeepSeek-V4 at 96 mean rows, 0.97x on GPT-OSS at 128. The 2-plane arrangement (kept for
+# comparison) takes its medium tile by the same rule, unmeasured.
+TUNED_WIDE: dict[tuple[str, str], GemmConfig] = {
+    ("mxfp4_hopper4", "small"): TUNED[("mxfp4_hopper4", "medium")],
+    ("mxfp4_hopper", "small"): TUNED[("mxfp4_hopper", "medium")],
+}
+
 # Every layout uses the same table. For GROUPED_MASKED a 64-row tile would waste less of a mostly
 # empty slab's last tile, but on the H200 it made the full slab 1.4x slower and a 10%-valid call
 # no faster than 128-row tiles: at T_max=512 both are bound by reading every expert's weights once.
@@ -255,7 +267,7 @@ def pick_config(rows_per_expert: float, mxfp4: bool, interpreted: bool, hopper: 
     """The tuned config for the regime; one table serves every layout (see the note above
     INTERPRET_CONFIG). `hopper`: the MXFP4 weight carries its prepared `HopperMxfp4` form, in the
     arrangement `planes`. `block_rows`: an INDEXED call's rows per block (`TUNED_NARROW` applies
-    when they are fewer than the entry's BM)."""
+    when they are fewer than the entry's BM, `TUNED_WIDE` when they are more)."""
     hopper = hopper and mxfp4
     if interpreted:
         return INTERPRET_HOPPER_CONFIG if hopper else INTERPRET_CONFIG
@@ -263,6 +275,8 @@ def pick_config(rows_per_expert: float, mxfp4: bool, interpreted: bool, hopper: 
     cfg = TUNED[key]
     if block_rows is not None and block_rows < cfg.BM and key in TUNED_NARROW:
         return TUNED_NARROW[key]
+    if block_rows is not None and block_rows > cfg.BM and key in TUNED_WIDE:
+        return TUNED_WIDE[key]
     return cfg
 
 

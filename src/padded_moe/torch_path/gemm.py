@@ -22,6 +22,7 @@ from typing import Optional, Union
 import torch
 
 from padded_moe import layout_codes as codes
+from padded_moe._platform import capability
 from padded_moe.mxfp4 import Mxfp4Tensor, dequantize_mxfp4
 
 Weight = Union[torch.Tensor, Mxfp4Tensor]
@@ -79,7 +80,7 @@ def grouped_mm_ok(a: torch.Tensor, w: Weight, out: torch.Tensor) -> bool:
         return False
     if a.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
         return False
-    if torch.cuda.get_device_capability(a.device)[0] < 9:
+    if capability(a.device.index)[0] < 9:
         return False
     L, N, K = w.shape
     aligned = all(t.data_ptr() % 16 == 0 for t in (a, w))

@@ -17,7 +17,7 @@ first checked against the dot_scaled one; prints weight bytes read / time as a f
 bandwidth, and sweeps `SWEEP_MXFP4_HOPPER` per regime on the arrangements `--sweep-planes` names
 (winners for `TUNED[("mxfp4_hopper", regime)]` and `TUNED[("mxfp4_hopper4", regime)]`), timed on
 INDEXED with the row block `fused_experts` picks by default (`default_block_m`; it caps the tile's
-BM: 64 below 96 rows per expert for prepared weights), every candidate checked on all three layouts first.
+BM: 64 below 80 rows per expert for prepared weights), every candidate checked on all three layouts first.
 
 Shapes: per preset (`--presets`, default dsv4-flash), w13 (K=hidden -> 2N) and w2 (N -> hidden);
 dsv4-flash: K=4096, N=2048 on 32 and 128 local experts, the other presets on all their experts

@@ -314,8 +314,8 @@ for stage in "$@"; do
                 STEP_TIMEOUT=200 step peers env OUT="$OUT/peers" BUDGET_S=150 TIMEOUT_S=190 bash .peers/run.sh \
                     --tokens 8192 --cases dsv4mx,gptoss
             fi ;;
-        mx-wide)  # prepared MXFP4 in 128-row blocks from 96 mean rows (the wide-block entry): GPU tests, sanitizer,
-            # whole calls below the threshold (48-96 mean rows) against 64-row blocks
+        mx-wide)  # prepared MXFP4 in 128-row blocks from `BLOCK_128_MEAN_ROWS_UPCAST` mean rows (the wide-block
+            # entry): GPU tests, sanitizer, whole calls at 48-72 mean rows against 64-row blocks
             STEP_TIMEOUT=240 step test-wide python3 -m pytest -q -m gpu tests/test_experts_gpu.py tests/test_layouts_gpu.py
             STEP_TIMEOUT=120 step sanitizer-wide compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
                 tests/test_experts_gpu.py -k "upcast_blocks and (96 or 192)"

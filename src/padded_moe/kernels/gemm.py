@@ -159,8 +159,9 @@ TUNED_NARROW: dict[tuple[str, str], GemmConfig] = {
 # tile per block beats several: prepared MXFP4 takes 128-row blocks from fewer mean rows than the
 # other weights (`layouts.BLOCK_128_MEAN_ROWS_UPCAST`), still in the small regime, and each small
 # 64-row tile would upcast the expert's weights again. Whole calls on the H200 (alternating graph
-# replays, 128-row blocks): the medium tile took 0.81x the time of the small tile at 64-row blocks
-# on DeepSeek-V4 at 96 mean rows, 0.97x on GPT-OSS at 128. The 2-plane arrangement (kept for
+# replays): the medium tile in 128-row blocks took 0.81-0.84x the time of the small tile in 64-row
+# blocks at 80-96 mean rows on DeepSeek-V4 and GPT-OSS, 0.97x on GPT-OSS at 128; the small tile in
+# 128-row blocks (two tiles per block) 1.01x and 1.15x. The 2-plane arrangement (kept for
 # comparison) takes its medium tile by the same rule, unmeasured.
 TUNED_WIDE: dict[tuple[str, str], GemmConfig] = {
     ("mxfp4_hopper4", "small"): TUNED[("mxfp4_hopper4", "medium")],

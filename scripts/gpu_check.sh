@@ -326,6 +326,15 @@ for stage in "$@"; do
                 STEP_TIMEOUT=150 step "wide-$1" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 \
                     --regime small --tokens "$2" --rounds 5 --out "$OUT/wide-$1" --candidates "$med@128,$sml@64"
             done ;;
+        mx-gc-wide)  # owed: prepared MXFP4 on GROUPED_CONTIGUOUS (expert parallelism's layout) at 80-128 mean rows,
+            # the medium tile against the small regime's table tile (INDEXED takes the medium tile there, TUNED_WIDE)
+            med=$(python3 -c "from padded_moe.kernels import gemm as kg; print(kg.TUNED[('mxfp4_hopper4', 'medium')].short())")
+            for spec in "gpt-oss-120b 2560,3072,4096" "dsv4-flash 3413,4096"; do
+                set -- $spec
+                PADDED_MOE_GEMM_LAYOUT=grouped_contiguous STEP_TIMEOUT=150 step "gc-wide-$1" python3 \
+                    benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 --regime small --tokens "$2" --rounds 5 \
+                    --out "$OUT/gc-wide-$1" --candidates "$med"
+            done ;;
         mx-sweep-calls)  # prepared-MXFP4 tile candidates on whole calls (alternating graph replays) where
             # the peers' 1024 / 8192-token columns land (decode / medium regimes), then the GEMM table of the docs
             for spec in "gpt-oss-120b medium 8192" "dsv4-flash medium 8192" "gpt-oss-120b decode 1024"; do

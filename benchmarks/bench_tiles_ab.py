@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import re
 import statistics
 import sys
 import time
@@ -62,30 +61,13 @@ def candidate_pool(kind: str) -> dict:
     return pool
 
 
-_TAGS = {"tma": "tma", "swap": "swap_ab", "hop": "mx_hopper", "ptx": "mx_ptx", "wide": "mx_wide",
-         "wsh": "mx_w_shared", "pers": "persistent"}
-
-
-def config_from_short(name: str) -> kg.GemmConfig:
-    """The `GemmConfig` whose `short()` is `name` (a tile no table or sweep lists)."""
-    m = re.fullmatch(r"BM(\d+)_BN(\d+)_BK(\d+)_G(\d+)_w(\d+)_s(\d+)((?:_[a-z]+)*)", name)
-    if m is None:
-        raise SystemExit(f"not a config short name: {name!r}")
-    tags = [t for t in m.group(7).split("_") if t]
-    unknown = [t for t in tags if t not in _TAGS and t != "bitdq"]
-    if unknown:
-        raise SystemExit(f"unknown tags {unknown} in {name!r}")
-    cfg = kg.GemmConfig(*(int(g) for g in m.groups()[:6]), mx_native="bitdq" not in tags,
-                        **{_TAGS[t]: True for t in tags if t in _TAGS})
-    if cfg.short() != name:
-        raise SystemExit(f"{name!r} reads back as {cfg.short()!r}")
-    return cfg
-
-
 def parse_candidate(name: str, pool: dict) -> tuple[kg.GemmConfig, Optional[int]]:
     """(config, INDEXED row block or None for the default) of a `--candidates` entry `NAME[@B]`."""
     base, _, block = name.partition("@")
-    cfg = pool[base] if base in pool else config_from_short(base)
+    try:
+        cfg = pool[base] if base in pool else kg.GemmConfig.from_short(base)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if not block:
         return cfg, None
     if not block.isdigit() or int(block) < 16 or int(block) & (int(block) - 1):
@@ -189,6 +171,7 @@ def main() -> None:
     layer.randomize(seed=0, std=0.02)
     w13, _ = layer.expert_weights()  # quantized and prepared once, outside the timing
     kind = table_kind_of(w13)
+    prepared = getattr(w13, "hopper", None)
     key = (kind, args.regime)
     if key not in kg.TUNED:
         raise SystemExit(f"no table entry {key}")
@@ -202,8 +185,8 @@ def main() -> None:
         names = [n.strip() for n in args.candidates.split(",") if n.strip()]
     # (config, INDEXED block or None), the table entry at the default block first
     picked = [(table, None)] + [c for c in (parse_candidate(n, pool) for n in names) if c != (table, None)]
-    if getattr(w13, "hopper", None) is not None:
-        picked = [(c, b) for c, b in picked if c.planes_ok(w13.hopper.planes)]
+    if prepared is not None:
+        picked = [(c, b) for c, b in picked if c.planes_ok(prepared.planes)]
 
     fuse_settings = [None] if args.fuse_activation == "table" else [None, "1", "0"]
     # (table key, config, fuse setting, weights in place of the layer's or None, INDEXED block, name suffix)
@@ -217,7 +200,7 @@ def main() -> None:
         variants += [(key2, kg.TUNED[key2], fuse, twin, None, " planes=2") for fuse in fuse_settings]
     regimes = []
     for T in (int(t) for t in args.tokens.split(",")):
-        mean, block, reg = indexed_regime(T, layer.top_k, layer.num_experts, getattr(w13, "hopper", None) is not None)
+        mean, block, reg = indexed_regime(T, layer.top_k, layer.num_experts, prepared is not None)
         regimes.append([T, round(mean, 1), block, reg])
     print_table(f"{args.preset} {args.weights}: INDEXED regime per token count", ["T", "mean rows", "block",
                                                                                   "regime"], regimes)

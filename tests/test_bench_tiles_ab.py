@@ -116,7 +116,7 @@ def test_candidate_names_give_any_tile_and_a_row_block():
     table = kg.TUNED[("mxfp4_hopper4", "medium")]
     assert bench_tiles_ab.parse_candidate(table.short(), pool) == (table, None)
     pers = kg.GemmConfig(128, 256, 64, 8, 8, 4, tma=True, persistent=True)
-    assert bench_tiles_ab.config_from_short(pers.short()) == pers
+    assert kg.GemmConfig.from_short(pers.short()) == pers
     for bad in ("BM256_BN128", "BM256_BN128_BK64_G8_w8_s3_hop_xyz", big.short() + "@100", big.short() + "@x"):
         with pytest.raises(SystemExit):
             bench_tiles_ab.parse_candidate(bad, pool)

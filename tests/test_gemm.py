@@ -799,6 +799,21 @@ def test_default_indexed_blocks_are_one_tile_of_their_regime():
                 assert sub == 1, (L, mean, bm, kind, cfg.short())
 
 
+def test_config_short_names_read_back():
+    """`GemmConfig.from_short` inverts `short()` for every table and sweep config, and refuses
+    names `short()` cannot produce."""
+    from padded_moe.kernels import gemm as kg
+
+    tables = [kg.TUNED, kg.TUNED_NARROW, kg.TUNED_WIDE]
+    configs = {c for t in tables for c in t.values()} | {c for kind in ("bf16", "mxfp4", "mxfp4_hopper4")
+                                                         for cands in kg.sweep_lists(kind).values() for c in cands}
+    for c in configs:
+        assert kg.GemmConfig.from_short(c.short()) == c
+    for bad in ("BM64_BN128", "BM64_BN128_BK64_G4_w4_s4_hop_xyz", "BM64_BN128_BK64_G4_w4_s4_ptx_hop"):
+        with pytest.raises(ValueError, match="short name|unknown tags|reads back"):
+            kg.GemmConfig.from_short(bad)
+
+
 def test_indexed_blocks_wider_than_the_entry_take_the_wide_entry():
     """`TUNED_WIDE` applies exactly when an INDEXED block holds more rows than the regime entry's
     BM; other layouts (no block) and blocks of the entry's BM keep `TUNED`."""

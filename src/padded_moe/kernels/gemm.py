@@ -30,6 +30,7 @@ Hopper paths, chosen per config (both GPU-verified against the same references):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -88,14 +89,33 @@ class GemmConfig:
     persistent: bool = False
 
     def short(self) -> str:
-        tag = ("_tma" if self.tma else "") + ("" if self.mx_native else "_bitdq") + ("_swap" if self.swap_ab else "")
-        tag += ("_hop" if self.mx_hopper else "") + ("_ptx" if self.mx_ptx else "") + ("_wide" if self.mx_wide else "")
-        tag += ("_wsh" if self.mx_w_shared else "") + ("_pers" if self.persistent else "")
+        tag = "".join(f"_{name}" for name, field, when in _SHORT_TAGS if getattr(self, field) == when)
         return f"BM{self.BM}_BN{self.BN}_BK{self.BK}_G{self.GROUP_M}_w{self.num_warps}_s{self.num_stages}{tag}"
+
+    @classmethod
+    def from_short(cls, name: str) -> "GemmConfig":
+        """The config whose `short()` is `name`; ValueError for anything else."""
+        m = re.fullmatch(r"BM(\d+)_BN(\d+)_BK(\d+)_G(\d+)_w(\d+)_s(\d+)((?:_[a-z]+)*)", name)
+        if m is None:
+            raise ValueError(f"not a GemmConfig short name: {name!r}")
+        tags = {t for t in m.group(7).split("_") if t}
+        known = {tag: (field, when) for tag, field, when in _SHORT_TAGS}
+        if tags - known.keys():
+            raise ValueError(f"unknown tags {sorted(tags - known.keys())} in {name!r}")
+        cfg = cls(*(int(g) for g in m.groups()[:6]), **{known[t][0]: known[t][1] for t in tags})
+        if cfg.short() != name:
+            raise ValueError(f"{name!r} reads back as {cfg.short()!r}")
+        return cfg
 
     def planes_ok(self, planes: int) -> bool:
         """Whether this config can read prepared weights in the arrangement `planes` (2 or 4)."""
         return not (self.mx_wide and planes != 2) and not (self.mx_w_shared and planes != 4)
+
+
+# `GemmConfig.short()`'s tags, in order: (tag, field, the field's value that adds the tag).
+_SHORT_TAGS = (("tma", "tma", True), ("bitdq", "mx_native", False), ("swap", "swap_ab", True),
+               ("hop", "mx_hopper", True), ("ptx", "mx_ptx", True), ("wide", "mx_wide", True),
+               ("wsh", "mx_w_shared", True), ("pers", "persistent", True))
 
 
 # Tuned for H200 (sm_90), keyed by (weight kind, regime). Regimes by rows per expert:

@@ -362,7 +362,7 @@ def run_hopper(args) -> dict:
                     if checks[name] is not None:
                         print(f"    {name} {model} {stage} rows/e={r}: WRONG RESULTS ({checks[name]})")
                 row = {"model": model, "stage": stage, "E": E, "K": K, "N": n_out, "rows_per_expert": r,
-                       "regime": kg.regime(r), "hopper2_config": cfg.short(), "hopper4_config": cfg4.short(),
+                       "regime": kg.regime(r, "mxfp4_hopper4"), "hopper2_config": cfg.short(), "hopper4_config": cfg4.short(),
                        "wrong": checks,
                        "hopper2_ms": timed(lambda: expert_gemm(a, qh, meta, out=out, backend="triton"), dev),
                        "hopper4_ms": timed(lambda: expert_gemm(a, qh4, meta, out=out, backend="triton"), dev),
@@ -393,9 +393,10 @@ def run_hopper(args) -> dict:
                       f"x{row['hopper4_speedup_vs_bf16']:.2f} vs bf16")
                 for planes in ([] if args.no_sweep else [int(x) for x in args.sweep_planes.split(",")]):
                     wq = qh4 if planes == 4 else qh
-                    cands = [kg.INTERPRET_HOPPER_CONFIG] if args.tiny else kg.SWEEP_MXFP4_HOPPER[kg.regime(r)]
+                    kind = kg.table_kind(True, True, planes)
+                    cands = [kg.INTERPRET_HOPPER_CONFIG] if args.tiny else kg.SWEEP_MXFP4_HOPPER[kg.regime(r, kind)]
                     cands = [c for c in cands if c.planes_ok(planes)]
-                    key = f"{kg.table_kind(True, True, planes)}/{kg.regime(r)}"
+                    key = f"{kind}/{kg.regime(r, kind)}"
 
                     def check(c, wq=wq):
                         for m_, a_, o_ in ((meta, a, out), (imeta, a, out), (mmeta, am, om)):

@@ -12,7 +12,7 @@ first (relative L2 difference at most 2e-2; a wrong tile is off by O(1)).
         --regime decode --candidates BM32_BN128_BK128_G1_w4_s3_hop_ptx,BM32_BN128_BK256_G1_w4_s4_hop_ptx
 
 The candidates replace `TUNED[(kind, regime)]` (kind: the table the call's weights use), and
-`TUNED_NARROW`'s and `TUNED_WIDE`'s entries where it has them, for their turn; `--candidates sweep`
+`TUNED_NARROW`'s entry where it has one, for their turn; `--candidates sweep`
 takes every sweep candidate of that regime, `--candidates persistent` the table entry with
 `GemmConfig.persistent` flipped (in the narrow-block entry too), and any other tile may be named by
 its short name (e.g. BM256_BN128_BK64_G8_w8_s3_hop_ptx). A name ending in `@B` runs with INDEXED row
@@ -90,7 +90,8 @@ def indexed_regime(tokens: int, top_k: int, num_experts: int, upcast: bool = Fal
     call of `tokens` tokens (`upcast`: prepared MXFP4 weights), from the layout builder itself."""
     ids = torch.zeros(tokens, top_k, dtype=torch.int32)
     meta = build_layout_resolved(GemmLayout.INDEXED, ids, num_experts, num_experts, None, upcast=upcast)
-    return tokens * top_k / num_experts, meta.block_m, kg.regime(meta.rows_per_expert())
+    return tokens * top_k / num_experts, meta.block_m, kg.regime(meta.rows_per_expert(),
+                                                                 "mxfp4_hopper4" if upcast else "bf16")
 
 
 def table_kind_of(w13) -> str:
@@ -101,12 +102,12 @@ def table_kind_of(w13) -> str:
 
 @contextlib.contextmanager
 def table_entry(key: tuple, cfg: kg.GemmConfig):
-    """`cfg` in place of the table entry `key` (and of its narrow- and wide-block entries, where
-    there are some), with launch plans off so that every call picks its config afresh; all restored
-    on exit. The table entry itself leaves the tables as they are; in its other persistence
-    (`GemmConfig.persistent`) it changes only that in each entry, so a narrow- or wide-block entry
-    keeps its own tile."""
-    tables = [t for t in (kg.TUNED, kg.TUNED_NARROW, kg.TUNED_WIDE) if key in t]
+    """`cfg` in place of the table entry `key` (and of its narrow-block entry, where there is one),
+    with launch plans off so that every call picks its config afresh; all restored on exit. The
+    table entry itself leaves the tables as they are; in its other persistence
+    (`GemmConfig.persistent`) it changes only that in each entry, so a narrow-block entry keeps its
+    own tile."""
+    tables = [t for t in (kg.TUNED, kg.TUNED_NARROW) if key in t]
     saved = [t[key] for t in tables]
     plans = ex._launch_plans()
     same = cfg == kg.TUNED[key]

@@ -314,26 +314,20 @@ for stage in "$@"; do
                 STEP_TIMEOUT=200 step peers env OUT="$OUT/peers" BUDGET_S=150 TIMEOUT_S=190 bash .peers/run.sh \
                     --tokens 8192 --cases dsv4mx,gptoss
             fi ;;
-        mx-wide)  # prepared MXFP4 in 128-row blocks from `BLOCK_128_MEAN_ROWS_UPCAST` mean rows (the wide-block
-            # entry): GPU tests, sanitizer, whole calls at 48-72 mean rows against 64-row blocks
-            STEP_TIMEOUT=240 step test-wide python3 -m pytest -q -m gpu tests/test_experts_gpu.py tests/test_layouts_gpu.py
-            STEP_TIMEOUT=120 step sanitizer-wide compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
-                tests/test_experts_gpu.py -k "upcast_blocks and (96 or 192)"
-            tile() { python3 -c "from padded_moe.kernels import gemm as kg; print(kg.$1[('mxfp4_hopper4', '$2')].short())"; }
-            med=$(tile TUNED medium); sml=$(tile TUNED small)
-            for spec in "dsv4-flash 2048,3072" "gpt-oss-120b 2048"; do
+        mx-medium72)  # prepared MXFP4 in the medium regime from `BLOCK_128_MEAN_ROWS_UPCAST` (72) rows per expert on
+            # every layout: GPU tests (INDEXED and GROUPED_CONTIGUOUS around the bound), sanitizer, and whole calls
+            # at 72 / 96 mean rows with the table (medium tile; INDEXED in 128-row blocks) against the small tile
+            STEP_TIMEOUT=240 step test-medium72 python3 -m pytest -q -m gpu tests/test_experts_gpu.py tests/test_layouts_gpu.py
+            STEP_TIMEOUT=120 step sanitizer-medium72 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
+                -m gpu tests/test_experts_gpu.py -k "upcast_blocks and 72"
+            sml=$(python3 -c "from padded_moe.kernels import gemm as kg; print(kg.TUNED[('mxfp4_hopper4', 'small')].short())")
+            for spec in "gpt-oss-120b 2304,3072" "dsv4-flash 3072,4096"; do
                 set -- $spec
-                STEP_TIMEOUT=150 step "wide-$1" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 \
-                    --regime small --tokens "$2" --rounds 5 --out "$OUT/wide-$1" --candidates "$med@128,$sml@64"
-            done ;;
-        mx-gc-wide)  # owed: prepared MXFP4 on GROUPED_CONTIGUOUS (expert parallelism's layout) at 80-128 mean rows,
-            # the medium tile against the small regime's table tile (INDEXED takes the medium tile there, TUNED_WIDE)
-            med=$(python3 -c "from padded_moe.kernels import gemm as kg; print(kg.TUNED[('mxfp4_hopper4', 'medium')].short())")
-            for spec in "gpt-oss-120b 2560,3072,4096" "dsv4-flash 3413,4096"; do
-                set -- $spec
-                PADDED_MOE_GEMM_LAYOUT=grouped_contiguous STEP_TIMEOUT=150 step "gc-wide-$1" python3 \
-                    benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 --regime small --tokens "$2" --rounds 5 \
-                    --out "$OUT/gc-wide-$1" --candidates "$med"
+                STEP_TIMEOUT=150 step "m72-ix-$1" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 \
+                    --regime medium --tokens "$2" --rounds 5 --out "$OUT/m72-ix-$1" --candidates "$sml@64"
+                PADDED_MOE_GEMM_LAYOUT=grouped_contiguous STEP_TIMEOUT=150 step "m72-gc-$1" python3 \
+                    benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 --regime medium --tokens "$2" --rounds 5 \
+                    --out "$OUT/m72-gc-$1" --candidates "$sml"
             done ;;
         mx-sweep-calls)  # prepared-MXFP4 tile candidates on whole calls (alternating graph replays) where
             # the peers' 1024 / 8192-token columns land (decode / medium regimes), then the GEMM table of the docs

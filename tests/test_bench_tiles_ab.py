@@ -134,15 +134,15 @@ def test_indexed_block_reaches_the_layout_builder_and_is_restored():
     assert build_layout(GemmLayout.INDEXED, ids, 8).block_m == default != 256
 
 
-def test_the_table_entry_keeps_the_wide_block_entry():
-    """Naming the table entry times the table as it is (a wide block still takes `TUNED_WIDE`'s
-    tile); any other candidate replaces the wide-block entry for its turn too."""
-    key = ("mxfp4_hopper4", "small")
-    entry, wide = kg.TUNED[key], kg.TUNED_WIDE[key]
-    pick = lambda b: kg.pick_config(96, True, False, hopper=True, planes=4, block_rows=b)  # noqa: E731
+def test_the_table_entry_keeps_the_narrow_block_entry():
+    """Naming the table entry times the table as it is (a narrow block still takes
+    `TUNED_NARROW`'s tile); any other candidate replaces the narrow-block entry for its turn too."""
+    key = ("mxfp4_hopper4", "medium")
+    entry, narrow = kg.TUNED[key], kg.TUNED_NARROW[key]
+    pick = lambda b: kg.pick_config(192, True, False, hopper=True, planes=4, block_rows=b)  # noqa: E731
     with bench_tiles_ab.table_entry(key, entry):
-        assert pick(128) == wide and pick(64) == entry
-    cand = kg.GemmConfig(64, 64, 64, 4, 4, 4, mx_hopper=True, mx_ptx=True)
+        assert pick(128) == entry and pick(64) == narrow
+    cand = kg.GemmConfig(128, 128, 64, 8, 8, 4, mx_hopper=True, mx_ptx=True)
     with bench_tiles_ab.table_entry(key, cand):
         assert pick(128) == cand and pick(64) == cand
-    assert pick(128) == wide and pick(64) == entry
+    assert pick(128) == entry and pick(64) == narrow

@@ -40,11 +40,12 @@ def test_dsv4_like_shapes(layout, fmt):
     assert rel_err(out, ref) <= BF16_TOL
 
 
-@pytest.mark.parametrize("mean_rows", [64, 96, 128, 192])
-def test_prepared_mxfp4_upcast_blocks(mean_rows):
-    """Prepared MXFP4 on INDEXED around `BLOCK_128_MEAN_ROWS_UPCAST`: 64-row blocks with the small
-    tile below it, 128-row blocks with the wide-block entry (small regime) or the medium tile at and
-    above it; swigluoai with biases, dropped and out-of-range ids, NaN rows past `valid_tokens`."""
+@pytest.mark.parametrize("layout", ["indexed", "grouped_contiguous"])
+@pytest.mark.parametrize("mean_rows", [64, 72, 96, 128, 192])
+def test_prepared_mxfp4_upcast_blocks(mean_rows, layout):
+    """Prepared MXFP4 around `BLOCK_128_MEAN_ROWS_UPCAST`: the small regime's tile (INDEXED: in
+    64-row blocks) below it, the medium tile (INDEXED: in 128-row blocks) at and above it;
+    swigluoai with biases, dropped and out-of-range ids, NaN rows past `valid_tokens`."""
     from padded_moe.layouts import BLOCK_128_MEAN_ROWS_UPCAST, GemmLayout, build_layout_resolved
 
     k, E, K, N = 4, 16, 512, 256
@@ -63,7 +64,7 @@ def test_prepared_mxfp4_upcast_blocks(mean_rows):
     valid = torch.tensor([M], dtype=torch.int32, device="cuda")
     meta = build_layout_resolved(GemmLayout.INDEXED, ids, E, E, None, upcast=True)
     assert meta.block_m == (128 if mean_rows * (M + 8) / M >= BLOCK_128_MEAN_ROWS_UPCAST else 64)
-    out = fused_experts(x, q13, q2, tw, ids, activation="swigluoai", layout="indexed", w13_bias=b13, w2_bias=b2,
+    out = fused_experts(x, q13, q2, tw, ids, activation="swigluoai", layout=layout, w13_bias=b13, w2_bias=b2,
                         valid_tokens=valid)
     ref = reference_moe(x[:M], dense_weights(q13), dense_weights(q2), tw[:M], ids[:M], activation="swigluoai",
                         w13_bias=b13, w2_bias=b2)

@@ -785,7 +785,8 @@ def test_default_indexed_blocks_are_one_tile_of_their_regime():
     from padded_moe.layouts import build_layout_resolved, default_block_m
 
     for L in (8, 32):
-        for mean in (0.5, 1, 4, 12, 13, 16, 24, 26, 27, 32, 48, 64, 95, 96, 100, 128, 192, 255, 256, 512, 2048):
+        for mean in (0.5, 1, 4, 12, 13, 16, 24, 26, 27, 32, 48, 64, 71, 72, 80, 95, 96, 100, 128, 192, 255, 256, 512,
+                     2048):
             S = max(1, round(mean * L))
             for kind in {k for k, _ in kg.TUNED}:
                 upcast = kind.startswith("mxfp4_hopper")
@@ -804,7 +805,7 @@ def test_config_short_names_read_back():
     names `short()` cannot produce."""
     from padded_moe.kernels import gemm as kg
 
-    tables = [kg.TUNED, kg.TUNED_NARROW, kg.TUNED_WIDE]
+    tables = [kg.TUNED, kg.TUNED_NARROW]
     configs = {c for t in tables for c in t.values()} | {c for kind in ("bf16", "mxfp4", "mxfp4_hopper4")
                                                          for cands in kg.sweep_lists(kind).values() for c in cands}
     for c in configs:
@@ -814,20 +815,24 @@ def test_config_short_names_read_back():
             kg.GemmConfig.from_short(bad)
 
 
-def test_indexed_blocks_wider_than_the_entry_take_the_wide_entry():
-    """`TUNED_WIDE` applies exactly when an INDEXED block holds more rows than the regime entry's
-    BM; other layouts (no block) and blocks of the entry's BM keep `TUNED`."""
+def test_upcast_kinds_leave_the_small_regime_where_indexed_blocks_widen():
+    """Prepared MXFP4 (its GEMM upcasts the weights per tile) is in the medium regime from
+    `BLOCK_128_MEAN_ROWS_UPCAST` rows per expert, on every layout; other kinds keep the small
+    regime up to 128 rows. So an INDEXED 128-row block of prepared weights takes the medium tile,
+    and a GROUPED_CONTIGUOUS call at the same mean rows the same tile."""
     from padded_moe.kernels import gemm as kg
+    from padded_moe.layouts import BLOCK_128_MEAN_ROWS_UPCAST as B
 
-    assert kg.TUNED_WIDE
-    for (kind, reg), wide in kg.TUNED_WIDE.items():
-        entry = kg.TUNED[(kind, reg)]
-        rows = {"decode": 16, "small": 96, "medium": 192, "prefill": 1024}[reg]
-        pick = lambda b: kg.pick_config(rows, kind != "bf16", False, hopper=kind.startswith("mxfp4_hopper"),  # noqa: E731
-                                        planes=4 if kind == "mxfp4_hopper4" else 2, block_rows=b)
-        assert wide.BM > entry.BM
-        assert pick(wide.BM) == wide
-        assert pick(entry.BM) == entry and pick(None) == entry
+    assert 32 < B <= 128
+    for kind in kg.UPCAST_KINDS:
+        assert kg.regime(B - 0.5, kind) == "small" and kg.regime(B, kind) == "medium"
+        assert kg.regime(32, kind) == "decode" and kg.regime(512, kind) == "medium" and kg.regime(513, kind) == "prefill"
+        planes = 4 if kind == "mxfp4_hopper4" else 2
+        for rows, block in ((B, None), (B, 128), (128, 128), (B - 1, None), (B - 1, 64)):
+            cfg = kg.pick_config(rows, True, False, hopper=True, planes=planes, block_rows=block)
+            assert cfg == kg.TUNED[(kind, "medium" if rows >= B else "small")], (kind, rows, block)
+    for kind in ("bf16", "mxfp4"):
+        assert kg.regime(B, kind) == "small" and kg.regime(128, kind) == "small" and kg.regime(129, kind) == "medium"
 
 
 def test_indexed_blocks_narrower_than_the_entry_take_the_narrow_entry():

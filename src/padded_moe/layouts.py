@@ -334,11 +334,13 @@ def indexed_capacity(num_slots: int, num_local: int, block_m: int) -> int:
 BLOCK_128_MEAN_ROWS = 256
 # The same for GEMMs that upcast their weights in every tile (MXFP4 prepared for the Hopper kernel,
 # `Mxfp4Tensor.prepare_for`): a 64-row tile pays the upcast of the expert's weights once per 64
-# rows, so 128-row blocks (one 128-row tile each, `kernels.gemm.TUNED_WIDE` in the small regime)
-# pay from fewer rows. Whole calls on the H200, 128-row blocks against 64-row ones, time ratio:
-# DeepSeek-V4 1.41 at 48 mean rows, 0.98 at 66, 0.90 at 72, 0.84 at 80, 0.81 at 96, 0.97 at 144,
-# 0.89 at 192; GPT-OSS 1.14 at 64, 0.85 at 80, 0.84 at 96, 0.85 at 112, 0.97 at 128, 0.86 at 192.
-BLOCK_128_MEAN_ROWS_UPCAST = 80
+# rows, so 128-row blocks pay from fewer rows; from this many rows per expert those GEMMs are in
+# the medium regime on every layout (`kernels.gemm.regime`, which has the measurements).
+# INDEXED 128-row blocks against 64-row ones (whole calls on the H200, time ratio): DeepSeek-V4
+# 1.41 at 48 mean rows, 0.98 at 66, 0.90 at 72, 0.84 at 80, 0.81 at 96, 0.97 at 144, 0.89 at 192;
+# GPT-OSS 1.14 at 64, 0.99 at 68, 0.90 at 72, 0.85 at 80, 0.84 at 96, 0.85 at 112, 0.97 at 128,
+# 0.86 at 192.
+BLOCK_128_MEAN_ROWS_UPCAST = 72
 
 
 def default_block_m(num_slots: int, num_local: int, upcast: bool = False) -> int:

@@ -44,6 +44,7 @@ from padded_moe.kernels._codes import GROUPED_CONTIGUOUS, INDEXED
 from padded_moe.kernels._launch import launch as launch_kernel, ptr_key, resident_programs
 from padded_moe.kernels.activation import ACT_SWIGLUOAI, _bias_act, _gate_up_rows
 from padded_moe.kernels.guard import expert_id_ok
+from padded_moe.layouts import BLOCK_128_MEAN_ROWS_UPCAST
 from padded_moe.mxfp4 import warn_unprepared
 
 
@@ -175,19 +176,6 @@ TUNED_NARROW: dict[tuple[str, str], GemmConfig] = {
     ("mxfp4_hopper4", "medium"): GemmConfig(128, 128, 128, 8, 8, 3, mx_hopper=True, mx_ptx=True),
 }
 
-# Entries for INDEXED calls whose row blocks hold more rows than the `TUNED` entry's BM, where one
-# tile per block beats several: prepared MXFP4 takes 128-row blocks from fewer mean rows than the
-# other weights (`layouts.BLOCK_128_MEAN_ROWS_UPCAST`), still in the small regime, and each small
-# 64-row tile would upcast the expert's weights again. Whole calls on the H200 (alternating graph
-# replays): the medium tile in 128-row blocks took 0.81-0.84x the time of the small tile in 64-row
-# blocks at 80-96 mean rows on DeepSeek-V4 and GPT-OSS, 0.97x on GPT-OSS at 128; the small tile in
-# 128-row blocks (two tiles per block) 1.01x and 1.15x. The 2-plane arrangement (kept for
-# comparison) takes its medium tile by the same rule, unmeasured.
-TUNED_WIDE: dict[tuple[str, str], GemmConfig] = {
-    ("mxfp4_hopper4", "small"): TUNED[("mxfp4_hopper4", "medium")],
-    ("mxfp4_hopper", "small"): TUNED[("mxfp4_hopper", "medium")],
-}
-
 # Every layout uses the same table. For GROUPED_MASKED a 64-row tile would waste less of a mostly
 # empty slab's last tile, but on the H200 it made the full slab 1.4x slower and a 10%-valid call
 # no faster than 128-row tiles: at T_max=512 both are bound by reading every expert's weights once.
@@ -259,10 +247,27 @@ SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
 }
 
 
-def regime(rows_per_expert: float) -> str:
+# Weight kinds whose GEMM upcasts the expert's weights in every tile (MXFP4 prepared for the Hopper
+# kernel). A 64-row tile pays that upcast once per 64 rows, so these kinds leave the small regime
+# (64-row tiles) for the medium one (128-row tiles) from `BLOCK_128_MEAN_ROWS_UPCAST` rows per
+# expert, where INDEXED blocks turn to 128 rows too. Whole calls on the H200 (alternating graph
+# replays), the medium tile against the small one at the same rows: INDEXED (128-row blocks against
+# 64-row ones) 0.90 at 72 mean rows on both GPT-OSS and DeepSeek-V4, 0.84-0.85 at 80, 0.81-0.84 at
+# 96, 0.97 on GPT-OSS at 128; 0.99 on GPT-OSS at 68 and 0.98 on DeepSeek-V4 at 66, 1.14 on GPT-OSS at
+# 64; GROUPED_CONTIGUOUS 0.90 at 72 (GPT-OSS), 0.84 at 80 and 0.82 at 96 (both), 0.95 at 128
+# (GPT-OSS). GROUPED_MASKED takes the same boundary, unmeasured.
+UPCAST_KINDS = frozenset({"mxfp4_hopper4", "mxfp4_hopper"})
+
+
+def regime(rows_per_expert: float, kind: str = "bf16") -> str:
+    """The tuning regime of a GEMM of `rows_per_expert` rows per expert with weights of `kind`
+    (a `table_kind`)."""
     if rows_per_expert <= 32:
         return "decode"
-    if rows_per_expert <= 128:
+    if kind in UPCAST_KINDS:
+        if rows_per_expert < BLOCK_128_MEAN_ROWS_UPCAST:
+            return "small"
+    elif rows_per_expert <= 128:
         return "small"
     if rows_per_expert <= 512:
         return "medium"
@@ -288,16 +293,15 @@ def pick_config(rows_per_expert: float, mxfp4: bool, interpreted: bool, hopper: 
     """The tuned config for the regime; one table serves every layout (see the note above
     INTERPRET_CONFIG). `hopper`: the MXFP4 weight carries its prepared `HopperMxfp4` form, in the
     arrangement `planes`. `block_rows`: an INDEXED call's rows per block (`TUNED_NARROW` applies
-    when they are fewer than the entry's BM, `TUNED_WIDE` when they are more)."""
+    when they are fewer than the entry's BM)."""
     hopper = hopper and mxfp4
     if interpreted:
         return INTERPRET_HOPPER_CONFIG if hopper else INTERPRET_CONFIG
-    key = (table_kind(mxfp4, hopper, planes), regime(rows_per_expert))
+    kind = table_kind(mxfp4, hopper, planes)
+    key = (kind, regime(rows_per_expert, kind))
     cfg = TUNED[key]
     if block_rows is not None and block_rows < cfg.BM and key in TUNED_NARROW:
         return TUNED_NARROW[key]
-    if block_rows is not None and block_rows > cfg.BM and key in TUNED_WIDE:
-        return TUNED_WIDE[key]
     return cfg
 
 

@@ -137,7 +137,8 @@ def main() -> None:
         gen = torch.Generator(device="cuda").manual_seed(1)
         # Bytes one expert's weights occupy in the format the call reads (MXFP4: e2m1 + E8M0).
         per_weight = 2 if args.weights == "bf16" else 0.5 + 1 / 32
-        expert_bytes = (layer.w13[0].numel() + layer.w2[0].numel()) * per_weight
+        w13, w2 = layer.expert_weights()
+        expert_bytes = (w13.shape[1] * w13.shape[2] + w2.shape[1] * w2.shape[2]) * per_weight
         for T in tokens_for(name, layer.top_k):
             x = torch.randn(T, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
             tw, ids = layer.route(layer.gate(x), None)

@@ -329,6 +329,27 @@ for stage in "$@"; do
                     benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 --regime medium --tokens "$2" --rounds 5 \
                     --out "$OUT/m72-gc-$1" --candidates "$sml"
             done ;;
+        mx-layer)  # FusedMoE holding MXFP4 parameters only: preset layer vs the float64 reference, compiled MXFP4
+            # layers (fullgraph / reduce-overhead / dynamic), the device memory one GPT-OSS-120B-width layer takes
+            STEP_TIMEOUT=200 step test-mx-layer python3 -m pytest -q -m gpu tests/test_experts_gpu.py -k "preset_layers and gpt-oss"
+            STEP_TIMEOUT=300 step test-compile-mx python3 -m pytest -q -m gpu tests/test_compile_gpu.py -k "mxfp4"
+            step mx-layer-memory python3 -c "
+import time, torch
+from padded_moe.layer import FusedMoE
+t0 = time.time()
+layer = FusedMoE.from_preset('gpt-oss-120b', device='cuda', dtype=torch.bfloat16)
+torch.cuda.synchronize(); t1 = time.time()
+q13, q2 = layer.expert_weights()
+nb = lambda t: t.numel() * t.element_size()
+canon = sum(nb(t) for q in (q13, q2) for t in (q.blocks, q.scales))
+prep = sum(nb(t) for q in (q13, q2) for t in (q.hopper.blocks, q.hopper.scales))
+bf16 = 2 * (q13.shape[0] * q13.shape[1] * q13.shape[2] + q2.shape[0] * q2.shape[1] * q2.shape[2])
+print(f'construction {t1 - t0:.1f} s; allocated {torch.cuda.memory_allocated() / 2**30:.2f} GiB; canonical '
+      f'{canon / 2**30:.2f} + prepared {prep / 2**30:.2f} GiB; bf16 experts would be {bf16 / 2**30:.2f} GiB')
+x = torch.randn(64, layer.hidden_size, device='cuda', dtype=torch.bfloat16)
+with torch.no_grad():
+    print('forward finite:', bool(torch.isfinite(layer(x)).all()))
+" ;;
         mx-sweep-calls)  # prepared-MXFP4 tile candidates on whole calls (alternating graph replays) where
             # the peers' 1024 / 8192-token columns land (decode / medium regimes), then the GEMM table of the docs
             for spec in "gpt-oss-120b medium 8192" "dsv4-flash medium 8192" "gpt-oss-120b decode 1024"; do

@@ -163,17 +163,21 @@ def test_layer_compiles_with_grad_enabled():
 
 
 def test_layer_never_quantizes_inside_the_graph():
-    """MXFP4 copies are built eagerly (randomize / load / state dict), so a compiled forward only
-    reads them; a state-dict load replaces them."""
+    """An MXFP4 layer holds only MXFP4 parameters (no float expert weights); their prepared
+    arrangement is built eagerly (randomize / load / state dict), so a compiled forward only reads
+    it, and a state-dict load replaces it."""
     layer = FusedMoE.from_preset("tiny", weight_format="mxfp4", dtype=torch.float32)
     layer.randomize(seed=1)
     first = layer.expert_weights()[0]
+    before = first.dequantize(torch.float32)
     state = {k: v.clone() for k, v in layer.state_dict().items()}
-    state["w13"].mul_(2)
+    assert {"w13_blocks", "w13_scales", "w2_blocks", "w2_scales"} <= set(state) and "w13" not in state
+    assert all(state[k].dtype == torch.uint8 for k in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"))
+    state["w13_scales"].add_(1)  # every w13 weight doubled
     layer.load_state_dict(state)
     second = layer.expert_weights()[0]
-    assert second is not first
-    torch.testing.assert_close(second.dequantize(torch.float32), quantize_mxfp4(layer.w13).dequantize(torch.float32))
+    assert second is not first and second.hopper is not None
+    torch.testing.assert_close(second.dequantize(torch.float32), 2 * before, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------- expert parallelism

@@ -200,6 +200,53 @@ def test_layer_shared_experts_and_mxfp4(cpu_path, gen):
     assert rel_err(layer(x), ref) <= TOL[torch.float32]
 
 
+def test_mxfp4_layer_holds_mxfp4_parameters_only():
+    """An MXFP4 layer's expert weights are its uint8 parameters (canonical MXFP4) and their
+    prepared arrangement; no float copy. Its initial and random weights are the bf16 layer's, quantized."""
+    mx = FusedMoE(8, 2, K, N, weight_format="mxfp4", dtype=torch.bfloat16)
+    ref = FusedMoE(8, 2, K, N, dtype=torch.bfloat16)
+    names = {n for n, _ in mx.named_parameters()}
+    assert {"w13_blocks", "w13_scales", "w2_blocks", "w2_scales"} <= names and not {"w13", "w2"} & names
+    assert all(p.dtype == torch.uint8 for n, p in mx.named_parameters() if n.startswith(("w13", "w2")))
+    for seed_fn in (lambda m: m.reset_parameters(seed=3), lambda m: m.randomize(seed=4)):
+        seed_fn(mx)
+        seed_fn(ref)
+        for got, w in zip(mx.expert_weights(), (ref.w13, ref.w2)):
+            want = quantize_mxfp4(w)
+            assert torch.equal(got.blocks, want.blocks) and torch.equal(got.scales, want.scales)
+            assert got.hopper is not None
+
+
+def test_mxfp4_layer_loads_checkpoint_bytes_and_float_weights(cpu_path, gen):
+    """`load_experts` keeps an `Mxfp4Tensor`'s bytes as they are and quantizes float weights per
+    expert; the forward reads them (against the float64 reference of the dequantized weights)."""
+    E = 8
+    w13 = torch.randn(E, 2 * N, K, generator=gen) * 0.1
+    w2 = torch.randn(E, K, N, generator=gen) * 0.1
+    q13, q2 = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    layer = FusedMoE(E, 2, K, N, weight_format="mxfp4", dtype=torch.float32)
+    layer.load_experts(q13, q2)
+    assert torch.equal(layer.w13_blocks, q13.blocks) and torch.equal(layer.w2_scales, q2.scales)
+    x = torch.randn(6, K, generator=gen)
+    tw, ids = layer.route(layer.gate(x))
+    ref = reference_moe(x, dense_weights(q13), dense_weights(q2), tw, ids, activation="silu")
+    assert rel_err(layer(x), ref) <= TOL[torch.float32]
+    other = FusedMoE(E, 2, K, N, weight_format="mxfp4", dtype=torch.float32)
+    other.load_experts(w13, w2)
+    for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"):
+        assert torch.equal(getattr(other, name), getattr(layer, name)), name
+
+
+def test_mxfp4_weights_need_an_mxfp4_layer_and_whole_scale_groups():
+    q = quantize_mxfp4(torch.randn(8, 2 * N, K))
+    with pytest.raises(TypeError, match="w13 is an Mxfp4Tensor.*weight_format='mxfp4'"):
+        FusedMoE(8, 2, K, N, dtype=torch.float32).load_experts(q, torch.zeros(8, K, N))
+    with pytest.raises(ValueError, match="hidden_size to be a multiple of 32"):
+        FusedMoE(8, 2, 48, 32, weight_format="mxfp4")
+    with pytest.raises(ValueError, match="intermediate_size to be a multiple of 32"):
+        FusedMoE(8, 2, 64, 40, weight_format="mxfp4")
+
+
 def test_layer_rejects_bad_configuration():
     with pytest.raises(ValueError, match="weight_format"):
         FusedMoE(8, 2, K, N, weight_format="int4")

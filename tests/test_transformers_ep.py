@@ -208,3 +208,48 @@ def test_plan_memory_counts_what_the_rank_holds(name, one_rank_group):
     assert plan["dense"] + plan["experts"] == held
     assert plan["exchange"] == exchange
     assert plan["workspace"] > 0 and plan["total"] == held + exchange + plan["workspace"]
+
+
+def test_plan_memory_counts_an_mxfp4_rank(one_rank_group):
+    """With weight_format="mxfp4" a rank holds its experts' MXFP4 bytes (the layer's parameters)
+    and their prepared arrangement, no float copy: `plan_memory` counts exactly that."""
+
+    model = build("qwen3_moe", dict(TINY, hidden=64, inter=32))
+    plan = plug.plan_memory(model, 1, 12, weight_format="mxfp4")
+    handle = plug.enable_expert_parallel(model, max_tokens_per_rank=12, weight_format="mxfp4")
+    held = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    prepared = 0
+    for adapter in handle.layers.values():
+        assert not any(p.is_floating_point() and p.dim() == 3 for p in adapter.moe.parameters())
+        for q in adapter.moe.expert_weights():
+            prepared += sum(t.numel() * t.element_size() for t in (q.hopper.blocks, q.hopper.scales))
+    assert plan["dense"] + plan["experts"] == held + prepared
+
+
+def test_mxfp4_checkpoint_is_served_as_mxfp4(one_rank_group):
+    """GPT-OSS experts holding an MXFP4 checkpoint: each rank's `FusedMoE` keeps the checkpoint's
+    bytes (no float copy) and the model's logits equal HF's eager experts on the dequantized
+    weights; any other weight_format is refused before the model is touched."""
+    from test_transformers_parity import experts_modules, gpt_oss_mxfp4_checkpoint, prompts
+
+    from padded_moe.mxfp4 import from_gpt_oss
+
+    model = gpt_oss_mxfp4_checkpoint()
+    checkpoint = [from_gpt_oss(m.down_proj_blocks, m.down_proj_scales) for m in experts_modules(model, "gpt_oss")]
+    with pytest.raises(ValueError, match="weight_format must be 'mxfp4'.*MXFP4 checkpoint"):
+        plug.enable_expert_parallel(model, max_tokens_per_rank=10)
+    assert not any(isinstance(m, plug.ExpertParallelExperts) for m in model.modules())
+    ids = prompts(2, 5, 3)
+    plan = plug.plan_memory(model, 1, 10, weight_format="mxfp4")
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        handle = plug.enable_expert_parallel(model, max_tokens_per_rank=10, weight_format="mxfp4")
+        out = model(input_ids=ids).logits
+    assert max_rel(out, ref) <= TOL
+    prepared = 0
+    for adapter, q in zip(handle.layers.values(), checkpoint):
+        assert torch.equal(adapter.moe.w2_blocks, q.blocks) and torch.equal(adapter.moe.w2_scales, q.scales)
+        prepared += sum(t.numel() * t.element_size() for w in adapter.moe.expert_weights()
+                        for t in (w.hopper.blocks, w.hopper.scales))
+    held = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    assert plan["dense"] + plan["experts"] == held + prepared

@@ -593,10 +593,10 @@ def test_block_other_experts_contracts(kind, path, activation, cpu_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_gpt_oss_mxfp4_checkpoint_tensors(monkeypatch):
-    """A GPT-OSS experts module holding the checkpoint's `*_blocks` / `*_scales` runs on them; HF's
-    eager path runs on the same weights dequantized into its transposed parameters."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+def gpt_oss_mxfp4_checkpoint() -> torch.nn.Module:
+    """A tiny GPT-OSS whose experts modules hold the checkpoint's `*_blocks` / `*_scales` (the
+    experts quantized to MXFP4), with HF's float parameters set to the same weights dequantized,
+    which HF's eager path runs."""
     from padded_moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4, to_gpt_oss
 
     model = build("gpt_oss", sizes=dict(TINY, hidden=64, inter=32))  # MXFP4 groups of 32 along K
@@ -608,6 +608,14 @@ def test_gpt_oss_mxfp4_checkpoint_tensors(monkeypatch):
             m.register_buffer(f"{proj}_scales", scales)
             with torch.no_grad():
                 getattr(m, proj).copy_(dequantize_mxfp4(ours, torch.float32).transpose(1, 2))
+    return model
+
+
+def test_gpt_oss_mxfp4_checkpoint_tensors(monkeypatch):
+    """A GPT-OSS experts module holding the checkpoint's `*_blocks` / `*_scales` runs on them; HF's
+    eager path runs on the same weights dequantized into its transposed parameters."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = gpt_oss_mxfp4_checkpoint()
     ref, out = logits_both(model, prompts(2, 12, 6))
     assert max_rel(out, ref) <= 1e-4
     cache = experts_modules(model, "gpt_oss")[0].__dict__["_padded_moe_cache"]

@@ -18,7 +18,7 @@ from padded_moe._ops import OpObjects, custom_op, register_fake
 from padded_moe._validation import FLOAT_DTYPES, require_int, require_tensor
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
 from padded_moe.experts import batched_experts, eager_cache_off, fused_experts
-from padded_moe.mxfp4 import Mxfp4Tensor, quantize_mxfp4
+from padded_moe.mxfp4 import GROUP, Mxfp4Tensor, quantize_mxfp4
 from padded_moe.presets import MoEPreset, get_preset
 
 RouterFn = Callable[[torch.Tensor, Optional[torch.Tensor]], "tuple[torch.Tensor, torch.Tensor]"]
@@ -33,7 +33,11 @@ class FusedMoE(nn.Module):
 
     `router` is a name from `ROUTERS` or a callable `(logits, token_ids) -> (weights f32, ids i32)`.
     Without expert parallelism the layer holds all `num_experts`; with it, only this rank's.
-    `weight_format="mxfp4"` stores the expert weights as MXFP4 (activations stay bf16).
+    `weight_format="mxfp4"` stores the expert weights as MXFP4 only (activations stay in `dtype`):
+    the parameters `w13_blocks`, `w13_scales`, `w2_blocks`, `w2_scales` (uint8, `Mxfp4Tensor`'s
+    canonical form) instead of float `w13` / `w2`, plus the GEMM's prepared arrangement built from
+    them (`prepare`); `expert_weights()` returns them as `Mxfp4Tensor`s. `load_experts` takes float
+    weights (quantized one expert at a time) or `Mxfp4Tensor`s (a checkpoint's bytes, as they are).
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
@@ -70,13 +74,23 @@ class FusedMoE(nn.Module):
         w13_rows = 2 * intermediate_size if self.activation.is_gated else intermediate_size
         self._w13_shape = (self.num_local, w13_rows, hidden_size)
         self._w2_shape = (self.num_local, hidden_size, intermediate_size)
-        self.w13 = nn.Parameter(torch.empty(self._w13_shape, **factory), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(self._w2_shape, **factory), requires_grad=False)
+        if weight_format == "mxfp4":
+            for name, (L, rows, cols) in (("w13", self._w13_shape), ("w2", self._w2_shape)):
+                if cols % GROUP != 0:
+                    what = "hidden_size" if name == "w13" else "intermediate_size"
+                    raise ValueError(f"weight_format='mxfp4' needs {what} to be a multiple of {GROUP} (one E8M0 "
+                                     f"scale per {GROUP} elements), got {cols}")
+                for part, width in (("blocks", cols // 2), ("scales", cols // GROUP)):
+                    t = torch.empty(L, rows, width, dtype=torch.uint8, device=device)
+                    self.register_parameter(f"{name}_{part}", nn.Parameter(t, requires_grad=False))
+        else:
+            self.w13 = nn.Parameter(torch.empty(self._w13_shape, **factory), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(self._w2_shape, **factory), requires_grad=False)
         self.w13_bias = nn.Parameter(torch.zeros(self.num_local, w13_rows, **factory), requires_grad=False) if has_bias else None
         self.w2_bias = nn.Parameter(torch.zeros(self.num_local, hidden_size, **factory), requires_grad=False) if has_bias else None
         self._mxfp4: dict = {}
         # Usable after construction, like nn.Linear; a meta-device layer is a shape only.
-        if self.w13.device.type != "meta":
+        if self.gate.weight.device.type != "meta":
             self.reset_parameters()
 
     # ----- construction helpers -------------------------------------------------------------
@@ -102,16 +116,38 @@ class FusedMoE(nn.Module):
         return list(self.expert_parallel.expert_map.local_experts)
 
     @torch.no_grad()
-    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor, w13_bias: Optional[torch.Tensor] = None,
-                     w2_bias: Optional[torch.Tensor] = None) -> None:
-        """Load global weights `[E, ·, ·]` (HF gate_up_proj / down_proj layout); keeps local experts."""
+    def load_experts(self, w13: Union[torch.Tensor, Mxfp4Tensor], w2: Union[torch.Tensor, Mxfp4Tensor],
+                     w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None) -> None:
+        """Load global weights `[E, ·, ·]` (HF gate_up_proj / down_proj layout); keeps local experts.
+
+        Float weights fit either format (an MXFP4 layer quantizes them one expert at a time, so
+        no float copy of all local experts is made on its device); `Mxfp4Tensor`s (e.g.
+        `from_gpt_oss` of a checkpoint) only an MXFP4 layer, which keeps their bytes as they are."""
         want13 = (self.num_experts,) + self._w13_shape[1:]
         want2 = (self.num_experts,) + self._w2_shape[1:]
+        for name, w in (("w13", w13), ("w2", w2)):
+            if isinstance(w, Mxfp4Tensor):
+                if self.weight_format != "mxfp4":
+                    raise TypeError(f"{name} is an Mxfp4Tensor but this layer's weight_format is "
+                                    f"{self.weight_format!r}; build it with weight_format='mxfp4' (or pass "
+                                    f"{name}.dequantize())")
+            else:
+                require_tensor(name, w)
         if tuple(w13.shape) != want13 or tuple(w2.shape) != want2:
             raise ValueError(f"w13/w2 must be {want13} / {want2}, got {tuple(w13.shape)} / {tuple(w2.shape)}")
         idx = torch.tensor(self.local_experts, dtype=torch.long)
-        self.w13.copy_(w13[idx].to(self.w13.device))
-        self.w2.copy_(w2[idx].to(self.w2.device))
+        if self.weight_format == "mxfp4":
+            for name, w in (("w13", w13), ("w2", w2)):
+                blocks, scales = getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales")
+                if isinstance(w, Mxfp4Tensor):
+                    blocks.copy_(w.blocks[idx.to(w.device)].to(blocks.device))
+                    scales.copy_(w.scales[idx.to(w.device)].to(scales.device))
+                else:
+                    for local, e in enumerate(self.local_experts):
+                        _quantize_into(blocks[local], scales[local], w[int(e)].to(blocks.device))
+        else:
+            self.w13.copy_(w13[idx].to(self.w13.device))
+            self.w2.copy_(w2[idx].to(self.w2.device))
         if self.w13_bias is not None and w13_bias is not None:
             self.w13_bias.copy_(w13_bias[idx].to(self.w13_bias.device))
         if self.w2_bias is not None and w2_bias is not None:
@@ -133,8 +169,15 @@ class FusedMoE(nn.Module):
             self.gate.bias.zero_()
         for local, e in enumerate(self.local_experts):
             e = int(e)  # an ExpertMap lists its experts as a tensor
-            _init_uniform_(self.w13[local], seed, stream=e)
-            _init_uniform_(self.w2[local], seed, stream=e + self.num_experts)
+            for name, stream in (("w13", e), ("w2", e + self.num_experts)):
+                if self.weight_format == "mxfp4":  # drawn in the layer's dtype, then quantized
+                    blocks = getattr(self, f"{name}_blocks")
+                    w = torch.empty(blocks.shape[1], blocks.shape[2] * 2, dtype=self.gate.weight.dtype,
+                                    device=blocks.device)
+                    _init_uniform_(w, seed, stream=stream)
+                    _quantize_into(blocks[local], getattr(self, f"{name}_scales")[local], w)
+                else:
+                    _init_uniform_(getattr(self, name)[local], seed, stream=stream)
         for b in (self.w13_bias, self.w2_bias, self.e_score_correction_bias):
             if b is not None:
                 b.zero_()
@@ -145,11 +188,23 @@ class FusedMoE(nn.Module):
         """Random normal weights (demos, tests, benchmarks), drawn on the weights' device so model-
         sized layers need no host copy; deterministic for a seed on a given device. Expert weights
         are drawn one expert at a time, so the float32 temporary is one expert's size."""
-        params = (self.gate.weight, self.gate.bias, self.w13, self.w2, self.w13_bias, self.w2_bias,
-                  self.e_score_correction_bias)
+        mx = self.weight_format == "mxfp4"
+        experts = ("w13", "w2") if mx else (self.w13, self.w2)
+        params = (self.gate.weight, self.gate.bias) + experts + (self.w13_bias, self.w2_bias,
+                                                                  self.e_score_correction_bias)
         generators: dict = {}
         for p in params:
             if p is None:
+                continue
+            if isinstance(p, str):  # MXFP4 experts: each drawn as the float expert it replaces, then quantized
+                blocks, scales = getattr(self, f"{p}_blocks"), getattr(self, f"{p}_scales")
+                gen = generators.get(blocks.device)
+                if gen is None:
+                    gen = generators[blocks.device] = torch.Generator(device=blocks.device).manual_seed(seed)
+                shape = (blocks.shape[1], blocks.shape[2] * 2)
+                for local in range(blocks.shape[0]):
+                    w = torch.randn(shape, generator=gen, device=blocks.device, dtype=torch.float32).mul_(std)
+                    _quantize_into(blocks[local], scales[local], w.to(self.gate.weight.dtype))
                 continue
             gen = generators.get(p.device)
             if gen is None:
@@ -160,27 +215,33 @@ class FusedMoE(nn.Module):
         self.prepare()
 
     def expert_weights(self) -> tuple:
-        """`(w13, w2)` in the layer's weight format (MXFP4 quantized once, then cached)."""
+        """`(w13, w2)` in the layer's weight format: the float parameters, or for MXFP4 the
+        `Mxfp4Tensor`s over the layer's parameters with their prepared arrangement (`prepare`)."""
         if self.weight_format == "bf16":
             return self.w13, self.w2
-        if not self._mxfp4:
-            if torch.compiler.is_compiling():
-                # A tensor made inside a compiled graph must not be cached past it (CUDA-graph
-                # pools reuse its memory): quantize per call until `prepare()` runs eagerly.
-                return quantize_mxfp4(self.w13.detach()), quantize_mxfp4(self.w2.detach())
+        if not self._mxfp4 and not torch.compiler.is_compiling():
             self.prepare()
-        return self._mxfp4["w13"], self._mxfp4["w2"]
+        if self._mxfp4:
+            return self._mxfp4["w13"], self._mxfp4["w2"]
+        # Compiled before `prepare()` ran, or on the meta device: the canonical bytes (a tensor made
+        # inside a compiled graph must not be cached past it, CUDA-graph pools reuse its memory).
+        return self._canonical("w13"), self._canonical("w2")
+
+    def _canonical(self, name: str) -> Mxfp4Tensor:
+        """The MXFP4 parameters of `w13` / `w2` as an `Mxfp4Tensor` (views, no copy)."""
+        return Mxfp4Tensor(getattr(self, f"{name}_blocks").detach(), getattr(self, f"{name}_scales").detach())
 
     @torch.no_grad()
     def prepare(self) -> None:
-        """Build the weights in the layer's format now (MXFP4: quantize and `prepare_for`). Runs by
-        itself after `load_experts`, `randomize` and `load_state_dict`; call it after changing `w13` / `w2` in
-        place, and before `torch.compile`, so compiled calls never quantize."""
+        """Build what the GEMMs read from the layer's MXFP4 parameters now (`prepare_for`: the
+        prepared arrangement, a second copy of the same bytes). Runs by itself after
+        `load_experts`, `randomize`, `reset_parameters`, `load_state_dict` and `.to()`; call it after
+        changing the MXFP4 parameters in place, and before `torch.compile`. Nothing to do for bf16."""
         self._mxfp4.clear()
-        if self.weight_format == "mxfp4" and self.w13.device.type != "meta":
-            for name, w in (("w13", self.w13), ("w2", self.w2)):
-                q = quantize_mxfp4(w.detach()).prepare_for()  # + the GEMM's arrangement (HopperMxfp4)
-                for t in (q.blocks, q.scales, q.hopper.blocks, q.hopper.scales):
+        if self.weight_format == "mxfp4" and self.w13_blocks.device.type != "meta":
+            for name in ("w13", "w2"):
+                q = self._canonical(name).prepare_for()  # + the GEMM's arrangement (HopperMxfp4)
+                for t in (q.hopper.blocks, q.hopper.scales):
                     # Like a parameter, a fixed address: CUDA graphs of a compiled forward read it
                     # in place instead of copying it in before every replay.
                     torch._dynamo.mark_static_address(t, guard=False)
@@ -189,12 +250,12 @@ class FusedMoE(nn.Module):
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
         if self._mxfp4:
-            self.prepare()  # `.to()` / `.cuda()` moved or cast the weights: rebuild their copies
+            self.prepare()  # `.to()` / `.cuda()` moved the MXFP4 parameters: rebuild their arrangement
         return module
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
-        self.prepare()  # quantized copies of the old weights must not survive a load
+        self.prepare()  # the prepared arrangement of the old weights must not survive a load
 
     # ----- forward --------------------------------------------------------------------------
 
@@ -293,6 +354,13 @@ def _check_forward_inputs(hidden_states, router_logits, hidden_size: int, num_ex
         if tuple(router_logits.shape) != (tokens, num_experts):
             raise ValueError(f"router_logits must be [tokens={tokens}, num_experts={num_experts}], "
                              f"got shape {tuple(router_logits.shape)}")
+
+
+def _quantize_into(blocks: torch.Tensor, scales: torch.Tensor, w: torch.Tensor) -> None:
+    """Quantize one float expert `w [rows, K]` into its MXFP4 parameter slices (`quantize_mxfp4`)."""
+    q = quantize_mxfp4(w.unsqueeze(0))
+    blocks.copy_(q.blocks[0])
+    scales.copy_(q.scales[0])
 
 
 def _init_uniform_(target: torch.Tensor, seed: int, *, stream: int) -> None:

@@ -207,34 +207,47 @@ def _cached(module, slot: str, source: torch.Tensor, convert: Callable[[torch.Te
     return value
 
 
-def _mxfp4_weight(module, proj: str) -> Any:
+def holds_mxfp4(module) -> bool:
+    """Whether an experts module holds GPT-OSS MXFP4 checkpoint tensors (`*_blocks` / `*_scales`)."""
+    return any(isinstance(getattr(module, f"{proj}_{part}", None), torch.Tensor)
+               for proj in ("gate_up_proj", "up_proj", "down_proj") for part in ("blocks", "scales"))
+
+
+def _mxfp4_weight(module, proj: str, prepared: bool) -> Any:
     """An `Mxfp4Tensor` from GPT-OSS checkpoint tensors `<proj>_blocks` / `<proj>_scales` when the
-    module holds them (they are already `[E, out, in]`, so no transpose), else None. Converted and
-    prepared for the GEMM (`prepare_for`) once per weight, like the transposed copies below."""
+    module holds them (they are already `[E, out, in]`, so no transpose), else None. With
+    `prepared`, converted and prepared for the GEMM (`prepare_for`) once per weight, like the
+    transposed copies below; else the checkpoint's bytes as they are (a view)."""
     blocks = getattr(module, f"{proj}_blocks", None)
     scales = getattr(module, f"{proj}_scales", None)
     if not (isinstance(blocks, torch.Tensor) and isinstance(scales, torch.Tensor)):
         return None
     from padded_moe.mxfp4 import from_gpt_oss
 
+    if not prepared:
+        return from_gpt_oss(blocks.detach(), scales.detach())
     return _cached(module, f"{proj}_mxfp4", blocks, lambda b: from_gpt_oss(b, scales).prepare_for())
 
 
-def _weight(module, proj: str) -> Any:
-    mx = _mxfp4_weight(module, proj)
+def _weight(module, proj: str, prepared: bool) -> Any:
+    mx = _mxfp4_weight(module, proj, prepared)
     if mx is not None:
         return mx
     w = getattr(module, proj)
     if getattr(module, "is_transposed", False):
+        if not prepared:
+            return w.detach().transpose(1, 2)
         return _cached(module, proj, w, lambda t: t.detach().transpose(1, 2).contiguous())
     return w
 
 
-def expert_weights(module: torch.nn.Module):
-    """`(w13, w2, w13_bias, w2_bias)` of an HF experts module in padded_moe's layout."""
+def expert_weights(module: torch.nn.Module, prepared: bool = True):
+    """`(w13, w2, w13_bias, w2_bias)` of an HF experts module in padded_moe's layout. `prepared`:
+    as the GEMMs read them (contiguous, MXFP4 prepared; cached on the module); else views of the
+    module's tensors with no copy made (to copy experts out of it)."""
     has_gate = getattr(module, "has_gate", True)
-    w13 = _weight(module, "gate_up_proj" if has_gate else "up_proj")
-    w2 = _weight(module, "down_proj")
+    w13 = _weight(module, "gate_up_proj" if has_gate else "up_proj", prepared)
+    w2 = _weight(module, "down_proj", prepared)
     b13 = b2 = None
     if getattr(module, "has_bias", False):
         b13 = getattr(module, "gate_up_proj_bias" if has_gate else "up_proj_bias")

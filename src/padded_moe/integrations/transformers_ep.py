@@ -179,9 +179,24 @@ def _check_module(family: str, name: str, module: nn.Module, plan) -> None:
         raise _refuse(family, f"the experts module {name} ({cls}) has a gate or a post-expert norm that "
                               f"padded_moe runs only in torch between its GEMMs (plan {plan.family!r}); "
                               f"FusedMoE needs one of its own activations")
-    if any(getattr(module, f"{proj}_blocks", None) is not None for proj in ("gate_up_proj", "down_proj")):
-        raise _refuse(family, f"the experts module {name} ({cls}) holds an MXFP4 checkpoint; load the "
-                              f"float weights and pass weight_format='mxfp4' instead")
+
+
+def _check_format(name: str, module: nn.Module, weight_format: str) -> None:
+    """An MXFP4 checkpoint's experts stay MXFP4: `FusedMoE` keeps their bytes as they are."""
+    from padded_moe.integrations.transformers import holds_mxfp4
+
+    if holds_mxfp4(module) and weight_format != "mxfp4":
+        raise ValueError(f"weight_format must be 'mxfp4' for the experts module {name}, which holds an MXFP4 "
+                         f"checkpoint (*_blocks / *_scales), got {weight_format!r}")
+
+
+def _float_dtype(model: nn.Module, module: nn.Module, w2) -> torch.dtype:
+    """The experts' activation dtype: the float weights', else (an MXFP4 checkpoint) the module's
+    float tensors' (its biases), else the model's."""
+    if isinstance(w2, torch.Tensor):
+        return w2.dtype
+    floats = [t.dtype for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()]
+    return floats[0] if floats else getattr(model, "dtype", torch.get_default_dtype())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,9 +223,13 @@ def enable_expert_parallel(model: nn.Module, group=None, *, max_tokens_per_rank:
     ("bf16" or "mxfp4": quantize the local experts), `layout` and `backend` to `FusedMoE`. The
     exchange runs in the experts' dtype (a float dtype); inputs of another dtype are cast.
 
+    Experts modules holding an MXFP4 checkpoint (GPT-OSS `*_blocks` / `*_scales`) need
+    weight_format="mxfp4": their local experts' bytes are copied as they are, never through floats.
+
     Raises NotImplementedError naming the model family when the model has no experts module in
-    HF's contract, or one whose gate padded_moe cannot fuse (see `experts_plan`), or an MXFP4
-    checkpoint; ValueError / TypeError naming the argument for bad arguments. Returns an
+    HF's contract, or one whose gate padded_moe cannot fuse (see `experts_plan`); ValueError /
+    TypeError naming the argument for bad arguments (weight_format other than "mxfp4" for an
+    MXFP4 checkpoint included). Returns an
     `ExpertParallelModel`; the model itself is modified.
     """
     from padded_moe.distributed import ExpertParallel
@@ -234,6 +253,7 @@ def enable_expert_parallel(model: nn.Module, group=None, *, max_tokens_per_rank:
     for name, module in found:
         plan = experts_plan(module)
         _check_module(family, name, module, plan)
+        _check_format(name, module, weight_format)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         k = _top_k(model, parent)
@@ -245,9 +265,9 @@ def enable_expert_parallel(model: nn.Module, group=None, *, max_tokens_per_rank:
     shared: dict = {}  # (E, k, K, dtype, device) -> ExpertParallel: layers run one after another
     result = ExpertParallelModel(model, family)
     for name, module, plan, parent, attr, k in plans:
-        w13, w2, b13, b2 = expert_weights(module)
+        w13, w2, b13, b2 = expert_weights(module, prepared=False)  # views: FusedMoE copies its experts out
         num_experts, hidden, inter = w2.shape[0], w2.shape[1], w2.shape[2]
-        dtype, device = w2.dtype, w2.device
+        dtype, device = _float_dtype(model, module, w2), w2.device
         if dtype not in FLOAT_DTYPES:
             raise _refuse(family, f"experts module {name} has {dtype} weights; expected one of {FLOAT_DTYPES}")
         key = (num_experts, k, hidden, dtype, device)
@@ -261,8 +281,7 @@ def enable_expert_parallel(model: nn.Module, group=None, *, max_tokens_per_rank:
                        activation_config=plan.activation_config, weight_format=weight_format,
                        has_bias=b13 is not None, expert_parallel=ep, layout=layout, backend=backend,
                        dtype=dtype, device=device)
-        moe.load_experts(w13.detach(), w2.detach(), None if b13 is None else b13.detach(),
-                         None if b2 is None else b2.detach())
+        moe.load_experts(w13, w2, None if b13 is None else b13.detach(), None if b2 is None else b2.detach())
         adapter = ExpertParallelExperts(moe, family=plan.family, source_class=type(module).__qualname__)
         setattr(parent, attr, adapter)  # drops the module holding all experts' weights
         result.layers[name] = adapter
@@ -324,7 +343,7 @@ def plan_memory(model: nn.Module, ranks: int, max_tokens_per_rank: int, *, mode:
 
     Returns a dict: `dense` (every parameter and buffer outside the experts modules: each rank
     keeps them all), `experts` (the local experts of every MoE layer as `FusedMoE` holds them —
-    with weight_format="mxfp4" that is the float weights *and* their MXFP4 copy — plus each
+    with weight_format="mxfp4" their MXFP4 bytes and the GEMM's prepared arrangement of them — plus each
     layer's router-sized gate matrix, which `FusedMoE` allocates and this path leaves unused),
     `exchange` (the `ExpertParallel` buffers, once per distinct layer shape, as the layers share
     them), `workspace` (the largest one layer's expert and combine buffers, which exist one layer
@@ -347,19 +366,17 @@ def plan_memory(model: nn.Module, ranks: int, max_tokens_per_rank: int, *, mode:
     for name, module in experts:
         plan = experts_plan(module)
         _check_module(family, name, module, plan)
-        w13, w2, b13, _ = expert_weights(module)
+        _check_format(name, module, weight_format)
+        w13, w2, b13, _ = expert_weights(module, prepared=False)
+        dtype = _float_dtype(model, module, w2)
         E, K, N = w2.shape[0], w2.shape[1], w2.shape[2]
         k = _top_k(model, model.get_submodule(name.rpartition(".")[0]))
         shapes = dict(num_experts=E, top_k=k, hidden_size=K, intermediate_size=N, activation=plan.activation,
                       has_bias=b13 is not None)
-        layer = plan_layer(shapes, ranks, max_tokens_per_rank, float(1 << 20), mode=mode, dtype=w2.dtype,
+        layer = plan_layer(shapes, ranks, max_tokens_per_rank, float(1 << 20), mode=mode, dtype=dtype,
                            dispatch_dtype=dispatch_dtype, weight_format=weight_format)
-        expert_bytes += layer.weights_bytes + E * K * w2.element_size()
-        if weight_format == "mxfp4":  # FusedMoE keeps its float weights beside the MXFP4 copy
-            float_plan = plan_layer(shapes, ranks, max_tokens_per_rank, float(1 << 20), mode=mode,
-                                    dtype=w2.dtype, dispatch_dtype=dispatch_dtype, weight_format="bf16")
-            expert_bytes += float_plan.weights_bytes
-        key = (E, k, K, w2.dtype)
+        expert_bytes += layer.weights_bytes + E * K * dtype.itemsize
+        key = (E, k, K, dtype)
         if key not in seen:
             seen.add(key)
             exchange += layer.bytes_of("ep")

@@ -346,9 +346,9 @@ def run_hopper(args) -> dict:
                 cfg = kg.pick_config(r, True, args.tiny, hopper=True)
                 cfg4 = kg.pick_config(r, True, args.tiny, hopper=True, planes=4)
                 # INDEXED with the row block `fused_experts` picks by default: it caps the kernel tile's BM.
-                imeta = build_layout(GemmLayout.INDEXED, ids, E, block_m=default_block_m(E * r, E, upcast=True))
+                imeta = build_layout(GemmLayout.INDEXED, ids, E, block_m=default_block_m(E * r, E))
                 # ... and with 128-row blocks, which let the tile keep BM 128 (the default takes them from
-                # `BLOCK_128_MEAN_ROWS_UPCAST` rows for prepared weights)
+                # `BLOCK_128_MEAN_ROWS` rows)
                 imeta128 = build_layout(GemmLayout.INDEXED, ids, E, block_m=128) if r >= 128 else None
                 mmeta = masked_meta(E, r, r, dev)
                 am, om = a.view(E, r, K), out.view(E, r, n_out)
@@ -362,7 +362,7 @@ def run_hopper(args) -> dict:
                     if checks[name] is not None:
                         print(f"    {name} {model} {stage} rows/e={r}: WRONG RESULTS ({checks[name]})")
                 row = {"model": model, "stage": stage, "E": E, "K": K, "N": n_out, "rows_per_expert": r,
-                       "regime": kg.regime(r, "mxfp4_hopper4"), "hopper2_config": cfg.short(), "hopper4_config": cfg4.short(),
+                       "regime": kg.regime(r), "hopper2_config": cfg.short(), "hopper4_config": cfg4.short(),
                        "wrong": checks,
                        "hopper2_ms": timed(lambda: expert_gemm(a, qh, meta, out=out, backend="triton"), dev),
                        "hopper4_ms": timed(lambda: expert_gemm(a, qh4, meta, out=out, backend="triton"), dev),
@@ -393,10 +393,9 @@ def run_hopper(args) -> dict:
                       f"x{row['hopper4_speedup_vs_bf16']:.2f} vs bf16")
                 for planes in ([] if args.no_sweep else [int(x) for x in args.sweep_planes.split(",")]):
                     wq = qh4 if planes == 4 else qh
-                    kind = kg.table_kind(True, True, planes)
-                    cands = [kg.INTERPRET_HOPPER_CONFIG] if args.tiny else kg.SWEEP_MXFP4_HOPPER[kg.regime(r, kind)]
+                    cands = [kg.INTERPRET_HOPPER_CONFIG] if args.tiny else kg.SWEEP_MXFP4_HOPPER[kg.regime(r)]
                     cands = [c for c in cands if c.planes_ok(planes)]
-                    key = f"{kind}/{kg.regime(r, kind)}"
+                    key = f"{kg.table_kind(True, True, planes)}/{kg.regime(r)}"
 
                     def check(c, wq=wq):
                         for m_, a_, o_ in ((meta, a, out), (imeta, a, out), (mmeta, am, om)):

@@ -81,17 +81,16 @@ def indexed_block(block: Optional[int]):
     if block is None:
         yield
         return
-    with mock.patch.object(layouts, "default_block_m", lambda num_slots, num_local, upcast=False: block):
+    with mock.patch.object(layouts, "default_block_m", lambda num_slots, num_local: block):
         yield
 
 
-def indexed_regime(tokens: int, top_k: int, num_experts: int, upcast: bool = False) -> tuple[float, int, str]:
+def indexed_regime(tokens: int, top_k: int, num_experts: int) -> tuple[float, int, str]:
     """(mean rows per expert, row block, regime) of `fused_experts`' default INDEXED metadata for a
-    call of `tokens` tokens (`upcast`: prepared MXFP4 weights), from the layout builder itself."""
+    call of `tokens` tokens, from the layout builder itself."""
     ids = torch.zeros(tokens, top_k, dtype=torch.int32)
-    meta = build_layout_resolved(GemmLayout.INDEXED, ids, num_experts, num_experts, None, upcast=upcast)
-    return tokens * top_k / num_experts, meta.block_m, kg.regime(meta.rows_per_expert(),
-                                                                 "mxfp4_hopper4" if upcast else "bf16")
+    meta = build_layout_resolved(GemmLayout.INDEXED, ids, num_experts, num_experts, None)
+    return tokens * top_k / num_experts, meta.block_m, kg.regime(meta.rows_per_expert())
 
 
 def table_kind_of(w13) -> str:
@@ -201,7 +200,7 @@ def main() -> None:
         variants += [(key2, kg.TUNED[key2], fuse, twin, None, " planes=2") for fuse in fuse_settings]
     regimes = []
     for T in (int(t) for t in args.tokens.split(",")):
-        mean, block, reg = indexed_regime(T, layer.top_k, layer.num_experts, prepared is not None)
+        mean, block, reg = indexed_regime(T, layer.top_k, layer.num_experts)
         regimes.append([T, round(mean, 1), block, reg])
     print_table(f"{args.preset} {args.weights}: INDEXED regime per token count", ["T", "mean rows", "block",
                                                                                   "regime"], regimes)

@@ -299,7 +299,7 @@ for stage in "$@"; do
             STEP_TIMEOUT=120 step sanitizer-bm256 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
                 tests/test_gemm_gpu.py -k "256_row_tiles and 1056 and s3"
             step test-torch-backend python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k "torch_backend_cuda" ;;
-        mx-blocks)  # prepared MXFP4: 128-row INDEXED blocks from `BLOCK_128_MEAN_ROWS_UPCAST` mean rows (96-192 mean
+        mx-blocks)  # prepared MXFP4: 128-row INDEXED blocks from `BLOCK_128_MEAN_ROWS` mean rows (96-192 mean
             # rows per expert): the table at the default block against the tiles at 64- and 128-row blocks,
             # whole calls in alternating rounds; then the peers of the DeepSeek-V4 MXFP4 case at 8192 tokens
             tile() { python3 -c "from padded_moe.kernels import gemm as kg; print(kg.$1[('mxfp4_hopper4', '$2')].short())"; }
@@ -314,20 +314,18 @@ for stage in "$@"; do
                 STEP_TIMEOUT=200 step peers env OUT="$OUT/peers" BUDGET_S=150 TIMEOUT_S=190 bash .peers/run.sh \
                     --tokens 8192 --cases dsv4mx,gptoss
             fi ;;
-        mx-medium72)  # prepared MXFP4 in the medium regime from `BLOCK_128_MEAN_ROWS_UPCAST` (72) rows per expert on
-            # every layout: GPU tests (INDEXED and GROUPED_CONTIGUOUS around the bound), sanitizer, and whole calls
-            # at 72 / 96 mean rows with the table (medium tile; INDEXED in 128-row blocks) against the small tile
-            STEP_TIMEOUT=240 step test-medium72 python3 -m pytest -q -m gpu tests/test_experts_gpu.py tests/test_layouts_gpu.py
+        medium72)  # every weight kind in the medium regime from `BLOCK_128_MEAN_ROWS` (72) rows per expert, INDEXED in
+            # 128-row blocks from there: GPU tests (bf16 and prepared MXFP4, INDEXED and GROUPED_CONTIGUOUS around the
+            # bound), sanitizer; with a third argument `ab`, whole calls with the table against the small tile
+            STEP_TIMEOUT=200 step test-medium72 python3 -m pytest -q -m gpu tests/test_experts_gpu.py -k "blocks_around"
             STEP_TIMEOUT=120 step sanitizer-medium72 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
-                -m gpu tests/test_experts_gpu.py -k "upcast_blocks and 72"
-            sml=$(python3 -c "from padded_moe.kernels import gemm as kg; print(kg.TUNED[('mxfp4_hopper4', 'small')].short())")
-            for spec in "gpt-oss-120b 2304,3072" "dsv4-flash 3072,4096"; do
-                set -- $spec
-                STEP_TIMEOUT=150 step "m72-ix-$1" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 \
-                    --regime medium --tokens "$2" --rounds 5 --out "$OUT/m72-ix-$1" --candidates "$sml@64"
-                PADDED_MOE_GEMM_LAYOUT=grouped_contiguous STEP_TIMEOUT=150 step "m72-gc-$1" python3 \
-                    benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 --regime medium --tokens "$2" --rounds 5 \
-                    --out "$OUT/m72-gc-$1" --candidates "$sml"
+                -m gpu tests/test_experts_gpu.py -k "blocks_around and 72 and indexed"
+            for w in bf16 mxfp4; do
+                [ "${MEDIUM72_AB:-0}" = 1 ] || break
+                kind=$([ $w = bf16 ] && echo bf16 || echo mxfp4_hopper4)
+                sml=$(python3 -c "from padded_moe.kernels import gemm as kg; print(kg.TUNED[('$kind', 'small')].short())")
+                STEP_TIMEOUT=150 step "m72-$w" python3 benchmarks/bench_tiles_ab.py --preset dsv4-flash --weights $w \
+                    --regime medium --tokens 3072,4096 --rounds 5 --out "$OUT/m72-$w" --candidates "$sml@64"
             done ;;
         mx-layer)  # FusedMoE holding MXFP4 parameters only: preset layer vs the float64 reference, compiled MXFP4
             # layers (fullgraph / reduce-overhead / dynamic), the device memory one GPT-OSS-120B-width layer takes

@@ -59,14 +59,14 @@ def test_table_kind_and_candidates():
 
 def test_indexed_regime_of_the_gpt_oss_calls_the_docs_name():
     # 128 tokens: 4 mean rows per expert (decode); 1024: 32 in 64-row blocks (small); 8192: 256 in
-    # 128-row blocks (medium); DeepSeek-V4 at 1024: 24 in 32-row blocks (decode).
+    # 128-row blocks (medium); DeepSeek-V4 at 1024: 24 in 32-row blocks (decode), at 2048: 48 in
+    # 64-row blocks (small), at 3072: 72 in 128-row blocks (medium).
     assert bench_tiles_ab.indexed_regime(128, 4, 128) == (4.0, 16, "decode")
     assert bench_tiles_ab.indexed_regime(1024, 4, 128) == (32.0, 64, "small")
     assert bench_tiles_ab.indexed_regime(8192, 4, 128) == (256.0, 128, "medium")
     assert bench_tiles_ab.indexed_regime(1024, 6, 256) == (24.0, 32, "decode")
-    # prepared MXFP4 (weights upcast per tile): DeepSeek-V4 at 8192 tokens, 192 mean rows in 128-row blocks
-    assert bench_tiles_ab.indexed_regime(8192, 6, 256) == (192.0, 64, "medium")
-    assert bench_tiles_ab.indexed_regime(8192, 6, 256, upcast=True) == (192.0, 128, "medium")
+    assert bench_tiles_ab.indexed_regime(2048, 6, 256) == (48.0, 64, "small")
+    assert bench_tiles_ab.indexed_regime(3072, 6, 256) == (72.0, 128, "medium")
 
 
 def test_fuse_activation_setting_is_restored(monkeypatch):

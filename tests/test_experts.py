@@ -85,24 +85,6 @@ def test_swigluoai_with_biases_and_mxfp4(cpu_path, layout, prepared, gen):
     assert rel_err(out, ref) <= TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("prepared", [False, True], ids=["canonical", "prepared"])
-def test_prepared_mxfp4_builds_the_upcast_blocks(cpu_path, prepared, gen, monkeypatch):
-    """The pipeline tells the layout builder when its GEMMs upcast weights per tile (prepared
-    MXFP4), which moves the default INDEXED block (`layouts.default_block_m`)."""
-    import padded_moe.experts as ex
-
-    seen = []
-    real = ex.build_layout_resolved
-    monkeypatch.setattr(ex, "build_layout_resolved", lambda *a, **kw: seen.append(kw["upcast"]) or real(*a, **kw))
-    M, k, E = 5, 2, 4
-    q13, q2 = (quantize_mxfp4(w) for w in weights(E, gen, torch.float32))
-    if prepared:
-        q13, q2 = q13.prepare_for(), q2.prepare_for()
-    tw, ids = routed(M, k, E, gen)
-    fused_experts(torch.randn(M, K, generator=gen).bfloat16(), q13, q2, tw, ids, activation="silu", layout="indexed")
-    assert seen == [prepared]
-
-
 @pytest.mark.parametrize("act, cfg", [
     ("situ", ApplyMoEActivationConfig(situ_beta=4.0, situ_linear_beta=25.0)),
     ("silu", ApplyMoEActivationConfig(clamp_limit=0.05)),

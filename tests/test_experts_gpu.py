@@ -40,13 +40,14 @@ def test_dsv4_like_shapes(layout, fmt):
     assert rel_err(out, ref) <= BF16_TOL
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 @pytest.mark.parametrize("layout", ["indexed", "grouped_contiguous"])
 @pytest.mark.parametrize("mean_rows", [64, 72, 96, 128, 192])
-def test_prepared_mxfp4_upcast_blocks(mean_rows, layout):
-    """Prepared MXFP4 around `BLOCK_128_MEAN_ROWS_UPCAST`: the small regime's tile (INDEXED: in
+def test_blocks_around_the_medium_regime(mean_rows, layout, fmt):
+    """bf16 and prepared MXFP4 around `BLOCK_128_MEAN_ROWS`: the small regime's tile (INDEXED: in
     64-row blocks) below it, the medium tile (INDEXED: in 128-row blocks) at and above it;
     swigluoai with biases, dropped and out-of-range ids, NaN rows past `valid_tokens`."""
-    from padded_moe.layouts import BLOCK_128_MEAN_ROWS_UPCAST, GemmLayout, build_layout_resolved
+    from padded_moe.layouts import BLOCK_128_MEAN_ROWS, GemmLayout, build_layout_resolved
 
     k, E, K, N = 4, 16, 512, 256
     M = mean_rows * E // k
@@ -54,6 +55,8 @@ def test_prepared_mxfp4_upcast_blocks(mean_rows, layout):
     x = torch.randn(M + 8, K, device="cuda", generator=g).bfloat16()
     q13 = quantize_mxfp4(torch.randn(E, 2 * N, K, device="cuda", generator=g) * 0.03).prepare_for()
     q2 = quantize_mxfp4(torch.randn(E, K, N, device="cuda", generator=g) * 0.03).prepare_for()
+    if fmt == "bf16":
+        q13, q2 = q13.dequantize(torch.bfloat16), q2.dequantize(torch.bfloat16)
     b13 = (torch.randn(E, 2 * N, device="cuda", generator=g) * 0.1).bfloat16()
     b2 = (torch.randn(E, K, device="cuda", generator=g) * 0.1).bfloat16()
     tw, ids = _routes(M + 8, k, E)
@@ -62,8 +65,8 @@ def test_prepared_mxfp4_upcast_blocks(mean_rows, layout):
     x[M:] = float("nan")
     ids[M:] = torch.randint(-3, E + 3, (8, k), device="cuda", generator=g, dtype=torch.int32)
     valid = torch.tensor([M], dtype=torch.int32, device="cuda")
-    meta = build_layout_resolved(GemmLayout.INDEXED, ids, E, E, None, upcast=True)
-    assert meta.block_m == (128 if mean_rows * (M + 8) / M >= BLOCK_128_MEAN_ROWS_UPCAST else 64)
+    meta = build_layout_resolved(GemmLayout.INDEXED, ids, E, E, None)
+    assert meta.block_m == (128 if mean_rows * (M + 8) / M >= BLOCK_128_MEAN_ROWS else 64)
     out = fused_experts(x, q13, q2, tw, ids, activation="swigluoai", layout=layout, w13_bias=b13, w2_bias=b2,
                         valid_tokens=valid)
     ref = reference_moe(x[:M], dense_weights(q13), dense_weights(q2), tw[:M], ids[:M], activation="swigluoai",

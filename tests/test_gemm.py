@@ -778,9 +778,9 @@ def test_every_tuned_entry_leads_its_sweep():
 
 
 def test_default_indexed_blocks_are_one_tile_of_their_regime():
-    """`fused_experts`' INDEXED blocks (`default_block_m`, with `upcast` for prepared MXFP4) are
-    never split into several tiles by the config their metadata picks: a split tile reads (and
-    upcasts) the expert's weights once per tile."""
+    """`fused_experts`' INDEXED blocks (`default_block_m`) are never split into several tiles by
+    the config their metadata picks: a split tile reads (and, for MXFP4, upcasts) the expert's
+    weights once per tile."""
     from padded_moe.kernels import gemm as kg
     from padded_moe.layouts import build_layout_resolved, default_block_m
 
@@ -788,13 +788,12 @@ def test_default_indexed_blocks_are_one_tile_of_their_regime():
         for mean in (0.5, 1, 4, 12, 13, 16, 24, 26, 27, 32, 48, 64, 71, 72, 80, 95, 96, 100, 128, 192, 255, 256, 512,
                      2048):
             S = max(1, round(mean * L))
+            bm = default_block_m(S, L)
+            meta = build_layout_resolved(GemmLayout.INDEXED, torch.zeros(S, 1, dtype=torch.int32), L, L, None)
+            assert meta.block_m == bm
             for kind in {k for k, _ in kg.TUNED}:
-                upcast = kind.startswith("mxfp4_hopper")
-                bm = default_block_m(S, L, upcast)
-                meta = build_layout_resolved(GemmLayout.INDEXED, torch.zeros(S, 1, dtype=torch.int32), L, L, None,
-                                             upcast=upcast)
-                assert meta.block_m == bm
-                cfg = kg.pick_config(meta.rows_per_expert(), kind != "bf16", False, hopper=upcast,
+                hopper = kind.startswith("mxfp4_hopper")
+                cfg = kg.pick_config(meta.rows_per_expert(), kind != "bf16", False, hopper=hopper,
                                      planes=4 if kind == "mxfp4_hopper4" else 2, block_rows=bm)
                 _, sub, _ = kg.indexed_tiling(bm, cfg.BM)
                 assert sub == 1, (L, mean, bm, kind, cfg.short())
@@ -815,24 +814,22 @@ def test_config_short_names_read_back():
             kg.GemmConfig.from_short(bad)
 
 
-def test_upcast_kinds_leave_the_small_regime_where_indexed_blocks_widen():
-    """Prepared MXFP4 (its GEMM upcasts the weights per tile) is in the medium regime from
-    `BLOCK_128_MEAN_ROWS_UPCAST` rows per expert, on every layout; other kinds keep the small
-    regime up to 128 rows. So an INDEXED 128-row block of prepared weights takes the medium tile,
-    and a GROUPED_CONTIGUOUS call at the same mean rows the same tile."""
+def test_the_medium_regime_starts_where_indexed_blocks_widen():
+    """Every weight kind is in the medium regime (128-row tiles) from `BLOCK_128_MEAN_ROWS` rows
+    per expert, where INDEXED blocks turn to 128 rows: a GROUPED_CONTIGUOUS call and an INDEXED
+    block at the same mean rows take the same tile."""
     from padded_moe.kernels import gemm as kg
-    from padded_moe.layouts import BLOCK_128_MEAN_ROWS_UPCAST as B
+    from padded_moe.layouts import BLOCK_128_MEAN_ROWS as B
 
     assert 32 < B <= 128
-    for kind in kg.UPCAST_KINDS:
-        assert kg.regime(B - 0.5, kind) == "small" and kg.regime(B, kind) == "medium"
-        assert kg.regime(32, kind) == "decode" and kg.regime(512, kind) == "medium" and kg.regime(513, kind) == "prefill"
+    assert kg.regime(32) == "decode" and kg.regime(B - 0.5) == "small" and kg.regime(B) == "medium"
+    assert kg.regime(512) == "medium" and kg.regime(513) == "prefill"
+    for kind in {k for k, _ in kg.TUNED}:
+        mx, hopper = kind != "bf16", kind.startswith("mxfp4_hopper")
         planes = 4 if kind == "mxfp4_hopper4" else 2
         for rows, block in ((B, None), (B, 128), (128, 128), (B - 1, None), (B - 1, 64)):
-            cfg = kg.pick_config(rows, True, False, hopper=True, planes=planes, block_rows=block)
+            cfg = kg.pick_config(rows, mx, False, hopper=hopper, planes=planes, block_rows=block)
             assert cfg == kg.TUNED[(kind, "medium" if rows >= B else "small")], (kind, rows, block)
-    for kind in ("bf16", "mxfp4"):
-        assert kg.regime(B, kind) == "small" and kg.regime(128, kind) == "small" and kg.regime(129, kind) == "medium"
 
 
 def test_indexed_blocks_narrower_than_the_entry_take_the_narrow_entry():

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from helpers import SENTINEL
 from padded_moe.expert_map import ExpertMap
-from padded_moe.layouts import (BLOCK_128_MEAN_ROWS, BLOCK_128_MEAN_ROWS_UPCAST, GemmLayout, GroupedContiguousMeta,
+from padded_moe.layouts import (BLOCK_128_MEAN_ROWS, GemmLayout, GroupedContiguousMeta,
                                 GroupedMaskedMeta, IndexedMeta, PermuteScratch, build_layout, build_layout_resolved,
                                 default_block_m, permute, select_gemm_layout, unpermute)
 
@@ -399,28 +399,15 @@ def test_default_block_m_grows_with_mean_rows_and_never_shrinks():
     assert all(a <= b for a, b in zip(picks, picks[1:]))
 
 
-def test_upcast_weights_take_128_row_blocks_from_fewer_rows():
-    """GEMMs that upcast their weights per tile (`upcast`) get 128-row blocks from
-    `BLOCK_128_MEAN_ROWS_UPCAST` mean rows; below it, and in every case above, the same blocks as
-    without, and the pick never shrinks as slots grow."""
-    L = 8
-    plain = [default_block_m(S, L) for S in range(0, 300 * L)]
-    up = [default_block_m(S, L, upcast=True) for S in range(0, 300 * L)]
-    assert BLOCK_128_MEAN_ROWS_UPCAST < BLOCK_128_MEAN_ROWS
-    t = BLOCK_128_MEAN_ROWS_UPCAST * L
-    assert up[t - 1] == 64 and up[t] == 128 and plain[t] == 64
-    assert up[:t] == plain[:t] and up[BLOCK_128_MEAN_ROWS * L:] == plain[BLOCK_128_MEAN_ROWS * L:]
-    assert all(a <= b for a, b in zip(up, up[1:])) and all(a <= b for a, b in zip(plain, up))
-
-
-def test_scratch_reserves_the_upcast_block(gen):
-    """A scratch without a fixed block holds calls with either block at its largest size."""
-    L, k, M = 4, 1, 200 * 4  # 200 mean rows: 64-row blocks, 128 for upcast weights
-    s = PermuteScratch(M, k, L, L, "cpu")
+def test_scratch_reserves_its_largest_block(gen):
+    """A scratch without a fixed block reserves the largest block a call up to its size gets, and
+    a smaller call in it takes its own (smaller) default block."""
+    L, k = 4, 1
+    s = PermuteScratch(200 * L, k, L, L, "cpu")  # 200 mean rows at full size: 128-row blocks
     assert s.block_m == 128
-    ids = torch.randint(0, L, (M, k), generator=gen, dtype=torch.int32)
-    for upcast, bm in ((False, 64), (True, 128)):
-        meta = build_layout_resolved(GemmLayout.INDEXED, ids, L, L, None, scratch=s, upcast=upcast)
+    for M, bm in ((200 * L, 128), (40 * L, 64)):
+        ids = torch.randint(0, L, (M, k), generator=gen, dtype=torch.int32)
+        meta = build_layout_resolved(GemmLayout.INDEXED, ids, L, L, None, scratch=s)
         fresh = build_layout(GemmLayout.INDEXED, ids, L, block_m=bm)
         assert meta.block_m == bm and torch.equal(meta.sorted_ids, fresh.sorted_ids)
 

@@ -383,7 +383,7 @@ def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, step: _Step, cfg: 
         return decode_experts(hidden_states, w13, w2, topk_weights, topk_ids, step.activation, cfg, num_experts,
                               table, w13_bias, w2_bias, valid_tokens, allocate("act"), allocate("out"))
     meta = build_layout_resolved(layout, topk_ids, num_experts, num_local, table, valid_tokens=valid_tokens,
-                                 scratch=buffers, upcast=getattr(w13, "hopper", None) is not None)
+                                 scratch=buffers)
     act, gemm2, out = (allocate(name) for name in ("act", "gemm2", "out"))
     x = permute(hidden_states, meta)
     impl = resolve_backend(backend, device, meta.layout, w13)

@@ -326,29 +326,26 @@ def indexed_capacity(num_slots: int, num_local: int, block_m: int) -> int:
     return round_up(num_slots + num_local * (block_m - 1), block_m)
 
 
-# From this many mean rows per expert on, INDEXED blocks hold 128 rows, so the GEMM may use its
-# 128-row tiles (a kernel tile never spans two blocks). Below it, the padding of each expert's last
-# 128-row block costs more than the bigger tiles gain: on the H200, whole `fused_experts` calls with
-# 128-row blocks were 5-13% faster at 256 to 2048 mean rows (GPT-OSS, Qwen3-MoE, Mixtral), about
-# level at 192 (DeepSeek-V4) and 15% slower at 128 (GPT-OSS).
-BLOCK_128_MEAN_ROWS = 256
-# The same for GEMMs that upcast their weights in every tile (MXFP4 prepared for the Hopper kernel,
-# `Mxfp4Tensor.prepare_for`): a 64-row tile pays the upcast of the expert's weights once per 64
-# rows, so 128-row blocks pay from fewer rows; from this many rows per expert those GEMMs are in
-# the medium regime on every layout (`kernels.gemm.regime`, which has the measurements).
-# INDEXED 128-row blocks against 64-row ones (whole calls on the H200, time ratio): DeepSeek-V4
-# 1.41 at 48 mean rows, 0.98 at 66, 0.90 at 72, 0.84 at 80, 0.81 at 96, 0.97 at 144, 0.89 at 192;
-# GPT-OSS 1.14 at 64, 0.99 at 68, 0.90 at 72, 0.85 at 80, 0.84 at 96, 0.85 at 112, 0.97 at 128,
-# 0.86 at 192.
-BLOCK_128_MEAN_ROWS_UPCAST = 72
+# From this many mean rows per expert on, INDEXED blocks hold 128 rows, so the GEMM takes its
+# 128-row tiles (a kernel tile never spans two blocks), and every layout's GEMM is in the medium
+# regime (`kernels.gemm.regime`). Below it a 64-row block holds nearly all of an expert's rows;
+# from it on most experts spill past 64 rows, and a second 64-row tile reads (and, for prepared
+# MXFP4, upcasts) the expert's weights again. Whole `fused_experts` calls on the H200, 128-row
+# blocks with the medium tile against 64-row blocks (time ratio, alternating graph replays):
+# bf16 DeepSeek-V4 1.08 at 48 mean rows, 0.87 at 72, 0.79 at 96, 0.80 at 112, 0.83 at 128, 1.01 at
+# 144, 0.99 at 192; Qwen3-MoE 0.93 at 72, 0.88 at 96, 0.93 at 112 and 128, 0.98 at 144, 0.93 at 192;
+# Mixtral 0.85 at 72, 0.84 at 96, 0.82 at 112, 0.86 at 128, 1.04 at 144, 0.98 at 192. Prepared
+# MXFP4 DeepSeek-V4 1.41 at 48, 0.98 at 66, 0.90 at 72, 0.84 at 80, 0.81 at 96, 0.97 at 144, 0.89
+# at 192; GPT-OSS 1.14 at 64, 0.99 at 68, 0.90 at 72, 0.85 at 80, 0.84 at 96, 0.85 at 112, 0.97 at
+# 128, 0.86 at 192.
+BLOCK_128_MEAN_ROWS = 72
 
 
-def default_block_m(num_slots: int, num_local: int, upcast: bool = False) -> int:
+def default_block_m(num_slots: int, num_local: int) -> int:
     """INDEXED row block when the caller gives none: the smallest of 16/32/64 that holds the mean
-    rows per expert plus their square root, or 128 from `BLOCK_128_MEAN_ROWS` mean rows on
-    (`BLOCK_128_MEAN_ROWS_UPCAST` with `upcast`: the GEMMs upcast their weights per tile). Never
-    decreases as `num_slots` grows, and never with `upcast` (a scratch sized for its largest call
-    has room for every smaller one).
+    rows per expert plus their square root, or 128 from `BLOCK_128_MEAN_ROWS` mean rows on. Never
+    decreases as `num_slots` grows (a scratch sized for its largest call has room for every
+    smaller one).
 
     Routed counts scatter around the mean by about its square root, and an expert past its block
     gets a second, nearly empty one that reads (and, for MXFP4, upcasts) its weights again: on the
@@ -356,7 +353,7 @@ def default_block_m(num_slots: int, num_local: int, upcast: bool = False) -> int
     MXFP4, Qwen3-MoE, Mixtral) than the smallest block holding the mean; twice the margin was 23%
     slower at 24 mean rows (DeepSeek-V4 MXFP4)."""
     mean = num_slots / max(num_local, 1)
-    if mean >= (BLOCK_128_MEAN_ROWS_UPCAST if upcast else BLOCK_128_MEAN_ROWS):
+    if mean >= BLOCK_128_MEAN_ROWS:
         return 128
     need = mean + math.sqrt(mean)
     return 16 if need <= 16 else 32 if need <= 32 else 64
@@ -430,7 +427,7 @@ class PermuteScratch:
         # scratch sized for prefill must not force prefill's big blocks onto decode-sized calls.
         # The reserved capacity is that of the largest block any call up to max_tokens can get.
         self.fixed_block_m = block_m is not None
-        self.block_m = _check_block_m(block_m) if block_m is not None else default_block_m(S, num_local, upcast=True)
+        self.block_m = _check_block_m(block_m) if block_m is not None else default_block_m(S, num_local)
         self.max_tokens_per_expert = (require_int("max_tokens_per_expert", max_tokens_per_expert, 0)
                                       if max_tokens_per_expert is not None else S)
         self.max_slots = S
@@ -450,10 +447,10 @@ class PermuteScratch:
             for layout in (GemmLayout.GROUPED_CONTIGUOUS, GemmLayout.GROUPED_MASKED):
                 self.permute_buffer(layout, require_int("hidden_size", hidden_size, 1), dtype)
 
-    def block_for(self, num_slots: int, upcast: bool = False) -> int:
+    def block_for(self, num_slots: int) -> int:
         """The INDEXED block of a call of `num_slots` rows: the scratch's `block_m` if the caller
         fixed one, else `default_block_m` of the call's own slots (at most `block_m`)."""
-        return self.block_m if self.fixed_block_m else default_block_m(num_slots, self.num_local, upcast)
+        return self.block_m if self.fixed_block_m else default_block_m(num_slots, self.num_local)
 
     def buffers(self, M: int, k: int, num_experts: int, num_local: int, block_m: int, device) -> dict:
         """Views for one call (cached per shape), after checking the call fits."""
@@ -567,19 +564,17 @@ def build_layout_resolved(layout: Union[GemmLayout, str], topk_ids: torch.Tensor
                           table: Optional[torch.Tensor], *, block_m: Optional[int] = None,
                           max_tokens_per_expert: Optional[int] = None,
                           valid_tokens: Optional[torch.Tensor] = None,
-                          scratch: Optional[PermuteScratch] = None, drop_overflow: bool = False,
-                          upcast: bool = False) -> LayoutMeta:
+                          scratch: Optional[PermuteScratch] = None, drop_overflow: bool = False) -> LayoutMeta:
     """`build_layout` after its checks, with the experts already resolved to `(E, L, map table or
     None)` on the ids' device: the entry the custom ops use, since an ExpertMap cannot cross one
-    (they pass the layout as its `.value`). `upcast`: the GEMMs upcast their weights per tile, which
-    moves the default INDEXED block (`default_block_m`)."""
+    (they pass the layout as its `.value`)."""
     layout = _as_layout(layout)
     M, k = topk_ids.shape
     S, L = M * k, num_local
     if block_m is not None:
         bm = _check_block_m(block_m)
     else:
-        bm = scratch.block_for(S, upcast) if scratch is not None else default_block_m(S, L, upcast)
+        bm = scratch.block_for(S) if scratch is not None else default_block_m(S, L)
     if max_tokens_per_expert is not None:
         t_max = require_int("max_tokens_per_expert", max_tokens_per_expert, 0)
     else:

@@ -44,7 +44,7 @@ from padded_moe.kernels._codes import GROUPED_CONTIGUOUS, INDEXED
 from padded_moe.kernels._launch import launch as launch_kernel, ptr_key, resident_programs
 from padded_moe.kernels.activation import ACT_SWIGLUOAI, _bias_act, _gate_up_rows
 from padded_moe.kernels.guard import expert_id_ok
-from padded_moe.layouts import BLOCK_128_MEAN_ROWS_UPCAST
+from padded_moe.layouts import BLOCK_128_MEAN_ROWS
 from padded_moe.mxfp4 import warn_unprepared
 
 
@@ -120,8 +120,8 @@ _SHORT_TAGS = (("tma", "tma", True), ("bitdq", "mx_native", False), ("swap", "sw
 
 
 # Tuned for H200 (sm_90), keyed by (weight kind, regime). Regimes by rows per expert:
-# decode <= 32 (weight-bandwidth bound: small BM, many programs), small <= 128, medium <= 512,
-# prefill > 512 (compute bound: big tiles, grouped ordering so an expert's weight tile stays in L2).
+# decode <= 32 (weight-bandwidth bound: small BM, many programs), small below
+# `layouts.BLOCK_128_MEAN_ROWS` (72), medium <= 512, prefill > 512 (compute bound: big tiles, grouped ordering so an expert's weight tile stays in L2).
 # Each entry is the winner of `benchmarks/bench_gemm.py`'s H200 sweep for its regime (the sweep
 # candidates are SWEEP below; measurements in notes.md). The bf16 medium and prefill tiles run as
 # persistent programs (`GemmConfig.persistent`): on whole `fused_experts` calls (bench_tiles_ab,
@@ -247,27 +247,15 @@ SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
 }
 
 
-# Weight kinds whose GEMM upcasts the expert's weights in every tile (MXFP4 prepared for the Hopper
-# kernel). A 64-row tile pays that upcast once per 64 rows, so these kinds leave the small regime
-# (64-row tiles) for the medium one (128-row tiles) from `BLOCK_128_MEAN_ROWS_UPCAST` rows per
-# expert, where INDEXED blocks turn to 128 rows too. Whole calls on the H200 (alternating graph
-# replays), the medium tile against the small one at the same rows: INDEXED (128-row blocks against
-# 64-row ones) 0.90 at 72 mean rows on both GPT-OSS and DeepSeek-V4, 0.84-0.85 at 80, 0.81-0.84 at
-# 96, 0.97 on GPT-OSS at 128; 0.99 on GPT-OSS at 68 and 0.98 on DeepSeek-V4 at 66, 1.14 on GPT-OSS at
-# 64; GROUPED_CONTIGUOUS 0.90 at 72 (GPT-OSS), 0.84 at 80 and 0.82 at 96 (both), 0.95 at 128
-# (GPT-OSS). GROUPED_MASKED takes the same boundary, unmeasured.
-UPCAST_KINDS = frozenset({"mxfp4_hopper4", "mxfp4_hopper"})
-
-
-def regime(rows_per_expert: float, kind: str = "bf16") -> str:
-    """The tuning regime of a GEMM of `rows_per_expert` rows per expert with weights of `kind`
-    (a `table_kind`)."""
+def regime(rows_per_expert: float) -> str:
+    """The tuning regime of a GEMM of `rows_per_expert` rows per expert. The medium regime (128-row
+    tiles) starts where INDEXED blocks widen to 128 rows (`layouts.BLOCK_128_MEAN_ROWS`, which has
+    the measurements), on every layout; on GROUPED_CONTIGUOUS (whole calls on the H200, the medium
+    tile against the small one) bf16 DeepSeek-V4 took 0.87x at 72 and 0.81x at 96 rows, prepared
+    MXFP4 0.90x at 72 (GPT-OSS), 0.84x at 80 and 0.82x at 96 (both models), 0.95x at 128 (GPT-OSS)."""
     if rows_per_expert <= 32:
         return "decode"
-    if kind in UPCAST_KINDS:
-        if rows_per_expert < BLOCK_128_MEAN_ROWS_UPCAST:
-            return "small"
-    elif rows_per_expert <= 128:
+    if rows_per_expert < BLOCK_128_MEAN_ROWS:
         return "small"
     if rows_per_expert <= 512:
         return "medium"
@@ -297,8 +285,7 @@ def pick_config(rows_per_expert: float, mxfp4: bool, interpreted: bool, hopper: 
     hopper = hopper and mxfp4
     if interpreted:
         return INTERPRET_HOPPER_CONFIG if hopper else INTERPRET_CONFIG
-    kind = table_kind(mxfp4, hopper, planes)
-    key = (kind, regime(rows_per_expert, kind))
+    key = (table_kind(mxfp4, hopper, planes), regime(rows_per_expert))
     cfg = TUNED[key]
     if block_rows is not None and block_rows < cfg.BM and key in TUNED_NARROW:
         return TUNED_NARROW[key]

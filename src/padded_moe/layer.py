@@ -193,22 +193,24 @@ class FusedMoE(nn.Module):
         params = (self.gate.weight, self.gate.bias) + experts + (self.w13_bias, self.w2_bias,
                                                                   self.e_score_correction_bias)
         generators: dict = {}
+
+        def generator(device: torch.device) -> torch.Generator:  # one stream per device, in draw order
+            if device not in generators:
+                generators[device] = torch.Generator(device=device).manual_seed(seed)
+            return generators[device]
+
         for p in params:
             if p is None:
                 continue
             if isinstance(p, str):  # MXFP4 experts: each drawn as the float expert it replaces, then quantized
                 blocks, scales = getattr(self, f"{p}_blocks"), getattr(self, f"{p}_scales")
-                gen = generators.get(blocks.device)
-                if gen is None:
-                    gen = generators[blocks.device] = torch.Generator(device=blocks.device).manual_seed(seed)
+                gen = generator(blocks.device)
                 shape = (blocks.shape[1], blocks.shape[2] * 2)
                 for local in range(blocks.shape[0]):
                     w = torch.randn(shape, generator=gen, device=blocks.device, dtype=torch.float32).mul_(std)
                     _quantize_into(blocks[local], scales[local], w.to(self.gate.weight.dtype))
                 continue
-            gen = generators.get(p.device)
-            if gen is None:
-                gen = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            gen = generator(p.device)
             pieces = p if p.dim() == 3 else (p,)
             for piece in pieces:
                 piece.copy_(torch.randn(piece.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(std))

@@ -121,7 +121,8 @@ _SHORT_TAGS = (("tma", "tma", True), ("bitdq", "mx_native", False), ("swap", "sw
 
 # Tuned for H200 (sm_90), keyed by (weight kind, regime). Regimes by rows per expert:
 # decode <= 32 (weight-bandwidth bound: small BM, many programs), small below
-# `layouts.BLOCK_128_MEAN_ROWS` (72), medium <= 512, prefill > 512 (compute bound: big tiles, grouped ordering so an expert's weight tile stays in L2).
+# `layouts.BLOCK_128_MEAN_ROWS` (72), medium <= 512, prefill > 512 (compute bound: big tiles,
+# grouped ordering so an expert's weight tile stays in L2).
 # Each entry is the winner of `benchmarks/bench_gemm.py`'s H200 sweep for its regime (the sweep
 # candidates are SWEEP below; measurements in notes.md). The bf16 medium and prefill tiles run as
 # persistent programs (`GemmConfig.persistent`): on whole `fused_experts` calls (bench_tiles_ab,

@@ -248,9 +248,9 @@ for stage in "$@"; do
                 STEP_TIMEOUT=300 step peers env OUT="$OUT/peers" BUDGET_S=260 TIMEOUT_S=290 bash .peers/run.sh \
                     --tokens 1024,8192 --cases dsv4,qwen3,mixtral --check-tokens 1024
             fi ;;
-        persistent-small)  # the small-regime table entries (33-128 rows per expert) against their persistent form
-            for run in "qwen3-30b-a3b bf16 small 1024,2048" "dsv4-flash bf16 small 4096" \
-                       "gpt-oss-120b mxfp4 small 1024,2048" "dsv4-flash mxfp4 small 4096"; do
+        persistent-small)  # the small-regime table entries (33-71 rows per expert) against their persistent form
+            for run in "qwen3-30b-a3b bf16 small 1024" "dsv4-flash bf16 small 2048" \
+                       "gpt-oss-120b mxfp4 small 1024,2048" "dsv4-flash mxfp4 small 2048"; do
                 set -- $run
                 STEP_TIMEOUT=240 step "ab-pers-$1-$2-$3" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights "$2" \
                     --regime "$3" --tokens "$4" --candidates persistent --rounds 5 --out "$OUT/ab-pers-$1-$2-$3"
@@ -299,13 +299,12 @@ for stage in "$@"; do
             STEP_TIMEOUT=120 step sanitizer-bm256 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
                 tests/test_gemm_gpu.py -k "256_row_tiles and 1056 and s3"
             step test-torch-backend python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k "torch_backend_cuda" ;;
-        mx-blocks)  # prepared MXFP4: 128-row INDEXED blocks from `BLOCK_128_MEAN_ROWS` mean rows (96-192 mean
+        mx-blocks)  # prepared MXFP4: 128-row INDEXED blocks in the medium regime (144-192 mean
             # rows per expert): the table at the default block against the tiles at 64- and 128-row blocks,
             # whole calls in alternating rounds; then the peers of the DeepSeek-V4 MXFP4 case at 8192 tokens
             tile() { python3 -c "from padded_moe.kernels import gemm as kg; print(kg.$1[('mxfp4_hopper4', '$2')].short())"; }
-            med=$(tile TUNED medium); nar=$(tile TUNED_NARROW medium); sml=$(tile TUNED small)
-            for spec in "dsv4-flash medium 6144,8192 $nar@64,$med@128" "gpt-oss-120b medium 6144 $nar@64,$med@128" \
-                        "dsv4-flash small 4096 $sml@128,$med@128" "gpt-oss-120b small 4096 $sml@128,$med@128"; do
+            med=$(tile TUNED medium); nar=$(tile TUNED_NARROW medium)
+            for spec in "dsv4-flash medium 6144,8192 $nar@64,$med@128" "gpt-oss-120b medium 6144 $nar@64,$med@128"; do
                 set -- $spec
                 STEP_TIMEOUT=150 step "blocks-$1-$2" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 \
                     --regime "$2" --tokens "$3" --rounds 5 --out "$OUT/blocks-$1-$2" --candidates "$4"

@@ -237,7 +237,8 @@ class FusedMoE(nn.Module):
     def prepare(self) -> None:
         """Build what the GEMMs read from the layer's MXFP4 parameters now (`prepare_for`: the
         prepared arrangement, a second copy of the same bytes). Runs by itself after
-        `load_experts`, `randomize`, `reset_parameters`, `load_state_dict` and `.to()`; call it after
+        `load_experts`, `randomize`, `load_state_dict` and `.to()`, and at the first `expert_weights()`
+        after `reset_parameters`; call it after
         changing the MXFP4 parameters in place, and before `torch.compile`. Nothing to do for bf16."""
         self._mxfp4.clear()
         if self.weight_format == "mxfp4" and self.w13_blocks.device.type != "meta":

@@ -163,6 +163,16 @@ for stage in "$@"; do
                 --out "$OUT/bench-decode-sweep"
             STEP_TIMEOUT=200 step bench-hf-graph python3 benchmarks/bench_hf.py --models qwen3_moe,gpt_oss \
                 --columns graph_b1,graph_b32 --out "$OUT/bench-hf" ;;
+        decode-ktail)  # decode GEMM1's K step dividing K (GPT-OSS bf16: BK 64): decode GPU tests, the cold-L2 decode
+            # probe, HF graph decode steps, the decode table, sanitizer incl. a GPT-OSS-width call (K = 2880)
+            STEP_TIMEOUT=240 step test-decode python3 -m pytest -q -m gpu tests/test_decode_gpu.py
+            STEP_TIMEOUT=150 step decode-cold python3 scripts/decode_cold_probe.py --no-pure-reads \
+                --cases qwen3-30b-a3b:bf16,gpt-oss-120b:bf16 --out "$OUT/decode-cold.json"
+            STEP_TIMEOUT=200 step bench-hf-graph python3 benchmarks/bench_hf.py --models qwen3_moe,gpt_oss,mixtral \
+                --columns graph_b1,graph_b32 --out /tmp/bench-hf
+            STEP_TIMEOUT=200 step bench-decode python3 benchmarks/bench_decode.py --out /tmp/bench-decode
+            STEP_TIMEOUT=${SANITIZER_S:-300} step sanitizer-decode compute-sanitizer --tool memcheck --error-exitcode 9 \
+                python3 -m pytest -q -m gpu tests/test_decode_gpu.py -k "sanitizer or (model_shapes and gpt-oss-120b-1)" ;;
         small-kernels)  # the activation's launch shapes (incl. one program per row block) and Nsight Compute
             # sections of the activation (ours vs torch.compile's kernel) and of unpermute (indexed vs grouped)
             STEP_TIMEOUT=150 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"

@@ -25,6 +25,16 @@ def h200_tiles(*args, **kwargs):
     finally:
         dec._platform.program_cap = real_cap
 
+
+def test_one_token_gemm1_step_divides_k():
+    """At one token GEMM1's K step is the largest power of two from 128 down to 64 dividing K (no
+    partial last step); wider calls, and a K no such step divides, keep 128."""
+    assert h200_tiles(1, 4, 2880, 2880).bk1 == 64  # GPT-OSS: 2880 = 45 x 64
+    assert h200_tiles(1, 8, 768, 2048).bk1 == 128  # Qwen3-MoE
+    assert h200_tiles(2, 8, 2880, 2880).bk1 == 128
+    assert h200_tiles(1, 4, 72, 200).bk1 == 128
+
+
 SCRIPT = r"""
 import json, os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"

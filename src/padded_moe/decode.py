@@ -115,7 +115,22 @@ def pick_tiles(num_tokens: int, num_slots: int, n: int, hidden_size: int, device
         # H200, 32 x 512 took 41 µs against 44 for 32 x 256 on GPT-OSS; at two tokens 64 x 256
         # beat 64 x 512 on DeepSeek-V4 (83 against 92 µs).
         return DecodeTiles(bn1, min(512, 16384 // bn1), bn2, 16384, stages1=3)
-    return DecodeTiles(bn1, 128, bn2, 8192)
+    # At one token GEMM1's K step divides K where a power of two down to 64 does: a partial last
+    # step costs a whole step's latency for part of its bytes. On an H200 (cold weights), GPT-OSS
+    # bf16 (K = 2880) GEMM1 took 33.1-34.2 µs at BK 64 against 35.2-35.9 at BK 128. With more
+    # tokens (BN 64) the whole call at 4 tokens measured 199 µs with BK 64 against 190.5 with BK 128
+    # (separate runs), so wider calls keep BK 128. (GEMM2 with smaller steps, tried alongside, gained up
+    # to 0.7 µs at one token and lost up to 35% of the call at 2-4 tokens.)
+    bk1 = _dividing_step(hidden_size, 128) if num_tokens == 1 else 128
+    return DecodeTiles(bn1, bk1, bn2, 8192)
+
+
+def _dividing_step(k: int, step: int) -> int:
+    """The largest power-of-two step from `step` down to 64 that divides `k`, else `step`."""
+    s = step
+    while s > 64 and k % s:
+        s //= 2
+    return s if k % s == 0 else step
 
 
 # How the MXFP4 decode kernels read weights: "prepared" (the default), the prepared 4-plane words

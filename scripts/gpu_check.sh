@@ -173,6 +173,10 @@ for stage in "$@"; do
             STEP_TIMEOUT=200 step bench-decode python3 benchmarks/bench_decode.py --out /tmp/bench-decode
             STEP_TIMEOUT=${SANITIZER_S:-300} step sanitizer-decode compute-sanitizer --tool memcheck --error-exitcode 9 \
                 python3 -m pytest -q -m gpu tests/test_decode_gpu.py -k "sanitizer or (model_shapes and gpt-oss-120b-1)" ;;
+        cutlass-mx)  # CUTLASS's sm90 mixed-input GEMM on e2m1 (64-element scale groups, speed only) against our
+            # prepared-MXFP4 GEMM and torch's bf16 bmm (issue 12's warp-specialization question); needs the
+            # library built by scripts/cutlass_mx/build.sh and carried (.cutlass_mx)
+            STEP_TIMEOUT=240 step cutlass-mx python3 scripts/cutlass_mx_probe.py --out "$OUT/cutlass-mx.json" ;;
         small-kernels)  # the activation's launch shapes (incl. one program per row block) and Nsight Compute
             # sections of the activation (ours vs torch.compile's kernel) and of unpermute (indexed vs grouped)
             STEP_TIMEOUT=150 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"

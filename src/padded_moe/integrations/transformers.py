@@ -111,10 +111,11 @@ def _minimax_m3(m) -> Optional[Tuple[str, Any]]:
 
 
 def _step3p7(m) -> Optional[Tuple[str, Any]]:
-    # act_fn(gate).clamp(max=L) * up.clamp(-L, L); L = inf on layers without a limit.
+    # act_fn(gate).clamp(max=L) * up.clamp(-L, L) on layers with a limit; transformers 5.24 gives
+    # the others L = inf, 5.25 gives them None (no clamp).
     if _act_name(m.act_fn) != "silu":
         return None
-    limit = float(m.limit)
+    limit = float("inf") if m.limit is None else float(m.limit)
     return "swiglustep", _config(clamp_limit=limit)
 
 

@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _common import bench_us, matmul_tflops  # noqa: E402
-from bench_gemm import masked_meta  # noqa: E402
+from bench_gemm import masked_meta, weight_pair  # noqa: E402
 
 from padded_moe.gemm import expert_gemm  # noqa: E402
-from padded_moe.mxfp4 import Mxfp4Tensor, e2m1_lut, quantize_mxfp4  # noqa: E402
+from padded_moe.mxfp4 import Mxfp4Tensor, e2m1_lut  # noqa: E402
 
 # (model, stage, N, K): the expert GEMMs of GPT-OSS-120B and DeepSeek-V4-Flash.
 SHAPES = [("gpt-oss", "w13", 5760, 2880), ("gpt-oss", "w2", 2880, 2880),
@@ -49,12 +49,6 @@ def load(path: str) -> ctypes.CDLL:
     lib.mx_gemm_run.restype = ctypes.c_int
     lib.mx_gemm_run.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + ints + [ctypes.c_void_p] * 2
     return lib
-
-
-def mx_weights(L: int, n: int, k: int, dev) -> Mxfp4Tensor:
-    w = torch.randn(L, n, k, device=dev, dtype=torch.bfloat16) / k**0.5
-    parts = [quantize_mxfp4(w[i:i + 4]) for i in range(0, L, 4)]
-    return Mxfp4Tensor(torch.cat([p.blocks for p in parts]), torch.cat([p.scales for p in parts]))
 
 
 def group64_scales(q: Mxfp4Tensor) -> torch.Tensor:
@@ -89,7 +83,7 @@ def main() -> None:
     L = args.experts
     rows = []
     for model, stage, n, k in SHAPES:
-        q = mx_weights(L, n, k, dev)
+        _, q = weight_pair(L, n, k, dev)
         qh = Mxfp4Tensor(q.blocks.clone(), q.scales.clone()).prepare_for()
         s64 = group64_scales(q)
         w_dense = q.dequantize(torch.bfloat16)

@@ -6,10 +6,10 @@ DRAM with the call's weight reads. In a model's decode step the previous layers 
 (weights) behind. This probe captures L layers' routed-experts calls (distinct weights, so nothing
 a call reads is in L2) in one graph, as a model step does, and reports per kernel (torch.profiler
 over replays): each decode kernel's time against a plain streaming read of the same experts'
-bytes in the same graph, for the default tiles and a few candidates. It also gives the one-call
-graph under do_bench's flush, the number the benchmarks quote.
+bytes in the same graph, for the default tiles and a few candidates. It also times one call per
+replay after do_bench's flush (the number the benchmarks quote) and after a read-only flush.
 
-    PYTHONPATH=src python3 scripts/decode_cold_probe.py [--presets qwen3-30b-a3b,gpt-oss-120b,dsv4-flash]
+    PYTHONPATH=src python3 scripts/decode_cold_probe.py [--cases qwen3-30b-a3b:bf16,gpt-oss-120b:mxfp4] [--no-pure-reads]
 
 Not part of the library: it answers where the decode path's time over its weight-read floor goes.
 """

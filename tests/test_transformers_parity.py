@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from typing import Callable
 
 import pytest
@@ -273,6 +274,15 @@ def test_plan_maps_each_family_to_its_activation(name):
         if name == "step3p7":  # per-layer: no limit (0 -> inf) on even layers
             want = step3p7_limits(TINY["layers"])[i] or math.inf
             assert cfg.clamp_limit == want
+
+
+def test_step3p7_layer_without_a_limit_reads_as_no_clamp():
+    """transformers 5.25 leaves `limit` None on Step-3.7 layers without a clamp (5.24 gave inf):
+    both map to swiglustep with an infinite limit, whichever version is installed."""
+    for limit in (None, math.inf):
+        name, cfg = plug._step3p7(types.SimpleNamespace(act_fn=torch.nn.SiLU(), limit=limit))
+        assert name == "swiglustep" and cfg.clamp_limit == math.inf
+    assert plug._step3p7(types.SimpleNamespace(act_fn=torch.nn.SiLU(), limit=16.0))[1].clamp_limit == 16.0
 
 
 def test_step3p7_dispatch_leaves_other_implementations_alone():

@@ -83,12 +83,6 @@ def candidates(default: dec.DecodeTiles, mxfp4: bool) -> list:
     return uniq
 
 
-def nbytes(w) -> int:
-    if isinstance(w, torch.Tensor):
-        return w.numel() * w.element_size()
-    return w.blocks.numel() + w.scales.numel()
-
-
 def clean_flush_us(graph, flush: torch.Tensor, reps: int = 30) -> float:
     """One replay after reading (not writing) a buffer larger than L2: clean lines, cold weights."""
     samples = []
@@ -121,7 +115,7 @@ def main() -> None:
         proto = FusedMoE.from_preset(name, weight_format=fmt, device="cuda", dtype=torch.bfloat16)
         a13, a2 = proto.expert_weights()
         # Bytes of one expert in the format the floor counts (MXFP4: the canonical e2m1 + E8M0).
-        expert_bytes = (nbytes(a13) + nbytes(a2)) // proto.num_experts
+        expert_bytes = sum(w.nbytes() if mx else w.nbytes for w in (a13, a2)) // proto.num_experts
         n_inter = a2.shape[2]
         L = max(2, min(6, int(args.read_bytes // (expert_bytes * proto.top_k)) + 1))
         del proto, a13, a2

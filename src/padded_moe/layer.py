@@ -172,8 +172,7 @@ class FusedMoE(nn.Module):
             for name, stream in (("w13", e), ("w2", e + self.num_experts)):
                 if self.weight_format == "mxfp4":  # drawn in the layer's dtype, then quantized
                     blocks = getattr(self, f"{name}_blocks")
-                    w = torch.empty(blocks.shape[1], blocks.shape[2] * 2, dtype=self.gate.weight.dtype,
-                                    device=blocks.device)
+                    w = torch.empty(self._expert_shape(name), dtype=self.gate.weight.dtype, device=blocks.device)
                     _init_uniform_(w, seed, stream=stream)
                     _quantize_into(blocks[local], getattr(self, f"{name}_scales")[local], w)
                 else:
@@ -205,7 +204,7 @@ class FusedMoE(nn.Module):
             if isinstance(p, str):  # MXFP4 experts: each drawn as the float expert it replaces, then quantized
                 blocks, scales = getattr(self, f"{p}_blocks"), getattr(self, f"{p}_scales")
                 gen = generator(blocks.device)
-                shape = (blocks.shape[1], blocks.shape[2] * 2)
+                shape = self._expert_shape(p)
                 for local in range(blocks.shape[0]):
                     w = torch.randn(shape, generator=gen, device=blocks.device, dtype=torch.float32).mul_(std)
                     _quantize_into(blocks[local], scales[local], w.to(self.gate.weight.dtype))
@@ -228,6 +227,10 @@ class FusedMoE(nn.Module):
         # Compiled before `prepare()` ran, or on the meta device: the canonical bytes (a tensor made
         # inside a compiled graph must not be cached past it, CUDA-graph pools reuse its memory).
         return self._canonical("w13"), self._canonical("w2")
+
+    def _expert_shape(self, name: str) -> tuple:
+        """`[rows, in]` of one local expert of `w13` / `w2` as a float matrix."""
+        return (self._w13_shape if name == "w13" else self._w2_shape)[1:]
 
     def _canonical(self, name: str) -> Mxfp4Tensor:
         """The MXFP4 parameters of `w13` / `w2` as an `Mxfp4Tensor` (views, no copy)."""

@@ -14,7 +14,8 @@ first (relative L2 difference at most 2e-2; a wrong tile is off by O(1)).
 The candidates replace `TUNED[(kind, regime)]` (kind: the table the call's weights use), and
 `TUNED_NARROW`'s entry where it has one, for their turn; `--candidates sweep`
 takes every sweep candidate of that regime, `--candidates persistent` the table entry with
-`GemmConfig.persistent` flipped (in the narrow-block entry too), and any other tile may be named by
+`GemmConfig.persistent` flipped (in the narrow-block entry too), `--candidates half` the same with
+`GemmConfig.half_tail`, and any other tile may be named by
 its short name (e.g. BM256_BN128_BK64_G8_w8_s3_hop_ptx). A name ending in `@B` runs with INDEXED row
 blocks of B rows (a power of two) in place of `fused_experts`' default block, so a wider tile can
 take a whole block. `--fuse-activation both` times each candidate also with the activation in
@@ -99,20 +100,26 @@ def table_kind_of(w13) -> str:
     return kg.table_kind(isinstance(w13, Mxfp4Tensor), hopper is not None, 2 if hopper is None else hopper.planes)
 
 
+# Config fields that change how a tile runs, not the tile: a table entry with other switches keeps
+# each entry's own tile (`table_entry`).
+SWITCHES = ("persistent", "half_tail")
+
+
 @contextlib.contextmanager
 def table_entry(key: tuple, cfg: kg.GemmConfig):
     """`cfg` in place of the table entry `key` (and of its narrow-block entry, where there is one),
     with launch plans off so that every call picks its config afresh; all restored on exit. The
-    table entry itself leaves the tables as they are; in its other persistence
-    (`GemmConfig.persistent`) it changes only that in each entry, so a narrow-block entry keeps its
-    own tile."""
+    table entry itself leaves the tables as they are; the table entry with other `SWITCHES`
+    (`GemmConfig.persistent`, `half_tail`) changes only the switches that differ, in each entry, so a narrow-block entry
+    keeps its own tile."""
     tables = [t for t in (kg.TUNED, kg.TUNED_NARROW) if key in t]
     saved = [t[key] for t in tables]
     plans = ex._launch_plans()
     same = cfg == kg.TUNED[key]
-    twin = dataclasses.replace(cfg, persistent=kg.TUNED[key].persistent) == kg.TUNED[key]
+    switches = {f: getattr(cfg, f) for f in SWITCHES if getattr(cfg, f) != getattr(kg.TUNED[key], f)}
+    twin = dataclasses.replace(cfg, **{f: getattr(kg.TUNED[key], f) for f in SWITCHES}) == kg.TUNED[key]
     for t in tables if not same else ():
-        t[key] = dataclasses.replace(t[key], persistent=cfg.persistent) if twin else cfg
+        t[key] = dataclasses.replace(t[key], **switches) if twin else cfg
     plans.enabled = False
     try:
         yield
@@ -155,7 +162,8 @@ def main() -> None:
     p.add_argument("--tokens", default="128", help="comma list of token counts")
     p.add_argument("--regime", required=True, choices=("decode", "small", "medium", "prefill"))
     p.add_argument("--candidates", required=True,
-                   help="comma list of config short names, 'sweep', or 'persistent' (the table entry's other persistence)")
+                   help="comma list of config short names, 'sweep', 'persistent' (the table entry's other "
+                        "persistence) or 'half' (the table entry with GemmConfig.half_tail flipped)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--fuse-activation", default="table", choices=("table", "both"),
                    help="'both': each candidate also with the activation in GEMM1's epilogue forced "
@@ -179,8 +187,9 @@ def main() -> None:
     pool = candidate_pool(kind)
     if args.candidates == "sweep":
         names = [c.short() for c in kg.sweep_lists(kind)[args.regime]]
-    elif args.candidates == "persistent":
-        names = [dataclasses.replace(table, persistent=not table.persistent).short()]
+    elif args.candidates in ("persistent", "half"):
+        field = "persistent" if args.candidates == "persistent" else "half_tail"
+        names = [dataclasses.replace(table, **{field: not getattr(table, field)}).short()]
     else:
         names = [n.strip() for n in args.candidates.split(",") if n.strip()]
     # (config, INDEXED block or None), the table entry at the default block first

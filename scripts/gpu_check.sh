@@ -173,6 +173,32 @@ for stage in "$@"; do
             STEP_TIMEOUT=200 step bench-decode python3 benchmarks/bench_decode.py --out /tmp/bench-decode
             STEP_TIMEOUT=${SANITIZER_S:-300} step sanitizer-decode compute-sanitizer --tool memcheck --error-exitcode 9 \
                 python3 -m pytest -q -m gpu tests/test_decode_gpu.py -k "sanitizer or (model_shapes and gpt-oss-120b-1)" ;;
+        half-tail-ab)  # GemmConfig.half_tail against the table entry on whole calls, alternating rounds, where
+            # experts' last 128-row tiles hold few rows (192-256 mean rows per expert, and 2048)
+            for run in "gpt-oss-120b mxfp4 medium 8192" "dsv4-flash bf16 medium 8192" "mixtral-8x7b bf16 medium 1024" \
+                       "qwen3-30b-a3b bf16 medium 4096,8192" "dsv4-flash mxfp4 medium 8192" "mixtral-8x7b bf16 prefill 8192"; do
+                set -- $run
+                STEP_TIMEOUT=150 step "ab-half-$1-$2-$3" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights "$2" \
+                    --regime "$3" --tokens "$4" --candidates half --rounds 3 --out "/tmp/ab-half-$1-$2-$3"
+            done ;;
+        half-tail)  # GemmConfig.half_tail (the prepared-MXFP4 medium entry's): GPU tests against the reference and the
+            # full tiles' bits, the medium-regime boundary suite, sanitizer, whole calls with and without it at 72-256
+            # mean rows, the MXFP4 peers at 8192 tokens
+            STEP_TIMEOUT=300 step test-half-tail python3 -m pytest -q -n 2 -m gpu tests/test_gemm_gpu.py \
+                tests/test_experts_gpu.py -k "half_tail or medium_regime"
+            STEP_TIMEOUT=200 step sanitizer-half-tail compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
+                -q -m gpu tests/test_gemm_gpu.py -k "half_tail and ((gpt_oss and w13) or (prefill and w2 and indexed))" ;;
+        half-tail-bench)  # the prepared-MXFP4 medium entry with and without half_tail at 72-128 mean rows, the MXFP4
+            # peers at 8192 tokens
+            for run in "gpt-oss-120b 2304,3072,4096" "dsv4-flash 3072,4096"; do
+                set -- $run
+                STEP_TIMEOUT=150 step "ab-half-$1" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 \
+                    --regime medium --tokens "$2" --candidates half --rounds 3 --out "/tmp/ab-half-$1"
+            done
+            if [ -d .peers ]; then
+                STEP_TIMEOUT=200 step peers env OUT=/tmp/peers BUDGET_S=170 TIMEOUT_S=190 bash .peers/run.sh \
+                    --tokens 8192 --cases gptoss,dsv4mx --impls padded_moe,triton_kernels
+            fi ;;
         cutlass-mx)  # CUTLASS's sm90 mixed-input GEMM on e2m1 (64-element scale groups, speed only) against our
             # prepared-MXFP4 GEMM and torch's bf16 bmm (issue 12's warp-specialization question); needs the
             # library built by scripts/cutlass_mx/build.sh and carried (.cutlass_mx)

@@ -46,6 +46,20 @@ def test_persistent_twin_keeps_each_entry_tile():
     assert twin.short() in bench_tiles_ab.candidate_pool("mxfp4_hopper4")
 
 
+def test_half_tail_twin_keeps_each_entry_tile():
+    """The table entry with `half_tail` flipped flips it in the narrow-block entry too (its own tile)."""
+    import dataclasses
+
+    key = ("mxfp4_hopper4", "medium")
+    wide, narrow = kg.TUNED[key], kg.TUNED_NARROW[key]
+    twin = dataclasses.replace(wide, half_tail=not wide.half_tail)
+    pick = lambda b: kg.pick_config(300, True, False, hopper=True, planes=4, block_rows=b)  # noqa: E731
+    with bench_tiles_ab.table_entry(key, twin):
+        assert pick(128) == twin and pick(64) == dataclasses.replace(narrow, half_tail=twin.half_tail)
+    assert pick(128) == wide and pick(64) == narrow
+    assert kg.GemmConfig.from_short(twin.short()) == twin
+
+
 def test_table_kind_and_candidates():
     q = quantize_mxfp4(torch.randn(2, 64, 64))
     assert bench_tiles_ab.table_kind_of(torch.randn(2, 4, 4)) == "bf16"

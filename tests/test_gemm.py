@@ -593,6 +593,39 @@ def test_persistent_programs_walk_every_tile(monkeypatch, layout, wdtype, gen):
     assert torch.equal(one, walked)
 
 
+# Experts whose last 32-row tile holds at most 16 rows (1, 15, 16, 33, 48), more (17, 31), exactly
+# one full tile (32), none (0), and three tiles (81: 17 rows in the last).
+HALF_TAIL_COUNTS = [0, 1, 15, 16, 17, 31, 32, 33, 48, 81]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, "mxfp4", "mxfp4-prepared"], ids=str)
+@pytest.mark.parametrize("persistent", [False, True], ids=["one_per_tile", "persistent"])
+def test_half_tail_tiles_match_full_tiles(monkeypatch, layout, wdtype, persistent, gen):
+    """`GemmConfig.half_tail` with 32-row tiles: a tile whose valid rows all lie in its first 16 runs
+    as a 16-row tile (experts ending 1-16 rows into a tile, or holding that few), the others as
+    full tiles. The reference on every written row, nothing else written (NaN in every row the
+    layout must not read, invalid ids mixed in), and the bits of the same config without it."""
+    from padded_moe.kernels import gemm as kg
+
+    require_interpreter(monkeypatch)
+    prepared = wdtype == "mxfp4-prepared"
+    K, n_out, k = 64, 40, 2
+    counts, L = HALF_TAIL_COUNTS, len(HALF_TAIL_COUNTS)
+    w, w64 = make_weight(L, n_out, K, "mxfp4" if prepared else wdtype, gen)
+    if prepared:
+        w = prepared_only(w, 4)
+    ids = ids_with_counts(counts, k, gen, extra_invalid=3)
+    t_max = max(counts) + 5 if layout == GemmLayout.GROUPED_MASKED else None
+    meta = local_meta(layout, ids, L, block_m=32, t_max=t_max)
+    a = layout_activations(layout, meta, ids.shape[0], k, K, gen, act_dtype("mxfp4" if prepared else wdtype))
+    base = dataclasses.replace(kg.INTERPRET_HOPPER_CONFIG if prepared else kg.INTERPRET_CONFIG, BM=32,
+                               persistent=persistent)
+    full = run_and_check(a, w, w64, meta, "w13", backend="triton", config=base)
+    half = run_and_check(a, w, w64, meta, "w13", backend="triton", config=dataclasses.replace(base, half_tail=True))
+    assert torch.equal(full, half)
+
+
 # ---------------------------------------------------------------------------------------------
 # MXFP4 in the prepared Hopper arrangement (`Mxfp4Tensor.prepare_for`, the Hopper kernel)
 # ---------------------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ for layout, cfg, folded, planes, act, *rest in json.loads(sys.argv[1]):
     const = dict(LAYOUT=layout, HAS_BIAS=True, A_DIV=1, BLOCK_MB=cfg.BM, SUB=1, ROWS=cfg.BM, L_POW2=128,
                  FP32_DOT=False, K_TAIL=k_tail, UPCAST_PTX=cfg.mx_ptx, WIDE=cfg.mx_wide, FOLDED=folded, PLANES=planes,
                  W_SHARED=cfg.mx_w_shared, ACT=act, HAS_LIMIT=act >= 0, HAS_LAMBDA=False, FAST=act >= 0,
-                 GATED=gated, HAS_K=True, PERSISTENT=cfg.persistent, BM=cfg.BM, BN=cfg.BN,
+                 GATED=gated, HAS_K=True, PERSISTENT=cfg.persistent, HALF_TAIL=cfg.half_tail, BM=cfg.BM, BN=cfg.BN,
                  BN_OUT=cfg.BN // 2 if gated else cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M)
     sig.update({k: "constexpr" for k in const})
     names = fn.arg_names
@@ -121,6 +121,9 @@ def test_hopper_kernel_compiles_for_sm90():
     # persistent programs (`GemmConfig.persistent`) on the 4-plane prefill tile, with and without the epilogue
     walked = dataclasses.replace(kg.TUNED[("mxfp4_hopper4", "prefill")], persistent=True)
     cases += [(lay, walked, True, 4, act) for lay in (0, 1, 2) for act in (-1, 3)]
+    # `GemmConfig.half_tail` on the 4-plane medium tile (both loop bodies compiled)
+    half = dataclasses.replace(kg.TUNED[("mxfp4_hopper4", "medium")], half_tail=True)
+    cases += [(lay, half, True, 4, act) for lay in (0, 1) for act in (-1, 3)]
     arg = json.dumps([(lay, dataclasses.asdict(c), folded, planes, act) for lay, c, folded, planes, act in cases])
     results = compile_for_sm90(PTXAS_LOG + HGMMA_LOOPS + SCRIPT, arg)
     for r in results:
@@ -296,6 +299,8 @@ for sig, const, warps, stages, aligned in json.loads(sys.argv[1]):
                     wgmma=len(wgmma), tma=ptx.count("cp.async.bulk.tensor"),
                     async_copies=ttgir.count("async_copy_global_to_local"), shared=k.metadata.shared,
                     spills=spills(ptx) if "ptxas_log" in globals() else None,
+                    # ptxas's advisory C7515: it serializes the kernel's wgmmas
+                    wgmma_serialized=("C7515" in ptxas_log(ptx)) if "ptxas_log" in globals() else None,
                     # register tiles stored to shared memory (none when TMA feeds both operands)
                     local_stores=ttgir.count("ttg.local_store"),
                     dot_operands_shared=all(l.count("!ttg.memdesc") >= 2 for l in dots) and bool(dots)))
@@ -369,6 +374,29 @@ def test_gate_first_tma_tile_compiles_to_one_full_width_mma():
     assert plain["widths"] == [256] and two["widths"] == [128] and one["widths"] == [256], (plain, two, one)
     assert one["tma"] == plain["tma"] and one["local_stores"] == plain["local_stores"], (plain, one)
     assert plain["dot_operands_shared"] and one["dot_operands_shared"], (plain, one)
+
+
+def test_half_tail_tiles_compile_both_loops():
+    """`GemmConfig.half_tail` on the bf16 medium and prefill tiles (INDEXED: gathered A rows;
+    grouped: a second TMA descriptor of BM/2-row blocks), with and without silu in the epilogue:
+    both loop bodies are there (more wgmmas than the plain tile, the full tile's widths kept), each
+    pipelined like the plain tile's, no spills, asynchronous wgmmas, shared memory within the SM's."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from padded_moe.kernels import _codes as codes
+    from padded_moe.kernels import gemm as kg
+
+    cases = [_captured_launch(c, layout, epi) for regime in ("medium", "prefill")
+             for layout in (codes.INDEXED, codes.GROUPED_CONTIGUOUS) for epi in (None, "silu")
+             for c in (kg.TUNED[("bf16", regime)], dataclasses.replace(kg.TUNED[("bf16", regime)], half_tail=True))]
+    results = compile_for_sm90(PTXAS_LOG + HGMMA_LOOPS + TMA_SCRIPT, json.dumps(cases))
+    for plain, half in zip(results[::2], results[1::2]):
+        assert set(plain["widths"]) <= set(half["widths"]) and half["wgmma"] > plain["wgmma"], (plain, half)
+        assert half["tma"] >= plain["tma"] and half["async_copies"] >= plain["async_copies"], (plain, half)
+        assert half["local_stores"] == plain["local_stores"] and half["dot_operands_shared"], (plain, half)
+        assert half["spills"] == 0 and half["wgmma_serialized"] is False, half
+        assert half["shared"] <= 227 * 1024, half
 
 
 def test_persistent_programs_compile_to_the_same_main_loop():

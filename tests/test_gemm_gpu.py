@@ -249,28 +249,32 @@ def test_cuda_graph_replay_after_ids_change(layout, wdtype):
     replay_on_new_routings(layout, w, lambda a, meta, out: expert_gemm(a, w, meta, out=out))
 
 
-# Persistent programs (`GemmConfig.persistent`) on the medium / prefill tiles of both tables.
-PERSISTENT_CONFIGS = [(w, kg.TUNED[(kind, reg)]) for w, kind in (("bf16", "bf16"), ("mxfp4_hopper", "mxfp4_hopper4"))
-                      for reg in ("medium", "prefill")]
+# The medium / prefill tiles of both tables, each with one of its switches off and on:
+# `GemmConfig.persistent` (programs walking tiles) and `GemmConfig.half_tail` (a tile whose rows all
+# lie in its first half runs as a half tile; the few-row shapes take that path on every tile, the
+# prefill shape on some).
+SWITCHED_CONFIGS = [(w, kg.TUNED[(kind, reg)]) for w, kind in (("bf16", "bf16"), ("mxfp4_hopper", "mxfp4_hopper4"))
+                    for reg in ("medium", "prefill")]
 
 
-@pytest.mark.parametrize("wdtype,cfg", PERSISTENT_CONFIGS, ids=lambda v: v if isinstance(v, str) else v.short())
+@pytest.mark.parametrize("switch", ["persistent", "half_tail"])
+@pytest.mark.parametrize("wdtype,cfg", SWITCHED_CONFIGS, ids=lambda v: v if isinstance(v, str) else v.short())
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
 @pytest.mark.parametrize("stage", ["w13", "w2"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
-def test_persistent_programs_match_one_per_tile(layout, stage, shape, wdtype, cfg, weights):
-    """Model shapes with garbage ids, NaN-poisoned padding and biases: the persistent kernel matches
-    the reference and gives the bits of one program per tile."""
+def test_switch_keeps_the_tiles_bits(layout, stage, shape, wdtype, cfg, switch, weights):
+    """Model shapes with garbage ids, NaN-poisoned padding and biases: the tile with `switch` on
+    matches the reference and gives the bits of the same tile with it off."""
     w, meta, a, bias, out = real_shape_case(shape, stage, layout, weights, "mxfp4" if wdtype != "bf16" else "bf16")
     w_ref = None
     if wdtype == "mxfp4_hopper":
         w, w_ref = prepared_only(w, 4), w
     be = get_backend("triton")
-    one = be.gemm(a, w, meta, stage=stage, bias=bias, out=out.clone(), config=cfg)
-    walked = be.gemm(a, w, meta, stage=stage, bias=bias, out=out, config=dataclasses.replace(cfg, persistent=True))
+    off = be.gemm(a, w, meta, stage=stage, bias=bias, out=out.clone(), config=dataclasses.replace(cfg, **{switch: False}))
+    on = be.gemm(a, w, meta, stage=stage, bias=bias, out=out, config=dataclasses.replace(cfg, **{switch: True}))
     torch.cuda.synchronize()
-    check(a, w, meta, stage, walked, bias, w_ref=w_ref)
-    assert torch.equal(one, walked)
+    check(a, w, meta, stage, on, bias, w_ref=w_ref)
+    assert torch.equal(off, on)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)

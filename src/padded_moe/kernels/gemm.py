@@ -88,6 +88,11 @@ class GemmConfig:
     # blocks below `num_padded`, GROUPED_CONTIGUOUS's experts' tiles). Same tiles, same math per
     # tile: bit-identical outputs. GROUPED_MASKED launches one program per tile either way.
     persistent: bool = False
+    # A tile whose valid rows all lie in its first BM/2 rows (an expert's last tile with its few
+    # remaining rows, or a narrower INDEXED block) runs the main loop as a BM/2-row tile: half the
+    # MMA work and A reads. The kernels decide per tile on the device (both loop bodies are compiled);
+    # outputs are those of the full tile. Tiles of BM >= 32 only (tl.dot needs 16 rows).
+    half_tail: bool = False
 
     def short(self) -> str:
         tag = "".join(f"_{name}" for name, field, when in _SHORT_TAGS if getattr(self, field) == when)
@@ -116,7 +121,8 @@ class GemmConfig:
 # `GemmConfig.short()`'s tags, in order: (tag, field, the field's value that adds the tag).
 _SHORT_TAGS = (("tma", "tma", True), ("bitdq", "mx_native", False), ("swap", "swap_ab", True),
                ("hop", "mx_hopper", True), ("ptx", "mx_ptx", True), ("wide", "mx_wide", True),
-               ("wsh", "mx_w_shared", True), ("pers", "persistent", True))
+               ("wsh", "mx_w_shared", True), ("pers", "persistent", True),
+               ("half", "half_tail", True))
 
 
 # Tuned for H200 (sm_90), keyed by (weight kind, regime). Regimes by rows per expert:
@@ -168,9 +174,14 @@ TUNED.update({
 TUNED.update({
     ("mxfp4_hopper4", "decode"): GemmConfig(32, 128, 256, 1, 4, 3, mx_hopper=True, mx_ptx=True),
     ("mxfp4_hopper4", "small"): GemmConfig(64, 128, 64, 4, 4, 4, mx_hopper=True, mx_ptx=True),
-    ("mxfp4_hopper4", "medium"): GemmConfig(128, 256, 64, 8, 8, 3, mx_hopper=True, mx_ptx=True),
+    ("mxfp4_hopper4", "medium"): GemmConfig(128, 256, 64, 8, 8, 3, mx_hopper=True, mx_ptx=True, half_tail=True),
     ("mxfp4_hopper4", "prefill"): GemmConfig(128, 256, 64, 8, 8, 3, mx_hopper=True, mx_ptx=True),
 })
+# `half_tail` on the prepared-MXFP4 medium tile (an expert's last tile of at most 64 rows runs as a
+# 64-row tile): whole calls at 8192 tokens (bench_tiles_ab, alternating graph replays, H200) took
+# 0.977x the time without it on GPT-OSS (256 rows per expert) and 0.967x on DeepSeek-V4 (192). On
+# the bf16 tiles it lost: 1.04-1.21x persistent (DeepSeek-V4 at 8192 tokens, Mixtral at 1024 and
+# 8192, Qwen3-MoE at 4096 and 8192), level to 1.07x as one program per tile, so bf16 keeps full tiles.
 # Entries for INDEXED calls whose row blocks hold fewer rows than the `TUNED` entry's BM (the tile
 # then takes one block: a 64-row tile), where the sweep found another tile faster.
 TUNED_NARROW: dict[tuple[str, str], GemmConfig] = {
@@ -240,7 +251,8 @@ SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
                _H(128, 256, 64, 8, 8, 3), _H(128, 64, 128, 8, 4, 3), _H(64, 256, 128, 8, 8, 3),
                _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True),
                _H(128, 256, 64, 8, 8, 3, True), _H(128, 256, 128, 8, 8, 3, True), _H(128, 256, 64, 8, 8, 4, True),
-               _H(128, 256, 64, 4, 8, 3, True)],
+               _H(128, 256, 64, 4, 8, 3, True),
+               GemmConfig(128, 256, 64, 8, 8, 3, mx_hopper=True, mx_ptx=True, half_tail=True)],
     "prefill": [_H(128, 128, 128, 8, 8, 3, True), _H(128, 256, 64, 8, 8, 3, True),
                 _H(128, 256, 128, 8, 8, 3, True), _H(64, 256, 128, 8, 8, 3, True), _H(128, 128, 128, 16, 8, 4, True),
                 _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True),
@@ -376,14 +388,15 @@ def _dequant_mxfp4(packed, scales, BN: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def _tile_rows(pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
                LAYOUT: tl.constexpr, A_DIV: tl.constexpr, BLOCK_MB: tl.constexpr, SUB: tl.constexpr,
-               ROWS: tl.constexpr, L_POW2: tl.constexpr, BM: tl.constexpr):
-    """Rows of m-tile `pid_m` for the layout: (live, expert, first row, A rows, C rows, row valid).
+               ROWS: tl.constexpr, L_POW2: tl.constexpr, BM: tl.constexpr, TM: tl.constexpr):
+    """Rows of m-tile `pid_m` for the layout: (live, expert, first row, A rows, C rows, row valid),
+    the vectors over the tile's first `TM` of its `BM` rows (TM = BM: all of them).
 
     `live` is 0 for a tile with nothing to compute (the caller returns at once); then the other
     values are unspecified. Every load here stays inside its metadata tensor for any tile of the
     launch grid. Rows with `valid` false are 0 in `a_rows` / `c_rows` and must be masked.
     """
-    rm = tl.arange(0, BM)
+    rm = tl.arange(0, TM)
     if LAYOUT == INDEXED:
         mb = pid_m // SUB
         row0 = mb * BLOCK_MB + (pid_m % SUB) * BM
@@ -443,15 +456,15 @@ def _contiguous_tiles(off_ptr, R_a, num_local, L_POW2: tl.constexpr, BM: tl.cons
 def _program_tile(tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
                   LAYOUT: tl.constexpr, A_DIV: tl.constexpr, BLOCK_MB: tl.constexpr, SUB: tl.constexpr,
                   ROWS: tl.constexpr, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  GROUP_M: tl.constexpr, IN_LOOP: tl.constexpr):
+                  GROUP_M: tl.constexpr, IN_LOOP: tl.constexpr, TM: tl.constexpr):
     """Tile `tile`, shared by both GEMM kernels: `_tile_rows`' values for its m-tile (the expert as
     int64), its first output column `n0`, the columns `rn` and their mask `n_ok`. `IN_LOOP` (a
     persistent program, which cannot return early): a dead tile gets expert 0 and no valid rows,
-    so its bias loads stay in bounds and it stores nothing."""
+    so its bias loads stay in bounds and it stores nothing. `TM`: as in `_tile_rows`."""
     pid_m, pid_n = _tile_ids(tile, num_pid_m, tl.cdiv(N, BN), GROUP_M)
     live, e, row_start, a_rows, c_rows, valid = _tile_rows(
         pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM)
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, TM)
     if IN_LOOP:
         e = tl.where(live != 0, e, 0)
         valid = valid & (live != 0)
@@ -552,7 +565,7 @@ def _store_act_tile(acc, acc_u, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_
 
 @triton.jit
 def _expert_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr,
+    a_ptr, a_half_ptr, w_ptr, s_ptr, bias_ptr, c_ptr,
     ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr,
     N, K, R_a, num_local, mk, T_max, num_pid_m,
     stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_cm, W_ROWS,
@@ -564,7 +577,7 @@ def _expert_gemm_kernel(
     A_FMT: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
     GATED: tl.constexpr, TWO_ACC: tl.constexpr, W_DESC4: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, HALF_TAIL: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """`N` counts output columns (activation columns with `ACT` >= 0), `W_ROWS` the weight's rows
@@ -575,28 +588,33 @@ def _expert_gemm_kernel(
 
     PERSISTENT: `GemmConfig.persistent` (the grid is what the GPU holds at once; each program
     walks tiles `program_id + i * programs`, `_walk`).
+
+    HALF_TAIL: `GemmConfig.half_tail` (a tile whose valid rows all lie in its first BM/2 runs as a
+    BM/2-row tile; `a_half_ptr` is A's descriptor with BM/2-row blocks when A_DESC, else `a_ptr`).
     """
     if PERSISTENT:
         tiles, live_m = _walk(N, num_pid_m, npad_ptr, off_ptr, R_a, num_local, LAYOUT, BLOCK_MB, SUB, L_POW2, BM,
                               BN_OUT)
         for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0)):
-            _expert_gemm_tile(tile, live_m, a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, ids_ptr, blk_exp_ptr, npad_ptr,
-                off_ptr, cnt_ptr, N, K, R_a, num_local, mk, T_max, stride_am, stride_we, stride_wn, stride_wk,
+            _expert_gemm_tile(tile, live_m, a_ptr, a_half_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, ids_ptr, blk_exp_ptr,
+                npad_ptr, off_ptr, cnt_ptr, N, K, R_a, num_local, mk, T_max, stride_am, stride_we, stride_wn, stride_wk,
                 stride_se, stride_sn, stride_be, stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda, LAYOUT,
                 W_MXFP4, HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, A_DESC, W_DESC, MX_NATIVE, SWAP_AB,
-                A_FMT, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, TWO_ACC, W_DESC4, BM, BN, BN_OUT, BK, GROUP_M, True)
+                A_FMT, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, TWO_ACC, W_DESC4, HALF_TAIL, BM, BN, BN_OUT, BK,
+                GROUP_M, True)
     else:
-        _expert_gemm_tile(tl.program_id(0), num_pid_m, a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, ids_ptr, blk_exp_ptr,
-            npad_ptr, off_ptr, cnt_ptr, N, K, R_a, num_local, mk, T_max, stride_am, stride_we, stride_wn, stride_wk,
-            stride_se, stride_sn, stride_be, stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda, LAYOUT,
-            W_MXFP4, HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, A_DESC, W_DESC, MX_NATIVE, SWAP_AB, A_FMT,
-            ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, TWO_ACC, W_DESC4, BM, BN, BN_OUT, BK, GROUP_M, False)
+        _expert_gemm_tile(tl.program_id(0), num_pid_m, a_ptr, a_half_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, ids_ptr,
+            blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, N, K, R_a, num_local, mk, T_max, stride_am, stride_we, stride_wn,
+            stride_wk, stride_se, stride_sn, stride_be, stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda,
+            LAYOUT, W_MXFP4, HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, A_DESC, W_DESC, MX_NATIVE, SWAP_AB,
+            A_FMT, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, TWO_ACC, W_DESC4, HALF_TAIL, BM, BN, BN_OUT, BK, GROUP_M,
+            False)
 
 
 @triton.jit
 def _expert_gemm_tile(
     tile, num_pid_m,
-    a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr,
+    a_ptr, a_half_ptr, w_ptr, s_ptr, bias_ptr, c_ptr,
     ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr,
     N, K, R_a, num_local, mk, T_max,
     stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_cm, W_ROWS,
@@ -607,17 +625,64 @@ def _expert_gemm_tile(
     SWAP_AB: tl.constexpr,
     A_FMT: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
-    GATED: tl.constexpr, TWO_ACC: tl.constexpr, W_DESC4: tl.constexpr,
+    GATED: tl.constexpr, TWO_ACC: tl.constexpr, W_DESC4: tl.constexpr, HALF_TAIL: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     IN_LOOP: tl.constexpr,
 ):
     """One tile of `_expert_gemm_kernel` (`tile` < the m-tiles `num_pid_m` times the n-tiles)."""
     live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid = _program_tile(
         tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP)
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, BM)
     if not IN_LOOP:
         if live == 0:
             return
+    if HALF_TAIL:
+        if _in_first_half(valid, BM):
+            _, _, _, _, _, h_start, h_a_rows, h_c_rows, h_valid = _program_tile(
+                tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
+                LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, BM // 2)
+            _expert_gemm_rows(live, e64, n0, rn, n_ok, h_start, h_a_rows, h_c_rows, h_valid, a_half_ptr, w_ptr,
+                s_ptr, bias_ptr, c_ptr, N, K, stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+                stride_be, stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda, W_MXFP4, HAS_BIAS,
+                FP32_DOT, A_DESC, W_DESC, MX_NATIVE, SWAP_AB, A_FMT, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED,
+                TWO_ACC, W_DESC4, BM // 2, BN, BN_OUT, BK, IN_LOOP)
+        else:
+            _expert_gemm_rows(live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid, a_ptr, w_ptr, s_ptr,
+                bias_ptr, c_ptr, N, K, stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be,
+                stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda, W_MXFP4, HAS_BIAS, FP32_DOT, A_DESC,
+                W_DESC, MX_NATIVE, SWAP_AB, A_FMT, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, TWO_ACC, W_DESC4,
+                BM, BN, BN_OUT, BK, IN_LOOP)
+    else:
+        _expert_gemm_rows(live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid, a_ptr, w_ptr, s_ptr, bias_ptr,
+            c_ptr, N, K, stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_cm,
+            W_ROWS, limit, alpha, beta, situ_beta, situ_lambda, W_MXFP4, HAS_BIAS, FP32_DOT, A_DESC, W_DESC,
+            MX_NATIVE, SWAP_AB, A_FMT, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, TWO_ACC, W_DESC4, BM, BN, BN_OUT,
+            BK, IN_LOOP)
+
+
+@triton.jit
+def _in_first_half(valid, BM: tl.constexpr):
+    """Whether a tile's valid rows (`valid [BM]`) all lie in its first BM/2 (e.g. an expert's last
+    tile holding its few remaining rows): `GemmConfig.half_tail` runs such a tile as BM/2 rows."""
+    return tl.max(((tl.arange(0, BM) >= BM // 2) & valid).to(tl.int32), 0) == 0
+
+
+@triton.jit
+def _expert_gemm_rows(
+    live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid,
+    a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, N, K,
+    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_cm, W_ROWS,
+    limit, alpha, beta, situ_beta, situ_lambda,
+    W_MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FP32_DOT: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, MX_NATIVE: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    A_FMT: tl.constexpr,
+    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
+    GATED: tl.constexpr, TWO_ACC: tl.constexpr, W_DESC4: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr, BK: tl.constexpr, IN_LOOP: tl.constexpr,
+):
+    """The main loop and epilogue of one tile of `_expert_gemm_kernel` over `BM` rows (`a_rows`,
+    `c_rows`, `valid`, from `_program_tile`; `a_ptr` a descriptor of BM-row blocks when A_DESC)."""
     k_end = K
     if IN_LOOP:  # a dead tile of a persistent program: no steps
         k_end = tl.where(live != 0, K, 0)
@@ -980,8 +1045,8 @@ def _expert_gemm_mx_hopper_kernel(
     FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr, UPCAST_PTX: tl.constexpr, WIDE: tl.constexpr,
     FOLDED: tl.constexpr, PLANES: tl.constexpr, W_SHARED: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
-    GATED: tl.constexpr, HAS_K: tl.constexpr, PERSISTENT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BN_OUT: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    GATED: tl.constexpr, HAS_K: tl.constexpr, PERSISTENT: tl.constexpr, HALF_TAIL: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """MXFP4 weights in the `HopperMxfp4` arrangement (mxfp4.py): per 64-element K block, byte j
     holds columns j (low nibble) and 32+j (high nibble); scales are `[L, K_PAD/32, N]`. PLANES=4:
@@ -1002,7 +1067,7 @@ def _expert_gemm_mx_hopper_kernel(
     With the activation in the epilogue (`ACT` >= 0) `N` counts activation columns and a tile's BN
     weight rows serve BN_OUT of them, as in `_expert_gemm_kernel`.
 
-    PERSISTENT: as in `_expert_gemm_kernel`.
+    PERSISTENT, HALF_TAIL: as in `_expert_gemm_kernel`.
     """
     if PERSISTENT:
         tiles, live_m = _walk(N, num_pid_m, npad_ptr, off_ptr, R_a, num_local, LAYOUT, BLOCK_MB, SUB, L_POW2, BM,
@@ -1012,13 +1077,13 @@ def _expert_gemm_mx_hopper_kernel(
                 npad_ptr, off_ptr, cnt_ptr, N, K, K_PAD, R_a, num_local, mk, T_max, stride_am, stride_we, stride_wn,
                 stride_se, stride_sg, stride_be, stride_cm, limit, alpha, beta, situ_beta, situ_lambda, LAYOUT,
                 HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, K_TAIL, UPCAST_PTX, WIDE, FOLDED, PLANES,
-                W_SHARED, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, HAS_K, BM, BN, BN_OUT, BK, GROUP_M, True)
+                W_SHARED, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, HAS_K, HALF_TAIL, BM, BN, BN_OUT, BK, GROUP_M, True)
     else:
         _expert_gemm_mx_hopper_tile(tl.program_id(0), num_pid_m, a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, ids_ptr,
             blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, N, K, K_PAD, R_a, num_local, mk, T_max, stride_am, stride_we,
             stride_wn, stride_se, stride_sg, stride_be, stride_cm, limit, alpha, beta, situ_beta, situ_lambda, LAYOUT,
             HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, K_TAIL, UPCAST_PTX, WIDE, FOLDED, PLANES, W_SHARED,
-            ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, HAS_K, BM, BN, BN_OUT, BK, GROUP_M, False)
+            ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, HAS_K, HALF_TAIL, BM, BN, BN_OUT, BK, GROUP_M, False)
 
 
 @triton.jit
@@ -1034,16 +1099,53 @@ def _expert_gemm_mx_hopper_tile(
     FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr, UPCAST_PTX: tl.constexpr, WIDE: tl.constexpr,
     FOLDED: tl.constexpr, PLANES: tl.constexpr, W_SHARED: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
-    GATED: tl.constexpr, HAS_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr,
-    BK: tl.constexpr, GROUP_M: tl.constexpr, IN_LOOP: tl.constexpr,
+    GATED: tl.constexpr, HAS_K: tl.constexpr, HALF_TAIL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BN_OUT: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, IN_LOOP: tl.constexpr,
 ):
     """One tile of `_expert_gemm_mx_hopper_kernel` (`tile` < the m-tiles `num_pid_m` times the n-tiles)."""
     live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid = _program_tile(
         tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP)
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, BM)
     if not IN_LOOP:
         if live == 0:
             return
+    if HALF_TAIL:
+        if _in_first_half(valid, BM):
+            _, _, _, _, _, _, h_a_rows, h_c_rows, h_valid = _program_tile(
+                tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
+                LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, BM // 2)
+            _expert_gemm_mx_hopper_rows(live, e64, n0, rn, n_ok, h_a_rows, h_c_rows, h_valid, a_ptr, w_ptr, s_ptr,
+                bias_ptr, c_ptr, N, K, K_PAD, stride_am, stride_we, stride_wn, stride_se, stride_sg, stride_be,
+                stride_cm, limit, alpha, beta, situ_beta, situ_lambda, HAS_BIAS, FP32_DOT, K_TAIL, UPCAST_PTX,
+                WIDE, FOLDED, PLANES, W_SHARED, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, HAS_K, BM // 2, BN, BN_OUT,
+                BK, IN_LOOP)
+        else:
+            _expert_gemm_mx_hopper_rows(live, e64, n0, rn, n_ok, a_rows, c_rows, valid, a_ptr, w_ptr, s_ptr,
+                bias_ptr, c_ptr, N, K, K_PAD, stride_am, stride_we, stride_wn, stride_se, stride_sg, stride_be,
+                stride_cm, limit, alpha, beta, situ_beta, situ_lambda, HAS_BIAS, FP32_DOT, K_TAIL, UPCAST_PTX,
+                WIDE, FOLDED, PLANES, W_SHARED, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, HAS_K, BM, BN, BN_OUT,
+                BK, IN_LOOP)
+    else:
+        _expert_gemm_mx_hopper_rows(live, e64, n0, rn, n_ok, a_rows, c_rows, valid, a_ptr, w_ptr, s_ptr, bias_ptr,
+            c_ptr, N, K, K_PAD, stride_am, stride_we, stride_wn, stride_se, stride_sg, stride_be, stride_cm, limit,
+            alpha, beta, situ_beta, situ_lambda, HAS_BIAS, FP32_DOT, K_TAIL, UPCAST_PTX, WIDE, FOLDED, PLANES,
+            W_SHARED, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, HAS_K, BM, BN, BN_OUT, BK, IN_LOOP)
+
+
+@triton.jit
+def _expert_gemm_mx_hopper_rows(
+    live, e64, n0, rn, n_ok, a_rows, c_rows, valid,
+    a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, N, K, K_PAD,
+    stride_am, stride_we, stride_wn, stride_se, stride_sg, stride_be, stride_cm,
+    limit, alpha, beta, situ_beta, situ_lambda,
+    HAS_BIAS: tl.constexpr,
+    FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr, UPCAST_PTX: tl.constexpr, WIDE: tl.constexpr,
+    FOLDED: tl.constexpr, PLANES: tl.constexpr, W_SHARED: tl.constexpr,
+    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
+    GATED: tl.constexpr, HAS_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BN_OUT: tl.constexpr, BK: tl.constexpr, IN_LOOP: tl.constexpr,
+):
+    """The main loop and epilogue of one tile of `_expert_gemm_mx_hopper_kernel` over `BM` rows."""
     k_end = K_PAD
     if IN_LOOP:  # a dead tile of a persistent program: no steps
         k_end = tl.where(live != 0, K_PAD, 0)
@@ -1259,6 +1361,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         num_pid_m = num_local * triton.cdiv(t_max, BM)
     if num_pid_m == 0:
         return out2
+    half_tail = cfg.half_tail and BM >= 32
     BK = cfg.BK
     if mx:
         BK = max(32, BK)
@@ -1284,7 +1387,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
             FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda, K_TAIL=k_pad % BK != 0 or K != k_pad,
             UPCAST_PTX=cfg.mx_ptx and a2.is_cuda and a2.dtype == torch.bfloat16, WIDE=cfg.mx_wide,
             FOLDED=w_hopper.folded, PLANES=w_hopper.planes, W_SHARED=cfg.mx_w_shared, **act_flags, HAS_K=K > 0,
-            PERSISTENT=walk, BM=BM, BN=cfg.BN, BN_OUT=BN_OUT, BK=BK, GROUP_M=cfg.GROUP_M)
+            PERSISTENT=walk, HALF_TAIL=half_tail, BM=BM, BN=cfg.BN, BN_OUT=BN_OUT, BK=BK, GROUP_M=cfg.GROUP_M)
         key, args = ints + act_floats + ptr_key(*ptrs), ptrs + ints + act_floats
         grid = _grid(_expert_gemm_mx_hopper_kernel, grid, key, args, constexprs, cfg, walk)
         launch_kernel(_expert_gemm_mx_hopper_kernel, grid, key, args, constexprs, num_warps=cfg.num_warps,
@@ -1295,6 +1398,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     w_desc = read != "pointer"
     w_desc4, two_acc = read == "tma_one_tile", read == "tma_two_tiles"
     a_arg = TensorDescriptor(a2, [a2.shape[0], K], [a2.stride(0), 1], [BM, BK]) if a_desc else a2
+    a_half = TensorDescriptor(a2, [a2.shape[0], K], [a2.stride(0), 1], [BM // 2, BK]) if a_desc and half_tail else a_arg
     if w_desc4:
         w_arg = gate_up_descriptor(w, BN_OUT, BK)
     elif w_desc:
@@ -1316,10 +1420,11 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda,
         A_DESC=a_desc, W_DESC=w_desc, MX_NATIVE=mx_native, SWAP_AB=mx_native and cfg.swap_ab,
         A_FMT="fp16" if a2.dtype == torch.float16 else "bf16", **act_flags, TWO_ACC=two_acc, W_DESC4=w_desc4,
-        PERSISTENT=walk, BM=BM, BN=cfg.BN, BN_OUT=BN_OUT, BK=BK, GROUP_M=cfg.GROUP_M)
+        PERSISTENT=walk, HALF_TAIL=half_tail, BM=BM, BN=cfg.BN, BN_OUT=BN_OUT, BK=BK, GROUP_M=cfg.GROUP_M)
     # The key: every int and float argument, every pointer's dtype and alignment, and the weight's
     # expert count (a TMA descriptor's shape); constexprs and options are added by `launch`.
-    key, args = ints + act_floats + (w.shape[0],) + ptr_key(*ptrs), (a_arg, w_arg) + ptrs[2:] + ints + act_floats
+    key = ints + act_floats + (w.shape[0],) + ptr_key(*ptrs)
+    args = (a_arg, a_half, w_arg) + ptrs[2:] + ints + act_floats
     grid = _grid(_expert_gemm_kernel, grid, key, args, constexprs, cfg, walk)
     launch_kernel(_expert_gemm_kernel, grid, key, args, constexprs, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)

@@ -91,7 +91,8 @@ class GemmConfig:
     # A tile whose valid rows all lie in its first BM/2 rows (an expert's last tile with its few
     # remaining rows, or a narrower INDEXED block) runs the main loop as a BM/2-row tile: half the
     # MMA work and A reads. The kernels decide per tile on the device (both loop bodies are compiled);
-    # outputs are those of the full tile. Tiles of BM >= 32 only (tl.dot needs 16 rows).
+    # outputs are those of the full tile. Ignored for tiles under 32 rows (a half tile's tl.dot
+    # needs 16).
     half_tail: bool = False
 
     def short(self) -> str:

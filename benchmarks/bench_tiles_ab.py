@@ -102,7 +102,7 @@ def table_kind_of(w13) -> str:
 
 # Config fields that change how a tile runs, not the tile: a table entry with other switches keeps
 # each entry's own tile (`table_entry`).
-SWITCHES = ("persistent", "half_tail")
+SWITCHES = ("persistent", "half_tail", "dynamic")
 
 
 @contextlib.contextmanager
@@ -110,8 +110,8 @@ def table_entry(key: tuple, cfg: kg.GemmConfig):
     """`cfg` in place of the table entry `key` (and of its narrow-block entry, where there is one),
     with launch plans off so that every call picks its config afresh; all restored on exit. The
     table entry itself leaves the tables as they are; the table entry with other `SWITCHES`
-    (`GemmConfig.persistent`, `half_tail`) changes only the switches that differ, in each entry, so a narrow-block entry
-    keeps its own tile."""
+    (`GemmConfig.persistent`, `half_tail`, `dynamic`) changes only the switches that differ, in each
+    entry, so a narrow-block entry keeps its own tile."""
     tables = [t for t in (kg.TUNED, kg.TUNED_NARROW) if key in t]
     saved = [t[key] for t in tables]
     plans = ex._launch_plans()

@@ -199,6 +199,20 @@ for stage in "$@"; do
                 STEP_TIMEOUT=200 step peers env OUT=/tmp/peers BUDGET_S=170 TIMEOUT_S=190 bash .peers/run.sh \
                     --tokens 8192 --cases gptoss,dsv4mx --impls padded_moe,triton_kernels
             fi ;;
+        dynamic)  # GemmConfig.dynamic (persistent programs take tiles from a device counter, in order): the switch
+            # GPU tests, sanitizer, then whole bf16 calls with the table's static walk against the counter, with and
+            # without half tiles (half tiles lost on bf16 inside the static persistent walk)
+            STEP_TIMEOUT=200 step test-dynamic python3 -m pytest -q -n 2 -m gpu tests/test_gemm_gpu.py -k "switch and dynamic"
+            STEP_TIMEOUT=200 step sanitizer-dynamic compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
+                -q -m gpu tests/test_gemm_gpu.py -k "switch and dynamic and (gpt_oss or dsv4) and w13"
+            for run in "dsv4-flash medium 8192" "mixtral-8x7b medium 1024" "qwen3-30b-a3b medium 4096,8192" \
+                       "mixtral-8x7b prefill 8192"; do
+                set -- $run
+                if [ "$2" = medium ]; then t=BM128_BN256_BK64_G16_w8_s4_tma_pers; else t=BM128_BN256_BK64_G8_w8_s4_tma_pers; fi
+                STEP_TIMEOUT=150 step "ab-dyn-$1-$2" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights bf16 \
+                    --regime "$2" --tokens "$3" --candidates "${t}_dyn,${t}_half,${t}_half_dyn" --rounds 3 \
+                    --out "/tmp/ab-dyn-$1-$2"
+            done ;;
         cutlass-mx)  # CUTLASS's sm90 mixed-input GEMM on e2m1 (64-element scale groups, speed only) against our
             # prepared-MXFP4 GEMM and torch's bf16 bmm (issue 12's warp-specialization question); needs the
             # library built by scripts/cutlass_mx/build.sh and carried (.cutlass_mx)

@@ -593,6 +593,36 @@ def test_persistent_programs_walk_every_tile(monkeypatch, layout, wdtype, gen):
     assert torch.equal(one, walked)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, "mxfp4"], ids=str)
+def test_dynamic_tile_order_walks_every_tile(monkeypatch, layout, wdtype, gen):
+    """`GemmConfig.dynamic`: persistent programs take tiles from a device counter; every tile with
+    rows is computed once (the reference on every written row, nothing else written) and the bits
+    are those of the static walk."""
+    from padded_moe.kernels import gemm as kg
+
+    require_interpreter(monkeypatch)
+    a, w, w64, meta = edge_count_case(layout, wdtype, gen, extra_invalid=3)
+    walked = dataclasses.replace(kg.INTERPRET_CONFIG, persistent=True)
+    static = run_and_check(a, w, w64, meta, "w13", backend="triton", config=walked)
+    dynamic = run_and_check(a, w, w64, meta, "w13", backend="triton", config=dataclasses.replace(walked, dynamic=True))
+    assert torch.equal(static, dynamic)
+
+
+def test_dynamic_tile_order_needs_the_persistent_layout_kernel(gen):
+    """`dynamic` without `persistent`, or on the prepared-MXFP4 kernel, is refused by name."""
+    from padded_moe.kernels import gemm as kg
+
+    a, w, w64, meta = edge_count_case(GemmLayout.INDEXED, torch.float32, gen, extra_invalid=0)
+    with pytest.raises(ValueError, match="config.dynamic"):
+        run_and_check(a, w, w64, meta, "w13", backend="triton",
+                      config=dataclasses.replace(kg.INTERPRET_CONFIG, dynamic=True))
+    aq, wq, wq64, metaq = edge_count_case(GemmLayout.INDEXED, "mxfp4", gen, extra_invalid=0)
+    with pytest.raises(ValueError, match="config.dynamic"):
+        run_and_check(aq, prepared_only(wq, 4), wq64, metaq, "w13", backend="triton",
+                      config=dataclasses.replace(kg.INTERPRET_HOPPER_CONFIG, persistent=True, dynamic=True))
+
+
 # Experts whose last 32-row tile holds at most 16 rows (1, 15, 16, 33, 48), more (17, 31), exactly
 # one full tile (32), none (0), and three tiles (81: 17 rows in the last).
 HALF_TAIL_COUNTS = [0, 1, 15, 16, 17, 31, 32, 33, 48, 81]

@@ -399,6 +399,29 @@ def test_half_tail_tiles_compile_both_loops():
         assert half["shared"] <= 227 * 1024, half
 
 
+def test_dynamic_tile_order_compiles_to_the_same_main_loop():
+    """`GemmConfig.dynamic` (tiles from a device counter) on the bf16 medium tile, alone and with
+    half tiles, INDEXED and grouped, with silu in the epilogue: the static walk's wgmma widths and
+    copies, no spills, asynchronous wgmmas, shared memory within the SM's."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from padded_moe.kernels import _codes as codes
+    from padded_moe.kernels import gemm as kg
+
+    cfg = kg.TUNED[("bf16", "medium")]
+    assert cfg.persistent
+    cases = [_captured_launch(c, layout, "silu") for layout in (codes.INDEXED, codes.GROUPED_CONTIGUOUS)
+             for half in (False, True)
+             for c in (dataclasses.replace(cfg, half_tail=half), dataclasses.replace(cfg, half_tail=half, dynamic=True))]
+    results = compile_for_sm90(PTXAS_LOG + HGMMA_LOOPS + TMA_SCRIPT, json.dumps(cases))
+    for static, dynamic in zip(results[::2], results[1::2]):
+        same = ("widths", "wgmma", "tma", "async_copies", "local_stores", "dot_operands_shared")
+        assert {k: static[k] for k in same} == {k: dynamic[k] for k in same}, (static, dynamic)
+        assert dynamic["spills"] == 0 and dynamic["wgmma_serialized"] is False, dynamic
+        assert dynamic["shared"] <= 227 * 1024, dynamic
+
+
 def test_persistent_programs_compile_to_the_same_main_loop():
     """`GemmConfig.persistent` on the bf16 prefill tile (INDEXED: gathered A rows; grouped: TMA A),
     with and without silu in the epilogue: the same wgmma widths and the same TMA and async

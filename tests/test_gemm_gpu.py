@@ -253,16 +253,20 @@ def test_cuda_graph_replay_after_ids_change(layout, wdtype):
 # `GemmConfig.persistent` (programs walking tiles) and `GemmConfig.half_tail` (a tile whose rows all
 # lie in its first half runs as a half tile; the few-row shapes take that path on every tile, the
 # prefill shape on some).
-SWITCHED_CONFIGS = [(w, kg.TUNED[(kind, reg)]) for w, kind in (("bf16", "bf16"), ("mxfp4_hopper", "mxfp4_hopper4"))
-                    for reg in ("medium", "prefill")]
+# `GemmConfig.dynamic` (persistent programs taking tiles from a device counter) only on the bf16
+# entries, as persistent programs: the prepared-MXFP4 kernel refuses it.
+SWITCHED_CONFIGS = [(switch, w, kg.TUNED[(kind, reg)] if switch != "dynamic" else
+                     dataclasses.replace(kg.TUNED[(kind, reg)], persistent=True))
+                    for switch in ("persistent", "half_tail", "dynamic")
+                    for w, kind in (("bf16", "bf16"), ("mxfp4_hopper", "mxfp4_hopper4"))
+                    for reg in ("medium", "prefill") if not (switch == "dynamic" and w != "bf16")]
 
 
-@pytest.mark.parametrize("switch", ["persistent", "half_tail"])
-@pytest.mark.parametrize("wdtype,cfg", SWITCHED_CONFIGS, ids=lambda v: v if isinstance(v, str) else v.short())
+@pytest.mark.parametrize("switch,wdtype,cfg", SWITCHED_CONFIGS, ids=lambda v: v if isinstance(v, str) else v.short())
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
 @pytest.mark.parametrize("stage", ["w13", "w2"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
-def test_switch_keeps_the_tiles_bits(layout, stage, shape, wdtype, cfg, switch, weights):
+def test_switch_keeps_the_tiles_bits(layout, stage, shape, switch, wdtype, cfg, weights):
     """Model shapes with garbage ids, NaN-poisoned padding and biases: the tile with `switch` on
     matches the reference and gives the bits of the same tile with it off."""
     w, meta, a, bias, out = real_shape_case(shape, stage, layout, weights, "mxfp4" if wdtype != "bf16" else "bf16")

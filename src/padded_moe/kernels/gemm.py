@@ -94,6 +94,12 @@ class GemmConfig:
     # outputs are those of the full tile. Ignored for tiles under 32 rows (a half tile's tl.dot
     # needs 16).
     half_tail: bool = False
+    # Persistent programs only (`_expert_gemm_kernel`): each program takes its next tile from a
+    # device counter (an atomic add) instead of `program + i * programs`, so tiles start in order
+    # however long each one takes, and the m-tiles that read one expert's weight tile start
+    # together. Each program takes as many tiles as in the static walk. The counter is zeroed
+    # before each launch. Same tiles, same math: bit-identical.
+    dynamic: bool = False
 
     def short(self) -> str:
         tag = "".join(f"_{name}" for name, field, when in _SHORT_TAGS if getattr(self, field) == when)
@@ -123,7 +129,7 @@ class GemmConfig:
 _SHORT_TAGS = (("tma", "tma", True), ("bitdq", "mx_native", False), ("swap", "swap_ab", True),
                ("hop", "mx_hopper", True), ("ptx", "mx_ptx", True), ("wide", "mx_wide", True),
                ("wsh", "mx_w_shared", True), ("pers", "persistent", True),
-               ("half", "half_tail", True))
+               ("half", "half_tail", True), ("dyn", "dynamic", True))
 
 
 # Tuned for H200 (sm_90), keyed by (weight kind, regime). Regimes by rows per expert:
@@ -567,7 +573,7 @@ def _store_act_tile(acc, acc_u, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_
 @triton.jit
 def _expert_gemm_kernel(
     a_ptr, a_half_ptr, w_ptr, s_ptr, bias_ptr, c_ptr,
-    ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr,
+    ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, tile_ctr_ptr,
     N, K, R_a, num_local, mk, T_max, num_pid_m,
     stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_cm, W_ROWS,
     limit, alpha, beta, situ_beta, situ_lambda,
@@ -578,7 +584,7 @@ def _expert_gemm_kernel(
     A_FMT: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
     GATED: tl.constexpr, TWO_ACC: tl.constexpr, W_DESC4: tl.constexpr,
-    PERSISTENT: tl.constexpr, HALF_TAIL: tl.constexpr,
+    PERSISTENT: tl.constexpr, HALF_TAIL: tl.constexpr, DYNAMIC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """`N` counts output columns (activation columns with `ACT` >= 0), `W_ROWS` the weight's rows
@@ -592,11 +598,17 @@ def _expert_gemm_kernel(
 
     HALF_TAIL: `GemmConfig.half_tail` (a tile whose valid rows all lie in its first BM/2 runs as a
     BM/2-row tile; `a_half_ptr` is A's descriptor with BM/2-row blocks when A_DESC, else `a_ptr`).
+
+    DYNAMIC (with PERSISTENT): `GemmConfig.dynamic`, each program's next tile from the zeroed int32
+    counter `tile_ctr_ptr` (tiles start in order; each program still takes as many as its walk).
     """
     if PERSISTENT:
         tiles, live_m = _walk(N, num_pid_m, npad_ptr, off_ptr, R_a, num_local, LAYOUT, BLOCK_MB, SUB, L_POW2, BM,
                               BN_OUT)
-        for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0)):
+        for walked in tl.range(tl.program_id(0), tiles, tl.num_programs(0)):
+            tile = walked
+            if DYNAMIC:  # as many tiles per program as the walk: the counter hands out 0 .. tiles-1 once each
+                tile = tl.atomic_add(tile_ctr_ptr, 1, sem="relaxed")
             _expert_gemm_tile(tile, live_m, a_ptr, a_half_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, ids_ptr, blk_exp_ptr,
                 npad_ptr, off_ptr, cnt_ptr, N, K, R_a, num_local, mk, T_max, stride_am, stride_we, stride_wn, stride_wk,
                 stride_se, stride_sn, stride_be, stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda, LAYOUT,
@@ -1373,6 +1385,9 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     # GROUPED_MASKED grid holds every slab's whole capacity, mostly empty in expert parallelism, and
     # a walk would visit each empty tile, so it keeps one program per tile.
     walk = cfg.persistent and layout != codes.GROUPED_MASKED
+    if cfg.dynamic and (hopper or not cfg.persistent):
+        raise ValueError("config.dynamic needs config.persistent and the bf16 / dot_scaled kernel "
+                         f"(mx_hopper=False), got {cfg.short()}")
     if hopper:
         hb, hs = w_hopper.blocks, w_hopper.scales
         k_pad = w_hopper.k_padded
@@ -1408,7 +1423,9 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         w_arg = w
     # tl.dot_scaled: compiled 16-bit activations only (the interpreter has no dot_scaled).
     mx_native = cfg.mx_native and mx and a2.is_cuda and a2.dtype in (torch.bfloat16, torch.float16)
-    ptrs = (a2, w, w_scales if mx else dummy, bias if bias is not None else dummy, out2) + meta_ptrs
+    dynamic = walk and cfg.dynamic
+    tile_ctr = torch.zeros(1, dtype=torch.int32, device=a2.device) if dynamic else dummy
+    ptrs = (a2, w, w_scales if mx else dummy, bias if bias is not None else dummy, out2) + meta_ptrs + (tile_ctr,)
     ints = (N, K, a2.shape[0], num_local, mk, t_max, num_pid_m,
             a2.stride(0), w.stride(0), w.stride(1), w.stride(2),
             w_scales.stride(0) if mx else 0, w_scales.stride(1) if mx else 0,
@@ -1421,7 +1438,8 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda,
         A_DESC=a_desc, W_DESC=w_desc, MX_NATIVE=mx_native, SWAP_AB=mx_native and cfg.swap_ab,
         A_FMT="fp16" if a2.dtype == torch.float16 else "bf16", **act_flags, TWO_ACC=two_acc, W_DESC4=w_desc4,
-        PERSISTENT=walk, HALF_TAIL=half_tail, BM=BM, BN=cfg.BN, BN_OUT=BN_OUT, BK=BK, GROUP_M=cfg.GROUP_M)
+        PERSISTENT=walk, HALF_TAIL=half_tail, DYNAMIC=dynamic, BM=BM, BN=cfg.BN, BN_OUT=BN_OUT, BK=BK,
+        GROUP_M=cfg.GROUP_M)
     # The key: every int and float argument, every pointer's dtype and alignment, and the weight's
     # expert count (a TMA descriptor's shape); constexprs and options are added by `launch`.
     key = ints + act_floats + (w.shape[0],) + ptr_key(*ptrs)

@@ -117,7 +117,7 @@ def table_entry(key: tuple, cfg: kg.GemmConfig):
     plans = ex._launch_plans()
     same = cfg == kg.TUNED[key]
     switches = {f: getattr(cfg, f) for f in SWITCHES if getattr(cfg, f) != getattr(kg.TUNED[key], f)}
-    twin = dataclasses.replace(cfg, **{f: getattr(kg.TUNED[key], f) for f in SWITCHES}) == kg.TUNED[key]
+    twin = dataclasses.replace(kg.TUNED[key], **switches) == cfg
     for t in tables if not same else ():
         t[key] = dataclasses.replace(t[key], **switches) if twin else cfg
     plans.enabled = False

@@ -649,22 +649,18 @@ def _expert_gemm_tile(
     if not IN_LOOP:
         if live == 0:
             return
+    half: tl.constexpr = False  # without HALF_TAIL only the full-tile body is compiled
     if HALF_TAIL:
-        if _in_first_half(valid, BM):
-            _, _, _, _, _, h_start, h_a_rows, h_c_rows, h_valid = _program_tile(
-                tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-                LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, BM // 2)
-            _expert_gemm_rows(live, e64, n0, rn, n_ok, h_start, h_a_rows, h_c_rows, h_valid, a_half_ptr, w_ptr,
-                s_ptr, bias_ptr, c_ptr, N, K, stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
-                stride_be, stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda, W_MXFP4, HAS_BIAS,
-                FP32_DOT, A_DESC, W_DESC, MX_NATIVE, SWAP_AB, A_FMT, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED,
-                TWO_ACC, W_DESC4, BM // 2, BN, BN_OUT, BK, IN_LOOP)
-        else:
-            _expert_gemm_rows(live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid, a_ptr, w_ptr, s_ptr,
-                bias_ptr, c_ptr, N, K, stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be,
-                stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda, W_MXFP4, HAS_BIAS, FP32_DOT, A_DESC,
-                W_DESC, MX_NATIVE, SWAP_AB, A_FMT, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, TWO_ACC, W_DESC4,
-                BM, BN, BN_OUT, BK, IN_LOOP)
+        half = _in_first_half(valid, BM)
+    if half:
+        _, _, _, _, _, h_start, h_a_rows, h_c_rows, h_valid = _program_tile(
+            tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
+            LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, BM // 2)
+        _expert_gemm_rows(live, e64, n0, rn, n_ok, h_start, h_a_rows, h_c_rows, h_valid, a_half_ptr, w_ptr,
+            s_ptr, bias_ptr, c_ptr, N, K, stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+            stride_be, stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda, W_MXFP4, HAS_BIAS,
+            FP32_DOT, A_DESC, W_DESC, MX_NATIVE, SWAP_AB, A_FMT, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED,
+            TWO_ACC, W_DESC4, BM // 2, BN, BN_OUT, BK, IN_LOOP)
     else:
         _expert_gemm_rows(live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid, a_ptr, w_ptr, s_ptr, bias_ptr,
             c_ptr, N, K, stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_cm,
@@ -1122,22 +1118,18 @@ def _expert_gemm_mx_hopper_tile(
     if not IN_LOOP:
         if live == 0:
             return
+    half: tl.constexpr = False  # without HALF_TAIL only the full-tile body is compiled
     if HALF_TAIL:
-        if _in_first_half(valid, BM):
-            _, _, _, _, _, _, h_a_rows, h_c_rows, h_valid = _program_tile(
-                tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-                LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, BM // 2)
-            _expert_gemm_mx_hopper_rows(live, e64, n0, rn, n_ok, h_a_rows, h_c_rows, h_valid, a_ptr, w_ptr, s_ptr,
-                bias_ptr, c_ptr, N, K, K_PAD, stride_am, stride_we, stride_wn, stride_se, stride_sg, stride_be,
-                stride_cm, limit, alpha, beta, situ_beta, situ_lambda, HAS_BIAS, FP32_DOT, K_TAIL, UPCAST_PTX,
-                WIDE, FOLDED, PLANES, W_SHARED, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, HAS_K, BM // 2, BN, BN_OUT,
-                BK, IN_LOOP)
-        else:
-            _expert_gemm_mx_hopper_rows(live, e64, n0, rn, n_ok, a_rows, c_rows, valid, a_ptr, w_ptr, s_ptr,
-                bias_ptr, c_ptr, N, K, K_PAD, stride_am, stride_we, stride_wn, stride_se, stride_sg, stride_be,
-                stride_cm, limit, alpha, beta, situ_beta, situ_lambda, HAS_BIAS, FP32_DOT, K_TAIL, UPCAST_PTX,
-                WIDE, FOLDED, PLANES, W_SHARED, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, HAS_K, BM, BN, BN_OUT,
-                BK, IN_LOOP)
+        half = _in_first_half(valid, BM)
+    if half:
+        _, _, _, _, _, _, h_a_rows, h_c_rows, h_valid = _program_tile(
+            tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
+            LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, BM // 2)
+        _expert_gemm_mx_hopper_rows(live, e64, n0, rn, n_ok, h_a_rows, h_c_rows, h_valid, a_ptr, w_ptr, s_ptr,
+            bias_ptr, c_ptr, N, K, K_PAD, stride_am, stride_we, stride_wn, stride_se, stride_sg, stride_be,
+            stride_cm, limit, alpha, beta, situ_beta, situ_lambda, HAS_BIAS, FP32_DOT, K_TAIL, UPCAST_PTX,
+            WIDE, FOLDED, PLANES, W_SHARED, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, HAS_K, BM // 2, BN, BN_OUT,
+            BK, IN_LOOP)
     else:
         _expert_gemm_mx_hopper_rows(live, e64, n0, rn, n_ok, a_rows, c_rows, valid, a_ptr, w_ptr, s_ptr, bias_ptr,
             c_ptr, N, K, K_PAD, stride_am, stride_we, stride_wn, stride_se, stride_sg, stride_be, stride_cm, limit,

@@ -78,7 +78,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # settings it runs with; the first is the reference of the ratios.
 AB_VARIANTS = {
     "read": {f"{r}": dict(W13_READ=r) for r in dec.W13_READS},
+    "mxw13": {"gemv": dict(MX_W13="gemv"), "dot": dict(MX_W13="dot"),
+              "dot_bk128": dict(MX_W13="dot", MX_DOT_BK=128, MX_DOT_STAGES=4)},
 }
+AB_WEIGHTS = {"read": "bf16", "mxw13": "mxfp4"}
 
 
 def ab_headers(kind: str) -> list:
@@ -92,16 +95,19 @@ def variants_ab(call, kind: str) -> list:
     alternating rounds: [µs per variant..., first / each other (above 1: the other is faster),
     largest relative difference of an output to the first's]."""
     graphs = []
+    plans = ex._launch_plans()
     for settings in AB_VARIANTS[kind].values():
         real = {k: getattr(dec, k) for k in settings}
         try:
             for k, v in settings.items():
                 setattr(dec, k, v)
+            plans.enabled = False  # a launch plan would replay what an earlier call launched
             graph, out = with_decode(True, lambda: captured(call))
             graph.replay()
             torch.cuda.synchronize()
             graphs.append((graph, out.clone()))
         finally:
+            plans.enabled = True
             for k, v in real.items():
                 setattr(dec, k, v)
     times = [[] for _ in graphs]
@@ -122,8 +128,9 @@ def main() -> None:
     p.add_argument("--mx-step", choices=dec.MX_STEPS, default=dec.MX_STEP,
                    help="mxfp4: how the decode kernels read the weights (decode.MX_STEP)")
     p.add_argument("--ab", choices=tuple(AB_VARIANTS),
-                   help="bf16: also time each decode call with each variant of the decode kernels, alternating "
-                        "rounds: read (decode.W13_READS)")
+                   help="also time each decode call with each variant of the decode kernels, alternating "
+                        "rounds: read (bf16: decode.W13_READS), mxw13 (mxfp4: decode.MX_W13S and the dot route's "
+                        "K steps)")
     p.add_argument("--out", default="bench-out/decode")
     args = p.parse_args()
     dec.MX_STEP = args.mx_step
@@ -156,7 +163,7 @@ def main() -> None:
             e_off = with_decode(False, lambda: bench_us(call))
             rows.append([name, T, hit, round(floor, 1), round(g_on, 1), round(g_off, 1), round(g_off / g_on, 2),
                          round(floor / g_on, 2), round(e_on, 1), round(e_off, 1), f"{err:.1e}"])
-            if args.ab and args.weights == "bf16":
+            if args.ab and AB_WEIGHTS[args.ab] == args.weights:
                 ab_rows.append([name, T] + variants_ab(call, args.ab))
             if args.sweep and T == 1:
                 plans = ex._launch_plans()

@@ -466,6 +466,13 @@ print('warnings', n); assert n == 1, n"
                 --rows 64,256,1024 --sweep-planes 2 --out "$OUT/sweep-mx2" ;;
         persistent-probe)  # where the probe's persistent matmul gained: stages and descriptors apart
             STEP_TIMEOUT=300 step ws-probe python3 scripts/ws_probe.py --timeout 45 --only host_desc_s3,device_desc_s3,persistent_host_desc,persistent_device_desc_s4 ;;
+        decode-mx-dot)  # MXFP4 decode GEMM1 as an MMA (decode.MX_W13 = "dot"): its GPU tests against the oracle and the
+            # layout path, sanitizer, then whole decode calls with GEMM1 as a GEMV / as an MMA (three K steps), alternating
+            STEP_TIMEOUT=200 step test-decode-mx-dot python3 -m pytest -q -n 2 -m gpu tests/test_decode_gpu.py -k "mxfp4"
+            STEP_TIMEOUT=150 step sanitizer-decode-mx-dot compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m \
+                pytest -q -m gpu tests/test_decode_gpu.py -k "sanitizer and dot"
+            STEP_TIMEOUT=200 step ab-decode-mx-dot python3 benchmarks/bench_decode.py --weights mxfp4 --ab mxw13 \
+                --presets gpt-oss-120b,dsv4-flash --out "$OUT/ab-decode-mx-dot" ;;
         decode-words)  # MXFP4 decode kernels reading 32-bit words (canonical or prepared): tests and launch plans, sanitizer, timing of each MX_STEP
             step test-decode python3 -m pytest -q -m gpu tests/test_decode_gpu.py tests/test_launch_plan_gpu.py
             step sanitizer-decode compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \

@@ -343,6 +343,55 @@ def test_mxfp4_prepared_words_read_by_the_decode_kernels(interpreted, decode_cal
 
 
 @pytest.mark.parametrize("fold", [False, True], ids=["byte-scales", "folded-scales"])
+@pytest.mark.parametrize("act", ["silu", "swigluoai", "relu2_no_mul"])
+def test_mxfp4_gemm1_as_an_mma(interpreted, decode_calls, monkeypatch, act, fold, gen):
+    """`MX_W13 = "dot"` (the default for one token): MXFP4 GEMM1 as the prepared-MXFP4 GEMM's tile over the expert's slots
+    (`_decode_w13_mx_dot_kernel`) on gate-first, interleaved and non-gated rows, folded and byte
+    scales, with biases, an expert shared by two tokens, dropped and garbage ids, a NaN hidden row
+    past `valid_tokens`; K a multiple of 32 but of no 64-column block or step. The kernel must be
+    the one launched, and the result that of the GEMV route within bf16's rounding of GEMM1's
+    output (a wrong row, scale or slot is off by O(1))."""
+    from padded_moe.kernels import _launch
+    from padded_moe.kernels.decode import _decode_w13_mx_dot_kernel, _decode_w13_mx_kernel
+    from padded_moe.mxfp4 import prepare_hopper
+
+    M, k, E, Km, Nm = 3, 3, 6, 96, 96
+    gated = MoEActivation(act).is_gated
+    x = torch.randn(M, Km, generator=gen).to(torch.bfloat16)
+    x[2] = float("nan")  # past valid_tokens: never read
+    w13 = quantize_mxfp4(torch.randn(E, (2 if gated else 1) * Nm, Km, generator=gen) * 0.1)
+    w2 = quantize_mxfp4(torch.randn(E, Km, Nm, generator=gen) * 0.1)
+    for w in (w13, w2):
+        object.__setattr__(w, "hopper", prepare_hopper(w, fold=fold))
+    b13 = torch.randn(E, w13.shape[1], generator=gen).to(torch.bfloat16)
+    b2 = torch.randn(E, Km, generator=gen).to(torch.bfloat16)
+    tw = torch.rand(M, k, generator=gen)
+    ids = torch.tensor([[1, -1, 5], [5, E, 2], [0, 1, 2]], dtype=torch.int32)
+    vt = torch.tensor([2], dtype=torch.int32)
+    launched = []
+    real = _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda fn, *a, **kw: launched.append(fn) or real(fn, *a, **kw))
+    runs = {}
+    for route in ("gemv", "dot"):
+        monkeypatch.setattr(dec, "MX_W13", route)
+        runs[route] = fused_experts(x, w13, w2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2,
+                                    valid_tokens=vt)
+    assert decode_calls == [M, M]
+    assert launched[0] is _decode_w13_mx_kernel and launched[2] is _decode_w13_mx_dot_kernel
+    monkeypatch.setattr(dec, "MX_W13", "auto")  # the MMA for one token, the GEMV for more
+    fused_experts(x, w13, w2, tw, ids, activation=act)
+    fused_experts(x[:1], w13, w2, tw[:1], ids[:1], activation=act)
+    assert launched[4] is _decode_w13_mx_kernel and launched[6] is _decode_w13_mx_dot_kernel
+    ref = reference_moe(x, dense_weights(w13), dense_weights(w2), tw, ids, activation=act, w13_bias=b13,
+                        w2_bias=b2, valid_tokens=2)
+    assert torch.isfinite(runs["dot"][:2]).all()
+    assert rel_err(runs["dot"][:2], ref[:2]) <= 1.25 * max(TOL[torch.bfloat16], rel_err(runs["gemv"][:2], ref[:2]))
+    monkeypatch.setattr(dec, "MX_W13", "mma")
+    with pytest.raises(ValueError, match="MX_W13"):
+        fused_experts(x, w13, w2, tw, ids, activation=act)
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["byte-scales", "folded-scales"])
 def test_mxfp4_prepared_step_decodes_every_code_exactly(interpreted, fold):
     """`_mx4_step` against `dequantize_mxfp4` in float32, bit for bit, through the prepared
     arrangement: every code at every position of the 4-plane words, scales across the range a

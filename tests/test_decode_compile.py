@@ -190,6 +190,24 @@ def test_word_routes_load_as_wide_on_gpt_oss_rows_as_on_aligned_ones(step, monke
         assert any(".128" in op for op in real[kernel]["loop_loads"]), real
 
 
+# `fn` compiled for sm_90 with every pointer and int argument taken as 16-divisible (what the
+# launcher sees on the model shapes these tests use).
+COMPILE_SM90 = r"""
+def compile_sm90(fn, ptrs, ints, floats, const, warps, stages):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = dict(ptrs)
+    sig.update({n: "i32" for n in ints})
+    sig.update({n: "fp32" for n in floats})
+    sig.update({k: "constexpr" for k in const})
+    names = fn.arg_names
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in ints}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+"""
+
+
 TMA_SCRIPT = r"""
 import json, os, sys
 os.environ["TRITON_INTERPRET"] = "0"
@@ -209,14 +227,7 @@ for act, bn, bk, stages, halves, top_k in json.loads(sys.argv[1]):
     floats = ["limit", "alpha", "beta", "situ_beta", "situ_lambda"]
     const = dict(TOP_K=top_k, HAS_MAP=True, HAS_VT=True, HAS_BIAS=True, ACT=act, HAS_LIMIT=True, HAS_LAMBDA=False,
                  FAST=True, FP32_DOT=False, RB=16, BN=bn, BK=bk, HALVES=halves)
-    sig = dict(ptrs)
-    sig.update({n: "i32" for n in ints})
-    sig.update({n: "fp32" for n in floats})
-    sig.update({k: "constexpr" for k in const})
-    names = fn.arg_names
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in ints}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=stages))
+    k = compile_sm90(fn, ptrs, ints, floats, const, 4, stages)
     sass = k.asm["sass"]
     out.append(dict(act=act, halves=halves, wgmma=sass.count("HGMMA"), tma_loads=sass.count("UTMALDG"),
                     tma_copies=k.asm["ttgir"].count("async_tma_copy_global_to_local"), shared=k.metadata.shared,
@@ -242,8 +253,64 @@ def test_tma_read_compiles_to_tma_copies_and_wgmma():
         a = MoEActivation(act)
         bn = max(tiles.bn1, 32 if a.is_gated else 64)
         cases.append((KERNEL_IDS[act], bn, tiles.bk1, tiles.stages1, a.is_gated and not a.interleaved, k))
-    for r in compile_for_sm90(PTXAS_LOG + TMA_SCRIPT, json.dumps(cases)):
+    for r in compile_for_sm90(PTXAS_LOG + COMPILE_SM90 + TMA_SCRIPT, json.dumps(cases)):
         assert r["wgmma"] > 0 and r["tma_loads"] > 0, r
         assert not r["c7515"], f"ptxas serializes the wgmmas: {r}"
         assert r["tma_copies"] >= 1, r
+        assert r["shared"] <= 227 * 1024, r
+
+
+MX_DOT_SCRIPT = r"""
+import json, os, re, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from padded_moe.kernels import decode as kd
+
+fn = kd._decode_w13_mx_dot_kernel
+out = []
+for act, bn, bk, stages, warps, folded, top_k in json.loads(sys.argv[1]):
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i16" if folded else "*u8", "bias_ptr": "*bf16",
+            "h_ptr": "*bf16", "ids_ptr": "*i32", "map_ptr": "*i32", "vt_ptr": "*i32"}
+    ints = ["N", "K", "K_PAD", "S", "E", "L", "stride_xm", "stride_im", "stride_ik", "stride_we", "stride_wn",
+            "stride_se", "stride_sg", "stride_be", "stride_hm"]
+    floats = ["limit", "alpha", "beta", "situ_beta", "situ_lambda"]
+    const = dict(TOP_K=top_k, HAS_MAP=True, HAS_VT=True, HAS_BIAS=True, ACT=act, HAS_LIMIT=True, HAS_LAMBDA=False,
+                 FAST=True, FP32_DOT=False, K_TAIL=True, UPCAST_PTX=True, FOLDED=folded, RB=16, BN=bn, BK=bk)
+    k = compile_sm90(fn, ptrs, ints, floats, const, warps, stages)
+    sass = k.asm["sass"]
+    log = ptxas_log(k.asm["ptx"])
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    regs = re.search(r"Used (\d+) registers", log)
+    out.append(dict(act=act, bn=bn, bk=bk, folded=folded, wgmma=sass.count("HGMMA"),
+                    async_copies=k.asm["ttgir"].count("async_copy_global_to_local"), shared=k.metadata.shared,
+                    spills=int(spill.group(1)) if spill else 0, registers=int(regs.group(1)) if regs else -1,
+                    sass_lines=len(sass.splitlines())))
+print(json.dumps(out))
+"""
+
+
+def test_mx_dot_gemm1_compiles_to_pipelined_wgmma():
+    """MXFP4 GEMM1 as an MMA (`MX_W13 = "dot"`) with the tiles `decode_experts` launches on an
+    H200 (GPT-OSS's interleaved rows, DeepSeek-V4's gate-first halves, non-gated rows; E8M0 and
+    folded scales): the weight words come by asynchronous copies (a pipelined loop), meet the slot
+    rows in wgmma, and nothing spills."""
+    from padded_moe import decode as dec
+    from padded_moe.activation import MoEActivation
+    from padded_moe.kernels.activation import KERNEL_IDS
+
+    cases = []
+    for act, t, k, n, h in [("swigluoai", 1, 4, 2880, 2880), ("silu", 1, 6, 2048, 4096),
+                            ("relu2_no_mul", 2, 8, 1024, 1024)]:
+        tiles = h200_tiles(t, t * k, n, h, mxfp4=True, mx_dot=True)
+        gated = MoEActivation(act).is_gated
+        bn = 2 * max(tiles.bn1, 32) if gated else max(tiles.bn1, 64)
+        for folded in (False, True):
+            cases.append((KERNEL_IDS[act], bn, tiles.bk1, tiles.stages1, tiles.warps1, folded, k))
+    assert all(c[2] == dec.MX_DOT_BK for c in cases)
+    for r in compile_for_sm90(PTXAS_LOG + COMPILE_SM90 + MX_DOT_SCRIPT, json.dumps(cases)):
+        assert r["wgmma"] > 0, r
+        assert r["async_copies"] > 0, f"main loop not pipelined: {r}"
+        assert r["spills"] == 0, r
         assert r["shared"] <= 227 * 1024, r

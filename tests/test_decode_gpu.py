@@ -169,14 +169,16 @@ def test_compiled_call_takes_the_decode_path(layers, decode_calls):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "mxfp4-words", "mxfp4-prepared-read"])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "mxfp4-words", "mxfp4-prepared-read", "mxfp4-prepared-dot"])
 @pytest.mark.parametrize("mapped", [False, True], ids=["plain", "expert-map"])
 def test_sanitizer_small(decode_calls, monkeypatch, mapped, fmt):
     """Small enough for compute-sanitizer: garbage ids (int64 past int32), a repeated expert, an
     expert map, valid_tokens with NaN rows past it, biases, a K and N that no tile divides (MXFP4:
     multiples of 32 only, and 2 tokens; with the prepared words read, K and N not multiples of the
-    prepared form's 64-column blocks)."""
-    monkeypatch.setattr(dec, "MX_STEP", {"mxfp4-words": "words", "mxfp4-prepared-read": "prepared"}.get(fmt, "bytes"))
+    prepared form's 64-column blocks; "dot": GEMM1 as an MMA, `MX_W13`)."""
+    monkeypatch.setattr(dec, "MX_STEP", {"mxfp4-words": "words", "mxfp4-prepared-read": "prepared",
+                                         "mxfp4-prepared-dot": "prepared"}.get(fmt, "bytes"))
+    monkeypatch.setattr(dec, "MX_W13", "dot" if fmt == "mxfp4-prepared-dot" else "gemv")
     T, k, E, K, N = (4, 4, 12, 200, 72) if fmt == "bf16" else (2, 4, 12, 224, 96)
     emap = ExpertMap(E, ep_rank=1, ep_size=2, device="cuda") if mapped else None
     L = emap.num_local if mapped else E
@@ -185,7 +187,7 @@ def test_sanitizer_small(decode_calls, monkeypatch, mapped, fmt):
     w2 = torch.randn(L, K, N, device="cuda", generator=g) * 0.1
     if fmt in ("mxfp4", "mxfp4-words"):
         w13, w2 = quantize_mxfp4(w13), quantize_mxfp4(w2)
-    elif fmt == "mxfp4-prepared-read":
+    elif fmt in ("mxfp4-prepared-read", "mxfp4-prepared-dot"):
         w13, w2 = quantize_mxfp4(w13).prepare_for(), quantize_mxfp4(w2).prepare_for()
     else:
         w13, w2 = w13.bfloat16(), w2.bfloat16()
@@ -208,14 +210,17 @@ def test_sanitizer_small(decode_calls, monkeypatch, mapped, fmt):
     assert rel_err(out[:T - 1], ref[:T - 1]) <= BF16_TOL
 
 
-@pytest.mark.parametrize("step", ["bytes", "words", "prepared"])
+@pytest.mark.parametrize("step", ["bytes", "words", "prepared", "prepared-dot", "prepared-gemv"])
 @pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize("shape", ["gpt-oss", "dsv4"])
 def test_mxfp4_model_widths(decode_calls, monkeypatch, shape, T, step):
     """Prepared MXFP4 experts at the models' widths (fewer experts, for the oracle), every way the
-    decode kernels read them (`MX_STEP`; the word routes upcast with inline PTX); against the
-    float64 oracle and the layout path (prepared kernel)."""
+    decode kernels read them (`MX_STEP`; the word routes upcast with inline PTX; GEMM1 on prepared
+    words as `MX_W13` chooses, or as an MMA / a GEMV); against the float64 oracle and the layout
+    path (prepared kernel)."""
+    step, _, w13 = step.partition("-")
     monkeypatch.setattr(dec, "MX_STEP", step)
+    monkeypatch.setattr(dec, "MX_W13", w13 or "auto")
     E, k, K, N, act, bias = (32, 4, 2880, 2880, "swigluoai", True) if shape == "gpt-oss" else \
         (32, 6, 4096, 2048, "silu", False)
     g = torch.Generator(device="cuda").manual_seed(50 + T)

@@ -19,7 +19,7 @@ slot order); its GEMMs sum in another order, so the two paths agree to rounding,
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional
 
 import torch
@@ -28,7 +28,7 @@ from padded_moe import _platform
 from padded_moe._util import cdiv, next_pow2
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, _resolve, kernel_args
 from padded_moe.gemm import check_bias, check_weight
-from padded_moe.mxfp4 import Mxfp4Tensor
+from padded_moe.mxfp4 import HOPPER_KB, Mxfp4Tensor
 
 DECODE_ENV = "PADDED_MOE_DECODE"
 _CHOICES = ("auto", "off")
@@ -98,11 +98,13 @@ def fits_decode(num_tokens: int, num_slots: int) -> bool:
 
 
 def pick_tiles(num_tokens: int, num_slots: int, n: int, hidden_size: int, device: torch.device,
-               mxfp4: bool = False) -> DecodeTiles:
+               mxfp4: bool = False, mx_dot: bool = False) -> DecodeTiles:
     """Tiles that give each kernel about `_PROGRAMS_PER_SM` programs per SM (counting every slot
-    as its own expert, the decode case). MXFP4 steps are wider in elements (the same bytes)."""
+    as its own expert, the decode case). MXFP4 steps are wider in elements (the same bytes);
+    `mx_dot`: MXFP4 GEMM1 as an MMA (`MX_W13 = "dot"`), whose upcast weight tile lives in registers,
+    takes `MX_DOT_BK` columns per step over `MX_DOT_STAGES` stages."""
     if device.type != "cuda":
-        return INTERPRET_TILES
+        return replace(INTERPRET_TILES, bk1=HOPPER_KB) if mx_dot else INTERPRET_TILES
     want = _platform.program_cap(device, per_sm=_PROGRAMS_PER_SM)
     bn1 = 64
     while bn1 > 16 and num_slots * cdiv(n, bn1) < want:
@@ -110,6 +112,8 @@ def pick_tiles(num_tokens: int, num_slots: int, n: int, hidden_size: int, device
     bn2 = 64
     while bn2 > 8 and num_tokens * cdiv(hidden_size, bn2) < want:
         bn2 //= 2
+    if mx_dot:
+        return DecodeTiles(bn1, MX_DOT_BK, bn2, 16384, stages1=MX_DOT_STAGES)
     if mxfp4:
         # GEMM1 steps of 16384 weights per program (capped at 512 columns): at one token on an
         # H200, 32 x 512 took 41 µs against 44 for 32 x 256 on GPT-OSS; at two tokens 64 x 256
@@ -141,6 +145,20 @@ def _dividing_step(k: int, step: int) -> int:
 # prepared < words < bytes on every GPT-OSS and DeepSeek-V4 shape (docs/benchmarks.md).
 MX_STEPS = ("bytes", "words", "prepared")
 MX_STEP = "prepared"
+
+# How MXFP4 GEMM1 runs where it reads prepared words: "gemv", a GEMV per slot (`_decode_w13_mx_kernel`:
+# per weight an upcast, a widening to float32 and a multiply-add per slot); "dot", the expert's slots
+# as the narrow side of an MMA whose weight operand the upcast writes straight into registers
+# (`_decode_w13_mx_dot_kernel`, the prepared-MXFP4 GEMM's tile), `MX_DOT_BK` columns per step over
+# `MX_DOT_STAGES` stages; "auto" (the default), "dot" for one token and "gemv" for more. On an H200
+# (whole decode calls, graph replays in alternating rounds, µs gemv / dot): one token GPT-OSS 41.9 /
+# 37.9, DeepSeek-V4 48.9 / 47.7; two tokens the dot lost on DeepSeek-V4 (83.0 / 89.6) and 128-column
+# steps did not pay anywhere by more than 5%. Set it before the first call: launch plans keep what
+# a call launched.
+MX_W13S = ("auto", "gemv", "dot")
+MX_W13 = "auto"
+MX_DOT_BK = 256
+MX_DOT_STAGES = 3
 
 
 class _WeightArgs(NamedTuple):
@@ -217,8 +235,8 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
     """Run the decode path on arguments `fused_experts` checked; `h [M*k, N]` is scratch for the
     activation's output, `out [M, K]` receives the result (rows at/after `valid_tokens` untouched)."""
     from padded_moe.kernels._launch import launch, ptr_key
-    from padded_moe.kernels.decode import (_decode_w2_combine_kernel, _decode_w13_act_kernel, _decode_w13_mx_kernel,
-                                           _decode_w13_tma_kernel)
+    from padded_moe.kernels.decode import (MX_PREPARED, _decode_w2_combine_kernel, _decode_w13_act_kernel,
+                                           _decode_w13_mx_dot_kernel, _decode_w13_mx_kernel, _decode_w13_tma_kernel)
 
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
@@ -231,21 +249,41 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
     check_bias(w2_bias, h, num_local, hidden_size)
     p = _resolve(act, cfg)
     mx = isinstance(w13, Mxfp4Tensor)
-    tiles = tiles or pick_tiles(num_tokens, num_slots, n, hidden_size, hidden.device, mxfp4=mx)
+    a13, a2 = _weight_parts(w13), _weight_parts(w2)
+    if MX_W13 not in MX_W13S:
+        raise ValueError(f"padded_moe.decode.MX_W13 must be one of {', '.join(MX_W13S)}, got {MX_W13!r}")
+    mx_dot = mx and a13.route == MX_PREPARED.value and (MX_W13 == "dot" or (MX_W13 == "auto" and num_tokens == 1))
+    tiles = tiles or pick_tiles(num_tokens, num_slots, n, hidden_size, hidden.device, mxfp4=mx, mx_dot=mx_dot)
     interpreted = not hidden.is_cuda
     dummy = out  # stands in for the pointers of absent options (never dereferenced)
     ids_stride = (topk_ids.stride(0), topk_ids.stride(1))
     common = (topk_ids, dummy if table is None else table, dummy if valid_tokens is None else valid_tokens)
     flags = dict(TOP_K=top_k, HAS_MAP=table is not None, HAS_VT=valid_tokens is not None)
 
-    a13, a2 = _weight_parts(w13), _weight_parts(w2)
     # The activation kernel's choice: approximate tanh only under 16-bit rounding.
     floats, act_flags = kernel_args(act, p, fast=hidden.is_cuda and hidden.dtype != torch.float32)
     constexprs = dict(flags, HAS_BIAS=w13_bias is not None, **act_flags)
     b13 = dummy if w13_bias is None else w13_bias
     tail = (0 if w13_bias is None else w13_bias.stride(0), h.stride(0))
     ints = (n, hidden_size, num_slots, num_experts, num_local, hidden.stride(0)) + ids_stride + a13.strides
-    if mx:  # a GEMV per slot, the weights decoded in registers
+    if mx_dot:  # the expert's slots against the upcast weight tile as an MMA
+        hb = w13.hopper
+        if tiles.bk1 % HOPPER_KB:
+            raise ValueError(f"tiles.bk1 must be a multiple of {HOPPER_KB} for MXFP4 GEMM1 as an MMA "
+                             f"(MX_W13 = 'dot'), got {tiles.bk1}")
+        gated = act.is_gated
+        bn = 2 * max(tiles.bn1, 32) if gated else max(tiles.bn1, 64)  # wgmma's M: >= 64 weight rows
+        ptrs = (hidden, a13.tensor, a13.scales, b13, h) + common
+        ints = (n, hidden_size, hb.k_padded, num_slots, num_experts, num_local, hidden.stride(0)) + ids_stride \
+            + a13.strides + (a13.scale_strides[0], a13.scale_strides[2]) + tail
+        constexprs.update(FP32_DOT=hidden.dtype == torch.float32 or interpreted,
+                          K_TAIL=hb.k_padded % tiles.bk1 != 0 or hidden_size != hb.k_padded,
+                          UPCAST_PTX=hidden.is_cuda and hidden.dtype == torch.bfloat16, FOLDED=a13.folded,
+                          RB=max(16, next_pow2(num_slots)), BN=bn, BK=tiles.bk1)
+        launch(_decode_w13_mx_dot_kernel, (cdiv(n, bn // 2 if gated else bn), num_slots),
+               ints + floats + ptr_key(*ptrs), ptrs + ints + floats, constexprs, num_warps=tiles.warps1,
+               num_stages=tiles.stages1 if hidden.is_cuda else 1)
+    elif mx:  # a GEMV per slot, the weights decoded in registers
         ptrs = (hidden, a13.tensor, a13.scales, b13, h) + common
         ints = ints + a13.scale_strides + (a13.row_bytes,) + tail
         constexprs.update(MX_ROUTE=a13.route, UPCAST_PTX=hidden.is_cuda, FOLDED=a13.folded, BN=tiles.bn1,

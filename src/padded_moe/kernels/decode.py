@@ -19,8 +19,9 @@ every intermediate but one in registers:
   n-tile are adjacent in launch order, so an expert shared by several tokens is read from L2.
 
 MXFP4 weights (`Mxfp4Tensor`'s canonical bytes and scales) take `_decode_w13_mx_kernel` for GEMM1,
-a GEMV per slot that decodes the packed bytes in registers (`_mx_step`), and GEMM2's `W_MX` branch,
-the same step over the k experts' rows.
+a GEMV per slot that decodes the packed bytes in registers (`_mx_step`), or with prepared words
+`_decode_w13_mx_dot_kernel`, the prepared-MXFP4 GEMM's tile over the expert's slots; and GEMM2's
+`W_MX` branch, the GEMV step over the k experts' rows.
 
 Every operand's last dimension is contiguous (the host checks it). Dropped slots are never loaded
 or computed, hidden rows at/after `valid_tokens` are never read and output rows at/after it are
@@ -34,7 +35,8 @@ import triton.language as tl
 
 from padded_moe.kernels.activation import ACT_SILU_NO_MUL, _bias_act, _gate_up_rows
 from padded_moe.kernels.gemm import (_E2M1_PTX_FOLDED_ASM, _FOUR_PLANE_PTX_FOLDED_ASM, _byte_strided_rows, _dot_fp32_or,
-                                     _e2m1_plane, _factor_f32, _four_plane, _gate_up_split, _scale_factor)
+                                     _e2m1_plane, _expert_gemm_mx_hopper_rows, _factor_f32, _four_plane,
+                                     _gate_up_split, _scale_factor)
 from padded_moe.kernels.guard import slot_local_expert
 
 # How the MXFP4 decode kernels read weights (`MX_ROUTE`): the canonical packed bytes, decoded per
@@ -357,6 +359,41 @@ def _decode_w13_tma_kernel(
                   beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
     h_ptrs = h_ptr + sl.to(tl.int64)[:, None] * stride_hm + rn[None, :]
     tl.store(h_ptrs, y.to(h_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _decode_w13_mx_dot_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, map_ptr, vt_ptr,
+    N, K, K_PAD, S, E, L,
+    stride_xm, stride_im, stride_ik, stride_we, stride_wn, stride_se, stride_sg, stride_be, stride_hm,
+    limit, alpha, beta, situ_beta, situ_lambda,
+    TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, HAS_VT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
+    FP32_DOT: tl.constexpr, K_TAIL: tl.constexpr, UPCAST_PTX: tl.constexpr, FOLDED: tl.constexpr,
+    RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """GEMM1 + activation of prepared 4-plane MXFP4 weights (`HopperMxfp4`) as an MMA, grid (n-tiles,
+    slots): the owner program of an expert (`_slot_owner`) runs the prepared-MXFP4 GEMM's tile
+    (`_expert_gemm_mx_hopper_rows`) over its `BN` weight rows (the gate and up rows of BN/2
+    columns, gated) and the expert's slots as the MMA's narrow side (`RB` rows, the slots' hidden
+    rows gathered on load). The upcast writes the weights straight into the MMA's register operand,
+    so a weight costs its upcast and no multiply-add of its own (the GEMV route spends a widening
+    and an FMA per weight per slot)."""
+    pid_n = tl.program_id(0)
+    s = tl.program_id(1)
+    e, rows, x_rows, owner = _slot_owner(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, s, S, E, L, TOP_K, HAS_MAP,
+                                         HAS_VT, RB)
+    if owner == 0:
+        return
+    GATED: tl.constexpr = ACT < ACT_SILU_NO_MUL
+    BN_OUT: tl.constexpr = BN // 2 if GATED else BN
+    n0 = pid_n * BN_OUT
+    rn = n0 + tl.arange(0, BN_OUT)
+    _expert_gemm_mx_hopper_rows(1, e.to(tl.int64), n0, rn, rn < N, x_rows, tl.arange(0, RB), rows, x_ptr, w_ptr, s_ptr,
+                                bias_ptr, h_ptr, N, K, K_PAD, stride_xm, stride_we, stride_wn, stride_se, stride_sg,
+                                stride_be, stride_hm, limit, alpha, beta, situ_beta, situ_lambda, HAS_BIAS, FP32_DOT,
+                                K_TAIL, UPCAST_PTX, False, FOLDED, 4, False, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED,
+                                True, RB, BN, BN_OUT, BK, False)
 
 
 @triton.jit

@@ -473,6 +473,14 @@ print('warnings', n); assert n == 1, n"
                 pytest -q -m gpu tests/test_decode_gpu.py -k "sanitizer and dot"
             STEP_TIMEOUT=200 step ab-decode-mx-dot python3 benchmarks/bench_decode.py --weights mxfp4 --ab mxw13 \
                 --presets gpt-oss-120b,dsv4-flash --out "$OUT/ab-decode-mx-dot" ;;
+        decode-mx-auto)  # the one-token MMA as the MXFP4 default: every decode GPU test, launch plans, the compiled MXFP4
+            # call, the MXFP4 experts suite, then the cold-L2 probe on both MXFP4 models (per kernel)
+            STEP_TIMEOUT=240 step test-decode-all python3 -m pytest -q -n 2 -m gpu tests/test_decode_gpu.py \
+                tests/test_launch_plan_gpu.py
+            STEP_TIMEOUT=200 step test-mx-compile python3 -m pytest -q -m gpu tests/test_compile_gpu.py -k mxfp4
+            STEP_TIMEOUT=200 step test-mx-experts python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py -k "mxfp4 or gpt"
+            STEP_TIMEOUT=150 step decode-cold-mx python3 scripts/decode_cold_probe.py --no-pure-reads \
+                --cases gpt-oss-120b:mxfp4,dsv4-flash:mxfp4 --out "$OUT/decode-cold-mx.json" ;;
         decode-words)  # MXFP4 decode kernels reading 32-bit words (canonical or prepared): tests and launch plans, sanitizer, timing of each MX_STEP
             step test-decode python3 -m pytest -q -m gpu tests/test_decode_gpu.py tests/test_launch_plan_gpu.py
             step sanitizer-decode compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \

@@ -133,7 +133,8 @@ def main() -> None:
         floor = sum(hit) / L * expert_bytes / copy * 1e6
         res = {"L": L, "experts_hit": hit, "expert_bytes": expert_bytes, "floor_us_per_call": round(floor, 2)}
         print(case, f"L={L} floor {floor:.2f} us per call", flush=True)
-        default = dec.pick_tiles(1, layers[0].top_k, n_inter, layers[0].hidden_size, x.device, mxfp4=mx)
+        default = dec.pick_tiles(1, layers[0].top_k, n_inter, layers[0].hidden_size, x.device, mxfp4=mx,
+                                 mx_dot=dec.uses_mx_dot(layers[0].expert_weights()[0], 1))
 
         def step():
             for lay, (tw, ids) in zip(layers, routes):

@@ -227,6 +227,17 @@ def _w13_descriptor(w13, hidden: torch.Tensor, act: MoEActivation, tiles: Decode
     return rows_descriptor(w13, 2 * bn if gated else bn, tiles.bk1), bn, False
 
 
+def uses_mx_dot(w13, num_tokens: int) -> bool:
+    """Whether a decode call of `num_tokens` runs MXFP4 GEMM1 as an MMA (`MX_W13`): only on the
+    prepared words (`_weight_parts`' "prepared" route)."""
+    from padded_moe.kernels.decode import MX_PREPARED
+
+    if MX_W13 not in MX_W13S:
+        raise ValueError(f"padded_moe.decode.MX_W13 must be one of {', '.join(MX_W13S)}, got {MX_W13!r}")
+    return (isinstance(w13, Mxfp4Tensor) and _weight_parts(w13).route == MX_PREPARED.value
+            and (MX_W13 == "dot" or (MX_W13 == "auto" and num_tokens == 1)))
+
+
 def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, act: MoEActivation, cfg: ApplyMoEActivationConfig, num_experts: int,
                    table: Optional[torch.Tensor], w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
@@ -235,8 +246,8 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
     """Run the decode path on arguments `fused_experts` checked; `h [M*k, N]` is scratch for the
     activation's output, `out [M, K]` receives the result (rows at/after `valid_tokens` untouched)."""
     from padded_moe.kernels._launch import launch, ptr_key
-    from padded_moe.kernels.decode import (MX_PREPARED, _decode_w2_combine_kernel, _decode_w13_act_kernel,
-                                           _decode_w13_mx_dot_kernel, _decode_w13_mx_kernel, _decode_w13_tma_kernel)
+    from padded_moe.kernels.decode import (_decode_w2_combine_kernel, _decode_w13_act_kernel, _decode_w13_mx_dot_kernel,
+                                           _decode_w13_mx_kernel, _decode_w13_tma_kernel)
 
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
@@ -250,9 +261,7 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
     p = _resolve(act, cfg)
     mx = isinstance(w13, Mxfp4Tensor)
     a13, a2 = _weight_parts(w13), _weight_parts(w2)
-    if MX_W13 not in MX_W13S:
-        raise ValueError(f"padded_moe.decode.MX_W13 must be one of {', '.join(MX_W13S)}, got {MX_W13!r}")
-    mx_dot = mx and a13.route == MX_PREPARED.value and (MX_W13 == "dot" or (MX_W13 == "auto" and num_tokens == 1))
+    mx_dot = uses_mx_dot(w13, num_tokens)
     tiles = tiles or pick_tiles(num_tokens, num_slots, n, hidden_size, hidden.device, mxfp4=mx, mx_dot=mx_dot)
     interpreted = not hidden.is_cuda
     dummy = out  # stands in for the pointers of absent options (never dereferenced)

@@ -188,6 +188,25 @@ for stage in "$@"; do
                 tests/test_experts_gpu.py -k "half_tail or medium_regime"
             STEP_TIMEOUT=200 step sanitizer-half-tail compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
                 -q -m gpu tests/test_gemm_gpu.py -k "half_tail and ((gpt_oss and w13) or (prefill and w2 and indexed))" ;;
+        half-small)  # GemmConfig.half_tail on the prepared-MXFP4 small and decode entries (32- and 64-row tiles whose
+            # rows fit in half: 1-32 rows per expert pad to the tile's MMA width) against the table, alternating rounds
+            for run in "gpt-oss-120b small 1024" "gpt-oss-120b decode 16,128" "dsv4-flash decode 128,1024" \
+                       "dsv4-flash small 2048"; do
+                set -- $run
+                STEP_TIMEOUT=150 step "ab-half-$1-$2" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights mxfp4 \
+                    --regime "$2" --tokens "$3" --candidates half --rounds 5 --out "/tmp/ab-half-$1-$2"
+            done ;;
+        half-small-check)  # half tiles on the prepared-MXFP4 small entry (the table's): GPU tests against the reference and
+            # the full tiles' bits, the MXFP4 experts and epilogue suites, sanitizer, then the MXFP4 peers (all token counts)
+            STEP_TIMEOUT=300 step test-half-small python3 -m pytest -q -n 2 -m gpu tests/test_gemm_gpu.py \
+                tests/test_experts_gpu.py tests/test_gemm_epilogue_gpu.py \
+                -k "(switch and half_tail and BM64) or (experts_gpu and (mxfp4 or gpt)) or (mxfp4_model_shapes and small)"
+            STEP_TIMEOUT=200 step sanitizer-half-small compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
+                -q -m gpu tests/test_gemm_gpu.py -k "hopper_small_sanitizer or (switch and half_tail and BM64 and gpt_oss and w13)"
+            if [ -d .peers ]; then
+                STEP_TIMEOUT=260 step peers-mx env OUT="$OUT/peers" BUDGET_S=230 TIMEOUT_S=250 bash .peers/run.sh \
+                    --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx --impls padded_moe,triton_kernels
+            fi ;;
         half-tail-bench)  # the prepared-MXFP4 medium entry with and without half_tail at 72-128 mean rows, the MXFP4
             # peers at 8192 tokens
             for run in "gpt-oss-120b 2304,3072,4096" "dsv4-flash 3072,4096"; do

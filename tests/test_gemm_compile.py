@@ -124,6 +124,10 @@ def test_hopper_kernel_compiles_for_sm90():
     # `GemmConfig.half_tail` on the 4-plane medium tile (both loop bodies compiled)
     half = dataclasses.replace(kg.TUNED[("mxfp4_hopper4", "medium")], half_tail=True)
     cases += [(lay, half, True, 4, act) for lay in (0, 1) for act in (-1, 3)]
+    # ... and on the small tile (its 32-row half), the table entry
+    small = kg.TUNED[("mxfp4_hopper4", "small")]
+    assert small.half_tail
+    cases += [(lay, small, True, 4, act) for lay in (0, 1, 2) for act in (-1, 3)]
     arg = json.dumps([(lay, dataclasses.asdict(c), folded, planes, act) for lay, c, folded, planes, act in cases])
     results = compile_for_sm90(PTXAS_LOG + HGMMA_LOOPS + SCRIPT, arg)
     for r in results:

@@ -260,6 +260,8 @@ SWITCHED_CONFIGS = [(switch, w, kg.TUNED[(kind, reg)] if switch != "dynamic" els
                     for switch in ("persistent", "half_tail", "dynamic")
                     for w, kind in (("bf16", "bf16"), ("mxfp4_hopper", "mxfp4_hopper4"))
                     for reg in ("medium", "prefill") if not (switch == "dynamic" and w != "bf16")]
+# The prepared-MXFP4 small entry runs half tiles too (32 of its 64 rows).
+SWITCHED_CONFIGS += [("half_tail", "mxfp4_hopper", kg.TUNED[("mxfp4_hopper4", "small")])]
 
 
 @pytest.mark.parametrize("switch,wdtype,cfg", SWITCHED_CONFIGS, ids=lambda v: v if isinstance(v, str) else v.short())
@@ -489,8 +491,9 @@ def test_mxfp4_hopper_upcast_is_exact(finite, folded, planes, cfg):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
 def test_mxfp4_hopper_small_sanitizer(layout):
     """Small and quick, for `compute-sanitizer --tool memcheck`: decode and prefill tuned configs
-    and the inline-PTX upcast on both prepared arrangements (and the shared-operand tile on 4
-    planes), ragged counts, K = 160 (padded to 192), Nout = 200 (partial n-tile)."""
+    and the inline-PTX upcast on both prepared arrangements (and on 4 planes the shared-operand tile
+    and the small entry, whose tiles of at most 32 rows run as half tiles), ragged counts, K = 160
+    (padded to 192), Nout = 200 (partial n-tile)."""
     L, K, n_out, M, k = 4, 160, 200, 37, 2
     q = make_weight(L, n_out, K, "mxfp4", 31)
     g = torch.Generator(device=DEV).manual_seed(37)
@@ -499,7 +502,8 @@ def test_mxfp4_hopper_small_sanitizer(layout):
     ptx = GemmConfig(16, 128, 128, 1, 4, 4, mx_hopper=True, mx_ptx=True)
     for planes in (2, 4):
         kind = kg.table_kind(True, True, planes)
-        wsh = [GemmConfig(64, 128, 128, 8, 4, 3, mx_hopper=True, mx_ptx=True, mx_w_shared=True)] if planes == 4 else []
+        wsh = [GemmConfig(64, 128, 128, 8, 4, 3, mx_hopper=True, mx_ptx=True, mx_w_shared=True),
+               kg.TUNED[(kind, "small")]] if planes == 4 else []
         for cfg in (kg.TUNED[(kind, "decode")], kg.TUNED[(kind, "prefill")], ptx, *wsh):
             a = inputs_for(layout, meta, "w13", K, M, k, 41)
             out = out_for(layout, meta, a, n_out)

@@ -180,13 +180,17 @@ TUNED.update({
 # (the sweep had DeepSeek-V4 at 64 rows 4% faster with BK 128 s3).
 TUNED.update({
     ("mxfp4_hopper4", "decode"): GemmConfig(32, 128, 256, 1, 4, 3, mx_hopper=True, mx_ptx=True),
-    ("mxfp4_hopper4", "small"): GemmConfig(64, 128, 64, 4, 4, 4, mx_hopper=True, mx_ptx=True),
+    ("mxfp4_hopper4", "small"): GemmConfig(64, 128, 64, 4, 4, 4, mx_hopper=True, mx_ptx=True, half_tail=True),
     ("mxfp4_hopper4", "medium"): GemmConfig(128, 256, 64, 8, 8, 3, mx_hopper=True, mx_ptx=True, half_tail=True),
     ("mxfp4_hopper4", "prefill"): GemmConfig(128, 256, 64, 8, 8, 3, mx_hopper=True, mx_ptx=True),
 })
 # `half_tail` on the prepared-MXFP4 medium tile (an expert's last tile of at most 64 rows runs as a
 # 64-row tile): whole calls at 8192 tokens (bench_tiles_ab, alternating graph replays, H200) took
 # 0.977x the time without it on GPT-OSS (256 rows per expert) and 0.967x on DeepSeek-V4 (192). On
+# the small tile (a 64-row tile holding at most 32 rows runs as a 32-row tile: the MMA's token side
+# halves, the upcast stays once per expert) GPT-OSS at 1024 tokens (32 +- 6 rows per expert) took
+# 0.942x; DeepSeek-V4 at 2048 (48 rows) 1.00x. The decode tile (32 rows) gained nothing at 4-24
+# rows per expert (1.00-1.01x), where the MMA is not what the time goes to. On
 # the bf16 tiles it lost: 1.04-1.21x persistent (DeepSeek-V4 at 8192 tokens, Mixtral at 1024 and
 # 8192, Qwen3-MoE at 4096 and 8192), level to 1.07x as one program per tile, so bf16 keeps full tiles.
 # Entries for INDEXED calls whose row blocks hold fewer rows than the `TUNED` entry's BM (the tile
@@ -253,7 +257,8 @@ SWEEP_MXFP4_HOPPER: dict[str, list[GemmConfig]] = {
               _H(64, 64, 64, 4, 4, 4, True), _H(32, 128, 128, 4, 4, 4),
               _H(64, 256, 128, 4, 8, 3), _H(64, 64, 128, 4, 4, 4), _H(128, 128, 128, 4, 8, 3),
               _H(64, 128, 128, 4, 4, 3, True), _H(64, 128, 256, 4, 4, 3, True, True), _H(64, 128, 128, 4, 4, 4, True),
-              _H(64, 128, 256, 4, 8, 3, True), _H(64, 256, 64, 4, 8, 3, True), _H(64, 256, 128, 4, 8, 3, True)],
+              _H(64, 128, 256, 4, 8, 3, True), _H(64, 256, 64, 4, 8, 3, True), _H(64, 256, 128, 4, 8, 3, True),
+              GemmConfig(64, 128, 64, 4, 4, 4, mx_hopper=True, mx_ptx=True, half_tail=True)],
     "medium": [_H(128, 128, 128, 8, 8, 3, True), _H(64, 128, 128, 8, 4, 3),
                _H(128, 256, 64, 8, 8, 3), _H(128, 64, 128, 8, 4, 3), _H(64, 256, 128, 8, 8, 3),
                _H(128, 128, 128, 8, 8, 3), _H(128, 128, 128, 8, 8, 3, True, True),

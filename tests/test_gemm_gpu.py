@@ -502,9 +502,9 @@ def test_mxfp4_hopper_small_sanitizer(layout):
     ptx = GemmConfig(16, 128, 128, 1, 4, 4, mx_hopper=True, mx_ptx=True)
     for planes in (2, 4):
         kind = kg.table_kind(True, True, planes)
-        wsh = [GemmConfig(64, 128, 128, 8, 4, 3, mx_hopper=True, mx_ptx=True, mx_w_shared=True),
-               kg.TUNED[(kind, "small")]] if planes == 4 else []
-        for cfg in (kg.TUNED[(kind, "decode")], kg.TUNED[(kind, "prefill")], ptx, *wsh):
+        four_planes = [GemmConfig(64, 128, 128, 8, 4, 3, mx_hopper=True, mx_ptx=True, mx_w_shared=True),
+                       kg.TUNED[(kind, "small")]] if planes == 4 else []
+        for cfg in (kg.TUNED[(kind, "decode")], kg.TUNED[(kind, "prefill")], ptx, *four_planes):
             a = inputs_for(layout, meta, "w13", K, M, k, 41)
             out = out_for(layout, meta, a, n_out)
             get_backend("triton").gemm(a, prepared_only(q, planes), meta, stage="w13", bias=None, out=out, config=cfg)

@@ -85,6 +85,14 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[obje
     Console(width=200).print(table)
 
 
+def write_json(path: str, obj: object) -> None:
+    """`obj` as indented JSON at `path` (its folder created), and a line saying so."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+    print("wrote", path)
+
+
 def write_report(out_dir: str, name: str, title: str, notes: str, headers: Sequence[str],
                  rows: Sequence[Sequence[object]], extra: dict | None = None) -> None:
     os.makedirs(out_dir, exist_ok=True)

@@ -17,8 +17,6 @@ Not part of the library: it answers where the decode path's time over its weight
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -27,7 +25,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from _common import bench_us, captured, copy_bandwidth_gbs  # noqa: E402
+from _common import bench_us, captured, copy_bandwidth_gbs, write_json  # noqa: E402
 from profile_layer import graph_time, kernel_times  # noqa: E402
 
 from padded_moe import decode as dec  # noqa: E402
@@ -207,10 +205,7 @@ def main() -> None:
         report["cases"][case] = res
         del layers, g
         torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print("wrote", args.out)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

@@ -236,6 +236,15 @@ for stage in "$@"; do
             # prepared-MXFP4 GEMM and torch's bf16 bmm (issue 12's warp-specialization question); needs the
             # library built by scripts/cutlass_mx/build.sh and carried (.cutlass_mx)
             STEP_TIMEOUT=240 step cutlass-mx python3 scripts/cutlass_mx_probe.py --out "$OUT/cutlass-mx.json" ;;
+        mx-decode-cuda)  # the hand-written sm_90 MXFP4 decode GEMM (mma.sync) against the library's decode kernels,
+            # cold L2 (issue 12's decode target); needs scripts/mx_decode_cuda/build.sh's library carried (.mx_decode_cuda)
+            STEP_TIMEOUT=${MXD_TIMEOUT:-300} step mx-decode-cuda python3 scripts/mx_decode_cuda_probe.py --out "$OUT/mx-decode-cuda.json" ;;
+        mx-decode-ncu)  # Nsight Compute sections of two configurations of that kernel and of the library's decode GEMM1
+            ncu_sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
+                          --section WarpStateStats --section SchedulerStats --section LaunchStats)
+            STEP_TIMEOUT=200 step ncu-mx-decode ncu "${ncu_sections[@]}" -k "regex:mx_decode_kernel|decode_w13" \
+                python3 scripts/mx_decode_cuda_probe.py --cases gpt-oss-120b --tokens "gpt-oss-120b:4" --layers 1 \
+                --ncu wn4_ks1_d2_ld0_t2,wn4_ks2_d4_ld0_t2 ;;
         small-kernels)  # the activation's launch shapes (incl. one program per row block) and Nsight Compute
             # sections of the activation (ours vs torch.compile's kernel) and of unpermute (indexed vs grouped)
             STEP_TIMEOUT=150 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"

@@ -278,7 +278,7 @@ def plot(results, path: Path):
         return
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     keys = [("ours_bf16_tflops", "ours bf16"), ("ours_bf16_indexed_tflops", "ours bf16 indexed"),
-            ("ours_mxfp4_tflops", "ours mxfp4"), ("grouped_mm_tflops", "torch._grouped_mm"),
+            ("ours_mxfp4_tflops", "ours mxfp4 unprepared"), ("grouped_mm_tflops", "torch._grouped_mm"),
             ("humming_mxfp4_tflops", "humming mxfp4")]
     for ax, stage in zip(axes, ("w13", "w2")):
         for model, L in sorted({(r["model"], r["L"]) for r in results["rows"]}):
@@ -305,7 +305,7 @@ def write_markdown(results, out: Path, suffix: str) -> None:
 
     cols = [("model", "model"), ("stage", "stage"), ("L", "L"), ("rows_per_expert", "rows/expert"),
             ("ours_bf16_ms", "ours bf16 ms"), ("ours_bf16_indexed_ms", "ours bf16 indexed ms"),
-            ("ours_mxfp4_ms", "ours mxfp4 ms"), ("grouped_mm_ms", "torch._grouped_mm ms"),
+            ("ours_mxfp4_ms", "ours mxfp4 unprepared ms"), ("grouped_mm_ms", "torch._grouped_mm ms"),
             ("ours_vs_grouped_mm", "grouped_mm time / ours"), ("ours_bf16_wbw_frac", "ours bf16 weight BW / copy BW"),
             ("ours_bf16_tflops", "ours bf16 TFLOP/s"), ("humming_mxfp4_ms", "humming ms")]
     rows = [[r.get(k, "-") for k, _ in cols] for r in results["rows"]]

@@ -239,12 +239,14 @@ for stage in "$@"; do
         mx-decode-cuda)  # the hand-written sm_90 MXFP4 decode GEMM (mma.sync) against the library's decode kernels,
             # cold L2 (issue 12's decode target); needs scripts/mx_decode_cuda/build.sh's library carried (.mx_decode_cuda)
             STEP_TIMEOUT=${MXD_TIMEOUT:-300} step mx-decode-cuda python3 scripts/mx_decode_cuda_probe.py --out "$OUT/mx-decode-cuda.json" ;;
-        mx-decode-ncu)  # Nsight Compute sections of two configurations of that kernel and of the library's decode GEMM1
+        mx-decode-ncu)  # Nsight Compute sections and stall reasons of configurations of that kernel and of the
+            # library's decode GEMM1 (GPT-OSS; MXD_TOKENS and MXD_CONFIGS choose the call and the configurations)
             ncu_sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
-                          --section WarpStateStats --section SchedulerStats --section LaunchStats)
-            STEP_TIMEOUT=200 step ncu-mx-decode ncu "${ncu_sections[@]}" -k "regex:mx_decode_kernel|decode_w13" \
-                python3 scripts/mx_decode_cuda_probe.py --cases gpt-oss-120b --tokens "gpt-oss-120b:4" --layers 1 \
-                --ncu wn4_ks1_d2_ld0_t2,wn4_ks2_d4_ld0_t2 ;;
+                          --section WarpStateStats --section SchedulerStats --section LaunchStats
+                          --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio")
+            STEP_TIMEOUT=200 step ncu-mx-decode ncu "${ncu_sections[@]}" -k "regex:mx_decode|decode_w13" \
+                python3 scripts/mx_decode_cuda_probe.py --cases gpt-oss-120b --tokens "gpt-oss-120b:${MXD_TOKENS:-4}" \
+                --layers 1 --ncu "${MXD_CONFIGS:-wn4_ks1_d2_ld0_t2,wn4_ks2_d4_ld0_t2}" ;;
         small-kernels)  # the activation's launch shapes (incl. one program per row block) and Nsight Compute
             # sections of the activation (ours vs torch.compile's kernel) and of unpermute (indexed vs grouped)
             STEP_TIMEOUT=150 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"

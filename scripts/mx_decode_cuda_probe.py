@@ -76,18 +76,18 @@ def tiled(w, mode: int, wn: int) -> torch.Tensor:
     L, n, words = b.shape
     nch = -(-words // 16)
     b = torch.nn.functional.pad(b, (0, nch * 16 - words))
-    if mode == 1:
-        return b.view(L, n // 16, 2, 8, nch, 4, 4).permute(0, 1, 4, 2, 3, 5, 6).contiguous()
+    if mode == 1:  # mode 2 with one row block per program
+        wn = 1
     if n % (16 * wn):
         raise ValueError(f"rows {n} are not a multiple of {16 * wn}")
-    words = b.view(L, n // (16 * wn), wn, 2, 8, nch, 4, 4).permute(0, 1, 5, 2, 3, 4, 6, 7).contiguous()
-    if mode == 2:
-        return words
+    rb = n // (16 * wn)
+    words = b.view(L, rb, wn, 2, 8, nch, 4, 4).permute(0, 1, 5, 2, 3, 4, 6, 7).contiguous()
+    if mode in (1, 2):
+        return words.squeeze(3) if mode == 1 else words
     # 3: each (program, chunk) run of words followed by its scales, [wn][t][half][g] as uint16.
     sc = w.hopper.scales
     sc = torch.nn.functional.pad(sc, (0, 0, 0, nch * 4 - sc.shape[1]))  # padded groups: factor 0 (their words are 0)
-    sc = sc.view(L, nch, 4, n // (16 * wn), wn, 2, 8).permute(0, 3, 1, 4, 2, 5, 6).contiguous()
-    rb = n // (16 * wn)
+    sc = sc.view(L, nch, 4, rb, wn, 2, 8).permute(0, 3, 1, 4, 2, 5, 6).contiguous()
     return torch.cat([words.view(torch.uint8).view(L, rb, nch, wn * 1024),
                       sc.view(torch.uint8).view(L, rb, nch, wn * 128)], dim=-1).contiguous()
 
@@ -168,9 +168,6 @@ def main() -> None:
             res = {"experts_hit_per_layer": hit, "floor_gemm1_us": round(floor1, 2), "floor_gemm2_us": round(floor2, 2)}
             out1 = torch.empty(slots, n_inter2, device="cuda", dtype=torch.float32)
             out2 = torch.empty(slots, hidden, device="cuda", dtype=torch.float32)
-            ref1 = reference(x, grps[0], w13s[0])
-            ref2 = reference(hmid, grps[0], w2s[0])
-            rows = []
             if args.ncu:
                 for c, cname in configs:
                     if cname in args.ncu.split(","):
@@ -179,6 +176,9 @@ def main() -> None:
                 layers[0].experts(x, *routes[0])
                 torch.cuda.synchronize()
                 return
+            ref1 = reference(x, grps[0], w13s[0])
+            ref2 = reference(hmid, grps[0], w2s[0])
+            rows = []
             for c, cname in configs:
                 t13s, t2s = arranged(cname)
                 for out, xin, w, tw_, ref in ((out1, x, w13s[0], t13s[0], ref1), (out2, hmid, w2s[0], t2s[0], ref2)):

@@ -58,12 +58,19 @@ def pure_read(w: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, programs: i
                                   num_warps=4, num_stages=stages)
 
 
-def candidates(default: dec.DecodeTiles, mxfp4: bool) -> list:
+def candidates(default: dec.DecodeTiles, mxfp4: bool, top_k: int) -> list:
     """(label, tiles, `padded_moe.decode` settings): the default tiles, then (bf16 only) the tiles
     before the K-step rule (BK 128, GEMM2 8192 weights per step x 3), GEMM1 at 3 stages, GEMM2 at
-    twice the step, and the default tiles with GEMM1 reading its weights by per-thread copies."""
+    twice the step, and the default tiles with GEMM1 reading its weights by per-thread copies;
+    (MXFP4 only) GEMM2 as the Triton kernel and as each native configuration that fits top_k."""
     d = default
     out = [("default", d, {})]
+    if mxfp4:
+        out += [("triton w2", d, {"MX_W2": "triton"})]
+        from padded_moe.kernels import native
+
+        out += [(f"native c{c}", d, {"MX_W2": "cuda", "NATIVE_W2_CONFIG": c})
+                for c in range(native.w2_num_configs()) if top_k * native.w2_split(c) <= 16]
     if not mxfp4:
         out += [("before", dec.DecodeTiles(d.bn1, 128, d.bn2, 8192, warps1=d.warps1, stages1=d.stages1,
                                             warps2=d.warps2, stages2=3), {}),
@@ -140,7 +147,7 @@ def main() -> None:
 
         plans = ex._launch_plans()
         rows = []
-        for label, tiles, settings in candidates(default, mx):
+        for label, tiles, settings in candidates(default, mx, layers[0].top_k):
             real = dec.pick_tiles
             saved = {k: getattr(dec, k) for k in settings}
             dec.pick_tiles = lambda *a, _t=tiles, **kw: _t  # noqa: E731

@@ -247,6 +247,21 @@ for stage in "$@"; do
             STEP_TIMEOUT=200 step ncu-mx-decode ncu "${ncu_sections[@]}" -k "regex:mx_decode|decode_w13" \
                 python3 scripts/mx_decode_cuda_probe.py --cases gpt-oss-120b --tokens "gpt-oss-120b:${MXD_TOKENS:-4}" \
                 --layers 1 --ncu "${MXD_CONFIGS:-wn4_ks1_d2_ld0_t2,wn4_ks2_d4_ld0_t2}" ;;
+        native-w2)  # the native (CUDA C++) MXFP4 decode GEMM2: its build, the MXFP4 decode tests (both GEMM2 kernels),
+            # plans, memcheck, the configurations side by side and on cold L2, the peers at 1 and 16 tokens (carry .peers)
+            step test-native python3 -m pytest -q tests/test_native.py
+            step test-native-gpu python3 -m pytest -q -m gpu tests/test_decode_gpu.py -k "native or mxfp4"
+            step test-native-plans python3 -m pytest -q -m gpu tests/test_launch_plan_gpu.py -k "mxfp4"
+            step sanitizer-native compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_decode_gpu.py -k "sanitizer and mxfp4-prepared"
+            STEP_TIMEOUT=200 step bench-decode-mxw2 python3 benchmarks/bench_decode.py --weights mxfp4 \
+                --presets gpt-oss-120b,dsv4-flash --ab mxw2 --out "$OUT/bench-decode-mxw2"
+            STEP_TIMEOUT=120 step decode-cold-mx python3 scripts/decode_cold_probe.py \
+                --cases gpt-oss-120b:mxfp4,dsv4-flash:mxfp4 --out "$OUT/decode-cold-mx.json"
+            if [ -d .peers ]; then
+                STEP_TIMEOUT=200 step peers env OUT="$OUT/peers" BUDGET_S=150 TIMEOUT_S=190 bash .peers/run.sh \
+                    --tokens 1,16 --cases gptoss,dsv4mx
+            fi ;;
         small-kernels)  # the activation's launch shapes (incl. one program per row block) and Nsight Compute
             # sections of the activation (ours vs torch.compile's kernel) and of unpermute (indexed vs grouped)
             STEP_TIMEOUT=150 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"

@@ -6,6 +6,8 @@ import torch
 
 from helpers import rel_err
 from padded_moe import decode as dec
+from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation
+from padded_moe.kernels import native as native_kernels
 from padded_moe.expert_map import ExpertMap
 from padded_moe.experts import fused_experts
 from padded_moe.layer import FusedMoE, dense_weights
@@ -169,16 +171,20 @@ def test_compiled_call_takes_the_decode_path(layers, decode_calls):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "mxfp4-words", "mxfp4-prepared-read", "mxfp4-prepared-dot"])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "mxfp4-words", "mxfp4-prepared-read", "mxfp4-prepared-dot",
+                                 "mxfp4-prepared-native"])
 @pytest.mark.parametrize("mapped", [False, True], ids=["plain", "expert-map"])
 def test_sanitizer_small(decode_calls, monkeypatch, mapped, fmt):
     """Small enough for compute-sanitizer: garbage ids (int64 past int32), a repeated expert, an
     expert map, valid_tokens with NaN rows past it, biases, a K and N that no tile divides (MXFP4:
     multiples of 32 only, and 2 tokens; with the prepared words read, K and N not multiples of the
-    prepared form's 64-column blocks; "dot": GEMM1 as an MMA, `MX_W13`)."""
+    prepared form's 64-column blocks; "dot": GEMM1 as an MMA, `MX_W13`; "native": GEMM2 as the
+    native CUDA kernel, `MX_W2`, the others its Triton kernel)."""
     monkeypatch.setattr(dec, "MX_STEP", {"mxfp4-words": "words", "mxfp4-prepared-read": "prepared",
-                                         "mxfp4-prepared-dot": "prepared"}.get(fmt, "bytes"))
+                                         "mxfp4-prepared-dot": "prepared",
+                                         "mxfp4-prepared-native": "prepared"}.get(fmt, "bytes"))
     monkeypatch.setattr(dec, "MX_W13", "dot" if fmt == "mxfp4-prepared-dot" else "gemv")
+    monkeypatch.setattr(dec, "MX_W2", "cuda" if fmt == "mxfp4-prepared-native" else "triton")
     T, k, E, K, N = (4, 4, 12, 200, 72) if fmt == "bf16" else (2, 4, 12, 224, 96)
     emap = ExpertMap(E, ep_rank=1, ep_size=2, device="cuda") if mapped else None
     L = emap.num_local if mapped else E
@@ -187,7 +193,7 @@ def test_sanitizer_small(decode_calls, monkeypatch, mapped, fmt):
     w2 = torch.randn(L, K, N, device="cuda", generator=g) * 0.1
     if fmt in ("mxfp4", "mxfp4-words"):
         w13, w2 = quantize_mxfp4(w13), quantize_mxfp4(w2)
-    elif fmt in ("mxfp4-prepared-read", "mxfp4-prepared-dot"):
+    elif fmt.startswith("mxfp4-prepared"):
         w13, w2 = quantize_mxfp4(w13).prepare_for(), quantize_mxfp4(w2).prepare_for()
     else:
         w13, w2 = w13.bfloat16(), w2.bfloat16()
@@ -210,17 +216,18 @@ def test_sanitizer_small(decode_calls, monkeypatch, mapped, fmt):
     assert rel_err(out[:T - 1], ref[:T - 1]) <= BF16_TOL
 
 
-@pytest.mark.parametrize("step", ["bytes", "words", "prepared", "prepared-dot", "prepared-gemv"])
+@pytest.mark.parametrize("step", ["bytes", "words", "prepared", "prepared-dot", "prepared-gemv", "prepared-auto-triton"])
 @pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize("shape", ["gpt-oss", "dsv4"])
 def test_mxfp4_model_widths(decode_calls, monkeypatch, shape, T, step):
     """Prepared MXFP4 experts at the models' widths (fewer experts, for the oracle), every way the
     decode kernels read them (`MX_STEP`; the word routes upcast with inline PTX; GEMM1 on prepared
-    words as `MX_W13` chooses, or as an MMA / a GEMV); against the float64 oracle and the layout
-    path (prepared kernel)."""
-    step, _, w13 = step.partition("-")
+    words as `MX_W13` chooses, or as an MMA / a GEMV; GEMM2 as `MX_W2` chooses, or the Triton
+    kernel); against the float64 oracle and the layout path (prepared kernel)."""
+    step, w13, w2 = (step.split("-") + ["", ""])[:3]
     monkeypatch.setattr(dec, "MX_STEP", step)
     monkeypatch.setattr(dec, "MX_W13", w13 or "auto")
+    monkeypatch.setattr(dec, "MX_W2", w2 or "auto")
     E, k, K, N, act, bias = (32, 4, 2880, 2880, "swigluoai", True) if shape == "gpt-oss" else \
         (32, 6, 4096, 2048, "silu", False)
     g = torch.Generator(device="cuda").manual_seed(50 + T)
@@ -247,9 +254,12 @@ def test_mxfp4_model_widths(decode_calls, monkeypatch, shape, T, step):
     assert rel_err(out, layout_path.float()) <= BF16_TOL
 
 
-def test_compiled_mxfp4_call_takes_the_decode_path(decode_calls):
+@pytest.mark.parametrize("mx_w2", ["auto", "cuda"])
+def test_compiled_mxfp4_call_takes_the_decode_path(decode_calls, monkeypatch, mx_w2):
     """A compiled call on prepared MXFP4 experts (GPT-OSS widths, fewer experts) takes the decode
-    path and gives the eager call's result bit for bit (the same kernels on the same inputs)."""
+    path and gives the eager call's result bit for bit (the same kernels on the same inputs), with
+    GEMM2 as `MX_W2` chooses (GPT-OSS: the Triton kernel) and as the native kernel."""
+    monkeypatch.setattr(dec, "MX_W2", mx_w2)
     E, k, K, N = 16, 4, 2880, 2880
     g = torch.Generator(device="cuda").manual_seed(70)
     w13 = quantize_mxfp4(torch.randn(E, 2 * N, K, device="cuda", generator=g) * 0.02).prepare_for()
@@ -271,3 +281,129 @@ def test_compiled_mxfp4_call_takes_the_decode_path(decode_calls):
     torch._dynamo.reset()
     assert decode_calls and set(decode_calls) == {2}, "the compiled op did not take the decode path"
     assert torch.equal(out, eager)
+
+
+def _native_case(shape: str, E: int, seed: int):
+    """Prepared MXFP4 experts at a model's widths (E experts) with its activation and biases."""
+    k, K, N, act, bias = (4, 2880, 2880, "swigluoai", True) if shape == "gpt-oss" else (6, 4096, 2048, "silu", False)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = quantize_mxfp4(torch.randn(E, 2 * N, K, device="cuda", generator=g) * 0.02).prepare_for()
+    w2 = quantize_mxfp4(torch.randn(E, K, N, device="cuda", generator=g) * 0.02).prepare_for()
+    b13 = torch.randn(E, 2 * N, device="cuda", generator=g).bfloat16() * 0.1 if bias else None
+    b2 = torch.randn(E, K, device="cuda", generator=g).bfloat16() * 0.1 if bias else None
+    return k, K, w13, w2, b13, b2, act
+
+
+@pytest.mark.parametrize("config", [None, 0, 1, 2, 3, 4, 5], ids=lambda c: f"config{c}")
+@pytest.mark.parametrize("T", [1, 2, 4])
+@pytest.mark.parametrize("shape", ["gpt-oss", "dsv4"])
+def test_native_w2_against_reference_and_triton(monkeypatch, shape, T, config):
+    """The native GEMM2 (`MX_W2 = "cuda"`), each configuration that fits the shape's top_k, at the
+    models' widths: NaN rows past valid_tokens, a dropped slot, an id past the end and an expert
+    shared by two tokens, int64 ids and valid_tokens; against the float64 oracle and the Triton
+    GEMM2. Called directly on a NaN-poisoned scratch and output: rows past valid_tokens keep it."""
+    E = 32
+    k, K, w13, w2, b13, b2, act = _native_case(shape, E, seed=80 + T)
+    if not dec.fits_decode(T, T * k):
+        pytest.skip(f"{T * k} slots: past the decode path")
+    if config is not None and k * native_kernels.w2_split(config) > 16:
+        with pytest.raises(ValueError, match="top_k"):
+            monkeypatch.setattr(dec, "MX_W2", "cuda")
+            monkeypatch.setattr(dec, "NATIVE_W2_CONFIG", config)
+            fused_experts(torch.randn(T, K, device="cuda").bfloat16(), w13, w2, *routes(T, k, E, seed=1),
+                          activation=act, w13_bias=b13, w2_bias=b2)
+        return
+    g = torch.Generator(device="cuda").manual_seed(90 + T)
+    valid = max(1, T - 1)  # the last token of 2 or 4 is past valid_tokens
+    x = torch.randn(T, K, device="cuda", generator=g).bfloat16()
+    x[valid:] = float("nan")
+    tw, ids = routes(T, k, E, seed=91 + T)
+    ids = ids.long()
+    ids[0, 1] = -1
+    ids[0, 2] = E
+    if valid > 1:
+        ids[1, 0] = ids[0, 0]
+    vt = torch.tensor([valid], device="cuda", dtype=torch.int64)
+    launched = []
+    real_entry = native_kernels.entry
+    monkeypatch.setattr(native_kernels, "entry", lambda name: launched.append(name) or real_entry(name))
+
+    def run(mx_w2, cfg=None):
+        """Called directly, on a NaN-poisoned activation scratch and output."""
+        monkeypatch.setattr(dec, "MX_W2", mx_w2)
+        monkeypatch.setattr(dec, "NATIVE_W2_CONFIG", cfg)
+        h = torch.full((T * k, w2.shape[2]), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out = torch.full((T, K), float("nan"), device="cuda", dtype=torch.bfloat16)
+        return dec.decode_experts(x, w13, w2, tw, ids, MoEActivation(act), ApplyMoEActivationConfig(), E, None, b13,
+                                  b2, vt, h, out)
+
+    native = run("cuda", config)
+    torch.cuda.synchronize()
+    assert launched == ["pmoe_mx_w2_combine"], "the native GEMM2 did not run"
+    assert torch.isnan(native[valid:]).all(), "a row past valid_tokens was written"
+    assert torch.isfinite(native[:valid]).all()
+    triton_w2 = run("triton")
+    torch.cuda.synchronize()
+    assert launched == ["pmoe_mx_w2_combine"], "MX_W2='triton' ran the native kernel"
+    ok = (ids[:valid] >= 0) & (ids[:valid] < E)
+    used = torch.unique(ids[:valid][ok].long())
+    emap = torch.full((E,), -1, dtype=torch.long, device="cuda")
+    emap[used] = torch.arange(used.numel(), device="cuda")
+    sub = lambda t: None if t is None else t[used]  # noqa: E731
+    ref = reference_moe(x, dense_weights(w13)[used], dense_weights(w2)[used], tw, ids, activation=act,
+                        expert_map=emap, num_experts=E, w13_bias=sub(b13), w2_bias=sub(b2), valid_tokens=valid)
+    assert rel_err(native[:valid], ref[:valid]) <= BF16_TOL
+    assert rel_err(native[:valid], triton_w2[:valid].float()) <= BF16_TOL
+
+
+def test_native_w2_plans_graphs_and_no_sync(decode_calls, monkeypatch):
+    """The native GEMM2 under the eager launch plan (calls after the plan is built, with new
+    routes, equal a plan-less call bit for bit), inside a CUDA graph replayed with new routes (equal
+    to eager calls bit for bit), and without a device-to-host synchronisation."""
+    from padded_moe import experts as ex
+
+    monkeypatch.setattr(dec, "MX_W2", "cuda")
+    E = 32
+    k, K, w13, w2, b13, b2, act = _native_case("gpt-oss", E, seed=100)
+    x = torch.randn(2, K, device="cuda").bfloat16()
+    tw, ids = routes(2, k, E, seed=101)
+
+    def step():
+        return fused_experts(x, w13, w2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2)
+
+    plans = ex._launch_plans()
+    plans.enabled = False
+    try:
+        fresh = []
+        for seed in range(102, 106):
+            new_w, new_ids = routes(2, k, E, seed)
+            tw.copy_(new_w)
+            ids.copy_(new_ids)
+            fresh.append(step().clone())
+    finally:
+        plans.enabled = True
+    plans.clear()
+    step(), step(), step()  # plain, recorded, recorded again: the plan is built
+    torch.cuda.synchronize()
+    assert len(plans) == 1, "the native launch made the call unplannable"
+    new_routes = [routes(2, k, E, seed) for seed in range(102, 106)]
+    got = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for new_w, new_ids in new_routes:
+            tw.copy_(new_w)
+            ids.copy_(new_ids)
+            got.append(step().clone())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(a, b) for a, b in zip(got, fresh))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed, want in zip(range(102, 106), fresh):
+        new_w, new_ids = routes(2, k, E, seed)
+        tw.copy_(new_w)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)

@@ -12,6 +12,9 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+// The upcast and the MMA: the library's own (src/padded_moe/kernels/native).
+#include "../../src/padded_moe/kernels/native/mx_words.cuh"
+
 namespace {
 
 // LD: 0 = read-only path without L1 allocation, 1 = plain global load, 2 = read-only path (__ldg).
@@ -26,30 +29,6 @@ __device__ __forceinline__ uint4 ldg_w(const void* p) {
   else
     v = __ldg(reinterpret_cast<const uint4*>(p));
   return v;
-}
-
-__device__ __forceinline__ uint32_t bmul(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-// One 4-plane word -> four bf16x2 pairs (plane p: elements 2c + 8p and the next), times the
-// folded scale pair `s2` (2^(s-1) in both halves): the code bits placed as a bf16 are the value
-// times 2^-126, and the folded scale restores it exactly.
-__device__ __forceinline__ void upcast(uint32_t w, uint32_t s2, uint32_t (&p)[4]) {
-  p[0] = bmul(w & 0x81C081C0u, s2);
-  p[1] = bmul((w << 3) & 0x81C081C0u, s2);
-  p[2] = bmul((w << 6) & 0x81C081C0u, s2);
-  p[3] = bmul(((w << 1) & 0x80008000u) | ((w >> 5) & 0x01000100u) | ((w >> 4) & 0x00C000C0u), s2);
-}
-
-__device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                    uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 __host__ __device__ inline int col_stride(int ng) { return 4 * ng + ((ng & 1) ? 0 : 4); }  // uint4 units
@@ -88,8 +67,8 @@ __device__ __forceinline__ void chunk_mma(float (&acc0)[4], float (&acc1)[4], ui
     upcast(ua[c], fa, pa);
     upcast(ub[c], fb, pb);
     const uint4 bx = b_ok ? xb[c * NG + 4 * i] : zero4;
-    mma(acc0, pa[0], pb[0], pa[1], pb[1], bx.x, bx.y);
-    mma(acc1, pa[2], pb[2], pa[3], pb[3], bx.z, bx.w);
+    mma_bf16(acc0, pa[0], pb[0], pa[1], pb[1], bx.x, bx.y);
+    mma_bf16(acc1, pa[2], pb[2], pa[3], pb[3], bx.z, bx.w);
   }
 }
 

@@ -19,6 +19,7 @@ slot order); its GEMMs sum in another order, so the two paths agree to rounding,
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional
 
@@ -159,6 +160,92 @@ MX_W13S = ("auto", "gemv", "dot")
 MX_W13 = "auto"
 MX_DOT_BK = 256
 MX_DOT_STAGES = 3
+
+
+# How MXFP4 GEMM2 runs on the decode path: "auto" (the default), the native CUDA kernel
+# (`padded_moe.kernels.native`: the prepared words straight into mma.sync's registers) on the shapes
+# where it measured faster (`NATIVE_W2_MEASURED`) and can run, else the Triton kernel; "triton";
+# "cuda", the native kernel on every shape, or an error saying why it cannot run. It needs an sm_90
+# GPU, bf16 activations, prepared 4-plane words with folded scales (`prepare_for()`), an inner size
+# that is a multiple of 32, an int32 expert map if any, at most 16 slots per token, and nvcc at
+# first use (or a cached build). Set it before the first call: launch plans keep what a call
+# launched.
+MX_W2S = ("auto", "triton", "cuda")
+MX_W2 = "auto"
+# Shapes (hidden size, w2's inner size, top_k) on which the native GEMM2 beat the Triton kernel on an
+# H200, with the configuration that did best (`mx_decode.cu`'s PMOE_W2_CONFIGS index). DeepSeek-V4
+# (MXFP4), one token, cold L2: 15.3 against 18.7 µs per GEMM2; whole decode calls 1.06x / 1.07x at 1 / 2
+# tokens. GPT-OSS (2880, 2880, 4) is not here: 15.4-20.6 against 12.4 µs (docs/benchmarks.md).
+NATIVE_W2_MEASURED = {(4096, 2048, 6): 0}
+# The native GEMM2's configuration for every call; None: the measured one, else `_native_w2_config`.
+NATIVE_W2_CONFIG: Optional[int] = None
+_NATIVE_MAX_WARPS = 16  # warps per program: top_k x the K split
+_native_warned: set = set()
+
+
+def native_w2_config(hidden: torch.Tensor, h: torch.Tensor, w2, topk_weights: torch.Tensor,
+                     w2_bias: Optional[torch.Tensor], table: Optional[torch.Tensor], top_k: int) -> Optional[int]:
+    """The native GEMM2 configuration this decode call runs (`MX_W2`), or None for the Triton
+    kernel; `h` is GEMM1's output it reads. "cuda" raises `NotImplementedError` naming what rules
+    the native kernel out."""
+    from padded_moe.kernels import native
+    from padded_moe.kernels.decode import MX_PREPARED
+
+    if MX_W2 not in MX_W2S:
+        raise ValueError(f"padded_moe.decode.MX_W2 must be one of {', '.join(MX_W2S)}, got {MX_W2!r}")
+    if MX_W2 == "triton" or not isinstance(w2, Mxfp4Tensor):
+        return None
+    measured = NATIVE_W2_MEASURED.get((w2.shape[1], w2.shape[2], top_k))
+    if MX_W2 == "auto" and measured is None:
+        return None
+    a2 = _weight_parts(w2)
+    why = None
+    if not hidden.is_cuda or hidden.dtype != torch.bfloat16:
+        why = f"it needs bf16 activations on a CUDA device, got {hidden.dtype} on {hidden.device.type}"
+    elif a2.route != MX_PREPARED.value or not a2.folded:
+        why = "it needs w2 prepared with folded scales (prepare_for(), every scale up to FOLD_MAX_SCALE)"
+    elif w2.shape[2] % 32 or h.stride(1) != 1 or h.stride(0) % 8 or h.data_ptr() % 16:
+        why = "it needs w2's inner size a multiple of 32 and GEMM1's output rows on 16 bytes"
+    elif top_k > _NATIVE_MAX_WARPS:
+        why = f"it takes at most {_NATIVE_MAX_WARPS} slots per token, got top_k={top_k}"
+    elif topk_weights.dtype not in native.DTYPE_CODES or (w2_bias is not None and w2_bias.dtype not in native.DTYPE_CODES):
+        why = "it needs float32, bfloat16 or float16 router weights and bias"
+    elif table is not None and table.dtype != torch.int32:
+        why = f"it needs an int32 expert map, got {table.dtype}"
+    else:
+        why = native.unsupported_device(hidden.device)
+        failure = native.load_failure() if why is None else None
+        if failure is not None and MX_W2 == "auto" and failure not in _native_warned:
+            _native_warned.add(failure)
+            warnings.warn(f"padded_moe: the native MXFP4 decode GEMM2 is unavailable, using the Triton kernel: "
+                          f"{failure}", RuntimeWarning, stacklevel=3)
+        why = why or failure
+    if why is not None:
+        if MX_W2 == "cuda":
+            raise NotImplementedError(f"padded_moe.decode.MX_W2 = 'cuda' but the native kernel cannot run this call: {why}")
+        return None
+    if NATIVE_W2_CONFIG is not None:
+        if not (isinstance(NATIVE_W2_CONFIG, int) and 0 <= NATIVE_W2_CONFIG < native.w2_num_configs()):
+            raise ValueError(f"padded_moe.decode.NATIVE_W2_CONFIG must be None or an int in "
+                             f"[0, {native.w2_num_configs()}), got {NATIVE_W2_CONFIG!r}")
+        config = NATIVE_W2_CONFIG
+    elif measured is not None:
+        config = measured
+    else:
+        config = _native_w2_config(hidden.shape[0], top_k, w2.shape[1], hidden.device)
+    if top_k * native.w2_split(config) > _NATIVE_MAX_WARPS:
+        raise ValueError(f"native GEMM2 configuration {config} splits K over {native.w2_split(config)} warps per "
+                         f"slot: top_k={top_k} needs at most {_NATIVE_MAX_WARPS // top_k}")
+    return config
+
+
+def _native_w2_config(num_tokens: int, top_k: int, hidden_size: int, device: torch.device) -> int:
+    """Configuration 1 (K split over 2 warps) where one warp per slot and 16-row block would leave
+    fewer than 8 warps per SM, else 0 (one warp per slot)."""
+    warps = cdiv(hidden_size, 16) * num_tokens * top_k
+    if warps < 8 * _platform.program_cap(device, per_sm=1) and 2 * top_k <= _NATIVE_MAX_WARPS:
+        return 1
+    return 0
 
 
 class _WeightArgs(NamedTuple):
@@ -319,6 +406,21 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
             launch(_decode_w13_act_kernel, (cdiv(n, tiles.bn1), num_slots), ints + floats + ptr_key(*ptrs),
                    ptrs + ints + floats, constexprs, num_warps=tiles.warps1, num_stages=tiles.stages1)
 
+    native_config = native_w2_config(hidden, h, w2, topk_weights, w2_bias, table, top_k) if mx else None
+    if native_config is not None:
+        from padded_moe.kernels import native
+        from padded_moe.kernels._launch import launch_native
+
+        codes = native.DTYPE_CODES
+        vt64 = int(valid_tokens is not None and valid_tokens.dtype == torch.int64)
+        args = (native_config, h, h.stride(0), a2.tensor, a2.strides[0] // 4, a2.strides[1] // 4, a2.scales,
+                *a2.scale_strides, w2_bias, 0 if w2_bias is None else w2_bias.stride(0),
+                0 if w2_bias is None else codes[w2_bias.dtype], topk_weights, *topk_weights.stride(),
+                codes[topk_weights.dtype], topk_ids, *ids_stride, int(topk_ids.dtype == torch.int64), table,
+                valid_tokens, vt64, out, out.stride(0), hidden_size, n, w2.hopper.k_padded, num_experts, num_local,
+                top_k)
+        launch_native(native.entry("pmoe_mx_w2_combine"), (cdiv(hidden_size, 16), num_tokens), args)
+        return out
     ptrs = (h, a2.tensor, a2.scales, dummy if w2_bias is None else w2_bias, topk_weights, out) + common
     ints = (hidden_size, n, num_experts, num_local, h.stride(0), *a2.strides, *a2.scale_strides, a2.row_bytes,
             0 if w2_bias is None else w2_bias.stride(0), topk_weights.stride(0), topk_weights.stride(1),

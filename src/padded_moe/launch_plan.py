@@ -2,7 +2,8 @@
 
 An eager `fused_experts` call spends most of its host time deciding things that depend only on
 the call's signature (shapes, dtypes, options): argument checks, layout buffers, tile configs,
-grids, each kernel's specialisation. `LaunchPlans` records the Triton launches and allocations of
+grids, each kernel's specialisation. `LaunchPlans` records the Triton launches (and native kernel
+launches, `padded_moe.kernels.native`, which take the same shape) and allocations of
 a call and, once two consecutive recorded calls of one signature agree, replays them for every
 later call of that signature: the new call's tensors take the place of the recorded ones, every
 other argument is as recorded.
@@ -19,7 +20,7 @@ Why a replay equals a fresh call:
   pointer never outlives its memory. The storage, not the tensor: a per-call view of a weight (a
   dtype view of another element size keeps no `_base`) dies after every call while its memory
   lives on;
-- the recorded call may do nothing on the device but Triton launches and allocations: a dispatch
+- the recorded call may do nothing on the device but those launches and allocations: a dispatch
   mode watches it, and any other operation (a copy, a fill, a torch kernel) makes the key
   unplannable for good;
 - two consecutive recordings must agree (same kernels, grids, scalars, kept pointers, rebinding,

@@ -89,6 +89,16 @@ def launch(fn, grid: Sequence[int], key: tuple, args: tuple, constexprs: dict[st
         events.append(("launch", (kernel, g3, full_args)))
 
 
+def launch_native(kernel, grid: Sequence[int], args: tuple) -> None:
+    """Launch a native kernel (`padded_moe.kernels.native.NativeLaunch`) on the current stream,
+    recorded like a Triton launch so that launch plans replay it."""
+    g3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    kernel.run(g3[0], g3[1], g3[2], current_stream(torch.cuda.current_device()), None, None, None, None, None, *args)
+    events = getattr(_RECORD, "events", None)
+    if events is not None:
+        events.append(("launch", (kernel, g3, tuple(args))))
+
+
 _RESIDENT: dict = {}
 
 

@@ -216,6 +216,29 @@ def test_sanitizer_small(decode_calls, monkeypatch, mapped, fmt):
     assert rel_err(out[:T - 1], ref[:T - 1]) <= BF16_TOL
 
 
+def _mx_case(shape: str, E: int, seed: int):
+    """Prepared MXFP4 experts at a model's widths (E experts) with its activation and biases:
+    (top_k, K, w13, w2, b13, b2, activation, the generator, for more inputs)."""
+    k, K, N, act, bias = (4, 2880, 2880, "swigluoai", True) if shape == "gpt-oss" else (6, 4096, 2048, "silu", False)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = quantize_mxfp4(torch.randn(E, 2 * N, K, device="cuda", generator=g) * 0.02).prepare_for()
+    w2 = quantize_mxfp4(torch.randn(E, K, N, device="cuda", generator=g) * 0.02).prepare_for()
+    b13 = torch.randn(E, 2 * N, device="cuda", generator=g).bfloat16() * 0.1 if bias else None
+    b2 = torch.randn(E, K, device="cuda", generator=g).bfloat16() * 0.1 if bias else None
+    return k, K, w13, w2, b13, b2, act, g
+
+
+def _mx_oracle(x, w13, w2, tw, ids, act, b13, b2, E: int, valid: int):
+    """`reference_moe` on the MXFP4 experts the first `valid` tokens hit (as `oracle`)."""
+    ok = (ids[:valid] >= 0) & (ids[:valid] < E)
+    used = torch.unique(ids[:valid][ok].long())
+    emap = torch.full((E,), -1, dtype=torch.long, device="cuda")
+    emap[used] = torch.arange(used.numel(), device="cuda")
+    sub = lambda t: None if t is None else t[used]  # noqa: E731
+    return reference_moe(x, dense_weights(w13)[used], dense_weights(w2)[used], tw, ids, activation=act,
+                         expert_map=emap, num_experts=E, w13_bias=sub(b13), w2_bias=sub(b2), valid_tokens=valid)
+
+
 @pytest.mark.parametrize("step", ["bytes", "words", "prepared", "prepared-dot", "prepared-gemv", "prepared-auto-triton"])
 @pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize("shape", ["gpt-oss", "dsv4"])
@@ -228,27 +251,15 @@ def test_mxfp4_model_widths(decode_calls, monkeypatch, shape, T, step):
     monkeypatch.setattr(dec, "MX_STEP", step)
     monkeypatch.setattr(dec, "MX_W13", w13 or "auto")
     monkeypatch.setattr(dec, "MX_W2", w2 or "auto")
-    E, k, K, N, act, bias = (32, 4, 2880, 2880, "swigluoai", True) if shape == "gpt-oss" else \
-        (32, 6, 4096, 2048, "silu", False)
-    g = torch.Generator(device="cuda").manual_seed(50 + T)
-    w13 = quantize_mxfp4(torch.randn(E, 2 * N, K, device="cuda", generator=g) * 0.02).prepare_for()
-    w2 = quantize_mxfp4(torch.randn(E, K, N, device="cuda", generator=g) * 0.02).prepare_for()
-    b13 = torch.randn(E, 2 * N, device="cuda", generator=g).bfloat16() * 0.1 if bias else None
-    b2 = torch.randn(E, K, device="cuda", generator=g).bfloat16() * 0.1 if bias else None
+    E = 32
+    k, K, w13, w2, b13, b2, act, g = _mx_case(shape, E, seed=50 + T)
     x = torch.randn(T, K, device="cuda", generator=g).bfloat16()
     tw, ids = routes(T, k, E, seed=60 + T)
     ids[0, 1] = -1
     out = fused_experts(x, w13, w2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2)
     torch.cuda.synchronize()
     assert decode_calls == [T]
-    ok = (ids >= 0) & (ids < E)
-    used = torch.unique(ids[ok].long())
-    emap = torch.full((E,), -1, dtype=torch.long, device="cuda")
-    emap[used] = torch.arange(used.numel(), device="cuda")
-    sub = lambda t: None if t is None else t[used]  # noqa: E731
-    ref = reference_moe(x, dense_weights(w13)[used], dense_weights(w2)[used], tw, ids, activation=act,
-                        expert_map=emap, num_experts=E, w13_bias=sub(b13), w2_bias=sub(b2))
-    assert rel_err(out, ref) <= BF16_TOL
+    assert rel_err(out, _mx_oracle(x, w13, w2, tw, ids, act, b13, b2, E, T)) <= BF16_TOL
     monkeypatch.setenv(dec.DECODE_ENV, "off")
     layout_path = fused_experts(x, w13, w2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2)
     assert rel_err(out, layout_path.float()) <= BF16_TOL
@@ -260,12 +271,8 @@ def test_compiled_mxfp4_call_takes_the_decode_path(decode_calls, monkeypatch, mx
     path and gives the eager call's result bit for bit (the same kernels on the same inputs), with
     GEMM2 as `MX_W2` chooses (GPT-OSS: the Triton kernel) and as the native kernel."""
     monkeypatch.setattr(dec, "MX_W2", mx_w2)
-    E, k, K, N = 16, 4, 2880, 2880
-    g = torch.Generator(device="cuda").manual_seed(70)
-    w13 = quantize_mxfp4(torch.randn(E, 2 * N, K, device="cuda", generator=g) * 0.02).prepare_for()
-    w2 = quantize_mxfp4(torch.randn(E, K, N, device="cuda", generator=g) * 0.02).prepare_for()
-    b13 = torch.randn(E, 2 * N, device="cuda", generator=g).bfloat16() * 0.1
-    b2 = torch.randn(E, K, device="cuda", generator=g).bfloat16() * 0.1
+    E = 16
+    k, K, w13, w2, b13, b2, _, g = _mx_case("gpt-oss", E, seed=70)
     x = torch.randn(2, K, device="cuda", generator=g).bfloat16()
     tw, ids = routes(2, k, E, seed=71)
 
@@ -283,17 +290,6 @@ def test_compiled_mxfp4_call_takes_the_decode_path(decode_calls, monkeypatch, mx
     assert torch.equal(out, eager)
 
 
-def _native_case(shape: str, E: int, seed: int):
-    """Prepared MXFP4 experts at a model's widths (E experts) with its activation and biases."""
-    k, K, N, act, bias = (4, 2880, 2880, "swigluoai", True) if shape == "gpt-oss" else (6, 4096, 2048, "silu", False)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w13 = quantize_mxfp4(torch.randn(E, 2 * N, K, device="cuda", generator=g) * 0.02).prepare_for()
-    w2 = quantize_mxfp4(torch.randn(E, K, N, device="cuda", generator=g) * 0.02).prepare_for()
-    b13 = torch.randn(E, 2 * N, device="cuda", generator=g).bfloat16() * 0.1 if bias else None
-    b2 = torch.randn(E, K, device="cuda", generator=g).bfloat16() * 0.1 if bias else None
-    return k, K, w13, w2, b13, b2, act
-
-
 @pytest.mark.parametrize("config", [None, 0, 1, 2, 3, 4, 5], ids=lambda c: f"config{c}")
 @pytest.mark.parametrize("T", [1, 2, 4])
 @pytest.mark.parametrize("shape", ["gpt-oss", "dsv4"])
@@ -303,7 +299,7 @@ def test_native_w2_against_reference_and_triton(monkeypatch, shape, T, config):
     shared by two tokens, int64 ids and valid_tokens; against the float64 oracle and the Triton
     GEMM2. Called directly on a NaN-poisoned scratch and output: rows past valid_tokens keep it."""
     E = 32
-    k, K, w13, w2, b13, b2, act = _native_case(shape, E, seed=80 + T)
+    k, K, w13, w2, b13, b2, act, _ = _mx_case(shape, E, seed=80 + T)
     if not dec.fits_decode(T, T * k):
         pytest.skip(f"{T * k} slots: past the decode path")
     if config is not None and k * native_kernels.w2_split(config) > 16:
@@ -345,13 +341,7 @@ def test_native_w2_against_reference_and_triton(monkeypatch, shape, T, config):
     triton_w2 = run("triton")
     torch.cuda.synchronize()
     assert launched == ["pmoe_mx_w2_combine"], "MX_W2='triton' ran the native kernel"
-    ok = (ids[:valid] >= 0) & (ids[:valid] < E)
-    used = torch.unique(ids[:valid][ok].long())
-    emap = torch.full((E,), -1, dtype=torch.long, device="cuda")
-    emap[used] = torch.arange(used.numel(), device="cuda")
-    sub = lambda t: None if t is None else t[used]  # noqa: E731
-    ref = reference_moe(x, dense_weights(w13)[used], dense_weights(w2)[used], tw, ids, activation=act,
-                        expert_map=emap, num_experts=E, w13_bias=sub(b13), w2_bias=sub(b2), valid_tokens=valid)
+    ref = _mx_oracle(x, w13, w2, tw, ids, act, b13, b2, E, valid)
     assert rel_err(native[:valid], ref[:valid]) <= BF16_TOL
     assert rel_err(native[:valid], triton_w2[:valid].float()) <= BF16_TOL
 
@@ -364,7 +354,7 @@ def test_native_w2_plans_graphs_and_no_sync(decode_calls, monkeypatch):
 
     monkeypatch.setattr(dec, "MX_W2", "cuda")
     E = 32
-    k, K, w13, w2, b13, b2, act = _native_case("gpt-oss", E, seed=100)
+    k, K, w13, w2, b13, b2, act, _ = _mx_case("gpt-oss", E, seed=100)
     x = torch.randn(2, K, device="cuda").bfloat16()
     tw, ids = routes(2, k, E, seed=101)
 

@@ -86,9 +86,9 @@ def test_native_choice_setting_is_validated(monkeypatch):
     tw = torch.rand(1, 4)
     monkeypatch.setattr(dec, "MX_W2", "fast")
     with pytest.raises(ValueError, match="MX_W2 must be one of auto, triton, cuda"):
-        dec.native_w2_config(x, h, w2, tw, None, None, 4)
+        dec.native_w2_config(x, h, w2, dec._weight_parts(w2), tw, None, None, 4)
     monkeypatch.setattr(dec, "MX_W2", "triton")
-    assert dec.native_w2_config(x, h, w2, tw, None, None, 4) is None
+    assert dec.native_w2_config(x, h, w2, dec._weight_parts(w2), tw, None, None, 4) is None
 
 
 def test_auto_takes_triton_where_the_native_kernel_cannot_run_and_cuda_says_why(monkeypatch):
@@ -100,11 +100,12 @@ def test_auto_takes_triton_where_the_native_kernel_cannot_run_and_cuda_says_why(
     h = torch.randn(4, 64, dtype=torch.bfloat16)
     tw = torch.rand(1, 4)
     monkeypatch.setattr(dec, "MX_W2", "auto")
-    assert dec.native_w2_config(x, h, w2, tw, None, None, 4) is None
-    assert dec.native_w2_config(x, h, torch.randn(4, 64, 64, dtype=torch.bfloat16), tw, None, None, 4) is None
+    assert dec.native_w2_config(x, h, w2, dec._weight_parts(w2), tw, None, None, 4) is None
+    dense = torch.randn(4, 64, 64, dtype=torch.bfloat16)
+    assert dec.native_w2_config(x, h, dense, dec._weight_parts(dense), tw, None, None, 4) is None
     monkeypatch.setattr(dec, "MX_W2", "cuda")
     with pytest.raises(NotImplementedError, match="bf16 activations on a CUDA device"):
-        dec.native_w2_config(x, h, w2, tw, None, None, 4)
+        dec.native_w2_config(x, h, w2, dec._weight_parts(w2), tw, None, None, 4)
 
 
 def test_a_native_launch_is_recorded_for_launch_plans():
@@ -141,4 +142,5 @@ def test_auto_leaves_unmeasured_shapes_to_triton_without_building(fresh_loader, 
     w2 = _prepared(rows=96)
     assert (96, 64, 4) not in dec.NATIVE_W2_MEASURED
     x = torch.randn(1, 96, dtype=torch.bfloat16)
-    assert dec.native_w2_config(x, torch.randn(4, 64, dtype=torch.bfloat16), w2, torch.rand(1, 4), None, None, 4) is None
+    assert dec.native_w2_config(x, torch.randn(4, 64, dtype=torch.bfloat16), w2, dec._weight_parts(w2), torch.rand(1, 4),
+                                None, None, 4) is None

@@ -183,11 +183,11 @@ _NATIVE_MAX_WARPS = 16  # warps per program: top_k x the K split
 _native_warned: set = set()
 
 
-def native_w2_config(hidden: torch.Tensor, h: torch.Tensor, w2, topk_weights: torch.Tensor,
+def native_w2_config(hidden: torch.Tensor, h: torch.Tensor, w2, a2: "_WeightArgs", topk_weights: torch.Tensor,
                      w2_bias: Optional[torch.Tensor], table: Optional[torch.Tensor], top_k: int) -> Optional[int]:
     """The native GEMM2 configuration this decode call runs (`MX_W2`), or None for the Triton
-    kernel; `h` is GEMM1's output it reads. "cuda" raises `NotImplementedError` naming what rules
-    the native kernel out."""
+    kernel; `h` is GEMM1's output it reads, `a2` is `_weight_parts(w2)`. "cuda" raises
+    `NotImplementedError` naming what rules the native kernel out."""
     from padded_moe.kernels import native
     from padded_moe.kernels.decode import MX_PREPARED
 
@@ -198,7 +198,6 @@ def native_w2_config(hidden: torch.Tensor, h: torch.Tensor, w2, topk_weights: to
     measured = NATIVE_W2_MEASURED.get((w2.shape[1], w2.shape[2], top_k))
     if MX_W2 == "auto" and measured is None:
         return None
-    a2 = _weight_parts(w2)
     why = None
     if not hidden.is_cuda or hidden.dtype != torch.bfloat16:
         why = f"it needs bf16 activations on a CUDA device, got {hidden.dtype} on {hidden.device.type}"
@@ -406,7 +405,7 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
             launch(_decode_w13_act_kernel, (cdiv(n, tiles.bn1), num_slots), ints + floats + ptr_key(*ptrs),
                    ptrs + ints + floats, constexprs, num_warps=tiles.warps1, num_stages=tiles.stages1)
 
-    native_config = native_w2_config(hidden, h, w2, topk_weights, w2_bias, table, top_k) if mx else None
+    native_config = native_w2_config(hidden, h, w2, a2, topk_weights, w2_bias, table, top_k) if mx else None
     if native_config is not None:
         from padded_moe.kernels import native
         from padded_moe.kernels._launch import launch_native

@@ -60,7 +60,7 @@ __device__ __forceinline__ int slot_local_expert(const void* ids, int ids64, lon
   return (loc >= 0 && loc < L) ? loc : L;
 }
 
-// dtype codes shared with the host (`padded_moe.kernels.native.build`).
+// dtype codes shared with the host (`padded_moe.kernels.native.DTYPE_CODES`).
 enum : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 __device__ __forceinline__ float load_float(const void* p, int kind, long long at) {

@@ -70,23 +70,27 @@ def zero_count_cost() -> tuple[float, float]:
 
 
 def sweep_tuning() -> list:
-    """Launch shapes for silu and situ on [49152, 4096] (5% / 25% / 100% valid rows) and [12288, 4096]
-    (100%): graph-replay µs each."""
+    """Launch shapes for silu and situ on [49152, 4096] (0% / 5% / 25% / 100% valid rows) and
+    [12288, 4096] (100%): graph-replay µs each."""
     rows_out = []
-    # programs/SM None: all the programs the device holds at once (the library's default).
-    shapes = ((2048, 4, None), (4096, 4, None), (1024, 4, None), (8192, 8, None), (4096, 4, 16), (2048, 4, 16))
+    # (tile elements, widest column block, warps, programs per SM): the library's default first;
+    # programs/SM None: all the programs the device holds at once, each striding; 4096: more than any
+    # buffer here has row blocks, i.e. one program per row block.
+    shapes = ((4096, 2048, 8, 32), (4096, 2048, 8, 40), (4096, 2048, 8, 64), (4096, 2048, 8, 4096),
+              (8192, 2048, 8, 32), (8192, 2048, 8, 64), (4096, 1024, 4, None), (4096, 1024, 4, 4096))
     for name in ("silu", "situ"):
-        for tile, warps, per_sm in shapes:
-            tuning = dict(tile_elems=tile, num_warps=warps, programs_per_sm=per_sm)
-            for rows, fractions in ((49152, (0.05, 0.25, 1.0)), (12288, (1.0,))):
+        for tile, block_d, warps, per_sm in shapes:
+            tuning = dict(tile_elems=tile, max_block_d=block_d, num_warps=warps, programs_per_sm=per_sm)
+            for rows, fractions in ((49152, (0.0, 0.05, 0.25, 1.0)), (12288, (1.0,))):
                 x = torch.randn(rows, 2 * D, device="cuda", dtype=torch.bfloat16)
                 out = torch.empty(rows, D, device="cuda", dtype=torch.bfloat16)
                 for frac in fractions:
-                    counts = torch.full((1,), max(1, int(rows * frac)), device="cuda", dtype=torch.int32)
+                    counts = torch.full((1,), max(1, int(rows * frac)) if frac else 0, device="cuda",
+                                        dtype=torch.int32)
                     t = bench_graph_us(lambda: apply_moe_activation(name, out, x, activation_config=CFG[name],
                                                                     valid_token_counts=counts, tuning=tuning))
-                    rows_out.append([name, tile, warps, "all resident" if per_sm is None else per_sm, rows,
-                                     f"{int(frac * 100)}%", t])
+                    rows_out.append([name, tile, block_d, warps, "all resident" if per_sm is None else per_sm,
+                                     rows, f"{int(frac * 100)}%", t])
     return rows_out
 
 
@@ -103,7 +107,7 @@ def main() -> None:
     t_zero, t_zero_host = zero_count_cost()
     sweep = sweep_tuning()
     print_table("launch-shape sweep (graph replay)",
-                ["act", "tile elems", "warps", "programs/SM", "rows", "valid", "µs"], sweep)
+                ["act", "tile elems", "block d", "warps", "programs/SM", "rows", "valid", "µs"], sweep)
     headers = ["act", "shape", "valid", "ours µs (graph)", "ours µs (eager call)", "torch eager µs",
                "torch.compile µs (graph)", "compile/ours", "ours GB/s (valid)", "of copy BW"]
     notes = (f"Copy bandwidth measured in this run: {copy_gbs:.0f} GB/s (read + write). "

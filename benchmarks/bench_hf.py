@@ -571,6 +571,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=None, help="timed samples per cell (median)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="directory for hf_e2e.json and hf_e2e.md")
+    parser.add_argument("--decode", action="append", default=[], metavar="NAME=VALUE",
+                        help="set a padded_moe.decode setting for the run (e.g. W13_KERNEL=cuda); repeatable")
     return parser.parse_args(argv)
 
 
@@ -591,6 +593,13 @@ def validate(args: argparse.Namespace) -> tuple:
         raise ValueError("--device cuda: no CUDA device here; use --device cpu --tiny for a smoke run")
     if device.type == "cpu" and not args.tiny:
         raise ValueError("--device cpu runs the tiny shapes only (pass --tiny): the real widths take hours on a CPU")
+    for item in args.decode:
+        name, sep, value = item.partition("=")
+        from padded_moe import decode as dec
+
+        if not sep or not name.isupper() or not hasattr(dec, name) or not isinstance(getattr(dec, name), str):
+            raise ValueError(f"--decode: expected NAME=VALUE naming a string setting of padded_moe.decode, got {item!r}")
+        setattr(dec, name, value)
     shapes = TINY if args.tiny else FULL
     if args.iters is not None:
         if args.iters < 1:

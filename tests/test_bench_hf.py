@@ -77,7 +77,19 @@ def test_reports_written_with_every_column(tiny_run):
     (["--device", "cpu"], "--tiny"),
     (["--device", "tpu", "--tiny"], "--device"),
     (["--device", "cpu", "--tiny", "--iters", "0"], "--iters"),
+    (["--device", "cpu", "--tiny", "--decode", "MX_W2"], "--decode"),
+    (["--device", "cpu", "--tiny", "--decode", "NO_SUCH=1"], "--decode"),
+    (["--device", "cpu", "--tiny", "--decode", "DECODE_MAX_TOKENS=8"], "--decode"),
 ])
 def test_bad_arguments_raise_value_error(argv, match):
     with pytest.raises(ValueError, match=match):
         bench_hf.main(argv)
+
+
+def test_decode_setting_is_applied(monkeypatch):
+    from padded_moe import decode as dec
+
+    monkeypatch.setattr(dec, "MX_W2", "auto")
+    args = bench_hf.parse_args(["--device", "cpu", "--tiny", "--decode", "MX_W2=triton"])
+    bench_hf.validate(args)
+    assert dec.MX_W2 == "triton"

@@ -572,7 +572,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="directory for hf_e2e.json and hf_e2e.md")
     parser.add_argument("--decode", action="append", default=[], metavar="NAME=VALUE",
-                        help="set a padded_moe.decode setting for the run (e.g. W13_KERNEL=cuda); repeatable")
+                        help="set a string setting of padded_moe.decode for the run (e.g. MX_W2=cuda); repeatable")
     return parser.parse_args(argv)
 
 
@@ -593,18 +593,19 @@ def validate(args: argparse.Namespace) -> tuple:
         raise ValueError("--device cuda: no CUDA device here; use --device cpu --tiny for a smoke run")
     if device.type == "cpu" and not args.tiny:
         raise ValueError("--device cpu runs the tiny shapes only (pass --tiny): the real widths take hours on a CPU")
-    for item in args.decode:
-        name, sep, value = item.partition("=")
-        from padded_moe import decode as dec
+    from padded_moe import decode as dec
 
-        if not sep or not name.isupper() or not hasattr(dec, name) or not isinstance(getattr(dec, name), str):
+    settings = [item.partition("=") for item in args.decode]
+    for (name, sep, _), item in zip(settings, args.decode):
+        if not sep or not name.isupper() or not isinstance(getattr(dec, name, None), str):
             raise ValueError(f"--decode: expected NAME=VALUE naming a string setting of padded_moe.decode, got {item!r}")
-        setattr(dec, name, value)
     shapes = TINY if args.tiny else FULL
     if args.iters is not None:
         if args.iters < 1:
             raise ValueError(f"--iters must be >= 1, got {args.iters}")
         shapes = dataclasses.replace(shapes, iters=args.iters)
+    for name, _, value in settings:  # applied once every argument is known to be good
+        setattr(dec, name, value)
     return models, columns, device, shapes
 
 
@@ -619,6 +620,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     plug.register()
     notes: list = []
+    if args.decode:
+        notes.append(f"padded_moe.decode settings for this run: {', '.join(args.decode)}")
     if device.type == "cpu":
         notes.append("CPU smoke run: tiny shapes, padded_moe's torch path, wall-clock timing; the graph "
                      "columns time the eager static-cache step (no CUDA graphs on a CPU). Not a measurement.")

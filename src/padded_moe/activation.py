@@ -363,9 +363,10 @@ def _run_torch(act: MoEActivation, output: torch.Tensor, input: torch.Tensor,
 # registers and shared memory), each striding over its rows; a number, that many per SM (more than
 # fit at once: the hardware starts each as an earlier one ends).
 # On an H200 (silu and situ, [49152, 4096] / [12288, 4096] / [32, 512, 4096], graph replays), tiles of
-# 2 rows x 2048 columns and 8 warps took 0.93-0.97x the time of all-resident programs striding over
-# 4 x 1024 tiles at 100% valid rows (silu on 49152 rows: 152 µs at 32 programs per SM, 149 at 64,
-# 147 with one program per row block, against 157; torch.compile 145). Every program past the
+# 4096 elements up to 2048 columns wide (2 rows x 2048 there) with 8 warps took 0.92-0.98x the time
+# of all-resident programs striding over 4 x 1024 tiles at 100% valid rows (silu on 49152 rows: 152
+# µs at 32 programs per SM, 149 at 64, 147 with one program per row block, against 156; torch.compile
+# 145). Every program past the
 # count still starts, so the grid also sets what a mostly padded call costs: a call with all counts
 # 0 took 9.9 µs at 64 programs per SM (5.7 all resident), and one program per row block made a
 # 5%-valid call 25 µs against 14.

@@ -7,6 +7,9 @@ Variants (all count-aware: rows at/after the count are neither read nor written)
   elements (grid sized for the whole buffer; programs past count*D return at once), W warps;
 - flatstride<B>_w<W>_p<P>: the same flat range, P programs per SM striding over it;
 - rows_w<W>: one program per row (BLOCK = D), programs past the count return at once;
+- striding[_prefetch][_contig]_p<P>: the library kernel's form with its default grid (2 x 2048 tiles,
+  8 warps, P programs per SM), the next tile loaded before the current one is stored and / or each
+  program on one contiguous run of row blocks;
 - lib_t<T>_d<BD>_w<W>_p<P>: the library's kernel with `tuning` (tile of T elements, BD columns wide,
   W warps, P programs per SM; P large: one program per row block, those past the count return).
 Each is checked against the library's output, then timed as a CUDA-graph replay, at 100% and 5%
@@ -79,6 +82,53 @@ def _row_kernel(out_ptr, in_ptr, cnt_ptr, D: tl.constexpr):
     tl.store(out_ptr + row.to(tl.int64) * D + col, _silu_mul(g, u).to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _striding_kernel(out_ptr, in_ptr, cnt_ptr, T, D, stride_in, stride_out, BLOCK_T: tl.constexpr,
+                     BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, CONTIG: tl.constexpr):
+    """The library kernel's form (runtime widths and strides, row tiles, striding programs), silu only,
+    with two changes to try: PREFETCH loads the next tile before the current one is computed and
+    stored; CONTIG gives each program one contiguous run of row blocks instead of every P-th."""
+    pid_t = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n = tl.minimum(tl.maximum(tl.load(cnt_ptr), 0), T)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    r = tl.arange(0, BLOCK_T)
+    if CONTIG:
+        per = tl.cdiv(tl.cdiv(T, BLOCK_T), nprog) * BLOCK_T
+        start = pid_t * per
+        end = tl.minimum(start + per, n)
+        step = BLOCK_T
+    else:
+        start = pid_t * BLOCK_T
+        end = n
+        step = nprog * BLOCK_T
+    if PREFETCH:
+        rows = (start + r).to(tl.int64)
+        m = (rows < end)[:, None] & col_ok[None, :]
+        g = tl.load(in_ptr + rows[:, None] * stride_in + cols[None, :], mask=m)
+        u = tl.load(in_ptr + rows[:, None] * stride_in + D + cols[None, :], mask=m)
+        for first in range(start, end, step):
+            rows_n = (first + step + r).to(tl.int64)
+            m_n = (rows_n < end)[:, None] & col_ok[None, :]
+            g_n = tl.load(in_ptr + rows_n[:, None] * stride_in + cols[None, :], mask=m_n)
+            u_n = tl.load(in_ptr + rows_n[:, None] * stride_in + D + cols[None, :], mask=m_n)
+            rows = (first + r).to(tl.int64)
+            m = (rows < end)[:, None] & col_ok[None, :]
+            tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
+                     _silu_mul(g, u).to(out_ptr.dtype.element_ty), mask=m)
+            g = g_n
+            u = u_n
+    else:
+        for first in range(start, end, step):
+            rows = (first + r).to(tl.int64)
+            m = (rows < end)[:, None] & col_ok[None, :]
+            g = tl.load(in_ptr + rows[:, None] * stride_in + cols[None, :], mask=m)
+            u = tl.load(in_ptr + rows[:, None] * stride_in + D + cols[None, :], mask=m)
+            tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
+                     _silu_mul(g, u).to(out_ptr.dtype.element_ty), mask=m)
+
+
 def variants(rows: int, sms: int) -> dict:
     def flat(block, warps):
         return lambda out, x, cnt: _flat_kernel[(triton.cdiv(rows * D, block),)](out, x, cnt, D=D, BLOCK=block,
@@ -102,6 +152,18 @@ def variants(rows: int, sms: int) -> dict:
     for block, warps in ((4096, 8), (8192, 8), (8192, 16)):
         out[f"flat{block}_w{warps}"] = flat(block, warps)
     out["flatstride1024_w4_p16"] = stride(1024, 4, 16)
+
+    def striding(prefetch, contig, per_sm=32, warps=8):
+        blocks = triton.cdiv(rows, 2)
+        grid = (triton.cdiv(blocks, triton.cdiv(blocks, sms * per_sm)), 1)
+        return lambda out, x, cnt: _striding_kernel[grid](out, x, cnt, rows, D, x.stride(0), out.stride(0), BLOCK_T=2,
+                                                          BLOCK_D=D, PREFETCH=prefetch, CONTIG=contig,
+                                                          num_warps=warps)
+
+    for prefetch in (False, True):
+        for contig in (False, True):
+            out[f"striding{'_prefetch' if prefetch else ''}{'_contig' if contig else ''}_p32"] = striding(prefetch, contig)
+    out["striding_prefetch_p16"] = striding(True, False, per_sm=16)
     out["rows_w4"] = rowk(4)
     out["situ lib"] = lib("situ")
     for tile, bd, warps, per_sm in LIB_TUNINGS:
@@ -125,6 +187,8 @@ def main() -> None:
     p.add_argument("--lib-only", action="store_true", help="only the library kernel's launch shapes")
     p.add_argument("--tunings", default=None,
                    help="library launch shapes to time, 'tile:block_d:warps:per_sm,...' (default: LIB_TUNINGS)")
+    p.add_argument("--fractions", default="1.0,0.05,0.0", help="valid fractions of the rows (0: all counts 0)")
+    p.add_argument("--only", default=None, help="comma-separated prefixes of the variants to time (default: all)")
     p.add_argument("--out", default="gpu-out/act-variants.json")
     args = p.parse_args()
     global LIB_TUNINGS
@@ -141,8 +205,8 @@ def main() -> None:
     t_compile = bench_graph_us(lambda: compiled(x))
     report = {"shape": list(lead), "copy_gbs": copy, "compile_us": t_compile, "cases": {}}
     print(f"shape {lead}: copy {copy:.0f} GB/s; torch.compile silu (full buffer) {t_compile:.1f} us", flush=True)
-    for frac in (1.0, 0.05):
-        n = max(1, int(rows * frac))
+    for frac in (float(f) for f in args.fractions.split(",")):
+        n = max(1, int(rows * frac)) if frac else 0
         cnt = torch.full((max(1, experts),), n, device="cuda", dtype=torch.int32)
         refs = {}
         for act in CFG:
@@ -151,15 +215,17 @@ def main() -> None:
         for name, fn in variants(rows, sms).items():
             if (args.lib_only or experts) and "lib" not in name:
                 continue
+            if args.only and not any(name.startswith(o) for o in args.only.split(",")):
+                continue
             ref = refs["situ" if name.startswith("situ") else "silu"]
             out.fill_(float("nan"))
             fn(out, x, cnt)
             torch.cuda.synchronize()
             valid, past = ref[..., :n, :].float(), out[..., n:, :]
-            err = ((out[..., :n, :].float() - valid).abs().max() / valid.abs().max()).item()
+            err = ((out[..., :n, :].float() - valid).abs().max() / valid.abs().max()).item() if n else 0.0
             untouched = bool(torch.isnan(past).all()) if n < rows else True
             t = min(bench_graph_us(lambda: fn(out, x, cnt)) for _ in range(3))
-            gbs = max(1, experts) * n * 3 * D * 2 / (t * 1e-6) / 1e9
+            gbs = max(1, experts) * max(n, 1) * 3 * D * 2 / (t * 1e-6) / 1e9
             report["cases"][f"{name}@{frac}"] = {"us": t, "of_copy": gbs / copy, "compile_over": t_compile / t,
                                                  "max_rel_err": err, "rows_past_count_untouched": untouched}
             print(f"{frac:>5} {name:36s} {t:8.1f} us  {gbs / copy:.3f} of copy  compile/this {t_compile / t:.3f}  "

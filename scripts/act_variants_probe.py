@@ -12,8 +12,9 @@ Variants (all count-aware: rows at/after the count are neither read nor written)
   program on one contiguous run of row blocks;
 - lib_t<T>_d<BD>_w<W>_p<P>: the library's kernel with `tuning` (tile of T elements, BD columns wide,
   W warps, P programs per SM; P large: one program per row block, those past the count return).
-Each is checked against the library's output, then timed as a CUDA-graph replay, at 100% and 5%
-valid, next to torch.compile on the full buffer and a device copy of the same bytes.
+Each is checked against the library's output (and rows past the count against NaN poison), then
+timed as a CUDA-graph replay at each valid fraction (`--fractions`, default 100%, 5% and 0%), next to
+torch.compile on the full buffer and the device's copy bandwidth.
 
     python scripts/act_variants_probe.py --rows 49152 --out gpu-out/act-variants.json
 """

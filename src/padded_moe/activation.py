@@ -366,10 +366,9 @@ def _run_torch(act: MoEActivation, output: torch.Tensor, input: torch.Tensor,
 # 4096 elements up to 2048 columns wide (2 rows x 2048 there) with 8 warps took 0.92-0.98x the time
 # of all-resident programs striding over 4 x 1024 tiles at 100% valid rows (silu on 49152 rows: 152
 # µs at 32 programs per SM, 149 at 64, 147 with one program per row block, against 156; torch.compile
-# 145). Every program past the
-# count still starts, so the grid also sets what a mostly padded call costs: a call with all counts
-# 0 took 9.9 µs at 64 programs per SM (5.7 all resident), and one program per row block made a
-# 5%-valid call 25 µs against 14.
+# 145). Every program past the count still starts, so the grid also sets what a mostly padded call
+# costs: a call with all counts 0 took 9.9 µs at 64 programs per SM (5.7 all resident), and one
+# program per row block made a 5%-valid call 25 µs against 14.
 # So 32 per SM: the 8 µs bound on a call with nothing to do holds, and a full buffer still gains.
 TUNING = {"tile_elems": 4096, "max_block_d": 2048, "num_warps": 8, "programs_per_sm": 32}
 

@@ -418,7 +418,7 @@ def decode_experts(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
                 codes[topk_weights.dtype], topk_ids, *ids_stride, int(topk_ids.dtype == torch.int64), table,
                 valid_tokens, vt64, out, out.stride(0), hidden_size, n, w2.hopper.k_padded, num_experts, num_local,
                 top_k)
-        launch_native(native.entry("pmoe_mx_w2_combine"), (cdiv(hidden_size, 16), num_tokens), args)
+        launch_native(native.entry("pmoe_mx_w2_combine"), (cdiv(hidden_size, native.W2_ROWS), num_tokens), args)
         return out
     ptrs = (h, a2.tensor, a2.scales, dummy if w2_bias is None else w2_bias, topk_weights, out) + common
     ints = (hidden_size, n, num_experts, num_local, h.stride(0), *a2.strides, *a2.scale_strides, a2.row_bytes,

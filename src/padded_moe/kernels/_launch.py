@@ -55,6 +55,11 @@ def current_stream(device: int) -> int:
     return driver.active.get_current_stream(device)
 
 
+def _grid3(grid: Sequence[int]) -> tuple[int, int, int]:
+    """A 1-, 2- or 3-D grid as the launcher's three dimensions."""
+    return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+
+
 def launch(fn, grid: Sequence[int], key: tuple, args: tuple, constexprs: dict[str, Any], *,
            num_warps: int, num_stages: int | None = None, maxnreg: int | None = None) -> None:
     """`fn[grid](*args, **constexprs, num_warps=..., num_stages=...)`, fast after the first call
@@ -70,7 +75,7 @@ def launch(fn, grid: Sequence[int], key: tuple, args: tuple, constexprs: dict[st
     device = torch.cuda.current_device()
     full_key = cache_key(fn, device, key, constexprs, num_warps, num_stages, maxnreg)
     kernel = _CACHE.get(full_key)
-    g3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    g3 = _grid3(grid)
     if kernel is None:
         _check_order(fn, args, constexprs)
         kernel = fn[grid](*args, **constexprs, **options)
@@ -92,7 +97,7 @@ def launch(fn, grid: Sequence[int], key: tuple, args: tuple, constexprs: dict[st
 def launch_native(kernel, grid: Sequence[int], args: tuple) -> None:
     """Launch a native kernel (`padded_moe.kernels.native.NativeLaunch`) on the current stream,
     recorded like a Triton launch so that launch plans replay it."""
-    g3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    g3 = _grid3(grid)
     kernel.run(g3[0], g3[1], g3[2], current_stream(torch.cuda.current_device()), None, None, None, None, None, *args)
     events = getattr(_RECORD, "events", None)
     if events is not None:

@@ -45,6 +45,8 @@ CAPABILITY = (9, 0)
 FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90", "-Xcompiler", "-fPIC", "-shared")
 BUILD_TIMEOUT_S = 600
 
+# Output rows per GEMM2 program (`mx_decode.cu`'s kRows): the grid's first dimension is K over this.
+W2_ROWS = 16
 # Element-type codes of the kernels' `*_kind` arguments (`mx_decode.cu`).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 

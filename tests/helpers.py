@@ -91,6 +91,26 @@ def ptxas_log(ptx):
 """
 
 
+def launch_signature(fn, args, constexprs) -> tuple[dict, dict, list]:
+    """(signature, constexprs, ints divisible by 16) of a launch of Triton kernel `fn` with `args`,
+    specialised as Triton's launcher would (ints equal to 1 made constants, ints past int32 i64)."""
+    sig, const, div16 = {}, dict(constexprs), []
+    for name, a in zip(fn.arg_names, args):
+        if isinstance(a, torch.Tensor):
+            sig[name] = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                               torch.int32: "i32", torch.int64: "i64"}[a.dtype]
+        elif isinstance(a, float):
+            sig[name] = "fp32"
+        elif a == 1:
+            sig[name], const[name] = "constexpr", 1
+        else:
+            sig[name] = "i32" if -2 ** 31 <= a < 2 ** 31 else "i64"
+            if a % 16 == 0:
+                div16.append(name)
+    sig.update({c: "constexpr" for c in constexprs})
+    return sig, const, div16
+
+
 def compile_for_sm90(script: str, arg: str) -> list:
     """Run `script` (which compiles kernels with `triton.compile` for sm_90 and prints a JSON list
     as its last line) in a subprocess with the kernels compiled, not interpreted; the list. Skips

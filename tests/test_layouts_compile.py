@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from helpers import PTXAS_LOG, compile_for_sm90
+from helpers import PTXAS_LOG, compile_for_sm90, launch_signature
 
 SCRIPT = r"""
 import json, os, re, sys
@@ -56,18 +56,7 @@ def captured_launches(monkeypatch, layout, dtype=torch.bfloat16, k=8, K=4096) ->
     y = torch.randn(*meta.rows_shape(K)).to(dtype)
     unpermute(torch.empty(M, K, dtype=dtype), y, torch.rand(M, k), meta)
     (fn, args, constexprs, opt), = [s for s in seen if s[0].__name__ == "_unpermute_kernel"]
-    sig, const, div16 = {}, dict(constexprs), []
-    for name, a in zip(fn.arg_names, args):
-        if isinstance(a, torch.Tensor):
-            sig[name] = "*" + {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-                               torch.int64: "i64"}[a.dtype]
-        elif a == 1:
-            sig[name], const[name] = "constexpr", 1
-        else:
-            sig[name] = "i32"
-            if a % 16 == 0:
-                div16.append(name)
-    sig.update({c: "constexpr" for c in constexprs})
+    sig, const, div16 = launch_signature(fn, args, constexprs)
     return [sig, const, div16, opt["num_warps"], opt["maxnreg"]]
 
 

@@ -80,27 +80,38 @@ AB_VARIANTS = {
     "read": {f"{r}": dict(W13_READ=r) for r in dec.W13_READS},
     "mxw13": {"gemv": dict(MX_W13="gemv"), "dot": dict(MX_W13="dot"),
               "dot_bk128": dict(MX_W13="dot", MX_DOT_BK=128, MX_DOT_STAGES=4)},
-    # GEMM2 as the Triton kernel, the native kernel as chosen, and each native configuration
-    # (`mx_decode.cu`'s PMOE_W2_CONFIGS; one whose warps do not fit the preset's top_k is left out: NaN).
-    "mxw2": {"triton": dict(MX_W2="triton"), "cuda": dict(MX_W2="cuda"),
-             **{f"cuda_c{c}": dict(MX_W2="cuda", NATIVE_W2_CONFIG=c) for c in range(6)}},
+    # GEMM2 as the Triton kernel, the native kernel as chosen, and each native configuration (added
+    # by `ab_variants`: their number comes from the built library; one whose warps do not fit the
+    # preset's top_k is left out: NaN).
+    "mxw2": {"triton": dict(MX_W2="triton"), "cuda": dict(MX_W2="cuda")},
 }
 AB_WEIGHTS = {"read": "bf16", "mxw13": "mxfp4", "mxw2": "mxfp4"}
 
 
+def ab_variants(kind: str) -> dict:
+    """`AB_VARIANTS[kind]`, with every native GEMM2 configuration the library has for "mxw2"
+    (building the library: only when that comparison is asked for)."""
+    variants = dict(AB_VARIANTS[kind])
+    if kind == "mxw2":
+        from padded_moe.kernels import native
+
+        variants.update({f"cuda_c{c}": dict(MX_W2="cuda", NATIVE_W2_CONFIG=c) for c in range(native.w2_num_configs())})
+    return variants
+
+
 def ab_headers(kind: str) -> list:
-    labels = list(AB_VARIANTS[kind])
+    labels = list(ab_variants(kind))
     return ["model", "T"] + [f"{v} us" for v in labels] + [f"{labels[0]} / {v}" for v in labels[1:]] \
         + ["max rel diff"]
 
 
 def variants_ab(call, kind: str) -> list:
-    """The decode call captured once per variant of `AB_VARIANTS[kind]`, the replays timed in
+    """The decode call captured once per variant of `ab_variants(kind)`, the replays timed in
     alternating rounds: [µs per variant..., first / each other (above 1: the other is faster),
     largest relative difference of an output to the first's]."""
     graphs = []
     plans = ex._launch_plans()
-    for settings in AB_VARIANTS[kind].values():
+    for settings in ab_variants(kind).values():
         real = {k: getattr(dec, k) for k in settings}
         try:
             for k, v in settings.items():

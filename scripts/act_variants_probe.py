@@ -8,8 +8,10 @@ Variants (all count-aware: rows at/after the count are neither read nor written)
 - flatstride<B>_w<W>_p<P>: the same flat range, P programs per SM striding over it;
 - rows_w<W>: one program per row (BLOCK = D), programs past the count return at once;
 - striding[_prefetch][_contig]_p<P>: the library kernel's form with its default grid (2 x 2048 tiles,
-  8 warps, P programs per SM), the next tile loaded before the current one is stored and / or each
-  program on one contiguous run of row blocks;
+  8 warps, P programs per SM) and a 32-bit row loop, the next tile loaded before the current one is
+  stored and / or each program on one contiguous run of row blocks;
+- striding_fastsig_p32 / striding_expsig_p32: striding_p32 with the library's sigmoid (its
+  tanh.approx form, used for 16-bit outputs, or its exp form) instead of tl.sigmoid;
 - lib_t<T>_d<BD>_w<W>_p<P>: the library's kernel with `tuning` (tile of T elements, BD columns wide,
   W warps, P programs per SM; P large: one program per row block, those past the count return).
 Each is checked against the library's output (and rows past the count against NaN poison), then
@@ -34,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from _common import bench_graph_us, copy_bandwidth_gbs  # noqa: E402
 
 from padded_moe.activation import ApplyMoEActivationConfig, apply_moe_activation  # noqa: E402
+from padded_moe.kernels.activation import _sigmoid as _lib_sigmoid  # noqa: E402
 
 D = 2048
 
@@ -42,6 +45,20 @@ D = 2048
 def _silu_mul(g, u):
     g = g.to(tl.float32)
     return (g * tl.sigmoid(g) * u.to(tl.float32))
+
+
+@triton.jit
+def _silu_mul_sig(g, u, SIG: tl.constexpr):
+    """silu(g) * u with the sigmoid as tl.sigmoid (SIG 0) or the library's `_sigmoid` (SIG 1: its
+    FAST form, tanh.approx; SIG 2: its exact form, from exp)."""
+    g = g.to(tl.float32)
+    if SIG == 0:
+        s = tl.sigmoid(g)
+    elif SIG == 1:
+        s = _lib_sigmoid(g, True)
+    else:
+        s = _lib_sigmoid(g, False)
+    return g * s * u.to(tl.float32)
 
 
 @triton.jit
@@ -85,10 +102,11 @@ def _row_kernel(out_ptr, in_ptr, cnt_ptr, D: tl.constexpr):
 
 @triton.jit
 def _striding_kernel(out_ptr, in_ptr, cnt_ptr, T, D, stride_in, stride_out, BLOCK_T: tl.constexpr,
-                     BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, CONTIG: tl.constexpr):
+                     BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, CONTIG: tl.constexpr, SIG: tl.constexpr):
     """The library kernel's form (runtime widths and strides, row tiles, striding programs), silu only,
-    with two changes to try: PREFETCH loads the next tile before the current one is computed and
-    stored; CONTIG gives each program one contiguous run of row blocks instead of every P-th."""
+    with the row loop in 32 bits and three changes to try: PREFETCH loads the next tile before the
+    current one is computed and stored; CONTIG gives each program one contiguous run of row blocks
+    instead of every P-th; SIG picks the sigmoid (`_silu_mul_sig`)."""
     pid_t = tl.program_id(0)
     nprog = tl.num_programs(0)
     n = tl.minimum(tl.maximum(tl.load(cnt_ptr), 0), T)
@@ -117,7 +135,7 @@ def _striding_kernel(out_ptr, in_ptr, cnt_ptr, T, D, stride_in, stride_out, BLOC
             rows = (first + r).to(tl.int64)
             m = (rows < end)[:, None] & col_ok[None, :]
             tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
-                     _silu_mul(g, u).to(out_ptr.dtype.element_ty), mask=m)
+                     _silu_mul_sig(g, u, SIG).to(out_ptr.dtype.element_ty), mask=m)
             g = g_n
             u = u_n
     else:
@@ -127,7 +145,7 @@ def _striding_kernel(out_ptr, in_ptr, cnt_ptr, T, D, stride_in, stride_out, BLOC
             g = tl.load(in_ptr + rows[:, None] * stride_in + cols[None, :], mask=m)
             u = tl.load(in_ptr + rows[:, None] * stride_in + D + cols[None, :], mask=m)
             tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
-                     _silu_mul(g, u).to(out_ptr.dtype.element_ty), mask=m)
+                     _silu_mul_sig(g, u, SIG).to(out_ptr.dtype.element_ty), mask=m)
 
 
 def variants(rows: int, sms: int) -> dict:
@@ -154,17 +172,20 @@ def variants(rows: int, sms: int) -> dict:
         out[f"flat{block}_w{warps}"] = flat(block, warps)
     out["flatstride1024_w4_p16"] = stride(1024, 4, 16)
 
-    def striding(prefetch, contig, per_sm=32, warps=8):
+    def striding(prefetch, contig, per_sm=32, warps=8, sig=0):
         blocks = triton.cdiv(rows, 2)
         grid = (triton.cdiv(blocks, triton.cdiv(blocks, sms * per_sm)), 1)
         return lambda out, x, cnt: _striding_kernel[grid](out, x, cnt, rows, D, x.stride(0), out.stride(0), BLOCK_T=2,
                                                           BLOCK_D=D, PREFETCH=prefetch, CONTIG=contig,
-                                                          num_warps=warps)
+                                                          SIG=sig, num_warps=warps)
 
     for prefetch in (False, True):
         for contig in (False, True):
             out[f"striding{'_prefetch' if prefetch else ''}{'_contig' if contig else ''}_p32"] = striding(prefetch, contig)
     out["striding_prefetch_p16"] = striding(True, False, per_sm=16)
+    # The library's sigmoid in the probe's form: which of the int32 loop and the sigmoid is the gap.
+    out["striding_fastsig_p32"] = striding(False, False, sig=1)
+    out["striding_expsig_p32"] = striding(False, False, sig=2)
     out["rows_w4"] = rowk(4)
     out["situ lib"] = lib("situ")
     for tile, bd, warps, per_sm in LIB_TUNINGS:

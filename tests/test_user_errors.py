@@ -79,6 +79,30 @@ def test_fused_moe_refuses_router_logits_of_the_wrong_width():
         layer(torch.randn(8, 64), torch.randn(4, 8))
 
 
+@pytest.mark.parametrize("router", ["softmax", "softmax_renorm", "topk_softmax", lambda logits, ids: None])
+def test_fused_moe_refuses_a_scaling_factor_its_router_would_ignore(router):
+    with pytest.raises(ValueError, match="routed_scaling_factor is applied by the biased_\\* routers only"):
+        FusedMoE(8, 2, 64, 32, router=router, routed_scaling_factor=2.5, dtype=torch.float32)
+    with pytest.raises(TypeError, match="routed_scaling_factor must be a number"):
+        FusedMoE(8, 2, 64, 32, router="biased_sigmoid", routed_scaling_factor="2.5", dtype=torch.float32)
+    FusedMoE(8, 2, 64, 32, router=router, routed_scaling_factor=1.0, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("sizes,name", [((16, 2, 64), "num_experts"), ((8, 4, 64), "top_k"),
+                                        ((8, 2, 128), "hidden_size")])
+def test_fused_moe_refuses_an_expert_parallel_of_other_sizes(sizes, name):
+    from padded_moe import ExpertParallel
+    from padded_moe.ep import InProcessWorld
+
+    def rank_fn(rank, transport):
+        ep = ExpertParallel(None, 8, 2, 64, max_tokens_per_rank=4, dtype=torch.float32, transport=transport)
+        with pytest.raises(ValueError, match=f"{name}=.* differs from the expert_parallel's {name}="):
+            FusedMoE(*sizes, 32, expert_parallel=ep, dtype=torch.float32)
+        return FusedMoE(8, 2, 64, 32, expert_parallel=ep, dtype=torch.float32).num_local
+
+    assert InProcessWorld(1).run(rank_fn) == [8]
+
+
 def test_grouped_masked_never_drops_tokens_by_default(cpu_path, gen):
     # Duplicate ids in a row: expert 0 receives M*k slots, more than M.
     ids = torch.zeros(3, 2, dtype=torch.int32)

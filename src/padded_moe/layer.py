@@ -15,7 +15,7 @@ from torch import nn
 
 from padded_moe import routing
 from padded_moe._ops import OpObjects, custom_op, register_fake
-from padded_moe._validation import FLOAT_DTYPES, require_int, require_tensor
+from padded_moe._validation import FLOAT_DTYPES, require_int, require_real, require_tensor
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
 from padded_moe.experts import batched_experts, eager_cache_off, fused_experts
 from padded_moe.mxfp4 import GROUP, Mxfp4Tensor, quantize_mxfp4
@@ -56,6 +56,14 @@ class FusedMoE(nn.Module):
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
         if not callable(router) and router not in ROUTERS:
             raise ValueError(f"router must be a callable or one of {ROUTERS}, got {router!r}")
+        routed_scaling_factor = require_real("routed_scaling_factor", routed_scaling_factor)
+        scaled = isinstance(router, str) and router.startswith("biased_")
+        if routed_scaling_factor != 1.0 and not scaled:
+            # Only the biased routers scale their weights; ignoring the factor would be silent.
+            raise ValueError(f"routed_scaling_factor is applied by the biased_* routers only; got "
+                             f"{routed_scaling_factor} with router={router!r} (scale inside a callable router)")
+        if expert_parallel is not None:
+            _check_expert_parallel(expert_parallel, num_experts, top_k, hidden_size)
         self.num_experts, self.top_k = num_experts, top_k
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.router, self.routed_scaling_factor = router, routed_scaling_factor
@@ -336,6 +344,15 @@ def _ep_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
 @register_fake("padded_moe::ep_experts")
 def _(x, topk_weights, topk_ids, layer_id):
     return x.new_empty(x.shape)
+
+
+def _check_expert_parallel(ep, num_experts: int, top_k: int, hidden_size: int) -> None:
+    """The layer must describe the same experts, top-k and width as its `ExpertParallel`: its buffers
+    and expert map were sized from those."""
+    for name, mine in (("num_experts", num_experts), ("top_k", top_k), ("hidden_size", hidden_size)):
+        theirs = getattr(ep, name)
+        if theirs != mine:
+            raise ValueError(f"{name}={mine} differs from the expert_parallel's {name}={theirs}")
 
 
 def _check_sizes(num_experts, top_k, hidden_size, intermediate_size, dtype) -> None:

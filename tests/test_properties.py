@@ -23,6 +23,17 @@ ACCEPTED_INT = (torch.int32, torch.int64)
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 # Tolerance of the whole pipeline (two GEMMs and an activation) against float64, per dtype.
 PIPE_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+# Triton 3.6's interpreter truncates float32 -> bf16 instead of rounding to nearest even (as
+# tests/test_distributed.py notes), all in one direction, at each of the pipeline's bf16 roundings
+# (GEMM1 out, activation out, GEMM2 out, the sum). On these small problems (1-6 tokens, K = 32)
+# that puts the interpreted bf16 error against float64 at 1.4% median and up to 2.5%: 2e-2 failed
+# about one interpreted bf16 example in 150. The torch path stays within 1% (its bound stays
+# 2e-2); a wrong row, slot, weight or expert is off by O(1).
+PIPE_TOL_INTERPRETED = {**PIPE_TOL, torch.bfloat16: 4e-2}
+
+
+def pipe_tol(cpu_path, dtype) -> float:
+    return (PIPE_TOL_INTERPRETED if cpu_path == "triton_interpret" else PIPE_TOL)[dtype]
 
 
 EDGES = [-(2 ** 63), -(2 ** 40), -(2 ** 31), -129, 127, 255, 2 ** 31 - 1, 2 ** 32 + 2, 2 ** 40, 2 ** 63 - 1]
@@ -115,7 +126,7 @@ def test_fused_experts_property(cpu_path):
         assert activation != "relu2" and id_dtype in ACCEPTED_INT
         ref = reference_moe(x, w13, w2, tw, ids_t, activation=activation, valid_tokens=n_valid)
         assert out.shape == (M, K) and out.dtype == dtype
-        assert rel_err(out[:n_valid], ref[:n_valid]) <= PIPE_TOL[dtype]
+        assert rel_err(out[:n_valid], ref[:n_valid]) <= pipe_tol(cpu_path, dtype)
 
     run_examples(cpu_path, body, 30, 8)
 
@@ -145,7 +156,7 @@ def test_batched_experts_property(cpu_path):
             if c:
                 h = x[e, :c].double() @ w13[e].double().T
                 ref = activation_f64("silu", h) @ w2[e].double().T
-                assert rel_err(out[e, :c], ref) <= PIPE_TOL[dtype]
+                assert rel_err(out[e, :c], ref) <= pipe_tol(cpu_path, dtype)
 
     run_examples(cpu_path, body, 30, 10)
 
@@ -238,6 +249,6 @@ def test_fused_moe_property(cpu_path):
             weights, ids = layer.route(layer.gate(flat) if logits is None else logits)
         ref = reference_moe(flat, layer.w13, layer.w2, weights, ids, activation="silu")
         assert out.shape == x.shape and torch.isfinite(out).all()
-        assert rel_err(out.reshape(-1, 32), ref) <= PIPE_TOL[dtype]
+        assert rel_err(out.reshape(-1, 32), ref) <= pipe_tol(cpu_path, dtype)
 
     run_examples(cpu_path, body, 25, 8)

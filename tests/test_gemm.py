@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -478,7 +479,8 @@ def test_torch_cuda_fast_paths_run_on_cpu(with_bias, gen):
 @pytest.mark.parametrize("trial", range(4))
 def test_randomised_shapes(cpu_path, trial):
     """Fresh random sizes each run (seed in the failure message), including M = 0 (idle rank)."""
-    seed = int.from_bytes(__import__("os").urandom(4), "little")
+    # PADDED_MOE_SEED=<seed> replays a failure, as for the `gen` fixture (conftest.py).
+    seed = int(os.environ.get("PADDED_MOE_SEED") or int.from_bytes(os.urandom(4), "little"))
     gen = torch.Generator().manual_seed(seed)
     pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=gen))]  # noqa: E731
     L, k, K, n_out = pick([1, 3, 5]), pick([1, 2, 3]), pick([32, 64, 96]), pick([16, 40])

@@ -42,12 +42,6 @@ D = 2048
 
 
 @triton.jit
-def _silu_mul(g, u):
-    g = g.to(tl.float32)
-    return (g * tl.sigmoid(g) * u.to(tl.float32))
-
-
-@triton.jit
 def _silu_mul_sig(g, u, SIG: tl.constexpr):
     """silu(g) * u with the sigmoid as tl.sigmoid (SIG 0) or the library's `_sigmoid` (SIG 1: its
     FAST form, tanh.approx; SIG 2: its exact form, from exp)."""
@@ -70,7 +64,7 @@ def _flat_block(out_ptr, in_ptr, start, total, D: tl.constexpr, BLOCK: tl.conste
     col = idx % D
     g = tl.load(in_ptr + row * (2 * D) + col, mask=m)
     u = tl.load(in_ptr + row * (2 * D) + D + col, mask=m)
-    tl.store(out_ptr + idx, _silu_mul(g, u).to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + idx, _silu_mul_sig(g, u, 0).to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -97,7 +91,7 @@ def _row_kernel(out_ptr, in_ptr, cnt_ptr, D: tl.constexpr):
     base = in_ptr + row.to(tl.int64) * (2 * D)
     g = tl.load(base + col)
     u = tl.load(base + D + col)
-    tl.store(out_ptr + row.to(tl.int64) * D + col, _silu_mul(g, u).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + row.to(tl.int64) * D + col, _silu_mul_sig(g, u, 0).to(out_ptr.dtype.element_ty))
 
 
 @triton.jit

@@ -70,7 +70,7 @@ def candidates(default: dec.DecodeTiles, mxfp4: bool, top_k: int) -> list:
         from padded_moe.kernels import native
 
         out += [(f"native c{c}", d, {"MX_W2": "cuda", "NATIVE_W2_CONFIG": c})
-                for c in range(native.w2_num_configs()) if top_k * native.w2_split(c) <= dec._NATIVE_MAX_WARPS]
+                for c in range(native.w2_num_configs()) if dec.native_w2_fits(c, top_k)]
     if not mxfp4:
         out += [("before", dec.DecodeTiles(d.bn1, 128, d.bn2, 8192, warps1=d.warps1, stages1=d.stages1,
                                             warps2=d.warps2, stages2=3), {}),

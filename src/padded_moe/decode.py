@@ -232,17 +232,26 @@ def native_w2_config(hidden: torch.Tensor, h: torch.Tensor, w2, a2: "_WeightArgs
         config = measured
     else:
         config = _native_w2_config(hidden.shape[0], top_k, w2.shape[1], hidden.device)
-    if top_k * native.w2_split(config) > _NATIVE_MAX_WARPS:
+    if not native_w2_fits(config, top_k):
         raise ValueError(f"native GEMM2 configuration {config} splits K over {native.w2_split(config)} warps per "
                          f"slot: top_k={top_k} needs at most {_NATIVE_MAX_WARPS // top_k}")
     return config
 
 
+def native_w2_fits(config: int, top_k: int) -> bool:
+    """Whether native GEMM2 configuration `config` fits a program: one warp per slot and K split."""
+    from padded_moe.kernels import native
+
+    return top_k * native.w2_split(config) <= _NATIVE_MAX_WARPS
+
+
 def _native_w2_config(num_tokens: int, top_k: int, hidden_size: int, device: torch.device) -> int:
     """Configuration 1 (K split over 2 warps) where one warp per slot and 16-row block would leave
     fewer than 8 warps per SM, else 0 (one warp per slot)."""
-    warps = cdiv(hidden_size, 16) * num_tokens * top_k
-    if warps < 8 * _platform.program_cap(device, per_sm=1) and 2 * top_k <= _NATIVE_MAX_WARPS:
+    from padded_moe.kernels import native
+
+    warps = cdiv(hidden_size, native.W2_ROWS) * num_tokens * top_k
+    if warps < 8 * _platform.program_cap(device, per_sm=1) and native_w2_fits(1, top_k):
         return 1
     return 0
 

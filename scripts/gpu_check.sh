@@ -285,6 +285,14 @@ for stage in "$@"; do
             STEP_TIMEOUT=200 step test-experts-compile python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py \
                 tests/test_compile_gpu.py
             STEP_TIMEOUT=120 step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py ;;
+        act-int32)  # the activation's row loop in 32 bits: its GPU tests, memcheck (counts 0, 1, half, T, past T,
+            # negative; int32 and int64 counts), the launch-shape bench, the suites that call it
+            STEP_TIMEOUT=90 step test-activation python3 -m pytest -q -m gpu tests/test_activation_gpu.py
+            STEP_TIMEOUT=240 step sanitizer-activation compute-sanitizer --tool memcheck --error-exitcode 9 \
+                python3 -m pytest -q -m gpu tests/test_activation_gpu.py -k "bfloat16 and (silu or swigluoai or situ)"
+            STEP_TIMEOUT=150 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"
+            STEP_TIMEOUT=180 step test-experts-compile python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py \
+                tests/test_compile_gpu.py ;;
         pipeline-suites)  # the kernels every fused_experts call runs outside the GEMMs (activation, layouts'
             # unpermute) through the suites that call fused_experts (decode, plans, eager, compile, HF parity)
             STEP_TIMEOUT=90 step test-activation python3 -m pytest -q -m gpu tests/test_activation_gpu.py

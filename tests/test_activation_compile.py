@@ -1,7 +1,8 @@
 """The count-aware activation kernel compiles for sm_90 on every form its launcher produces
 (Triton's own ptxas, no GPU): one row (the row count then arrives as the constant 1), int32 and
 int64 counts, flat and batched buffers, gated, interleaved and non-gated activations, float32 and
-16-bit outputs, without register spills. The arguments are captured from interpreted calls and
+16-bit outputs, without register spills; and the row loop's bound, induction and masks in 32 bits
+(no 64-bit compare) unless the row count needs 64. The arguments are captured from interpreted calls and
 specialised as the launcher's first call would be.
 """
 
@@ -29,7 +30,8 @@ for sig, const, div16, warps in json.loads(sys.argv[1]):
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     log = ptxas_log(k.asm["ptx"])
     out.append(dict(spills=sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log)),
-                    regs=int(re.search(r"Used (\d+) registers", log).group(1))))
+                    regs=int(re.search(r"Used (\d+) registers", log).group(1)),
+                    compares64=len(re.findall(r"setp\.\w+\.[su]64", k.asm["ptx"]))))
 print(json.dumps(out))
 """
 
@@ -80,7 +82,13 @@ def test_activation_kernel_compiles_for_sm90_without_spills(monkeypatch):
     cases = [captured_launch(monkeypatch, *c) for c in CASES]
     assert cases[0][1]["T"] == 1, "the one-row case must reach the compiler with T as a constant"
     assert cases[2][0]["counts_ptr"] == "*i64" and cases[1][0]["counts_ptr"] == "*i32"
-    results = compile_for_sm90(PTXAS_LOG + SCRIPT, json.dumps(cases))
-    assert len(results) == len(CASES)
+    assert not any(c[1]["ROWS_I64"] for c in cases)
+    # A buffer of 2**31 rows or more cannot be allocated here: its launch is the batched case's with T
+    # as the launcher would pass it (int64) and the 64-bit row loop.
+    sig, const, div16, warps = json.loads(json.dumps(cases[2]))
+    sig["T"], const["ROWS_I64"] = "i64", True
+    results = compile_for_sm90(PTXAS_LOG + SCRIPT, json.dumps(cases + [[sig, const, div16, warps]]))
+    assert len(results) == len(CASES) + 1
     for case, res in zip(CASES, results):
-        assert res["spills"] == 0, (case, res)
+        assert res["spills"] == 0 and res["compares64"] == 0, (case, res)
+    assert results[-1]["spills"] == 0 and results[-1]["compares64"] > 0, results[-1]

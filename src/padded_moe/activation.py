@@ -394,7 +394,10 @@ def _launch_triton(act: MoEActivation, output: torch.Tensor, input: torch.Tensor
     # Approximate tanh only where the output's rounding hides it, and never in the interpreter.
     floats, flags = kernel_args(act, p, fast=input.is_cuda and output.dtype != torch.float32)
     scalars = (num_rows, d, in3.stride(0), in3.stride(1), out3.stride(0), out3.stride(1)) + floats
-    constexprs = dict(ACT=flags.pop("ACT"), HAS_COUNTS=counts is not None, **flags, BLOCK_T=block_t, BLOCK_D=block_d)
+    # Row indices in 32 bits unless the loop could pass 2**31 (rows plus one stride of tiles).
+    rows_i64 = num_rows + block_t * cdiv(num_rows, block_t) >= 2 ** 31
+    constexprs = dict(ACT=flags.pop("ACT"), HAS_COUNTS=counts is not None, **flags, ROWS_I64=rows_i64,
+                      BLOCK_T=block_t, BLOCK_D=block_d)
     key = scalars + ptr_key(*ptrs)
     # Programs that stride over their expert's valid row blocks, all resident at once; as many row
     # blocks each (for a full buffer), so none runs an extra round alone at the end.

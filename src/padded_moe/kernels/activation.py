@@ -119,6 +119,7 @@ def moe_activation_kernel(
     HAS_LIMIT: tl.constexpr,
     HAS_LAMBDA: tl.constexpr,
     FAST: tl.constexpr,
+    ROWS_I64: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -128,11 +129,19 @@ def moe_activation_kernel(
     e = tl.program_id(2).to(tl.int64)
     num_row_programs = tl.num_programs(0)
 
+    # The row loop, its bound and the masks in 32 bits (the host passes ROWS_I64 when T does not fit):
+    # 64-bit induction and compares cost ~2% of a full buffer. Rows are widened only for addresses.
     n = T
     if HAS_COUNTS:
-        # Clamp on the device: negative counts mean 0, counts above T mean T.
-        c = tl.load(counts_ptr + e).to(tl.int64)
+        # Clamp on the device, in the count's own dtype (no narrowing before the clamp): negative
+        # counts mean 0, counts above T mean T.
+        c = tl.load(counts_ptr + e)
         n = tl.minimum(tl.maximum(c, 0), T)
+    # tl.cast, not .to: T equal to 1 arrives as a constant, not a tensor.
+    if ROWS_I64:
+        n = tl.cast(n, tl.int64)
+    else:
+        n = tl.cast(n, tl.int32)
 
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
@@ -141,8 +150,9 @@ def moe_activation_kernel(
     out_base = out_ptr + e * stride_out_e
 
     for first_row in range(pid_t * BLOCK_T, n, num_row_programs * BLOCK_T):
-        rows = (first_row + rows_in_block).to(tl.int64)
-        mask = (rows < n)[:, None] & col_ok[None, :]
+        local = first_row + rows_in_block
+        mask = (local < n)[:, None] & col_ok[None, :]
+        rows = local.to(tl.int64)
         in_rows = in_base + rows[:, None] * stride_in_t
         if ACT >= ACT_SILU_NO_MUL:
             x = tl.load(in_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)

@@ -285,8 +285,13 @@ for stage in "$@"; do
             STEP_TIMEOUT=200 step test-experts-compile python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py \
                 tests/test_compile_gpu.py
             STEP_TIMEOUT=120 step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py ;;
-        act-int32)  # the activation's row loop in 32 bits: its GPU tests, memcheck (counts 0, 1, half, T, past T,
-            # negative; int32 and int64 counts), the launch-shape bench, the suites that call it
+        owed-gpu)  # the activation's row loop in 32 bits: its GPU tests, memcheck (counts 0, 1, half, T, past T,
+            # negative; int32 and int64 counts), the launch-shape bench, the suites that call it; the native
+            # GEMM2 with each slot's expert guarded once (shared memory): its tests and memcheck
+            step test-native python3 -m pytest -q tests/test_native.py
+            step test-native-gpu python3 -m pytest -q -m gpu tests/test_decode_gpu.py -k "native or mxfp4"
+            step sanitizer-native compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_decode_gpu.py -k "sanitizer and mxfp4-prepared"
             STEP_TIMEOUT=90 step test-activation python3 -m pytest -q -m gpu tests/test_activation_gpu.py
             STEP_TIMEOUT=240 step sanitizer-activation compute-sanitizer --tool memcheck --error-exitcode 9 \
                 python3 -m pytest -q -m gpu tests/test_activation_gpu.py -k "bfloat16 and (silu or swigluoai or situ)"

@@ -155,6 +155,7 @@ struct Reader {
 template <int KS, int DEPTH>
 __global__ void __launch_bounds__(32 * kMaxWarps) w2_combine_kernel(const W2Args a) {
   __shared__ float partial[kMaxWarps * kRows];
+  __shared__ int slot_expert[kMaxWarps];  // each slot's guarded local expert, for the epilogue
   const int t = blockIdx.y;
   if (a.vt != nullptr) {  // rows at/after valid_tokens are not written
     const long long v = a.vt64 ? *static_cast<const long long*>(a.vt) : (long long)*static_cast<const int*>(a.vt);
@@ -165,6 +166,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) w2_combine_kernel(const W2Args
   const int j = warp % a.top_k, q = warp / a.top_k;
   const int e = slot_local_expert(a.ids, a.ids64, t * a.stride_im + j * a.stride_ik, a.map, a.E, a.L);
   const bool kept = e < a.L;
+  if (q == 0 && lane == 0) slot_expert[j] = e;
   const int r0 = blockIdx.x * kRows + g, r1 = r0 + 8;
   const long long e64 = kept ? e : 0;
   const long long w_row0 = r0 < a.K ? r0 : 0, w_row1 = r1 < a.K ? r1 : 0;
@@ -222,7 +224,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) w2_combine_kernel(const W2Args
     if (r < a.K) {
       float total = 0.f;
       for (int jj = 0; jj < a.top_k; ++jj) {
-        const int ej = slot_local_expert(a.ids, a.ids64, t * a.stride_im + jj * a.stride_ik, a.map, a.E, a.L);
+        const int ej = slot_expert[jj];
         if (ej >= a.L) continue;  // a dropped slot adds nothing, whatever its weight
         float v = 0.f;
         for (int qq = 0; qq < KS; ++qq) v = __fadd_rn(v, partial[(qq * a.top_k + jj) * kRows + tid]);

@@ -296,6 +296,8 @@ for stage in "$@"; do
             STEP_TIMEOUT=240 step sanitizer-activation compute-sanitizer --tool memcheck --error-exitcode 9 \
                 python3 -m pytest -q -m gpu tests/test_activation_gpu.py -k "bfloat16 and (silu or swigluoai or situ)"
             STEP_TIMEOUT=150 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"
+            STEP_TIMEOUT=120 step act-probe python3 scripts/act_variants_probe.py --tunings 4096:2048:8:4096 \
+                --only lib,striding_p32,striding_fastsig,striding_expsig --out "$OUT/act-variants.json"
             STEP_TIMEOUT=180 step test-experts-compile python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py \
                 tests/test_compile_gpu.py ;;
         pipeline-suites)  # the kernels every fused_experts call runs outside the GEMMs (activation, layouts'

@@ -299,7 +299,8 @@ for stage in "$@"; do
             STEP_TIMEOUT=120 step act-probe python3 scripts/act_variants_probe.py --tunings 4096:2048:8:4096 \
                 --only lib,striding_p32,striding_fastsig,striding_expsig --out "$OUT/act-variants.json"
             STEP_TIMEOUT=180 step test-experts-compile python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py \
-                tests/test_compile_gpu.py ;;
+                tests/test_compile_gpu.py
+            STEP_TIMEOUT=120 step test-docs python3 -m pytest -q tests/test_docs_examples.py ;;  # incl. the CUDA-graph example
         pipeline-suites)  # the kernels every fused_experts call runs outside the GEMMs (activation, layouts'
             # unpermute) through the suites that call fused_experts (decode, plans, eager, compile, HF parity)
             STEP_TIMEOUT=90 step test-activation python3 -m pytest -q -m gpu tests/test_activation_gpu.py

@@ -11,7 +11,8 @@ Variants (all count-aware: rows at/after the count are neither read nor written)
   8 warps, P programs per SM) and a 32-bit row loop, the next tile loaded before the current one is
   stored and / or each program on one contiguous run of row blocks;
 - striding_fastsig_p32 / striding_expsig_p32: striding_p32 with the library's sigmoid (its
-  tanh.approx form, used for 16-bit outputs, or its exp form) instead of tl.sigmoid;
+  tanh.approx form, used for 16-bit outputs, or its exp form) instead of tl.sigmoid; striding_expsig_ef / _cs /
+  _ef_cs: with evict-first loads and / or streaming stores; striding_expsig_p8 / _p16: fewer programs;
 - lib_t<T>_d<BD>_w<W>_p<P>: the library's kernel with `tuning` (tile of T elements, BD columns wide,
   W warps, P programs per SM; P large: one program per row block, those past the count return).
 Each is checked against the library's output (and rows past the count against NaN poison), then
@@ -96,11 +97,13 @@ def _row_kernel(out_ptr, in_ptr, cnt_ptr, D: tl.constexpr):
 
 @triton.jit
 def _striding_kernel(out_ptr, in_ptr, cnt_ptr, T, D, stride_in, stride_out, BLOCK_T: tl.constexpr,
-                     BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, CONTIG: tl.constexpr, SIG: tl.constexpr):
+                     BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, CONTIG: tl.constexpr, SIG: tl.constexpr,
+                     EVICT_FIRST: tl.constexpr = False, STREAM_STORE: tl.constexpr = False):
     """The library kernel's form (runtime widths and strides, row tiles, striding programs), silu only,
     with the row loop in 32 bits and three changes to try: PREFETCH loads the next tile before the
     current one is computed and stored; CONTIG gives each program one contiguous run of row blocks
-    instead of every P-th; SIG picks the sigmoid (`_silu_mul_sig`)."""
+    instead of every P-th; SIG picks the sigmoid (`_silu_mul_sig`). Without PREFETCH, EVICT_FIRST marks
+    the loads evict-first and STREAM_STORE the stores streaming (.cs): neither is read again."""
     pid_t = tl.program_id(0)
     nprog = tl.num_programs(0)
     n = tl.minimum(tl.maximum(tl.load(cnt_ptr), 0), T)
@@ -133,13 +136,15 @@ def _striding_kernel(out_ptr, in_ptr, cnt_ptr, T, D, stride_in, stride_out, BLOC
             g = g_n
             u = u_n
     else:
+        policy: tl.constexpr = "evict_first" if EVICT_FIRST else ""
+        store_mod: tl.constexpr = ".cs" if STREAM_STORE else ""
         for first in range(start, end, step):
             rows = (first + r).to(tl.int64)
             m = (rows < end)[:, None] & col_ok[None, :]
-            g = tl.load(in_ptr + rows[:, None] * stride_in + cols[None, :], mask=m)
-            u = tl.load(in_ptr + rows[:, None] * stride_in + D + cols[None, :], mask=m)
+            g = tl.load(in_ptr + rows[:, None] * stride_in + cols[None, :], mask=m, eviction_policy=policy)
+            u = tl.load(in_ptr + rows[:, None] * stride_in + D + cols[None, :], mask=m, eviction_policy=policy)
             tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
-                     _silu_mul_sig(g, u, SIG).to(out_ptr.dtype.element_ty), mask=m)
+                     _silu_mul_sig(g, u, SIG).to(out_ptr.dtype.element_ty), mask=m, cache_modifier=store_mod)
 
 
 def variants(rows: int, sms: int) -> dict:
@@ -166,12 +171,13 @@ def variants(rows: int, sms: int) -> dict:
         out[f"flat{block}_w{warps}"] = flat(block, warps)
     out["flatstride1024_w4_p16"] = stride(1024, 4, 16)
 
-    def striding(prefetch, contig, per_sm=32, warps=8, sig=0):
+    def striding(prefetch, contig, per_sm=32, warps=8, sig=0, evict_first=False, stream_store=False):
         blocks = triton.cdiv(rows, 2)
         grid = (triton.cdiv(blocks, triton.cdiv(blocks, sms * per_sm)), 1)
         return lambda out, x, cnt: _striding_kernel[grid](out, x, cnt, rows, D, x.stride(0), out.stride(0), BLOCK_T=2,
                                                           BLOCK_D=D, PREFETCH=prefetch, CONTIG=contig,
-                                                          SIG=sig, num_warps=warps)
+                                                          SIG=sig, EVICT_FIRST=evict_first,
+                                                          STREAM_STORE=stream_store, num_warps=warps)
 
     for prefetch in (False, True):
         for contig in (False, True):
@@ -180,6 +186,11 @@ def variants(rows: int, sms: int) -> dict:
     # The library's sigmoid in the probe's form: which of the int32 loop and the sigmoid is the gap.
     out["striding_fastsig_p32"] = striding(False, False, sig=1)
     out["striding_expsig_p32"] = striding(False, False, sig=2)
+    out["striding_expsig_ef_p32"] = striding(False, False, sig=2, evict_first=True)
+    out["striding_expsig_cs_p32"] = striding(False, False, sig=2, stream_store=True)
+    out["striding_expsig_ef_cs_p32"] = striding(False, False, sig=2, evict_first=True, stream_store=True)
+    out["striding_expsig_p8"] = striding(False, False, per_sm=8, sig=2)
+    out["striding_expsig_p16"] = striding(False, False, per_sm=16, sig=2)
     out["rows_w4"] = rowk(4)
     out["situ lib"] = lib("situ")
     for tile, bd, warps, per_sm in LIB_TUNINGS:

@@ -183,6 +183,35 @@ def test_layer_shared_experts_and_mxfp4(cpu_path, gen):
     assert rel_err(layer(x), ref) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("count", [0, 4, 9, 12, -3])
+@pytest.mark.parametrize("count_dtype", [torch.int32, torch.int64], ids=str)
+def test_layer_valid_tokens_computes_only_the_real_rows(cpu_path, count, count_dtype, gen, monkeypatch):
+    """forward(valid_tokens=) on a padded batch (padded rows NaN, through the router too) equals the
+    reference on the real rows, and the count reaches fused_experts (which never computes past it)."""
+    import padded_moe.layer as layer_module
+
+    M = 9
+    layer = FusedMoE(8, 2, K, N, dtype=torch.float32)
+    layer.randomize(int(torch.randint(0, 2**31, (1,), generator=gen)), std=0.1)
+    real = min(max(count, 0), M)
+    x = torch.randn(M, K, generator=gen)
+    x[real:] = float("nan")
+    seen, fused = [], layer_module.fused_experts
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("valid_tokens"))
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(layer_module, "fused_experts", spy)
+    out = layer(x, valid_tokens=torch.tensor([count], dtype=count_dtype))
+    assert out.shape == x.shape
+    assert len(seen) == 1 and seen[0] is not None and int(seen[0]) == count
+    if real:
+        tw, ids = layer.route(layer.gate(x[:real]))
+        ref = reference_moe(x[:real], layer.w13, layer.w2, tw, ids, activation="silu")
+        assert rel_err(out[:real], ref) <= TOL[torch.float32]
+
+
 def test_mxfp4_layer_holds_mxfp4_parameters_only():
     """An MXFP4 layer's expert weights are its uint8 parameters (canonical MXFP4) and their
     prepared arrangement; no float copy. Its initial and random weights are the bf16 layer's, quantized."""

@@ -32,9 +32,24 @@ def _layer_worker(rank, world, payload):
             layer.gate.weight.copy_(gate)
     m = payload["ms"][rank]
     x = torch.randn(m, K, generator=torch.Generator().manual_seed(payload["seed"] + 1 + rank))
-    with torch.no_grad():
-        out, ref = layers[0](x), layers[1](x)
-    return {"shape": tuple(out.shape), "num_local": layers[0].num_local,
+    valid = payload.get("valid")
+    if valid is None:
+        with torch.no_grad():
+            out, ref = layers[0](x), layers[1](x)
+        sent_padded = 0
+    else:
+        # A padded batch: rows at/after this rank's count hold NaN (the router sees them too); the
+        # oracle is the single-rank layer on the real rows alone.
+        v = valid[rank]
+        x[v:] = float("nan")
+        sent, dispatch = [], ep.dispatch
+        ep.dispatch = lambda h, ids, w: (sent.append(ids.clone()), dispatch(h, ids, w))[1]
+        with torch.no_grad():
+            out = layers[0](x, valid_tokens=torch.tensor([v], dtype=torch.int32))[:v]
+            ref = layers[1](x[:v])
+        sent_padded = int((sent[0][v:] != -1).sum())
+        m = v
+    return {"shape": tuple(out.shape), "num_local": layers[0].num_local, "sent_padded": sent_padded,
             "err": float((out - ref).abs().max()) if m else 0.0,
             "scale": float(ref.abs().max()) if m else 1.0}
 
@@ -48,4 +63,18 @@ def test_layer_with_expert_parallel_equals_single_rank(mode, ms):
     for rank, r in enumerate(results):
         assert r["shape"] == (ms[rank], K)
         assert r["num_local"] == E // 2
+        assert r["err"] <= 1e-5 * max(1.0, r["scale"]), f"rank {rank}: max error {r['err']} (seed {seed})"
+
+
+@pytest.mark.parametrize("mode", ["flat", "batched"])
+def test_layer_with_expert_parallel_and_valid_tokens(mode):
+    """forward(valid_tokens=) under expert parallelism: padded rows (NaN) are never dispatched (their
+    ids reach dispatch as -1) and the real rows equal the single-rank layer on them; rank 1's batch
+    is all padding."""
+    seed = int(os.environ.get("PADDED_MOE_SEED") or torch.randint(0, 2**30, (1,)))
+    valid = (3, 0)
+    results = spawn_group(2, _layer_worker, {"mode": mode, "ms": (5, 4), "valid": valid, "seed": seed})
+    for rank, r in enumerate(results):
+        assert r["shape"] == (valid[rank], K)
+        assert r["sent_padded"] == 0, f"rank {rank}: {r['sent_padded']} ids of padded rows dispatched"
         assert r["err"] <= 1e-5 * max(1.0, r["scale"]), f"rank {rank}: max error {r['err']} (seed {seed})"

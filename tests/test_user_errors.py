@@ -71,6 +71,15 @@ def test_fused_moe_refuses_wrong_hidden_size():
         layer(torch.randn(8, 32))  # 256 elements would reshape to [4, 64] without the check
 
 
+@pytest.mark.parametrize("bad, error", [([3], TypeError), (torch.tensor([3.0]), TypeError),
+                                        (torch.tensor([[3]]), ValueError), (torch.tensor([1, 2]), ValueError)],
+                         ids=["list", "float", "rank2", "two"])
+def test_fused_moe_valid_tokens_must_be_one_index(bad, error):
+    layer = FusedMoE(8, 2, 64, 32, dtype=torch.float32)
+    with pytest.raises(error, match="valid_tokens"):
+        layer(torch.randn(4, 64), valid_tokens=bad)
+
+
 def test_fused_moe_refuses_router_logits_of_the_wrong_width():
     layer = FusedMoE(8, 2, 64, 32, dtype=torch.float32)
     with pytest.raises(ValueError, match="router_logits must be"):

@@ -128,6 +128,23 @@ def check_valid_tokens(valid_tokens: object, ref: torch.Tensor) -> Optional[torc
     return valid_tokens
 
 
+def drop_rows_past(topk_ids: torch.Tensor, valid_tokens: Optional[torch.Tensor]) -> torch.Tensor:
+    """`topk_ids [M, k]` with every id of a row at or past `valid_tokens` replaced by -1 (which the
+    expert-id guard drops), for paths that move whole rows before any kernel sees the count
+    (expert-parallel dispatch). Graph-safe: the count stays on the device."""
+    if valid_tokens is None:
+        return topk_ids
+    return torch.where(rows_before(topk_ids, valid_tokens), topk_ids,
+                       torch.full((), -1, dtype=topk_ids.dtype, device=topk_ids.device))
+
+
+def rows_before(topk_ids: torch.Tensor, valid_tokens: torch.Tensor) -> torch.Tensor:
+    """bool `[M, 1]`: which rows of `topk_ids [M, k]` are before the device-side count (a count
+    below 0 keeps none, one above M keeps all)."""
+    rows = torch.arange(topk_ids.shape[0], device=topk_ids.device)
+    return (rows < valid_tokens.to(topk_ids.device))[:, None]
+
+
 def guarded_lookup(topk_ids: torch.Tensor, num_experts: int, table: Optional[torch.Tensor],
                    fill: int) -> torch.Tensor:
     """The invalid-id guard of every torch path: `table[id]` where `0 <= id < num_experts`, else
@@ -150,8 +167,7 @@ def sanitize_torch(topk_ids: torch.Tensor, num_experts: int, num_local: int,
     local = guarded_lookup(topk_ids, num_experts, emap, -1)
     keep = local >= 0
     if valid_tokens is not None:
-        rows = torch.arange(topk_ids.shape[0], device=topk_ids.device)
-        keep = keep & (rows < valid_tokens.to(topk_ids.device))[:, None]
+        keep = keep & rows_before(topk_ids, valid_tokens)
     return torch.where(keep, local, torch.full((), num_local, dtype=torch.int32, device=topk_ids.device))
 
 

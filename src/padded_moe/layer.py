@@ -17,6 +17,7 @@ from padded_moe import routing
 from padded_moe._ops import OpObjects, custom_op, register_fake
 from padded_moe._validation import FLOAT_DTYPES, require_int, require_real, require_tensor
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
+from padded_moe.expert_map import check_valid_tokens, drop_rows_past
 from padded_moe.experts import batched_experts, eager_cache_off, fused_experts
 from padded_moe.mxfp4 import GROUP, Mxfp4Tensor, quantize_mxfp4
 from padded_moe.presets import MoEPreset, get_preset
@@ -29,7 +30,13 @@ WEIGHT_FORMATS = ("bf16", "mxfp4")
 
 
 class FusedMoE(nn.Module):
-    """A MoE block. `forward(hidden_states [..., K], router_logits=None, token_ids=None)`.
+    """A MoE block. `forward(hidden_states [..., K], router_logits=None, token_ids=None, valid_tokens=None)`.
+
+    `valid_tokens` (int32/int64 `[1]` on the hidden states' device) marks the first tokens of the
+    flattened `[M, K]` input as the real ones, as for `fused_experts`: the routed experts compute
+    only those, and output rows at or past it are unspecified (the router and any shared experts
+    still run on every row). With expert parallelism those rows are not dispatched at all (their
+    expert ids become -1 on the device). A count below 0 means none, above M means all.
 
     `router` is a name from `ROUTERS` or a callable `(logits, token_ids) -> (weights f32, ids i32)`.
     Without expert parallelism the layer holds all `num_experts`; with it, only this rank's.
@@ -288,20 +295,26 @@ class FusedMoE(nn.Module):
                                            routed_scaling_factor=scale, renormalize=True)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None,
-                token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                token_ids: Optional[torch.Tensor] = None, valid_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         _check_forward_inputs(hidden_states, router_logits, self.hidden_size, self.num_experts)
+        check_valid_tokens(valid_tokens, hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
         logits = self.gate(x) if router_logits is None else router_logits
         topk_weights, topk_ids = self.route(logits, token_ids)
-        out = self.experts(x, topk_weights, topk_ids)
+        out = self.experts(x, topk_weights, topk_ids, valid_tokens)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)
 
-    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Routed experts only (no router, no shared experts) on `x [M, K]`."""
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                valid_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Routed experts only (no router, no shared experts) on `x [M, K]`; `valid_tokens` as in
+        `forward`."""
         if self.expert_parallel is not None:
+            if valid_tokens is not None:
+                # Dispatch moves whole rows; padded ones are dropped at the source by the id guard.
+                topk_ids = drop_rows_past(topk_ids, check_valid_tokens(valid_tokens, topk_ids))
             if torch.compiler.is_compiling():
                 # One opaque op for dispatch → local experts → combine: the compiler never traces
                 # the exchange (persistent buffers viewed with other dtypes, collectives, flags).
@@ -310,7 +323,8 @@ class FusedMoE(nn.Module):
         w13, w2 = self.expert_weights()
         return fused_experts(x, w13, w2, topk_weights, topk_ids, layout=self.layout, w13_bias=self.w13_bias,
                              w2_bias=self.w2_bias, activation=self.activation,
-                             activation_config=self.activation_config, backend=self.backend)
+                             activation_config=self.activation_config, valid_tokens=valid_tokens,
+                             backend=self.backend)
 
     def _ep_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         w13, w2 = self.expert_weights()

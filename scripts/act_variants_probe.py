@@ -3,6 +3,7 @@
 
 Variants (all count-aware: rows at/after the count are neither read nor written):
 - lib: `apply_moe_activation` as the library launches it (2-D row tiles, programs striding rows);
+  lib_exact: the same with the sigmoid from exp (the library's float32 form) instead of tanh.approx;
 - flat<B>_w<W>: the valid rows as one flat range of count*D output elements, one program per B
   elements (grid sized for the whole buffer; programs past count*D return at once), W warps;
 - flatstride<B>_w<W>_p<P>: the same flat range, P programs per SM striding over it;
@@ -163,7 +164,21 @@ def variants(rows: int, sms: int) -> dict:
         return lambda out, x, cnt: apply_moe_activation(act, out, x, valid_token_counts=cnt, tuning=tuning,
                                                         activation_config=CFG[act])
 
-    out = {"lib": lib("silu")}
+    def lib_exact(act):
+        """The library's launch with its exact functions (the sigmoid from exp, as for float32
+        outputs) instead of tanh.approx: the library kernel's own form of striding_expsig."""
+        import padded_moe.activation as activation_module
+
+        def run(out, x, cnt):
+            real = activation_module.kernel_args
+            activation_module.kernel_args = lambda a, p, fast: real(a, p, False)
+            try:
+                lib(act)(out, x, cnt)
+            finally:
+                activation_module.kernel_args = real
+        return run
+
+    out = {"lib": lib("silu"), "lib_exact": lib_exact("silu")}
     for tile, bd, warps, per_sm in LIB_TUNINGS:
         out[f"lib_t{tile}_d{bd}_w{warps}_p{per_sm}"] = lib("silu", dict(tile_elems=tile, max_block_d=bd,
                                                                          num_warps=warps, programs_per_sm=per_sm))

@@ -99,6 +99,8 @@ def test_batched_without_counts_means_all_rows(cpu_path, act, gen):
 @pytest.mark.parametrize("cfg", [
     ApplyMoEActivationConfig(clamp_limit=10.0),  # DeepSeek-V4
     ApplyMoEActivationConfig(clamp_limit=2.0, alpha=1.5, beta=0.5),
+    ApplyMoEActivationConfig(alpha=1.5),  # either parameter alone leaves plain silu's kernel branch
+    ApplyMoEActivationConfig(beta=0.25),
 ])
 def test_silu_with_clamp_and_params(cpu_path, cfg, gen):
     act = MoEActivation.SILU

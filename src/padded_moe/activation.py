@@ -222,7 +222,12 @@ def kernel_args(act: MoEActivation, p: _Params, fast: bool) -> tuple[tuple, dict
 
     floats = (p.limit if p.limit is not None else 0.0, p.alpha, p.beta, p.situ_beta,
               p.situ_lambda if p.situ_lambda is not None else 1.0)
-    return floats, dict(ACT=KERNEL_IDS[act.value], HAS_LIMIT=p.limit is not None,
+    kernel = act.value
+    if act is MoEActivation.SILU and (p.alpha, p.beta) != (1.0, 0.0):
+        # silu with a gate scale or an up offset is swigluoai's formula on silu's row order; the
+        # kernels' silu branch is the plain g * sigmoid(g) * u.
+        kernel = MoEActivation.SWIGLUOAI_UNINTERLEAVE.value
+    return floats, dict(ACT=KERNEL_IDS[kernel], HAS_LIMIT=p.limit is not None,
                         HAS_LAMBDA=p.situ_lambda is not None, FAST=fast)
 
 

@@ -76,7 +76,12 @@ def _gated(g, u, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, limit, alpha, beta,
         if HAS_LIMIT:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
-        y = g * _sigmoid(alpha * g, FAST) * (u + beta)
+        if ACT == ACT_SILU:
+            # Plain silu (alpha 1, beta 0; `activation.kernel_args` sends silu with other values
+            # as swigluoai_uninterleave): two operations per element fewer.
+            y = g * _sigmoid(g, FAST) * u
+        else:
+            y = g * _sigmoid(alpha * g, FAST) * (u + beta)
     elif ACT == ACT_GELU:
         y = _gelu_erf(g) * u
     elif ACT == ACT_GELU_TANH:

@@ -172,6 +172,36 @@ def test_layer_matches_reference(cpu_path, router, gen):
     assert rel_err(out.reshape(-1, K), ref) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("router", ["biased_sigmoid", "biased_sqrtsoftplus"])
+def test_layer_with_expert_groups(cpu_path, router, gen):
+    """DeepSeek-V3's group-limited selection in the layer: every chosen expert lies in one of the
+    token's `topk_groups` best groups (by the sum of their two best biased scores), and the output
+    equals the reference on the routing `biased_grouped_topk` gives."""
+    from padded_moe import routing
+
+    E, groups, kept = 16, 4, 2
+    layer = FusedMoE(E, 3, K, N, router=router, num_groups=groups, topk_groups=kept, dtype=torch.float32)
+    layer.randomize(int(torch.randint(0, 2**31, (1,), generator=gen)), std=0.1)
+    layer.e_score_correction_bias.copy_(torch.randn(E, generator=gen) * 0.1)
+    x = torch.randn(7, K, generator=gen)
+    logits = layer.gate(x)
+    tw, ids = layer.route(logits)
+    scoring = "sigmoid" if router == "biased_sigmoid" else "sqrtsoftplus"
+    want = routing.biased_grouped_topk(logits, layer.e_score_correction_bias, 3, num_groups=groups,
+                                       topk_groups=kept, scoring=scoring)
+    assert torch.equal(ids, want[1]) and torch.equal(tw, want[0])
+    # Independent of the library's mask: the best groups by hand, per token.
+    choice = routing._scores(logits.float(), scoring) + layer.e_score_correction_bias
+    group_score = choice.view(7, groups, E // groups).topk(2, dim=-1).values.sum(-1)
+    best = group_score.topk(kept, dim=-1).indices
+    for t in range(7):
+        assert set((ids[t] // (E // groups)).tolist()) <= set(best[t].tolist())
+    ref = reference_moe(x, layer.w13, layer.w2, tw, ids, activation="silu")
+    assert rel_err(layer(x), ref) <= TOL[torch.float32]
+    flat = FusedMoE(E, 3, K, N, router=router, dtype=torch.float32)
+    assert (flat.num_groups, flat.topk_groups) == (1, 1)
+
+
 def test_layer_shared_experts_and_mxfp4(cpu_path, gen):
     shared = torch.nn.Linear(K, K, bias=False)
     layer = FusedMoE(8, 2, K, N, weight_format="mxfp4", shared_experts=shared, dtype=torch.float32)

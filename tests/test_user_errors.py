@@ -71,6 +71,17 @@ def test_fused_moe_refuses_wrong_hidden_size():
         layer(torch.randn(8, 32))  # 256 elements would reshape to [4, 64] without the check
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(router="softmax_renorm", num_groups=4, topk_groups=2), "biased_\\* routers only"),
+    (dict(router="biased_sigmoid", num_groups=3), "num_groups must divide"),
+    (dict(router="biased_sigmoid", num_groups=8, topk_groups=9), "topk_groups"),
+    (dict(router="biased_sigmoid", num_groups=4, topk_groups=1), "k must be at most"),
+], ids=["not-biased", "not-dividing", "more-kept-than-groups", "k-past-kept"])
+def test_fused_moe_expert_groups_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FusedMoE(8, 3, 64, 32, dtype=torch.float32, **kwargs)
+
+
 @pytest.mark.parametrize("bad, error", [([3], TypeError), (torch.tensor([3.0]), TypeError),
                                         (torch.tensor([[3]]), ValueError), (torch.tensor([1, 2]), ValueError)],
                          ids=["list", "float", "rank2", "two"])

@@ -39,6 +39,8 @@ class FusedMoE(nn.Module):
     expert ids become -1 on the device). A count below 0 means none, above M means all.
 
     `router` is a name from `ROUTERS` or a callable `(logits, token_ids) -> (weights f32, ids i32)`.
+    The biased routers take `routed_scaling_factor` and DeepSeek-V3's group-limited selection
+    (`num_groups` = `n_group`, `topk_groups` = `topk_group`; 1 / 1: no groups).
     Without expert parallelism the layer holds all `num_experts`; with it, only this rank's.
     `weight_format="mxfp4"` stores the expert weights as MXFP4 only (activations stay in `dtype`):
     the parameters `w13_blocks`, `w13_scales`, `w2_blocks`, `w2_scales` (uint8, `Mxfp4Tensor`'s
@@ -51,7 +53,7 @@ class FusedMoE(nn.Module):
                  activation: Union[str, MoEActivation] = "silu",
                  activation_config: Optional[ApplyMoEActivationConfig] = None,
                  router: Union[str, RouterFn] = "softmax_renorm", routed_scaling_factor: float = 1.0,
-                 weight_format: str = "bf16", has_bias: bool = False, expert_parallel=None,
+                 num_groups: int = 1, topk_groups: int = 1, weight_format: str = "bf16", has_bias: bool = False, expert_parallel=None,
                  shared_experts: Optional[nn.Module] = None, layout: Optional[str] = None,
                  backend: str = "auto", dtype: torch.dtype = torch.bfloat16,
                  device: Union[str, torch.device, None] = None):
@@ -69,9 +71,15 @@ class FusedMoE(nn.Module):
             # Only the biased routers scale their weights; ignoring the factor would be silent.
             raise ValueError(f"routed_scaling_factor is applied by the biased_* routers only; got "
                              f"{routed_scaling_factor} with router={router!r} (scale inside a callable router)")
+        if (num_groups, topk_groups) != (1, 1) and not scaled:
+            # Group-limited selection is the biased routers' step (DeepSeek-V3's n_group / topk_group).
+            raise ValueError(f"num_groups / topk_groups apply to the biased_* routers only; got {num_groups} / "
+                             f"{topk_groups} with router={router!r} (group inside a callable router)")
+        num_groups, topk_groups = routing.check_groups(num_experts, top_k, num_groups, topk_groups)
         if expert_parallel is not None:
             _check_expert_parallel(expert_parallel, num_experts, top_k, hidden_size)
         self.num_experts, self.top_k = num_experts, top_k
+        self.num_groups, self.topk_groups = num_groups, topk_groups
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.router, self.routed_scaling_factor = router, routed_scaling_factor
         self.weight_format, self.layout, self.backend = weight_format, layout, backend
@@ -122,6 +130,8 @@ class FusedMoE(nn.Module):
         return cls(p.num_experts, p.top_k, p.hidden_size, p.intermediate_size, activation=p.activation,
                    activation_config=cfg, router=p.routing,
                    routed_scaling_factor=p.routing_config.get("routed_scaling_factor", 1.0),
+                   num_groups=p.routing_config.get("num_groups", 1),
+                   topk_groups=p.routing_config.get("topk_groups", 1),
                    weight_format=weight_format or p.weight_format, has_bias=p.has_bias, **kwargs)
 
     @property
@@ -291,7 +301,8 @@ class FusedMoE(nn.Module):
         if self.router == "topk_softmax":
             return routing.softmax_topk(logits, k, False, topk_before_softmax=True)
         scoring = "sigmoid" if self.router == "biased_sigmoid" else "sqrtsoftplus"
-        return routing.biased_grouped_topk(logits, self.e_score_correction_bias, k, scoring=scoring,
+        return routing.biased_grouped_topk(logits, self.e_score_correction_bias, k, num_groups=self.num_groups,
+                                           topk_groups=self.topk_groups, scoring=scoring,
                                            routed_scaling_factor=scale, renormalize=True)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None,

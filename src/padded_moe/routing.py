@@ -187,7 +187,7 @@ def _group_mask(choice: torch.Tensor, num_groups: int, topk_groups: int) -> torc
     return keep.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
 
 
-def _check_groups(num_experts: int, k: int, num_groups: object, topk_groups: object) -> tuple[int, int]:
+def check_groups(num_experts: int, k: int, num_groups: object, topk_groups: object) -> tuple[int, int]:
     num_groups = _check_int("num_groups", num_groups, 1, num_experts, "expert groups, at most E")
     if num_experts % num_groups:
         raise ValueError(f"num_groups must divide the number of experts E={num_experts}, got {num_groups}")
@@ -247,7 +247,7 @@ def biased_grouped_topk(
     num_experts = logits.shape[1]
     bias = _check_bias(bias, logits)
     k = _check_int("k", k, 1, num_experts, "experts per token, at most E = logits.shape[1]")
-    num_groups, topk_groups = _check_groups(num_experts, k, num_groups, topk_groups)
+    num_groups, topk_groups = check_groups(num_experts, k, num_groups, topk_groups)
     scoring = _check_scoring(scoring)
     scale = _check_scale(routed_scaling_factor)
     renormalize = _check_bool("renormalize", renormalize)

@@ -93,14 +93,22 @@ def ptxas_log(ptx):
 
 def launch_signature(fn, args, constexprs) -> tuple[dict, dict, list]:
     """(signature, constexprs, ints divisible by 16) of a launch of Triton kernel `fn` with `args`,
-    specialised as Triton's launcher would (ints equal to 1 made constants, ints past int32 i64)."""
-    sig, const, div16 = {}, dict(constexprs), []
+    specialised as Triton's launcher would (ints equal to 1 and None made constants, ints past
+    int32 i64; TMA descriptors as `tensordesc<dtype[block]>`)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    dtypes = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+              torch.int64: "i64", torch.uint8: "u8"}
+    sig, const, div16 = {}, {c: getattr(v, "value", v) for c, v in constexprs.items()}, []
     for name, a in zip(fn.arg_names, args):
-        if isinstance(a, torch.Tensor):
-            sig[name] = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                               torch.int32: "i32", torch.int64: "i64"}[a.dtype]
+        if isinstance(a, TensorDescriptor):
+            sig[name] = f"tensordesc<{dtypes[a.base.dtype]}[{', '.join(str(b) for b in a.block_shape)}]>"
+        elif isinstance(a, torch.Tensor):
+            sig[name] = "*" + dtypes[a.dtype]
         elif isinstance(a, float):
             sig[name] = "fp32"
+        elif a is None:
+            sig[name], const[name] = "constexpr", None
         elif a == 1:
             sig[name], const[name] = "constexpr", 1
         else:

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from helpers import PTXAS_LOG, compile_for_sm90
+from helpers import PTXAS_LOG, compile_for_sm90, launch_signature
 
 # Both compile scripts look at the SASS loops that issue HGMMA (the wgmma main loops).
 HGMMA_LOOPS = r"""
@@ -318,7 +318,6 @@ def _captured_launch(cfg, layout: int, epi, tile: str = "one_tile", rows: int = 
     activation in the epilogue (None: none), gate-first weights read as `tile` says: the
     arguments as the launcher passes them (TMA descriptors, pointers, ints)."""
     import torch
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from padded_moe.activation import ActivationEpilogue
     from padded_moe.kernels import _codes as codes
@@ -346,19 +345,9 @@ def _captured_launch(cfg, layout: int, epi, tile: str = "one_tile", rows: int = 
     finally:
         kg.launch_kernel, kg.GATE_UP_TMA = kg_launch, kg_tile
     (fn, args, const, opt), = calls
-    sig, aligned = {}, []
-    for name, a in zip(fn.arg_names, args):
-        if isinstance(a, TensorDescriptor):
-            sig[name] = f"tensordesc<bf16[{', '.join(str(b) for b in a.block_shape)}]>"
-        elif isinstance(a, torch.Tensor):
-            sig[name] = "*" + {torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64"}[a.dtype]
-        else:
-            sig[name] = "fp32" if isinstance(a, float) else "i32"
-            if isinstance(a, int) and a % 16 == 0:  # Triton specialises such ints (vectorized loads)
-                aligned.append(name)
-    const = {c: getattr(v, "value", v) for c, v in const.items()}
+    sig, const, aligned = launch_signature(fn, args, const)
     const.update(FP32_DOT=False)  # what a CUDA bf16 call takes
-    sig.update({c: "constexpr" for c in const})
+    sig["FP32_DOT"] = "constexpr"
     return sig, const, opt["num_warps"], opt["num_stages"], aligned
 
 

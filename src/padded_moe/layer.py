@@ -53,7 +53,8 @@ class FusedMoE(nn.Module):
                  activation: Union[str, MoEActivation] = "silu",
                  activation_config: Optional[ApplyMoEActivationConfig] = None,
                  router: Union[str, RouterFn] = "softmax_renorm", routed_scaling_factor: float = 1.0,
-                 num_groups: int = 1, topk_groups: int = 1, weight_format: str = "bf16", has_bias: bool = False, expert_parallel=None,
+                 num_groups: int = 1, topk_groups: int = 1, weight_format: str = "bf16", has_bias: bool = False,
+                 expert_parallel=None,
                  shared_experts: Optional[nn.Module] = None, layout: Optional[str] = None,
                  backend: str = "auto", dtype: torch.dtype = torch.bfloat16,
                  device: Union[str, torch.device, None] = None):
@@ -306,7 +307,8 @@ class FusedMoE(nn.Module):
                                            routed_scaling_factor=scale, renormalize=True)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None,
-                token_ids: Optional[torch.Tensor] = None, valid_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                token_ids: Optional[torch.Tensor] = None,
+                valid_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         _check_forward_inputs(hidden_states, router_logits, self.hidden_size, self.num_experts)
         check_valid_tokens(valid_tokens, hidden_states)
         shape = hidden_states.shape

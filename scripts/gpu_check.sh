@@ -267,8 +267,8 @@ for stage in "$@"; do
             STEP_TIMEOUT=150 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"
             ncu_sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
                           --section WarpStateStats --section LaunchStats)
-            STEP_TIMEOUT=120 step ncu-activation ncu "${ncu_sections[@]}" -k "regex:moe_activation|triton_poi" \
-                --launch-count 4 python3 scripts/ncu_small.py act
+            STEP_TIMEOUT=120 step ncu-activation ncu "${ncu_sections[@]}" -k "regex:moe_activation|triton_poi|_striding_kernel" \
+                --launch-count 6 python3 scripts/ncu_small.py act
             STEP_TIMEOUT=120 step ncu-unpermute ncu "${ncu_sections[@]}" -k "regex:_unpermute" --launch-count 6 \
                 python3 scripts/ncu_small.py unpermute ;;
         striding)  # grid-striding kernels sized to one wave of resident programs: the driver's occupancy

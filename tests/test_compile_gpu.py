@@ -90,9 +90,11 @@ def test_fused_experts_dynamic_graph_count():
 
 @pytest.mark.parametrize("preset,fmt", [("qwen3-30b-a3b", "bf16"), ("dsv4-flash", "mxfp4")])
 def test_eager_forward_never_syncs(layers, preset, fmt):
-    """No device-to-host synchronisation in an eager forward (router, layout, GEMMs, combine)."""
+    """No device-to-host synchronisation in an eager forward (router, layout, GEMMs, combine), also
+    with a device-side `valid_tokens`."""
     layer = layers(preset, fmt)
     x = torch.randn(16, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    valid = torch.tensor([5], device="cuda", dtype=torch.int32)
     with torch.no_grad():
         layer(x)  # first call compiles kernels and fills caches outside the check
         torch.cuda.synchronize()
@@ -100,5 +102,6 @@ def test_eager_forward_never_syncs(layers, preset, fmt):
         try:
             layer(x)
             layer(x[:3])
+            layer(x, valid_tokens=valid)
         finally:
             torch.cuda.set_sync_debug_mode("default")

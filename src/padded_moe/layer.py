@@ -325,9 +325,8 @@ class FusedMoE(nn.Module):
         """Routed experts only (no router, no shared experts) on `x [M, K]`; `valid_tokens` as in
         `forward`."""
         if self.expert_parallel is not None:
-            if valid_tokens is not None:
-                # Dispatch moves whole rows; padded ones are dropped at the source by the id guard.
-                topk_ids = drop_rows_past(topk_ids, check_valid_tokens(valid_tokens, topk_ids))
+            # Dispatch moves whole rows; padded ones are dropped at the source by the id guard.
+            topk_ids = drop_rows_past(topk_ids, check_valid_tokens(valid_tokens, topk_ids))
             if torch.compiler.is_compiling():
                 # One opaque op for dispatch → local experts → combine: the compiler never traces
                 # the exchange (persistent buffers viewed with other dtypes, collectives, flags).

@@ -312,6 +312,13 @@ for stage in "$@"; do
                 --only lib,striding_p32,striding_fastsig,striding_expsig_p32 --out "$OUT/act-variants.json"
             STEP_TIMEOUT=140 step test-decode python3 -m pytest -q -n 2 -m gpu tests/test_decode_gpu.py
             STEP_TIMEOUT=140 step test-experts python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py ;;
+        silu-tile)  # plain silu's 4 x 2048 tiles (TUNING_BY_ACTIVATION): the activation's GPU tests and memcheck,
+            # its bench (the docs' table), the layout path's suites that launch it
+            STEP_TIMEOUT=90 step test-activation python3 -m pytest -q -m gpu tests/test_activation_gpu.py
+            STEP_TIMEOUT=120 step sanitizer-activation compute-sanitizer --tool memcheck --error-exitcode 9 \
+                python3 -m pytest -q -m gpu tests/test_activation_gpu.py -k "bfloat16 and (silu or swigluoai or situ)"
+            STEP_TIMEOUT=100 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"
+            STEP_TIMEOUT=140 step test-experts python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py ;;
         pipeline-suites)  # the kernels every fused_experts call runs outside the GEMMs (activation, layouts'
             # unpermute) through the suites that call fused_experts (decode, plans, eager, compile, HF parity)
             STEP_TIMEOUT=90 step test-activation python3 -m pytest -q -m gpu tests/test_activation_gpu.py

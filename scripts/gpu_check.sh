@@ -318,7 +318,8 @@ for stage in "$@"; do
             STEP_TIMEOUT=120 step sanitizer-activation compute-sanitizer --tool memcheck --error-exitcode 9 \
                 python3 -m pytest -q -m gpu tests/test_activation_gpu.py -k "bfloat16 and (silu or swigluoai or situ)"
             STEP_TIMEOUT=100 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"
-            STEP_TIMEOUT=140 step test-experts python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py ;;
+            STEP_TIMEOUT=140 step test-experts python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py
+            STEP_TIMEOUT=120 step test-no-sync python3 -m pytest -q -m gpu tests/test_compile_gpu.py -k never_syncs ;;
         pipeline-suites)  # the kernels every fused_experts call runs outside the GEMMs (activation, layouts'
             # unpermute) through the suites that call fused_experts (decode, plans, eager, compile, HF parity)
             STEP_TIMEOUT=90 step test-activation python3 -m pytest -q -m gpu tests/test_activation_gpu.py

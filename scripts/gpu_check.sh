@@ -264,7 +264,8 @@ for stage in "$@"; do
             fi ;;
         small-kernels)  # the activation's launch shapes (incl. one program per row block) and Nsight Compute
             # sections of the activation (ours vs torch.compile's kernel) and of unpermute (indexed vs grouped)
-            STEP_TIMEOUT=150 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"
+            STEP_TIMEOUT=150 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation" ;&
+        ncu-small)  # small-kernels' Nsight Compute part alone
             ncu_sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
                           --section WarpStateStats --section LaunchStats)
             STEP_TIMEOUT=120 step ncu-activation ncu "${ncu_sections[@]}" -k "regex:moe_activation|triton_poi|_striding_kernel" \

@@ -321,6 +321,12 @@ for stage in "$@"; do
             STEP_TIMEOUT=100 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"
             STEP_TIMEOUT=140 step test-experts python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py
             STEP_TIMEOUT=120 step test-no-sync python3 -m pytest -q -m gpu tests/test_compile_gpu.py -k never_syncs ;;
+        mx-once)  # MXFP4 experts held in the prepared form alone (prepare_for(keep_canonical=False), FusedMoE's
+            # default): the suites that run MXFP4 through fused_experts, FusedMoE, the decode path, compile, HF
+            STEP_TIMEOUT=170 step test-experts python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py
+            STEP_TIMEOUT=170 step test-decode python3 -m pytest -q -n 2 -m gpu tests/test_decode_gpu.py -k mxfp4
+            STEP_TIMEOUT=150 step test-compile python3 -m pytest -q -n 2 -m gpu tests/test_compile_gpu.py
+            STEP_TIMEOUT=100 step test-docs python3 -m pytest -q tests/test_docs_examples.py ;;
         pipeline-suites)  # the kernels every fused_experts call runs outside the GEMMs (activation, layouts'
             # unpermute) through the suites that call fused_experts (decode, plans, eager, compile, HF parity)
             STEP_TIMEOUT=90 step test-activation python3 -m pytest -q -m gpu tests/test_activation_gpu.py

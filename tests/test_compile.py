@@ -37,6 +37,9 @@ def _weights(gen, E, N, K, mxfp4=False):
             return Mxfp4Tensor(torch.full_like(q.blocks, 0x77), torch.full_like(q.scales, 255), q.hopper)
 
         return prepared_only(w13), prepared_only(w2)
+    if mxfp4 == "once":  # the prepared form alone (no canonical bytes held)
+        return (quantize_mxfp4(w13).prepare_for(keep_canonical=False),
+                quantize_mxfp4(w2).prepare_for(keep_canonical=False))
     if mxfp4:
         return quantize_mxfp4(w13), quantize_mxfp4(w2)
     return w13, w2
@@ -50,9 +53,9 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("mxfp4", [False, True, "prepared"])
+@pytest.mark.parametrize("mxfp4", [False, True, "prepared", "once"])
 def test_fused_experts_fullgraph_matches_eager(gen, mxfp4):
-    E, k, K, N = 8, 2, 64, 32
+    E, k, K, N = 8, 2, 64, 64 if mxfp4 == "once" else 32
     w13, w2 = _weights(gen, E, N, K, mxfp4)
     b13, b2 = torch.randn(E, 2 * N, generator=gen), torch.randn(E, K, generator=gen)
 
@@ -136,10 +139,15 @@ def test_batched_experts_fullgraph(gen):
     assert torch.all(got[0, 2:] == 7.0) and torch.all(got[1] == 7.0)  # rows past the counts untouched
 
 
-@pytest.mark.parametrize("weight_format", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("weight_format", ["bf16", "mxfp4", "mxfp4-once"])
 def test_layer_compiles_with_inductor(weight_format):
-    """The whole layer (gate, router, experts op) under inductor, fullgraph, dynamic token counts."""
-    layer = FusedMoE.from_preset("tiny", weight_format=weight_format, dtype=torch.float32)
+    """The whole layer (gate, router, experts op) under inductor, fullgraph, dynamic token counts;
+    "mxfp4-once": widths of 64, so the layer holds its experts in the prepared form alone."""
+    if weight_format == "mxfp4-once":
+        layer = FusedMoE(8, 2, 64, 64, router="softmax", weight_format="mxfp4", dtype=torch.float32)
+        assert not layer.keep_canonical
+    else:
+        layer = FusedMoE.from_preset("tiny", weight_format=weight_format, dtype=torch.float32)
     layer.randomize(seed=3)
     compiled = torch.compile(layer, fullgraph=True, dynamic=True)
     gen = torch.Generator().manual_seed(5)

@@ -260,6 +260,14 @@ def test_mxfp4_model_widths(decode_calls, monkeypatch, shape, T, step):
     torch.cuda.synchronize()
     assert decode_calls == [T]
     assert rel_err(out, _mx_oracle(x, w13, w2, tw, ids, act, b13, b2, E, T)) <= BF16_TOL
+    # The same experts holding only their prepared form: the same bits on the prepared words; the
+    # canonical-byte routes refuse them (they have nothing to read).
+    once13, once2 = w13.prepare_for(keep_canonical=False), w2.prepare_for(keep_canonical=False)
+    if step == "prepared":
+        assert torch.equal(fused_experts(x, once13, once2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2), out)
+    else:
+        with pytest.raises(ValueError, match="MX_STEP=.* does not hold"):
+            fused_experts(x, once13, once2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2)
     monkeypatch.setenv(dec.DECODE_ENV, "off")
     layout_path = fused_experts(x, w13, w2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2)
     assert rel_err(out, layout_path.float()) <= BF16_TOL

@@ -85,6 +85,77 @@ def test_swigluoai_with_biases_and_mxfp4(cpu_path, layout, prepared, gen):
     assert rel_err(out, ref) <= TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prepared_only_mxfp4_weights_give_the_same_outputs(cpu_path, layout, gen):
+    """Weights that hold only their prepared form (`prepare_for(keep_canonical=False)`) give the
+    bits of the same weights holding both forms: the Triton path reads the prepared form either
+    way, the torch path rebuilds the canonical bytes. Also batched_experts (GROUPED_MASKED)."""
+    M, k, E, n = 13, 2, 4, 64  # K and the inner width multiples of 64 (no prepared padding)
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    q13 = quantize_mxfp4(torch.randn(E, 2 * n, K, generator=gen) * 0.1).prepare_for()
+    q2 = quantize_mxfp4(torch.randn(E, K, n, generator=gen) * 0.1).prepare_for()
+    p13, p2 = q13.prepare_for(keep_canonical=False), q2.prepare_for(keep_canonical=False)
+    tw, ids = routed(M, k, E, gen)
+    ids[3, 0] = -1
+    x[11:] = float("nan")
+    valid = torch.tensor([11], dtype=torch.int32)
+    want = fused_experts(x, q13, q2, tw, ids, activation="silu", layout=layout, valid_tokens=valid)
+    got = fused_experts(x, p13, p2, tw, ids, activation="silu", layout=layout, valid_tokens=valid)
+    assert torch.equal(got[:11], want[:11])
+    ref = reference_moe(x[:11], dense_weights(q13), dense_weights(q2), tw[:11], ids[:11], activation="silu")
+    assert rel_err(got[:11], ref) <= TOL[torch.bfloat16]
+    xb = torch.randn(E, 8, K, generator=gen).to(torch.bfloat16)
+    counts = torch.tensor([8, 0, 3, 5], dtype=torch.int32)
+    want = batched_experts(xb, counts, q13, q2, activation="silu")
+    got = batched_experts(xb, counts, p13, p2, activation="silu")
+    for e, c in enumerate(counts.tolist()):
+        assert torch.equal(got[e, :c], want[e, :c])
+
+
+def test_mxfp4_layer_holds_its_experts_once(cpu_path, gen):
+    """An MXFP4 layer whose widths are multiples of 64 empties its canonical parameters after
+    `prepare()` (the prepared form alone holds the experts), and behaves as one that keeps them:
+    the same forward, the same `state_dict()` (the canonical bytes, rebuilt), loads, re-draws and
+    `.to()`; `keep_canonical=True` keeps them filled."""
+    E, n = 8, 64
+    once = FusedMoE(E, 2, K, n, weight_format="mxfp4", dtype=torch.bfloat16)
+    kept = FusedMoE(E, 2, K, n, weight_format="mxfp4", dtype=torch.bfloat16, keep_canonical=True)
+    for layer in (once, kept):
+        layer.randomize(seed=5)
+    assert all(getattr(once, p).numel() == 0 for p in once._MXFP4_PARAMS)
+    assert all(getattr(kept, p).numel() > 0 for p in kept._MXFP4_PARAMS)
+    assert all(not w.holds_canonical for w in once.expert_weights())
+    x = torch.randn(7, K, generator=gen).to(torch.bfloat16)
+    assert torch.equal(once(x), kept(x))
+    state, want = once.state_dict(), kept.state_dict()
+    assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
+    # A load into an emptied layer (new weights), then back; reset_parameters and load_experts too.
+    other = FusedMoE(E, 2, K, n, weight_format="mxfp4", dtype=torch.bfloat16)
+    other.randomize(seed=6)
+    once.load_state_dict(other.state_dict())
+    assert torch.equal(once(x), other(x)) and once.w13_blocks.numel() == 0
+    once.load_state_dict(want)
+    assert torch.equal(once(x), kept(x))
+    once.reset_parameters(seed=2)
+    kept.reset_parameters(seed=2)
+    assert torch.equal(once(x), kept(x)) and once.w2_scales.numel() == 0
+    w13 = quantize_mxfp4(torch.randn(E, 2 * n, K, generator=gen) * 0.1)
+    w2 = quantize_mxfp4(torch.randn(E, K, n, generator=gen) * 0.1)
+    once.load_experts(w13.prepare_for(keep_canonical=False), w2)  # a prepared-only checkpoint too
+    kept.load_experts(w13, w2)
+    assert torch.equal(once(x), kept(x))
+    moved = once.to("cpu", torch.float32)  # floats convert; the prepared integers travel as they are
+    assert moved.w13_blocks.numel() == 0 and not moved.expert_weights()[0].holds_canonical
+    kept.to(torch.float32)
+    xf = x.float()
+    assert torch.equal(moved(xf), kept(xf))
+    # Widths the prepared form pads keep the canonical parameters (and say so).
+    padded = FusedMoE(E, 2, K, 32, weight_format="mxfp4", dtype=torch.bfloat16)
+    assert padded.keep_canonical and padded.w2_blocks.numel() > 0
+    with pytest.raises(TypeError, match="keep_canonical must be a bool"):
+        FusedMoE(E, 2, K, n, weight_format="mxfp4", keep_canonical="no")
+
+
 @pytest.mark.parametrize("act, cfg", [
     ("situ", ApplyMoEActivationConfig(situ_beta=4.0, situ_linear_beta=25.0)),
     ("silu", ApplyMoEActivationConfig(clamp_limit=0.05)),

@@ -139,6 +139,39 @@ def test_layer_graph_with_valid_tokens(fmt):
                 assert rel_err(out[:n_valid], ref) <= BF16_TOL, n_valid
 
 
+def test_mxfp4_layer_holds_its_experts_once_on_gpu():
+    """An MXFP4 layer (widths multiples of 64) holds its experts in the prepared form alone: about
+    the canonical bytes less device memory than `keep_canonical=True`, and the same outputs bit for
+    bit on the decode path (1-4 tokens) and the layout path, eager and as a CUDA-graph replay."""
+    E, k, K, N = 16, 4, 512, 256
+    canonical_bytes = E * (2 * N * K + K * N) * (1 + 1 / 16) // 2  # e2m1 codes + E8M0 scales
+    torch.cuda.synchronize()
+    m0 = torch.cuda.memory_allocated()
+    once = FusedMoE(E, k, K, N, weight_format="mxfp4", device="cuda", dtype=torch.bfloat16)
+    once.randomize(seed=3, std=0.05)
+    m1 = torch.cuda.memory_allocated()
+    kept = FusedMoE(E, k, K, N, weight_format="mxfp4", device="cuda", dtype=torch.bfloat16, keep_canonical=True)
+    kept.randomize(seed=3, std=0.05)
+    m2 = torch.cuda.memory_allocated()
+    assert (m2 - m1) - (m1 - m0) >= 0.95 * canonical_bytes, (m1 - m0, m2 - m1, canonical_bytes)
+    assert once.w13_blocks.numel() == 0 and not once.expert_weights()[1].holds_canonical
+    g = torch.Generator(device="cuda").manual_seed(4)
+    with torch.no_grad():
+        for M in (1, 3, 200):
+            x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+            want = kept(x)
+            assert torch.equal(once(x), want), M
+            static = x.clone()
+            graph = torch.cuda.CUDAGraph()
+            once(static)
+            with torch.cuda.graph(graph):
+                out = once(static)
+            static.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want), M
+
+
 def test_batched_experts_on_gpu():
     L, T, K, N = 8, 256, 512, 256
     counts = torch.tensor([0, 1, 255, 256, 17, 64, 128, 3], device="cuda", dtype=torch.int32)

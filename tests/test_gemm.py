@@ -822,6 +822,9 @@ def test_mxfp4_hopper_config_errors(monkeypatch, gen):
     with pytest.raises(ValueError, match="config.BK"):
         be.gemm(a, q.prepare_for(), meta, stage="w13", bias=None, out=out,
                 config=dataclasses.replace(kg.INTERPRET_HOPPER_CONFIG, BK=32))
+    with pytest.raises(ValueError, match="config.mx_hopper=False .* does not hold"):  # the canonical bytes
+        be.gemm(a, q.prepare_for(keep_canonical=False), meta, stage="w13", bias=None, out=out,
+                config=kg.INTERPRET_CONFIG)
     # mx_hopper=False keeps the tl.dot_scaled / bit-assembly kernel on the canonical bytes.
     w64 = dequantize_mxfp4(q, torch.float64)
     out = be.gemm(a, q, meta, stage="w13", bias=None, out=torch.full_like(out, SENTINEL), config=kg.INTERPRET_CONFIG)

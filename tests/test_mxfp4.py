@@ -290,6 +290,45 @@ def test_prepare_for_caches_and_travels(gen):
         Mxfp4Tensor(q.blocks[:2], q.scales[:2], h)
 
 
+def test_prepared_only_tensor_holds_the_same_weights(gen):
+    """`prepare_for(keep_canonical=False)`: a new tensor without `blocks` / `scales` whose shape,
+    bytes of the format and values are the original's; slicing, `to` and `contiguous` keep it
+    prepared-only, and `canonical()` rebuilds the exact canonical bytes."""
+    q = quantize_mxfp4(torch.randn(4, 8, 128, generator=gen))
+    p = q.prepare_for(keep_canonical=False)
+    assert p is not q and p.blocks is None and p.scales is None and not p.holds_canonical
+    assert q.holds_canonical and q.hopper is p.hopper  # the original keeps both forms
+    assert (p.shape, p.device, p.num_experts, p.nbytes()) == (q.shape, q.device, q.num_experts, q.nbytes())
+    c = p.canonical()
+    assert c.holds_canonical and torch.equal(c.blocks, q.blocks) and torch.equal(c.scales, q.scales)
+    assert q.canonical() is q
+    assert torch.equal(p.dequantize(torch.float32), q.dequantize(torch.float32))
+    assert all(torch.equal(a, b) for a, b in zip(to_gpt_oss(p), to_gpt_oss(q)))
+    for view, want in ((p[1:3], q[1:3]), (p[2], q[2]), (p.to("cpu"), q), (p.contiguous(), q)):
+        assert view.blocks is None and view.shape == want.shape
+        assert torch.equal(view.canonical().blocks, want.blocks)
+    assert p.prepare_for() is p and p.prepare_for(keep_canonical=False) is p
+    assert torch.equal(prepare_hopper(p, planes=2).blocks, prepare_hopper(q, planes=2).blocks)
+    # Built straight from a tensor without its prepared form, too.
+    fresh = quantize_mxfp4(torch.randn(2, 4, 64, generator=gen))
+    assert torch.equal(fresh.prepare_for(keep_canonical=False).canonical().blocks, fresh.blocks)
+
+
+def test_prepared_only_tensor_refuses_what_it_cannot_be(gen):
+    q = quantize_mxfp4(torch.randn(2, 4, 96, generator=gen))  # K = 96: the prepared form pads it
+    with pytest.raises(ValueError, match="keep_canonical=False needs K a multiple of 64, got K=96"):
+        q.prepare_for(keep_canonical=False)
+    with pytest.raises(TypeError, match="^keep_canonical must be a bool"):
+        q.prepare_for(keep_canonical=0)
+    h = prepare_hopper(q)
+    with pytest.raises(ValueError, match="needs K a multiple of 64, got K=96"):
+        Mxfp4Tensor(None, None, h)
+    with pytest.raises(ValueError, match="^blocks and scales must both be"):
+        Mxfp4Tensor(None, q.scales, h)
+    with pytest.raises(TypeError, match="must hold its prepared form"):
+        Mxfp4Tensor(None, None)
+
+
 @pytest.mark.parametrize("major, warns", [(9, True), (8, False), (10, False)])
 def test_unprepared_weights_warn_only_where_the_prepared_kernel_is_tuned(monkeypatch, major, warns):
     """`warn_unprepared` (called by the layout GEMM for an `Mxfp4Tensor` without `prepare_for()`)

@@ -285,6 +285,10 @@ def _weight_parts(w) -> _WeightArgs:
         size = b.element_size()
         return _WeightArgs(b, s, (b.stride(0) * size, b.stride(1) * size), (s.stride(0), s.stride(2), s.stride(1)),
                            b.shape[-1] * size, kd.MX_PREPARED.value, h.folded)
+    if w.blocks is None:
+        raise ValueError(f"padded_moe.decode.MX_STEP={MX_STEP!r} reads the canonical MXFP4 bytes (or needs the "
+                         "4-plane prepared form), which this weight does not hold (prepare_for(keep_canonical="
+                         "False)); use MX_STEP='prepared'")
     b, s = w.blocks, w.scales
     route = kd.MX_BYTES.value
     # Words need each row to start on 4 bytes (true of any contiguous weight: in/2 is a multiple of

@@ -295,10 +295,13 @@ def _weight_key(w) -> object:
         return None
     if type(w) in _PLAIN:
         return w.device, w.dtype, w.shape, w.stride(), w.data_ptr()
-    if type(w) is Mxfp4Tensor and type(w.blocks) in _PLAIN and type(w.scales) in _PLAIN:
+    if type(w) is Mxfp4Tensor:
         h = w.hopper
         hk = None if h is None else (_weight_key(h.blocks), _weight_key(h.scales), h.k)
-        return _weight_key(w.blocks), _weight_key(w.scales), hk
+        if w.blocks is None:  # the prepared form only
+            return hk if hk[0] and hk[1] else False
+        if type(w.blocks) in _PLAIN and type(w.scales) in _PLAIN:
+            return _weight_key(w.blocks), _weight_key(w.scales), hk
     return False
 
 
@@ -322,18 +325,24 @@ def _experts_table(expert_map: Optional[ExpertMap], num_local: int,
 
 
 def _weight_parts(w) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """A weight as tensors a custom op can take: `(float weight, None, None, None)` or `(blocks,
-    scales, prepared blocks, prepared scales)` (the last two None for an unprepared Mxfp4Tensor)."""
+    """A weight as tensors a custom op can take: `(float weight, None, None, None)`, `(blocks,
+    scales, prepared blocks, prepared scales)` (the last two None for an unprepared Mxfp4Tensor),
+    or for an Mxfp4Tensor that holds only its prepared form `(prepared blocks, None, prepared
+    blocks, prepared scales)` (the first one stands for the weight's experts and rows)."""
     if not isinstance(w, Mxfp4Tensor):
         return w, None, None, None
     h = w.hopper
+    if w.blocks is None:
+        return h.blocks, None, h.blocks, h.scales
     return w.blocks, w.scales, None if h is None else h.blocks, None if h is None else h.scales
 
 
 def _weight_from_parts(t: torch.Tensor, scales: Optional[torch.Tensor], h_blocks: Optional[torch.Tensor] = None,
                        h_scales: Optional[torch.Tensor] = None):
     if scales is None:
-        return t
+        if h_blocks is None:
+            return t
+        return Mxfp4Tensor(None, None, HopperMxfp4.unpadded(h_blocks, h_scales))
     h = None if h_blocks is None else HopperMxfp4(h_blocks, h_scales, t.shape[-1] * 2)
     return Mxfp4Tensor(t, scales, h)
 

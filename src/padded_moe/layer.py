@@ -19,7 +19,7 @@ from padded_moe._validation import FLOAT_DTYPES, require_int, require_real, requ
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
 from padded_moe.expert_map import check_valid_tokens, drop_rows_past
 from padded_moe.experts import batched_experts, eager_cache_off, fused_experts
-from padded_moe.mxfp4 import GROUP, Mxfp4Tensor, quantize_mxfp4
+from padded_moe.mxfp4 import GROUP, HOPPER_KB, HopperMxfp4, Mxfp4Tensor, quantize_mxfp4, unprepare_hopper
 from padded_moe.presets import MoEPreset, get_preset
 
 RouterFn = Callable[[torch.Tensor, Optional[torch.Tensor]], "tuple[torch.Tensor, torch.Tensor]"]
@@ -45,8 +45,10 @@ class FusedMoE(nn.Module):
     `weight_format="mxfp4"` stores the expert weights as MXFP4 only (activations stay in `dtype`):
     the parameters `w13_blocks`, `w13_scales`, `w2_blocks`, `w2_scales` (uint8, `Mxfp4Tensor`'s
     canonical form) instead of float `w13` / `w2`, plus the GEMM's prepared arrangement built from
-    them (`prepare`); `expert_weights()` returns them as `Mxfp4Tensor`s. `load_experts` takes float
-    weights (quantized one expert at a time) or `Mxfp4Tensor`s (a checkpoint's bytes, as they are).
+    them (`prepare`), which then holds the experts alone: the canonical parameters are emptied
+    (`state_dict()` rebuilds them) unless `keep_canonical=True` or a width is not a multiple of 64.
+    `expert_weights()` returns them as `Mxfp4Tensor`s. `load_experts` takes float weights
+    (quantized one expert at a time) or `Mxfp4Tensor`s (a checkpoint's bytes, as they are).
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
@@ -54,7 +56,7 @@ class FusedMoE(nn.Module):
                  activation_config: Optional[ApplyMoEActivationConfig] = None,
                  router: Union[str, RouterFn] = "softmax_renorm", routed_scaling_factor: float = 1.0,
                  num_groups: int = 1, topk_groups: int = 1, weight_format: str = "bf16", has_bias: bool = False,
-                 expert_parallel=None,
+                 keep_canonical: bool = False, expert_parallel=None,
                  shared_experts: Optional[nn.Module] = None, layout: Optional[str] = None,
                  backend: str = "auto", dtype: torch.dtype = torch.bfloat16,
                  device: Union[str, torch.device, None] = None):
@@ -64,6 +66,8 @@ class FusedMoE(nn.Module):
         self.activation_config = activation_config or ApplyMoEActivationConfig()
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+        if not isinstance(keep_canonical, bool):
+            raise TypeError(f"keep_canonical must be a bool, got {type(keep_canonical).__name__}")
         if not callable(router) and router not in ROUTERS:
             raise ValueError(f"router must be a callable or one of {ROUTERS}, got {router!r}")
         routed_scaling_factor = require_real("routed_scaling_factor", routed_scaling_factor)
@@ -113,6 +117,10 @@ class FusedMoE(nn.Module):
         self.w13_bias = nn.Parameter(torch.zeros(self.num_local, w13_rows, **factory), requires_grad=False) if has_bias else None
         self.w2_bias = nn.Parameter(torch.zeros(self.num_local, hidden_size, **factory), requires_grad=False) if has_bias else None
         self._mxfp4: dict = {}
+        # MXFP4: whether the canonical parameters stay filled next to the prepared arrangement. Off,
+        # they are emptied by `prepare()` (the device holds the weights once) wherever the prepared
+        # form can stand alone (K of both weights a multiple of 64, `HOPPER_KB`).
+        self.keep_canonical = keep_canonical or any(shape[2] % HOPPER_KB for shape in (self._w13_shape, self._w2_shape))
         # Usable after construction, like nn.Linear; a meta-device layer is a shape only.
         if self.gate.weight.device.type != "meta":
             self.reset_parameters()
@@ -163,9 +171,11 @@ class FusedMoE(nn.Module):
             raise ValueError(f"w13/w2 must be {want13} / {want2}, got {tuple(w13.shape)} / {tuple(w2.shape)}")
         idx = torch.tensor(self.local_experts, dtype=torch.long)
         if self.weight_format == "mxfp4":
+            self._fill_canonical()
             for name, w in (("w13", w13), ("w2", w2)):
                 blocks, scales = getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales")
                 if isinstance(w, Mxfp4Tensor):
+                    w = w.canonical()
                     blocks.copy_(w.blocks[idx.to(w.device)].to(blocks.device))
                     scales.copy_(w.scales[idx.to(w.device)].to(scales.device))
                 else:
@@ -193,6 +203,7 @@ class FusedMoE(nn.Module):
         _init_uniform_(self.gate.weight, seed, stream=-1)
         if self.gate.bias is not None:
             self.gate.bias.zero_()
+        self._fill_canonical()
         for local, e in enumerate(self.local_experts):
             e = int(e)  # an ExpertMap lists its experts as a tensor
             for name, stream in (("w13", e), ("w2", e + self.num_experts)):
@@ -214,6 +225,7 @@ class FusedMoE(nn.Module):
         sized layers need no host copy; deterministic for a seed on a given device. Expert weights
         are drawn one expert at a time, so the float32 temporary is one expert's size."""
         mx = self.weight_format == "mxfp4"
+        self._fill_canonical()
         experts = ("w13", "w2") if mx else (self.w13, self.w2)
         params = (self.gate.weight, self.gate.bias) + experts + (self.w13_bias, self.w2_bias,
                                                                   self.e_score_correction_bias)
@@ -265,27 +277,72 @@ class FusedMoE(nn.Module):
     @torch.no_grad()
     def prepare(self) -> None:
         """Build what the GEMMs read from the layer's MXFP4 parameters now (`prepare_for`: the
-        prepared arrangement, a second copy of the same bytes). Runs by itself after
-        `load_experts`, `randomize`, `load_state_dict` and `.to()`, and at the first `expert_weights()`
-        after `reset_parameters`; call it after
-        changing the MXFP4 parameters in place, and before `torch.compile`. Nothing to do for bf16."""
+        prepared arrangement of the same bytes). Runs by itself after `load_experts`, `randomize`,
+        `load_state_dict` and `.to()`, and at the first `expert_weights()` after
+        `reset_parameters`; with `keep_canonical=True`, call it after changing the MXFP4 parameters
+        in place, and before `torch.compile`. Without `keep_canonical`, it then empties the
+        canonical parameters (size 0): the device holds the experts once, and `state_dict()`
+        rebuilds their canonical bytes from the prepared form. Nothing to do for bf16."""
+        if self.weight_format != "mxfp4" or self.w13_blocks.device.type == "meta":
+            return
+        if self._canonical_emptied():
+            return  # the prepared form is all there is, and it is current
         self._mxfp4.clear()
-        if self.weight_format == "mxfp4" and self.w13_blocks.device.type != "meta":
-            for name in ("w13", "w2"):
-                q = self._canonical(name).prepare_for()  # + the GEMM's arrangement (HopperMxfp4)
-                for t in (q.hopper.blocks, q.hopper.scales):
-                    # Like a parameter, a fixed address: CUDA graphs of a compiled forward read it
-                    # in place instead of copying it in before every replay.
-                    torch._dynamo.mark_static_address(t, guard=False)
-                self._mxfp4[name] = q
+        for name in ("w13", "w2"):
+            # + the GEMM's arrangement (HopperMxfp4); alone, without a reference to the parameters
+            q = self._canonical(name).prepare_for(keep_canonical=self.keep_canonical)
+            self._hold_prepared(name, q)
+        if not self.keep_canonical:
+            for name in self._MXFP4_PARAMS:
+                p = getattr(self, name)
+                p.data = p.data.new_empty(0)
+
+    _MXFP4_PARAMS = ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales")
+
+    def _hold_prepared(self, name: str, q: Mxfp4Tensor) -> None:
+        for t in (q.hopper.blocks, q.hopper.scales):
+            # Like a parameter, a fixed address: CUDA graphs of a compiled forward read it
+            # in place instead of copying it in before every replay.
+            torch._dynamo.mark_static_address(t, guard=False)
+        self._mxfp4[name] = q
+
+    def _canonical_emptied(self) -> bool:
+        """Whether `prepare()` emptied the canonical MXFP4 parameters (the prepared form holds the
+        experts alone)."""
+        return self.weight_format == "mxfp4" and self.w13_blocks.numel() == 0 and bool(self._mxfp4)
+
+    def _fill_canonical(self) -> None:
+        """Give emptied canonical parameters their full size again, before something writes them
+        (a load, an initialisation); the prepared form of the old weights is dropped."""
+        if not self._canonical_emptied():
+            return
+        self._mxfp4.clear()
+        for name, (L, rows, cols) in (("w13", self._w13_shape), ("w2", self._w2_shape)):
+            for part, width in (("blocks", cols // 2), ("scales", cols // GROUP)):
+                p = getattr(self, f"{name}_{part}")
+                p.data = p.data.new_empty((L, rows, width))
 
     def _apply(self, fn, recurse=True):
+        emptied = self._canonical_emptied()
         module = super()._apply(fn, recurse)
-        if self._mxfp4:
+        if emptied:  # `.to()` / `.cuda()`: the prepared form travels as the parameters would
+            for name, q in list(self._mxfp4.items()):
+                h = q.hopper
+                self._hold_prepared(name, Mxfp4Tensor(None, None, HopperMxfp4(fn(h.blocks), fn(h.scales), h.k)))
+        elif self._mxfp4:
             self.prepare()  # `.to()` / `.cuda()` moved the MXFP4 parameters: rebuild their arrangement
         return module
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._canonical_emptied():  # the canonical bytes, rebuilt from the prepared form
+            for name, q in self._mxfp4.items():
+                c = unprepare_hopper(q.hopper)
+                destination[f"{prefix}{name}_blocks"] = c.blocks
+                destination[f"{prefix}{name}_scales"] = c.scales
+
     def _load_from_state_dict(self, *args, **kwargs):
+        self._fill_canonical()  # full-size parameters to load into
         super()._load_from_state_dict(*args, **kwargs)
         self.prepare()  # the prepared arrangement of the old weights must not survive a load
 

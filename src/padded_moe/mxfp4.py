@@ -6,7 +6,9 @@ scale 255 = NaN. Activations stay bf16; the GEMM dequantizes in registers.
 
 `Mxfp4Tensor.prepare_for()` adds, once at load time, a second arrangement of the same bytes for
 the Triton GEMM (`HopperMxfp4`, see `prepare_hopper`); the canonical `blocks` / `scales` above stay
-the contract and are never changed by it.
+the contract and are never changed by it. `prepare_for(keep_canonical=False)` returns a tensor
+that holds the prepared arrangement only (half the memory); its canonical bytes are rebuilt from
+it (`canonical()`) where a path needs them.
 """
 
 from __future__ import annotations
@@ -51,14 +53,20 @@ def e2m1_lut(device=None, dtype=torch.float32) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Mxfp4Tensor:
-    """Weights `[L, rows, K]` stored as `blocks uint8 [L, rows, K/2]` + `scales uint8 [L, rows, K/32]`."""
+    """Weights `[L, rows, K]` stored as `blocks uint8 [L, rows, K/2]` + `scales uint8 [L, rows, K/32]`.
 
-    blocks: torch.Tensor
-    scales: torch.Tensor
+    `blocks` and `scales` are None in a tensor that holds only its prepared arrangement
+    (`prepare_for(keep_canonical=False)`); `canonical()` gives them back (rebuilt, a copy)."""
+
+    blocks: Optional[torch.Tensor]
+    scales: Optional[torch.Tensor]
     # The prepared GEMM layout (`prepare_for`), built once and carried along by `to` / slicing.
     hopper: Optional["HopperMxfp4"] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
+        if self.blocks is None or self.scales is None:
+            self._check_prepared_only()
+            return
         for name in ("blocks", "scales"):
             t = require_tensor(name, getattr(self, name))
             require_dtype(name, t, (torch.uint8,))
@@ -82,19 +90,47 @@ class Mxfp4Tensor:
                                  f"{b.shape[2] * 2}] on {b.device}, got blocks {tuple(h.blocks.shape)} with "
                                  f"K={h.k} on {h.blocks.device}")
 
+    def _check_prepared_only(self) -> None:
+        """A tensor without its canonical bytes: both None, and the prepared form holds every K
+        column (`k == k_padded`, so `k` follows from its shape wherever it is rebuilt)."""
+        if (self.blocks is None) != (self.scales is None):
+            raise ValueError("blocks and scales must both be tensors, or both None (a tensor that holds only its "
+                             "prepared form)")
+        h = self.hopper
+        if not isinstance(h, HopperMxfp4):
+            raise TypeError("an Mxfp4Tensor without blocks and scales must hold its prepared form: hopper must be "
+                            f"a HopperMxfp4, got {type(h).__name__}")
+        if h.k != h.k_padded:
+            raise ValueError(f"an Mxfp4Tensor without its canonical bytes needs K a multiple of {HOPPER_KB}, got "
+                             f"K={h.k}")
+
+    @property
+    def holds_canonical(self) -> bool:
+        """Whether the canonical `blocks` / `scales` are held (False after
+        `prepare_for(keep_canonical=False)`)."""
+        return self.blocks is not None
+
+    def canonical(self) -> "Mxfp4Tensor":
+        """The canonical form: this tensor when it holds `blocks` / `scales`, else a new one rebuilt
+        from the prepared arrangement (`unprepare_hopper`: a full-size copy, made on each call)."""
+        return self if self.blocks is not None else unprepare_hopper(self.hopper)
+
     @property
     def shape(self) -> torch.Size:
         """Logical (dequantized) shape `[L, rows, K]`."""
+        if self.blocks is None:
+            L, rows = self.hopper.blocks.shape[:2]
+            return torch.Size((L, rows, self.hopper.k))
         L, rows, half_k = self.blocks.shape
         return torch.Size((L, rows, half_k * 2))
 
     @property
     def device(self) -> torch.device:
-        return self.blocks.device
+        return (self.hopper if self.blocks is None else self).blocks.device
 
     @property
     def num_experts(self) -> int:
-        return self.blocks.shape[0]
+        return self.shape[0]
 
     def dim(self) -> int:
         return 3
@@ -103,13 +139,19 @@ class Mxfp4Tensor:
         return self.shape if i is None else self.shape[i]
 
     def nbytes(self) -> int:
-        return self.blocks.numel() + self.scales.numel()
+        """Bytes of the format (e2m1 codes + E8M0 scales), whichever arrangement holds them."""
+        L, rows, K = self.shape
+        return L * rows * (K // 2 + K // GROUP)
 
     def to(self, device) -> "Mxfp4Tensor":
         h = self.hopper
+        if self.blocks is None:
+            return Mxfp4Tensor(None, None, h.to(device))
         return Mxfp4Tensor(self.blocks.to(device), self.scales.to(device), None if h is None else h.to(device))
 
     def contiguous(self) -> "Mxfp4Tensor":
+        if self.blocks is None:
+            return self  # the prepared form is built contiguous
         return Mxfp4Tensor(self.blocks.contiguous(), self.scales.contiguous(), self.hopper)
 
     def __getitem__(self, idx) -> "Mxfp4Tensor":
@@ -117,25 +159,41 @@ class Mxfp4Tensor:
         if isinstance(idx, int):
             idx = slice(idx, idx + 1 if idx != -1 else None)
         h = self.hopper
+        if self.blocks is None:
+            return Mxfp4Tensor(None, None, h[idx])
         return Mxfp4Tensor(self.blocks[idx], self.scales[idx], None if h is None else h[idx])
 
-    def prepare_for(self, device=None, *, planes: int = 4) -> "Mxfp4Tensor":
+    def prepare_for(self, device=None, *, planes: int = 4, keep_canonical: bool = True) -> "Mxfp4Tensor":
         """Arrange the weights once for the Triton GEMM and return the tensor to use from then on.
 
         Builds `hopper` (`prepare_hopper`: values re-ordered within 64-element K blocks, scales
         transposed and, for scales up to `FOLD_MAX_SCALE`, stored as the bf16 factor the kernel
-        multiplies by; the same bytes again, so the device holds the weights twice) unless it is
-        already there. With `device` other than this tensor's, moves first and returns the moved
-        copy; otherwise prepares in place and returns `self`. Call it at load time, not per forward:
-        `fused_experts` / `expert_gemm` use the prepared form whenever it is present. `planes`:
-        the arrangement of the values (`prepare_hopper`).
+        multiplies by) unless it is already there. With `device` other than this tensor's, moves
+        first and returns the moved copy; otherwise prepares in place and returns `self`. Call it
+        at load time, not per forward: `fused_experts` / `expert_gemm` use the prepared form
+        whenever it is present. `planes`: the arrangement of the values (`prepare_hopper`).
+
+        `keep_canonical`: True (default) keeps `blocks` / `scales` next to the prepared form, so
+        the device holds the weights twice. False returns a new tensor that holds the prepared
+        form only (`blocks` / `scales` None; K must be a multiple of 64); drop your references to
+        the canonical one and its memory is freed. Every GPU path of `fused_experts` /
+        `expert_gemm` reads the prepared form; the ones that need the canonical bytes rebuild
+        them per call (`canonical()`: the torch backend, `dequantize`) or refuse with ValueError
+        (the `tl.dot_scaled` kernel, `mx_hopper=False`; the humming backend; the decode path's
+        `MX_STEP` "bytes" / "words").
         """
+        if not isinstance(keep_canonical, bool):
+            raise TypeError(f"keep_canonical must be a bool, got {type(keep_canonical).__name__}")
         q = self
         if device is not None and torch.device(device) != self.device:
             q = self.to(device)
         if q.hopper is None:
+            if not keep_canonical and q.shape[-1] % HOPPER_KB:
+                raise ValueError(f"keep_canonical=False needs K a multiple of {HOPPER_KB}, got K={q.shape[-1]}")
             object.__setattr__(q, "hopper", prepare_hopper(q, planes=planes))  # frozen: set once, before any use
-        return q
+        if keep_canonical or q.blocks is None:
+            return q
+        return Mxfp4Tensor(None, None, q.hopper)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return dequantize_mxfp4(self, dtype)
@@ -220,6 +278,7 @@ def dequantize_mxfp4(q: Mxfp4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
         raise TypeError(f"q must be an Mxfp4Tensor, got {type(q).__name__}")
     if dtype not in FLOAT_DTYPES + (torch.float64,):
         raise TypeError(f"dtype must be a float dtype, got {dtype}")
+    q = q.canonical()
     L, rows, K = q.shape
     lo = (q.blocks & 0x0F).long()
     hi = (q.blocks >> 4).long()
@@ -262,6 +321,12 @@ class HopperMxfp4:
     scales: torch.Tensor
     k: int  # logical K (before padding)
 
+    @classmethod
+    def unpadded(cls, blocks: torch.Tensor, scales: torch.Tensor) -> "HopperMxfp4":
+        """The prepared form of a weight whose K is a multiple of `HOPPER_KB` (no padding), from its
+        two tensors alone (how a custom op's arguments carry it)."""
+        return cls(blocks, scales, blocks.shape[-1] * (8 if blocks.dtype == torch.int32 else 2))
+
     @property
     def k_padded(self) -> int:
         return self.blocks.shape[-1] * (8 if self.planes == 4 else 2)
@@ -301,6 +366,7 @@ def prepare_hopper(q: Mxfp4Tensor, fold: Optional[bool] = None, planes: int = 4)
         raise TypeError(f"fold must be a bool or None, got {type(fold).__name__}")
     if planes not in (2, 4) or isinstance(planes, bool):
         raise ValueError(f"planes must be 2 or 4, got {planes!r}")
+    q = q.canonical()
     L, rows, K = q.shape
     kp = -(-K // HOPPER_KB) * HOPPER_KB
     half = HOPPER_KB // 2
@@ -404,6 +470,7 @@ def to_gpt_oss(q: Mxfp4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `from_gpt_oss`: `(blocks [E, N, K/32, 16], scales [E, N, K/32])`."""
     if not isinstance(q, Mxfp4Tensor):
         raise TypeError(f"q must be an Mxfp4Tensor, got {type(q).__name__}")
+    q = q.canonical()
     E, N, K = q.shape
     return q.blocks.reshape(E, N, K // GROUP, GROUP // 2).contiguous(), q.scales.contiguous()
 

@@ -46,7 +46,10 @@ def resolve_backend(name: str, device: torch.device, layout, weight) -> GemmBack
     if why is not None:
         raise NotImplementedError(f"backend {name!r} is not available on {device}: {why}")
     if not backend.supports(layout, weight):
-        kind = "Mxfp4Tensor" if not isinstance(weight, torch.Tensor) else str(weight.dtype).replace("torch.", "")
+        if isinstance(weight, torch.Tensor):
+            kind = str(weight.dtype).replace("torch.", "")
+        else:
+            kind = "Mxfp4Tensor" if weight.holds_canonical else "Mxfp4Tensor (prepared form only, no canonical bytes)"
         raise NotImplementedError(f"backend {name!r} does not support layout {layout.value} with {kind} weights")
     return backend
 

@@ -45,7 +45,9 @@ class HummingBackend(GemmBackend):
         return None
 
     def supports(self, layout: GemmLayout, weight: Weight) -> bool:
-        return layout in _LAYOUT_ARGS and isinstance(weight, Mxfp4Tensor)
+        # humming converts the canonical bytes into its own layout: not those of a weight that holds
+        # only our prepared form.
+        return layout in _LAYOUT_ARGS and isinstance(weight, Mxfp4Tensor) and weight.holds_canonical
 
     def _layer(self, w: Mxfp4Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
         key = (w.blocks.data_ptr(), w.scales.data_ptr(), tuple(w.shape),

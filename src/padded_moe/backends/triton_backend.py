@@ -58,8 +58,9 @@ class TritonBackend(GemmBackend):
         wh = None
         if isinstance(w, Mxfp4Tensor):
             # A prepared weight (Mxfp4Tensor.prepare_for) runs the Hopper-layout kernel unless
-            # `config` asks for the dot_scaled one (mx_hopper=False).
-            wt, ws, wh = w.blocks, w.scales, w.hopper
+            # `config` asks for the dot_scaled one (mx_hopper=False), which reads the canonical bytes.
+            wh = w.hopper
+            wt, ws = (w.blocks, w.scales) if w.blocks is not None else (None, wh.scales)
         else:
             wt, ws = w, None
         kg.launch(a2, wt, ws, out2, num_local=meta.num_local, bias=bias, config=config, w_hopper=wh,

@@ -1321,11 +1321,12 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
            w_hopper=None, epilogue=None) -> torch.Tensor:
     """Launch on flattened `a2 [rows, K]` / `out2 [rows_out, N]`. `w` is the float weight or the
     MXFP4 blocks (then `w_scales` is set, and `w_hopper` is the weight's prepared `HopperMxfp4`
-    form when it has one). `epilogue` (an `ActivationEpilogue`): GEMM1 with the activation applied
-    before the store, `out2 [rows_out, N]` with N the activation's width (half the weight's rows
-    when gated). All metadata stays on the device."""
+    form when it has one; `w` is None for a weight that holds only its prepared form, and then
+    `w_scales` is any tensor that marks it MXFP4). `epilogue` (an `ActivationEpilogue`): GEMM1 with
+    the activation applied before the store, `out2 [rows_out, N]` with N the activation's width
+    (half the weight's rows when gated). All metadata stays on the device."""
     mx = w_scales is not None
-    w_rows = w.shape[1]
+    w_rows = (w_hopper.blocks if w is None else w).shape[1]
     gated = epilogue is not None and epilogue.activation.is_gated
     N = w_rows // 2 if gated else w_rows
     K = a2.shape[1]
@@ -1335,6 +1336,9 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     if mx and w_hopper is None and config is None and a2.is_cuda:
         warn_unprepared(a2.device)
     hopper = mx and cfg.mx_hopper
+    if mx and not hopper and w is None:
+        raise ValueError("config.mx_hopper=False (the tl.dot_scaled kernel) reads the canonical MXFP4 bytes, which "
+                         "this weight does not hold (prepare_for(keep_canonical=False)); use its canonical() form")
     if hopper and w_hopper is None:
         raise ValueError("config.mx_hopper needs the weight's prepared form: call Mxfp4Tensor.prepare_for() "
                          "once after loading (or pass a config with mx_hopper=False)")

@@ -97,14 +97,22 @@ def test_largest_fitting_t_is_the_boundary():
     assert not planner.plan("kimi-k3-like", 4, t + 1, 24.0, mode="batched").fits
 
 
-def test_mxfp4_weights_are_a_quarter_plus_scales_twice():
-    """0.5 byte per element + 1 byte per 32 elements, held twice: the canonical MXFP4 tensor and
-    its prepared GEMM arrangement, whose scales are 2-byte bf16 factors (dsv4-flash's K and N are
-    whole 64-element blocks: no padding)."""
+def test_mxfp4_weights_are_a_quarter_plus_scales_once_or_twice():
+    """0.5 byte per element + 2 bytes per 32 elements (the prepared arrangement's scales are bf16
+    factors), held once as `FusedMoE` holds them (dsv4-flash's K and N are whole 64-element blocks:
+    no padding); with `keep_canonical`, plus the canonical 0.5 + 1 per 32. A preset whose width is
+    not whole blocks is counted with its canonical bytes either way, as FusedMoE keeps them."""
     bf = planner.plan("dsv4-flash", 2, 64, 139.0, weight_format="bf16").weights_bytes
-    fp4 = planner.plan("dsv4-flash", 2, 64, 139.0, weight_format="mxfp4").weights_bytes
+    once = planner.plan("dsv4-flash", 2, 64, 139.0, weight_format="mxfp4").weights_bytes
+    twice = planner.plan("dsv4-flash", 2, 64, 139.0, weight_format="mxfp4", keep_canonical=True).weights_bytes
     elements = bf // 2
-    assert fp4 == 2 * (elements // 2) + elements // 32 + 2 * (elements // 32)
+    assert once == elements // 2 + 2 * (elements // 32)
+    assert twice == once + elements // 2 + elements // 32
+    padded = {"num_experts": 8, "top_k": 2, "hidden_size": 96, "intermediate_size": 64}
+    assert planner.plan(padded, 1, 8, 1.0, weight_format="mxfp4").weights_bytes == \
+        planner.plan(padded, 1, 8, 1.0, weight_format="mxfp4", keep_canonical=True).weights_bytes
+    with pytest.raises(TypeError, match="keep_canonical must be a bool"):
+        planner.plan("dsv4-flash", 2, 64, 139.0, weight_format="mxfp4", keep_canonical=1)
 
 
 def _cli(argv):

@@ -210,11 +210,13 @@ def test_plan_memory_counts_what_the_rank_holds(name, one_rank_group):
     assert plan["workspace"] > 0 and plan["total"] == held + exchange + plan["workspace"]
 
 
-def test_plan_memory_counts_an_mxfp4_rank(one_rank_group):
-    """With weight_format="mxfp4" a rank holds its experts' MXFP4 bytes (the layer's parameters)
-    and their prepared arrangement, no float copy: `plan_memory` counts exactly that."""
+@pytest.mark.parametrize("inter", [32, 64])
+def test_plan_memory_counts_an_mxfp4_rank(one_rank_group, inter):
+    """With weight_format="mxfp4" a rank holds its experts' prepared arrangement, plus their
+    canonical MXFP4 bytes (the layer's parameters) where a width is not whole 64-element blocks
+    (inter=32), no float copy: `plan_memory` counts exactly that."""
 
-    model = build("qwen3_moe", dict(TINY, hidden=64, inter=32))
+    model = build("qwen3_moe", dict(TINY, hidden=64, inter=inter))
     plan = plug.plan_memory(model, 1, 12, weight_format="mxfp4")
     handle = plug.enable_expert_parallel(model, max_tokens_per_rank=12, weight_format="mxfp4")
     held = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
@@ -223,6 +225,7 @@ def test_plan_memory_counts_an_mxfp4_rank(one_rank_group):
         assert not any(p.is_floating_point() and p.dim() == 3 for p in adapter.moe.parameters())
         for q in adapter.moe.expert_weights():
             prepared += sum(t.numel() * t.element_size() for t in (q.hopper.blocks, q.hopper.scales))
+        assert (adapter.moe.w13_blocks.numel() == 0) == (inter == 64)  # held once where it can be
     assert plan["dense"] + plan["experts"] == held + prepared
 
 

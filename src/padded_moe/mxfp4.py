@@ -32,6 +32,14 @@ HOPPER_KB = 64  # K elements per block of the prepared Hopper layout (two nibble
 # rule: a 32-group whose largest |w| is 16 or more; real checkpoints stay far below) keep the byte
 # and cost the GEMM a second multiply.
 FOLD_MAX_SCALE = 128
+
+
+def prepared_stands_alone(k: int) -> bool:
+    """Whether the prepared form of a weight of inner width `k` can hold it without the canonical
+    bytes (`prepare_for(keep_canonical=False)`): K whole 64-element blocks, so no padding hides the
+    logical K."""
+    return k % HOPPER_KB == 0
+
 _BF16_EXP_BIAS = 127
 # The 4-plane arrangement: each 16-bit half of a 32-bit word holds four codes (planes 0-3); for
 # plane p, the bit of the half that holds the code's sign, then its three magnitude bits (e1, e0,
@@ -100,7 +108,7 @@ class Mxfp4Tensor:
         if not isinstance(h, HopperMxfp4):
             raise TypeError("an Mxfp4Tensor without blocks and scales must hold its prepared form: hopper must be "
                             f"a HopperMxfp4, got {type(h).__name__}")
-        if h.k != h.k_padded:
+        if h.k != h.k_padded or not prepared_stands_alone(h.k):
             raise ValueError(f"an Mxfp4Tensor without its canonical bytes needs K a multiple of {HOPPER_KB}, got "
                              f"K={h.k}")
 
@@ -188,7 +196,7 @@ class Mxfp4Tensor:
         if device is not None and torch.device(device) != self.device:
             q = self.to(device)
         if q.hopper is None:
-            if not keep_canonical and q.shape[-1] % HOPPER_KB:
+            if not keep_canonical and not prepared_stands_alone(q.shape[-1]):
                 raise ValueError(f"keep_canonical=False needs K a multiple of {HOPPER_KB}, got K={q.shape[-1]}")
             object.__setattr__(q, "hopper", prepare_hopper(q, planes=planes))  # frozen: set once, before any use
         if keep_canonical or q.blocks is None:

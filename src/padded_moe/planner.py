@@ -23,7 +23,7 @@ import torch
 from padded_moe._util import itemsize
 from padded_moe.ep.transport import storage_plan, transport_names
 from padded_moe.ep.wire import EPGeometry, WireFormat, ep_buffer_specs
-from padded_moe.mxfp4 import HOPPER_KB
+from padded_moe.mxfp4 import HOPPER_KB, prepared_stands_alone
 from padded_moe.presets import PRESETS, MoEPreset, get_preset
 
 GIB = 1 << 30
@@ -95,15 +95,19 @@ def _resolve_shapes(preset_or_shapes) -> MoEPreset:
                     f"got {type(preset_or_shapes).__name__}")
 
 
-def _weights(p: MoEPreset, L: int, weight_format: str, dtype: torch.dtype) -> list:
+def _weights(p: MoEPreset, L: int, weight_format: str, dtype: torch.dtype, keep_canonical: bool = False) -> list:
     G, K, N = p.w13_rows, p.hidden_size, p.intermediate_size
-    if weight_format == "mxfp4":  # 2 elements per byte + one E8M0 scale per 32 elements
-        out = [Buffer("w13 blocks (MXFP4)", (L, G, K // 2), torch.uint8, "weights"),
-               Buffer("w13 scales (E8M0)", (L, G, K // 32), torch.uint8, "weights"),
-               Buffer("w2 blocks (MXFP4)", (L, K, N // 2), torch.uint8, "weights"),
-               Buffer("w2 scales (E8M0)", (L, K, N // 32), torch.uint8, "weights")]
-        # The GEMM's prepared arrangement (`Mxfp4Tensor.prepare_for`, done at load on CUDA) is a
-        # second copy of the same bytes, K padded to whole blocks.
+    if weight_format == "mxfp4":
+        out = []
+        # The canonical bytes (2 elements per byte + one E8M0 scale per 32 elements) stay next to
+        # the prepared form only as `FusedMoE` keeps them: asked to, or where a width is padded.
+        if keep_canonical or not (prepared_stands_alone(K) and prepared_stands_alone(N)):
+            out += [Buffer("w13 blocks (MXFP4)", (L, G, K // 2), torch.uint8, "weights"),
+                    Buffer("w13 scales (E8M0)", (L, G, K // 32), torch.uint8, "weights"),
+                    Buffer("w2 blocks (MXFP4)", (L, K, N // 2), torch.uint8, "weights"),
+                    Buffer("w2 scales (E8M0)", (L, K, N // 32), torch.uint8, "weights")]
+        # The GEMM's prepared arrangement (`Mxfp4Tensor.prepare_for`, done at load), K padded to
+        # whole blocks.
         for name, rows, cols in (("w13", G, K), ("w2", K, N)):
             kp = -(-cols // HOPPER_KB) * HOPPER_KB
             # Its scales are bf16 factors (2 bytes) when every scale is at most FOLD_MAX_SCALE, as
@@ -163,9 +167,9 @@ def _combine_buffers(R: int, T: int, K: int, mode: str, dtype) -> list:
     return [Buffer("combine output", (T, K), dtype, "combine")]
 
 
-def _buffers(p, R, T, mode, dtype, fp8, weight_format, transport) -> tuple[list, int]:
+def _buffers(p, R, T, mode, dtype, fp8, weight_format, transport, keep_canonical) -> tuple[list, int]:
     L = math.ceil(p.num_experts / R)  # the busiest rank (linear placement puts the remainder first)
-    bufs = _weights(p, L, weight_format, dtype)
+    bufs = _weights(p, L, weight_format, dtype, keep_canonical)
     bufs += _ep_buffers(R, T, p.num_experts, p.hidden_size, p.top_k, L, mode, dtype, fp8, transport)
     bufs += _expert_buffers(p, R, T, L, mode, dtype)
     bufs += _combine_buffers(R, T, p.hidden_size, mode, dtype)
@@ -174,11 +178,13 @@ def _buffers(p, R, T, mode, dtype, fp8, weight_format, transport) -> tuple[list,
 
 def plan(preset_or_shapes: Union[str, MoEPreset, dict], ranks: int, max_tokens: int, gpu_mem_gb: float, *,
          mode: str = "flat", dtype: torch.dtype = torch.bfloat16, dispatch_dtype: Optional[torch.dtype] = None,
-         weight_format: Optional[str] = None, transport: Optional[str] = None) -> Plan:
+         weight_format: Optional[str] = None, transport: Optional[str] = None,
+         keep_canonical: bool = False) -> Plan:
     """Every buffer of one rank for `max_tokens` (T) tokens per rank on `ranks` (R) EP ranks, as
     `transport` allocates them (None: "nccl", the collectives. The planner sees no process group, so
     it never guesses; `ExpertParallel` picks "symm_mem" by itself on one CUDA node: plan that with
-    transport="symm_mem")."""
+    transport="symm_mem"). MXFP4 weights are counted as `FusedMoE(..., keep_canonical=...)` holds
+    them: the prepared form, plus the canonical bytes when kept."""
     p = _resolve_shapes(preset_or_shapes)
     for name, v, lo in (("ranks", ranks, 1), ("max_tokens", max_tokens, 1)):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -197,13 +203,15 @@ def plan(preset_or_shapes: Union[str, MoEPreset, dict], ranks: int, max_tokens: 
     if transport not in transport_names():
         raise ValueError(f"transport must be one of {transport_names()}, got {transport!r}")
     fmt = weight_format or p.weight_format
+    if not isinstance(keep_canonical, bool):
+        raise TypeError(f"keep_canonical must be a bool, got {type(keep_canonical).__name__}")
     fp8 = dispatch_dtype == torch.float8_e4m3fn
     mem = int(gpu_mem_gb * GIB)
 
     def total(T):
-        return sum(b.nbytes for b in _buffers(p, ranks, T, mode, dtype, fp8, fmt, transport)[0])
+        return sum(b.nbytes for b in _buffers(p, ranks, T, mode, dtype, fp8, fmt, transport, keep_canonical)[0])
 
-    bufs, L = _buffers(p, ranks, max_tokens, mode, dtype, fp8, fmt, transport)
+    bufs, L = _buffers(p, ranks, max_tokens, mode, dtype, fp8, fmt, transport, keep_canonical)
     return Plan(p.name, ranks, max_tokens, mode, dtype, torch.float8_e4m3fn if fp8 else dtype, fmt, L,
                 tuple(bufs), mem, _largest_fitting(total, mem), transport)
 
@@ -231,6 +239,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mode", choices=("flat", "batched"), default="flat")
     parser.add_argument("--weight-format", choices=("bf16", "mxfp4"), default=None,
                         help="default: the preset's")
+    parser.add_argument("--keep-canonical", action="store_true",
+                        help="MXFP4: count the canonical bytes next to the prepared form (FusedMoE(keep_canonical=True))")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype")
     parser.add_argument("--dispatch-dtype", choices=("same", "fp8"), default="same",
                         help="wire format of dispatched rows")
@@ -278,7 +288,8 @@ def run_cli(args) -> int:
     try:
         pl = plan(args.preset, args.ranks, args.max_tokens, args.gpu_mem, mode=args.mode, dtype=dtype,
                   dispatch_dtype=torch.float8_e4m3fn if args.dispatch_dtype == "fp8" else None,
-                  weight_format=args.weight_format, transport=getattr(args, "transport", None))
+                  weight_format=args.weight_format, transport=getattr(args, "transport", None),
+                  keep_canonical=getattr(args, "keep_canonical", False))
     except (TypeError, ValueError) as exc:
         print(f"padded-moe plan: {exc}")
         return 2

@@ -343,7 +343,8 @@ def plan_memory(model: nn.Module, ranks: int, max_tokens_per_rank: int, *, mode:
 
     Returns a dict: `dense` (every parameter and buffer outside the experts modules: each rank
     keeps them all), `experts` (the local experts of every MoE layer as `FusedMoE` holds them —
-    with weight_format="mxfp4" their MXFP4 bytes and the GEMM's prepared arrangement of them — plus each
+    with weight_format="mxfp4" the GEMM's prepared arrangement of their MXFP4 bytes, and the canonical
+    bytes too where `FusedMoE` keeps them (a width not whole 64-element blocks) — plus each
     layer's router-sized gate matrix, which `FusedMoE` allocates and this path leaves unused),
     `exchange` (the `ExpertParallel` buffers, once per distinct layer shape, as the layers share
     them), `workspace` (the largest one layer's expert and combine buffers, which exist one layer

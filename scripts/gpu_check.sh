@@ -327,6 +327,13 @@ for stage in "$@"; do
             STEP_TIMEOUT=170 step test-decode python3 -m pytest -q -n 2 -m gpu tests/test_decode_gpu.py -k mxfp4
             STEP_TIMEOUT=150 step test-compile python3 -m pytest -q -n 2 -m gpu tests/test_compile_gpu.py
             STEP_TIMEOUT=100 step test-docs python3 -m pytest -q tests/test_docs_examples.py ;;
+        router)  # the one-kernel top-k (routing.fused_topk; the HF plug-in's Mixtral / Qwen3-MoE / OLMoE / GPT-OSS
+            # routers): its GPU tests, the suites that route through it, HF parity, HF graph decode steps
+            STEP_TIMEOUT=90 step test-routing python3 -m pytest -q -m gpu tests/test_routing_gpu.py
+            STEP_TIMEOUT=150 step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py
+            STEP_TIMEOUT=150 step test-compile python3 -m pytest -q -n 2 -m gpu tests/test_compile_gpu.py
+            STEP_TIMEOUT=240 step bench-hf-graph python3 benchmarks/bench_hf.py --models qwen3_moe,gpt_oss,mixtral \
+                --columns graph_b1,graph_b32,decode_b1 --out "$OUT/bench-hf" ;;
         pipeline-suites)  # the kernels every fused_experts call runs outside the GEMMs (activation, layouts'
             # unpermute) through the suites that call fused_experts (decode, plans, eager, compile, HF parity)
             STEP_TIMEOUT=90 step test-activation python3 -m pytest -q -m gpu tests/test_activation_gpu.py

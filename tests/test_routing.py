@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from helpers import devices
 
-from padded_moe.routing import SCORING_FUNCS, _hash_route, biased_grouped_topk, hash_topk, softmax_topk
+from padded_moe.routing import SCORING_FUNCS, _hash_route, biased_grouped_topk, fused_topk, hash_topk, softmax_topk
 
 ATOL = 1e-6
 
@@ -279,9 +279,12 @@ def test_low_precision_logits_route_in_float32(gen, dtype):
     # A float32 softmax is a few float32 ulps (6e-8 just below 1) off the float64 one: 4 ulps at
     # 0.993 were seen (PADDED_MOE_SEED=248, float16), past a 2e-7 bound. A softmax computed in
     # the logits' 16-bit dtype is off by ~1e-3, so ATOL (1e-6) still tells the two apart.
-    assert_same_routing(
-        softmax_topk(logits, 4, renormalize=False), (ref_soft.values, ref_soft.indices), atol=ATOL
-    )
+    # 16-bit logits tie often; a tie at the cut may keep either expert, so the kept scores are
+    # what must agree (the one-kernel top-k breaks ties to the lower id, torch.topk unspecified).
+    w, ids = softmax_topk(logits, 4, renormalize=False)
+    picked = torch.softmax(up, -1).gather(1, ids.long())
+    assert torch.equal(picked.sort(-1, descending=True).values, ref_soft.values), "different scores kept"
+    assert (w.double() - picked).abs().max().item() <= ATOL
     assert_same_routing(
         biased_grouped_topk(logits, bias, 4, scoring="sqrtsoftplus"),
         _ref_biased(up, bias, 4, "sqrtsoftplus", 1.0, True),
@@ -468,3 +471,60 @@ def test_softmax_reference_formula(gen):
     top = p.topk(3, -1)
     ref_w = top.values / top.values.sum(-1, keepdim=True)
     assert_same_routing(softmax_topk(logits, 3, True), (ref_w, top.indices))
+
+
+# --------------------------------------------------------------------------------------------
+# the one-kernel top-k (`fused_topk`): the kernel (interpreted) and the torch formula
+
+
+@pytest.mark.parametrize("topk_before_softmax, renormalize", [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("num_experts, k", [(8, 2), (128, 8), (200, 6), (1024, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_fused_topk_matches_the_float64_formula(cpu_path, gen, dtype, num_experts, k, topk_before_softmax,
+                                                renormalize):
+    """Both paths of `fused_topk` against the float64 formula: the same experts (a tie between
+    equal logits may pick either; the picked values then agree), weights within float32 rounding,
+    largest first; and with the output dtypes asked for."""
+    logits = torch.randn(23, num_experts, generator=gen).to(dtype)
+    logits[3] = 0  # every expert tied
+    logits[5, :k] = logits[5, k:2 * k]  # ties across the cut
+    for w_dtype, i_dtype in ((torch.float32, torch.int32), (torch.bfloat16, torch.int64)):
+        w, ids = fused_topk(logits, k, renormalize=renormalize, topk_before_softmax=topk_before_softmax,
+                            weights_dtype=w_dtype, ids_dtype=i_dtype)
+        assert (w.dtype, ids.dtype, tuple(w.shape), tuple(ids.shape)) == (w_dtype, i_dtype, (23, k), (23, k))
+        x = logits.double()
+        score = x if topk_before_softmax else x.softmax(-1)
+        top = score.topk(k, dim=-1).values
+        picked = score.gather(1, ids.long())
+        assert torch.equal(picked.sort(-1, descending=True).values, top), "different experts"
+        assert torch.all(picked[:, :-1] >= picked[:, 1:]), "not largest first"
+        ref = top.softmax(-1) if topk_before_softmax else (top / top.sum(-1, keepdim=True) if renormalize else top)
+        tol = 1e-6 if w_dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(w.double(), ref, rtol=tol, atol=tol)
+
+
+def test_fused_topk_kernel_breaks_ties_to_the_lower_id_and_drops_nan_rows(monkeypatch):
+    """The kernel's own choices where torch's are unspecified: equal scores go to the lower
+    expert id; a row of NaN logits routes every slot to id E, which the expert guard drops
+    (never an id that reads out of bounds)."""
+    from padded_moe._platform import kernels_interpreted
+
+    if not kernels_interpreted():
+        pytest.skip("the interpreted kernel only")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    logits = torch.zeros(2, 16)
+    logits[0, [3, 9, 12]] = 1.0
+    logits[1] = float("nan")
+    _, ids = fused_topk(logits, 4)
+    assert ids[0].tolist() == [3, 9, 12, 0]
+    assert ids[1].tolist() == [16] * 4
+
+
+def test_fused_topk_argument_errors():
+    logits = torch.randn(3, 8)
+    with pytest.raises(TypeError, match="weights_dtype must be"):
+        fused_topk(logits, 2, weights_dtype=torch.float64)
+    with pytest.raises(TypeError, match="ids_dtype must be"):
+        fused_topk(logits, 2, ids_dtype=torch.int16)
+    with pytest.raises(ValueError, match="k must be"):
+        fused_topk(logits, 9)

@@ -52,3 +52,27 @@ def test_device_mismatch():
         biased_grouped_topk(logits, torch.randn(8), 2)
     with pytest.raises(ValueError, match="token_ids must be on logits's device"):
         hash_topk(torch.zeros(4, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.int64, device="cuda"), logits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_experts, k", [(8, 2), (128, 8), (256, 6), (1024, 4)])
+@pytest.mark.parametrize("mode", ["softmax", "softmax_renorm", "topk_first"])
+def test_fused_topk_kernel_on_cuda(gen, num_experts, k, mode):
+    """The compiled one-kernel top-k (libdevice exp) against the float64 formula on 2048 bf16 rows:
+    the same scores kept (ties may keep either expert), largest first, weights within float32
+    rounding (bf16 output within its rounding)."""
+    from padded_moe.routing import fused_topk
+
+    logits = (torch.randn(2048, num_experts, generator=gen) * 2).to(torch.bfloat16).cuda()
+    tbs, renorm = mode == "topk_first", mode == "softmax_renorm"
+    for w_dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
+        w, ids = fused_topk(logits, k, renormalize=renorm, topk_before_softmax=tbs, weights_dtype=w_dtype,
+                            ids_dtype=torch.int64)
+        x = logits.double()
+        score = x if tbs else x.softmax(-1)
+        top = score.topk(k, dim=-1).values
+        picked = score.gather(1, ids)
+        assert torch.equal(picked.sort(-1, descending=True).values, top)
+        assert torch.all(picked[:, :-1] >= picked[:, 1:])
+        ref = top.softmax(-1) if tbs else (top / top.sum(-1, keepdim=True) if renorm else top)
+        torch.testing.assert_close(w.double(), ref, rtol=tol, atol=tol)

@@ -301,6 +301,41 @@ def test_step3p7_dispatch_leaves_other_implementations_alone():
     assert rel_err(ours, eager) < 1e-5
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe", "gpt_oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_router_runs_hf_formula_in_one_kernel(name, dtype, cpu_path, monkeypatch):
+    """register() makes the top-k routers of `plug._ROUTERS` run `fused_topk` under "padded_moe"
+    (one kernel launch: the interpreted path shows it): the same logits (HF's own projection), the
+    same experts and scores as HF's formula within float32 rounding, HF's output dtypes (int64
+    indices; scores in the logits' dtype, float32 for Mixtral); HF's own forward otherwise."""
+    from padded_moe.kernels import _launch
+
+    model = build(name, dtype=dtype)
+    block = next(m for m in model.modules() if type(m).__name__.endswith("TopKRouter"))
+    assert type(block).__dict__.get("_padded_moe_dispatch"), type(block).__name__
+    launched, real = [], _launch.launch
+
+    def spy(fn, *args, **kwargs):
+        launched.append(fn.__name__ if hasattr(fn, "__name__") else fn.fn.__name__)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(_launch, "launch", spy)
+    x = torch.randn(9, TINY["hidden"], generator=torch.Generator().manual_seed(SEEDS[name])).to(dtype)
+    with torch.no_grad():
+        hf_logits, hf_scores, hf_ids = block(x)  # the model was built with "eager" experts: HF's forward
+        assert launched == []
+        model.set_experts_implementation(plug.IMPLEMENTATION)
+        logits, scores, ids = block(x)
+    assert len(launched) == (1 if cpu_path == "triton_interpret" else 0), launched
+    assert torch.equal(logits, hf_logits)
+    assert (scores.dtype, ids.dtype, scores.shape, ids.shape) == (hf_scores.dtype, hf_ids.dtype, hf_scores.shape,
+                                                                  hf_ids.shape)
+    assert torch.equal(ids.sort(-1).values, hf_ids.sort(-1).values)
+    order = lambda s, i: s.float().gather(1, i.argsort(-1))  # noqa: E731 - scores by expert id
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(order(scores, ids), order(hf_scores, hf_ids), rtol=tol, atol=tol)
+
+
 # ---------------------------------------------------------------------------------------------
 # whole-model parity
 # ---------------------------------------------------------------------------------------------

@@ -15,8 +15,10 @@ router logits the model's gate projection produced (`F.linear(hidden, gate.weigh
 All math runs in float32 whatever the logits dtype (transformers does the same for Mixtral,
 Qwen3, OLMoE and DeepSeek-V3; GPT-OSS and DeepSeek-V4 compute in the model dtype, so with bf16
 logits our weights are the more precise ones and near-ties may pick a different expert).
-Everything is pure torch with fixed output shapes and no host synchronisation, so the same code
-runs on CPU and CUDA and captures in a CUDA graph. The order of the k slots within a token is
+Everything has fixed output shapes and no host synchronisation, so the same code runs on CPU and
+CUDA and captures in a CUDA graph. The softmax routers run as one Triton kernel on CUDA
+(`fused_topk`; inside `torch.compile` as the op `padded_moe::fused_topk`, so compiled and eager
+calls give the same bits), and as the torch formula on CPU. The order of the k slots within a token is
 descending by the selection score (table order for `hash_topk`); consumers must not rely on it
 (transformers uses `sorted=False` for DeepSeek).
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from padded_moe._ops import custom_op, register_fake
 from padded_moe._validation import (
     INDEX_DTYPES,
     require_dtype,
@@ -34,7 +37,7 @@ from padded_moe._validation import (
     require_tensor,
 )
 
-__all__ = ["SCORING_FUNCS", "softmax_topk", "biased_grouped_topk", "hash_topk"]
+__all__ = ["SCORING_FUNCS", "softmax_topk", "fused_topk", "biased_grouped_topk", "hash_topk"]
 
 # Logits may come straight from the gate projection in any float dtype; float64 is accepted so
 # float64 references can drive the routers too.
@@ -45,6 +48,10 @@ SCORING_FUNCS = ("sigmoid", "sqrtsoftplus", "softmax")
 
 # DeepSeek's renormalisation denominator guard (`sum + 1e-20` in transformers V3 and V4).
 _DEEPSEEK_NORM_EPS = 1e-20
+
+# The one-kernel top-k (`padded_moe.kernels.topk`) holds a row of logits in registers: rows of up
+# to this many experts.
+FUSED_TOPK_MAX_EXPERTS = 1024
 
 
 # --------------------------------------------------------------------------------------------
@@ -154,20 +161,87 @@ def softmax_topk(
     Returns:
         `(topk_weights float32 [M, k], topk_ids int32 [M, k])`.
     """
+    return fused_topk(logits, k, renormalize=renormalize, topk_before_softmax=topk_before_softmax)
+
+
+def fused_topk(
+    logits: torch.Tensor, k: int, *, renormalize: bool = False, topk_before_softmax: bool = False,
+    weights_dtype: torch.dtype = torch.float32, ids_dtype: torch.dtype = torch.int32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`softmax_topk`'s routing with the output dtypes chosen: `(weights [M, k] weights_dtype, ids
+    [M, k] ids_dtype)`, largest first.
+
+    On CUDA (and the interpreter) one Triton kernel computes it (`padded_moe.kernels.topk`: the
+    float32 softmax with an accurate exponential, the k largest with ties to the lower id, the
+    renormalisation, the casts), for E up to `FUSED_TOPK_MAX_EXPERTS`; elsewhere, inside
+    for wider rows, the torch formula; `torch.compile` sees one op (`padded_moe::fused_topk`)
+    that runs the same. The two agree up to float32 rounding of the softmax (a near-tie within
+    that rounding may pick either expert). transformers' HF routers through the plug-in use it
+    with their own output dtypes.
+    """
     logits = _check_logits(logits)
     k = _check_int("k", k, 1, logits.shape[1], "experts per token, at most E = logits.shape[1]")
     renormalize = _check_bool("renormalize", renormalize)
     topk_before_softmax = _check_bool("topk_before_softmax", topk_before_softmax)
+    if weights_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"weights_dtype must be float32, float16 or bfloat16, got {weights_dtype}")
+    if ids_dtype not in INDEX_DTYPES:
+        raise TypeError(f"ids_dtype must be torch.int32 or torch.int64, got {ids_dtype}")
+    if torch.compiler.is_compiling():
+        return torch.ops.padded_moe.fused_topk(logits, k, renormalize, topk_before_softmax, weights_dtype, ids_dtype)
+    return _fused_topk_op(logits, k, renormalize, topk_before_softmax, weights_dtype, ids_dtype)
 
+
+@custom_op("padded_moe::fused_topk", mutates_args=())
+def _fused_topk_op(logits: torch.Tensor, k: int, renormalize: bool, topk_before_softmax: bool,
+                   weights_dtype: torch.dtype, ids_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    if _fused_topk_serves(logits):
+        return _fused_topk_kernel(logits, k, renormalize, topk_before_softmax, weights_dtype, ids_dtype)
     logits32 = logits.to(torch.float32)
     if topk_before_softmax:
         top_logits, ids = torch.topk(logits32, k, dim=-1)
-        return _finish(top_logits.softmax(dim=-1), ids)
+        weights = top_logits.softmax(dim=-1)
+    else:
+        weights, ids = torch.topk(logits32.softmax(dim=-1), k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(weights_dtype).contiguous(), ids.to(ids_dtype).contiguous()
 
-    weights, ids = torch.topk(logits32.softmax(dim=-1), k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return _finish(weights, ids)
+
+@register_fake("padded_moe::fused_topk")
+def _fused_topk_fake(logits, k, renormalize, topk_before_softmax, weights_dtype, ids_dtype):
+    return (logits.new_empty((logits.shape[0], k), dtype=weights_dtype),
+            logits.new_empty((logits.shape[0], k), dtype=ids_dtype))
+
+
+def _fused_topk_serves(logits: torch.Tensor) -> bool:
+    from padded_moe import _platform
+
+    return (logits.dtype != torch.float64 and logits.shape[1] <= FUSED_TOPK_MAX_EXPERTS
+            and _platform.use_triton(logits.device))
+
+
+def _fused_topk_kernel(logits, k, renormalize, topk_before_softmax, weights_dtype, ids_dtype):
+    import triton
+
+    from padded_moe.kernels._launch import launch, ptr_key
+    from padded_moe.kernels.topk import _topk_router_kernel
+
+    if logits.shape[1] > 1 and logits.stride(1) != 1:
+        logits = logits.contiguous()
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty(num_tokens, k, dtype=weights_dtype, device=logits.device)
+    ids = torch.empty(num_tokens, k, dtype=ids_dtype, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    block_e = triton.next_power_of_2(num_experts)
+    args = (logits, logits.stride(0), weights, weights.stride(0), ids, ids.stride(0), num_experts)
+    constexprs = dict(K=k, K_POW2=triton.next_power_of_2(k), BLOCK_E=block_e,
+                      SOFTMAX_FIRST=not topk_before_softmax, RENORM=renormalize and not topk_before_softmax,
+                      LIBDEVICE=logits.is_cuda)
+    key = (logits.stride(0), weights.stride(0), ids.stride(0), num_experts) + ptr_key(logits, weights, ids)
+    launch(_topk_router_kernel, (num_tokens,), key, args, constexprs, num_warps=1 if block_e <= 256 else 4)
+    return weights, ids
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,8 +3,11 @@
 `register()` adds ``"padded_moe"`` to transformers' `ExpertsInterface`, so
 ``AutoModelForCausalLM.from_config(cfg, experts_implementation="padded_moe")`` or
 ``model.set_experts_implementation("padded_moe")`` routes every experts module through
-`padded_moe_experts_forward`. Routing stays HF's: we receive the module, its flat hidden states,
-`top_k_index` and `top_k_weights`, and replace only the expert computation.
+`padded_moe_experts_forward`: we receive the module, its flat hidden states, `top_k_index` and
+`top_k_weights`, and replace the expert computation. The routing formula stays HF's; for the
+top-k routers whose formula `padded_moe.routing.fused_topk` computes (`_ROUTERS`: Mixtral,
+Qwen3-MoE, OLMoE, GPT-OSS) the plug-in also runs it as one kernel instead of torch's several,
+with HF's output dtypes, when the model's experts implementation is "padded_moe".
 
 Each call is served one of two ways (see `experts_plan` and docs/transformers.md):
 
@@ -307,12 +310,49 @@ _UNDECORATED = (
 )
 
 
-def _install_dispatch(cls: type) -> None:
-    """Make an undecorated experts class run `padded_moe_experts_forward` when its config asks for
-    "padded_moe", and its original forward otherwise (so the class behaves as before for every
-    other implementation name, including HF's default)."""
+# HF top-k routers whose formula `routing.fused_topk` computes, with how: (module, class, routing
+# arguments). Each returns `(router_logits, router_scores, router_indices)` like the original:
+# scores in the logits' dtype (float32 for Mixtral, as HF leaves them), indices int64.
+_ROUTERS = (
+    ("transformers.models.mixtral.modeling_mixtral", "MixtralTopKRouter", "mixtral"),
+    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeTopKRouter", "softmax_norm_flag"),
+    ("transformers.models.olmoe.modeling_olmoe", "OlmoeTopKRouter", "softmax_norm_flag"),
+    ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssTopKRouter", "gpt_oss"),
+)
+
+
+def _router_forward(kind: str) -> Callable:
+    """The forward of an `_ROUTERS` class under the plug-in: HF's gate projection, then
+    `fused_topk` (one kernel on CUDA) for the rest of HF's formula."""
+    from padded_moe.routing import fused_topk
+
+    def forward(self, hidden_states):
+        if kind == "gpt_oss":  # F.linear with the bias; top-k of the logits, softmax over the k
+            logits = torch.nn.functional.linear(hidden_states, self.weight, self.bias)
+            flat = logits.reshape(-1, logits.shape[-1])
+            scores, ids = fused_topk(flat, self.top_k, topk_before_softmax=True, weights_dtype=logits.dtype,
+                                     ids_dtype=torch.int64)
+            shape = logits.shape[:-1] + (self.top_k,)
+            return logits, scores.reshape(shape), ids.reshape(shape)
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        if kind == "mixtral":  # always renormalised, scores left in float32
+            scores, ids = fused_topk(logits, self.top_k, renormalize=True, ids_dtype=torch.int64)
+        else:  # Qwen3-MoE / OLMoE: renormalised iff norm_topk_prob, scores in the logits' dtype
+            scores, ids = fused_topk(logits, self.top_k, renormalize=bool(self.norm_topk_prob),
+                                     weights_dtype=logits.dtype, ids_dtype=torch.int64)
+        return logits, scores, ids
+
+    return forward
+
+
+def _install_dispatch(cls: type, replacement: Callable = None) -> None:
+    """Make class `cls` run `replacement` (default: `padded_moe_experts_forward`) when its config
+    asks for "padded_moe", and its original forward otherwise (so the class behaves as before for
+    every other implementation name, including HF's default). Instances made before this call keep
+    the original forward (they never saw their config)."""
     if vars(cls).get("_padded_moe_dispatch", False):
         return
+    replacement = padded_moe_experts_forward if replacement is None else replacement
     original_init, original_forward = cls.__init__, cls.forward
 
     @functools.wraps(original_init)
@@ -326,7 +366,7 @@ def _install_dispatch(cls: type) -> None:
         if config is None:
             config = getattr(self, "_padded_moe_config", None)
         if getattr(config, "_experts_implementation", None) == IMPLEMENTATION:
-            return padded_moe_experts_forward(self, *args, **kwargs)
+            return replacement(self, *args, **kwargs)
         return original_forward(self, *args, **kwargs)
 
     cls.__init__, cls.forward = __init__, forward
@@ -366,6 +406,14 @@ def register() -> None:
         if cls is not None:
             _install_dispatch(cls)
             _allow_set_experts_implementation(module)
+    for module_name, class_name, kind in _ROUTERS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # a transformers without this model
+            continue
+        cls = getattr(module, class_name, None)
+        if cls is not None:
+            _install_dispatch(cls, _router_forward(kind))
 
 
 def is_registered() -> bool:

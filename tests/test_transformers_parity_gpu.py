@@ -56,3 +56,37 @@ def test_model_fp32_cuda(name, monkeypatch):
 def test_block_bf16_accuracy_cuda(name, layout, monkeypatch):
     monkeypatch.setenv("PADDED_MOE_GEMM_LAYOUT", layout)
     check_block_bf16_accuracy(name, SMALL, device="cuda", tokens=512)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_plugin_forward_never_syncs(name):
+    """No device-to-host synchronisation in what the plug-in runs: each experts module's forward
+    under "padded_moe" (every family), and the top-k routers it takes over (`plug._ROUTERS`)."""
+    from padded_moe.integrations import transformers as plug
+
+    model = build(name, SMALL, dtype=torch.bfloat16, device="cuda")
+    model.set_experts_implementation(plug.IMPLEMENTATION)
+    experts = experts_modules(model, name)[0]
+    routers = [m for m in model.modules() if type(m).__dict__.get("_padded_moe_dispatch")
+               and type(m).__name__.endswith("TopKRouter")]
+    assert bool(routers) == (name in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")), name
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(16, SMALL["hidden"], device="cuda", generator=g).bfloat16()
+    ids = torch.randint(0, SMALL["experts"], (16, SMALL["top_k"]), device="cuda", generator=g)
+    ids[3, 0] = -1  # a dropped slot
+    w = torch.rand(16, SMALL["top_k"], device="cuda", generator=g).bfloat16()
+
+    def run():
+        experts(x, ids, w)
+        experts(x[:3], ids[:3], w[:3])
+        for router in routers[:1]:
+            router(x)
+
+    with torch.no_grad():
+        run()  # compiles kernels and fills caches outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

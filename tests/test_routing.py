@@ -528,3 +528,17 @@ def test_fused_topk_argument_errors():
         fused_topk(logits, 2, ids_dtype=torch.int16)
     with pytest.raises(ValueError, match="k must be"):
         fused_topk(logits, 9)
+
+
+def test_fused_topk_keeps_the_gradient_where_autograd_records(cpu_path, gen):
+    """The kernel has no backward: logits that require grad (grad enabled) take the torch formula,
+    whose weights carry the gradient; under no_grad the same call returns the same routing."""
+    logits = torch.randn(6, 16, generator=gen, requires_grad=True)
+    w, ids = fused_topk(logits, 3, renormalize=True)
+    assert w.requires_grad
+    w.sum().backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+    with torch.no_grad():
+        w2, ids2 = fused_topk(logits, 3, renormalize=True)
+    assert not w2.requires_grad and torch.equal(ids2, ids)
+    torch.testing.assert_close(w2, w.detach(), rtol=1e-6, atol=1e-7)

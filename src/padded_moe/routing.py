@@ -173,11 +173,13 @@ def fused_topk(
 
     On CUDA (and the interpreter) one Triton kernel computes it (`padded_moe.kernels.topk`: the
     float32 softmax with an accurate exponential, the k largest with ties to the lower id, the
-    renormalisation, the casts), for E up to `FUSED_TOPK_MAX_EXPERTS`; elsewhere, inside
-    for wider rows, the torch formula; `torch.compile` sees one op (`padded_moe::fused_topk`)
-    that runs the same. The two agree up to float32 rounding of the softmax (a near-tie within
-    that rounding may pick either expert). transformers' HF routers through the plug-in use it
-    with their own output dtypes.
+    renormalisation, the casts), for E up to `FUSED_TOPK_MAX_EXPERTS`; on CPU and for wider rows,
+    the torch formula; `torch.compile` sees one op (`padded_moe::fused_topk`) that runs the same.
+    The two agree up to float32 rounding of the softmax (a near-tie within that rounding may pick
+    either expert). The kernel has no backward: where autograd records (grad enabled and logits
+    that require grad, e.g. a gate outside `torch.no_grad()`) the torch formula runs, so the
+    weights keep their gradient. transformers' HF routers through the plug-in use it with their
+    own output dtypes.
     """
     logits = _check_logits(logits)
     k = _check_int("k", k, 1, logits.shape[1], "experts per token, at most E = logits.shape[1]")
@@ -187,6 +189,8 @@ def fused_topk(
         raise TypeError(f"weights_dtype must be float32, float16 or bfloat16, got {weights_dtype}")
     if ids_dtype not in INDEX_DTYPES:
         raise TypeError(f"ids_dtype must be torch.int32 or torch.int64, got {ids_dtype}")
+    if logits.requires_grad and torch.is_grad_enabled():
+        return _topk_formula(logits, k, renormalize, topk_before_softmax, weights_dtype, ids_dtype)
     if torch.compiler.is_compiling():
         return torch.ops.padded_moe.fused_topk(logits, k, renormalize, topk_before_softmax, weights_dtype, ids_dtype)
     return _fused_topk_op(logits, k, renormalize, topk_before_softmax, weights_dtype, ids_dtype)
@@ -197,6 +201,11 @@ def _fused_topk_op(logits: torch.Tensor, k: int, renormalize: bool, topk_before_
                    weights_dtype: torch.dtype, ids_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     if _fused_topk_serves(logits):
         return _fused_topk_kernel(logits, k, renormalize, topk_before_softmax, weights_dtype, ids_dtype)
+    return _topk_formula(logits, k, renormalize, topk_before_softmax, weights_dtype, ids_dtype)
+
+
+def _topk_formula(logits, k, renormalize, topk_before_softmax, weights_dtype, ids_dtype):
+    """The routers' formula in torch ops (differentiable in the weights)."""
     logits32 = logits.to(torch.float32)
     if topk_before_softmax:
         top_logits, ids = torch.topk(logits32, k, dim=-1)

@@ -32,6 +32,12 @@ HOPPER_KB = 64  # K elements per block of the prepared Hopper layout (two nibble
 # rule: a 32-group whose largest |w| is 16 or more; real checkpoints stay far below) keep the byte
 # and cost the GEMM a second multiply.
 FOLD_MAX_SCALE = 128
+_BF16_EXP_BIAS = 127
+# The 4-plane arrangement: each 16-bit half of a 32-bit word holds four codes (planes 0-3); for
+# plane p, the bit of the half that holds the code's sign, then its three magnitude bits (e1, e0,
+# m), high to low. Planes 0-2 sit where a shift left by 3p puts them at bf16 bits 15 and 8..6 (the
+# code's value times 2^-126, as in the 2-plane upcast); plane 3 fills the four bits left over.
+FOUR_PLANE_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 13, 11, 10))
 
 
 def prepared_stands_alone(k: int) -> bool:
@@ -39,13 +45,6 @@ def prepared_stands_alone(k: int) -> bool:
     bytes (`prepare_for(keep_canonical=False)`): K whole 64-element blocks, so no padding hides the
     logical K."""
     return k % HOPPER_KB == 0
-
-_BF16_EXP_BIAS = 127
-# The 4-plane arrangement: each 16-bit half of a 32-bit word holds four codes (planes 0-3); for
-# plane p, the bit of the half that holds the code's sign, then its three magnitude bits (e1, e0,
-# m), high to low. Planes 0-2 sit where a shift left by 3p puts them at bf16 bits 15 and 8..6 (the
-# code's value times 2^-126, as in the 2-plane upcast); plane 3 fills the four bits left over.
-FOUR_PLANE_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 13, 11, 10))
 
 # E2M1 magnitudes for nibble codes 0..7; codes 8..15 are the negatives.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

@@ -91,6 +91,61 @@ def ptxas_log(ptx):
 """
 
 
+def launch_stats_script(module: str, kernel: str) -> str:
+    """A `compile_for_sm90` script (PTXAS_LOG prepended) that compiles `module.kernel` for each
+    `[signature, constexprs, ints divisible by 16, num_warps]` of its argument (`launch_signature`
+    plus the warps) and prints, per case, ptxas's spill stores and registers and the PTX's 64-bit
+    compares."""
+    return PTXAS_LOG + rf"""
+import json, os, re, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from {module} import {kernel} as fn
+
+out = []
+for sig, const, div16, warps in json.loads(sys.argv[1]):
+    names = fn.arg_names
+    attrs = {{(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in div16}}
+    src = ASTSource(fn=fn, signature=sig, constexprs={{(names.index(k),): v for k, v in const.items()}}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    log = ptxas_log(k.asm["ptx"])
+    out.append(dict(spills=sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log)),
+                    regs=int(re.search(r"Used (\d+) registers", log).group(1)),
+                    compares64=len(re.findall(r"setp\.\w+\.[su]64", k.asm["ptx"]))))
+print(json.dumps(out))
+"""
+
+
+def require_interpreted_kernels(monkeypatch) -> None:
+    """Skip unless Triton kernels run interpreted here (a launch captured from an interpreted call
+    is what the sm_90 compile checks specialise), and switch this test to the interpreter."""
+    pytest.importorskip("triton")
+    from padded_moe._platform import kernels_interpreted
+
+    if not kernels_interpreted():
+        pytest.skip("captures the launch from an interpreted call")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def captured_launches(monkeypatch, call) -> list:
+    """`call()` with `padded_moe.kernels._launch.launch` recording each launch (still launched):
+    a list of `(kernel, args, constexprs, options)`."""
+    from padded_moe.kernels import _launch
+
+    seen, real = [], _launch.launch
+
+    def spy(fn, grid, key, args, constexprs, **opt):
+        seen.append((fn, args, constexprs, opt))
+        return real(fn, grid, key, args, constexprs, **opt)
+
+    monkeypatch.setattr(_launch, "launch", spy)
+    call()
+    monkeypatch.setattr(_launch, "launch", real)
+    return seen
+
+
 def launch_signature(fn, args, constexprs) -> tuple[dict, dict, list]:
     """(signature, constexprs, ints divisible by 16) of a launch of Triton kernel `fn` with `args`,
     specialised as Triton's launcher would (ints equal to 1 and None made constants, ints past

@@ -10,30 +10,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
-from helpers import PTXAS_LOG, compile_for_sm90, launch_signature
+from helpers import (captured_launches, compile_for_sm90, launch_signature, launch_stats_script,
+                     require_interpreted_kernels)
 
-SCRIPT = r"""
-import json, os, re, sys
-os.environ["TRITON_INTERPRET"] = "0"
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from padded_moe.kernels.activation import moe_activation_kernel as fn
-
-out = []
-for sig, const, div16, warps in json.loads(sys.argv[1]):
-    names = fn.arg_names
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in div16}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    log = ptxas_log(k.asm["ptx"])
-    out.append(dict(spills=sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log)),
-                    regs=int(re.search(r"Used (\d+) registers", log).group(1)),
-                    compares64=len(re.findall(r"setp\.\w+\.[su]64", k.asm["ptx"]))))
-print(json.dumps(out))
-"""
+SCRIPT = launch_stats_script("padded_moe.kernels.activation", "moe_activation_kernel")
 
 # (activation, input shape, count dtype or None, dtype); the output is [..., width / 2] when gated.
 CASES = [
@@ -48,15 +29,7 @@ CASES = [
 
 def captured_launch(monkeypatch, act, shape, count_dtype, dtype) -> list:
     from padded_moe.activation import ApplyMoEActivationConfig, apply_moe_activation, resolve_supported
-    from padded_moe.kernels import _launch
 
-    seen, real = [], _launch.launch
-
-    def spy(fn, grid, key, args, constexprs, **opt):
-        seen.append((fn, args, constexprs, opt))
-        return real(fn, grid, key, args, constexprs, **opt)
-
-    monkeypatch.setattr(_launch, "launch", spy)
     gated = resolve_supported(act).is_gated
     x = torch.randn(*shape).to(dtype)
     out = torch.empty(*shape[:-1], shape[-1] // 2 if gated else shape[-1], dtype=dtype)
@@ -66,19 +39,14 @@ def captured_launch(monkeypatch, act, shape, count_dtype, dtype) -> list:
         counts = torch.randint(0, shape[-2] + 1, (n,), dtype=count_dtype)
     # situ with its linear-part clamp on (HAS_LAMBDA).
     cfg = ApplyMoEActivationConfig(situ_beta=4.0, situ_linear_beta=8.0) if act == "situ" else None
-    apply_moe_activation(act, out, x, valid_token_counts=counts, activation_config=cfg)
-    (fn, args, constexprs, opt), = seen
+    (fn, args, constexprs, opt), = captured_launches(
+        monkeypatch, lambda: apply_moe_activation(act, out, x, valid_token_counts=counts, activation_config=cfg))
     sig, const, div16 = launch_signature(fn, args, constexprs)
     return [sig, const, div16, opt["num_warps"]]
 
 
 def test_activation_kernel_compiles_for_sm90_without_spills(monkeypatch):
-    pytest.importorskip("triton")
-    from padded_moe._platform import kernels_interpreted
-
-    if not kernels_interpreted():
-        pytest.skip("captures the launch from an interpreted call")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    require_interpreted_kernels(monkeypatch)
     cases = [captured_launch(monkeypatch, *c) for c in CASES]
     assert cases[0][1]["T"] == 1, "the one-row case must reach the compiler with T as a constant"
     assert cases[2][0]["counts_ptr"] == "*i64" and cases[1][0]["counts_ptr"] == "*i32"
@@ -87,7 +55,7 @@ def test_activation_kernel_compiles_for_sm90_without_spills(monkeypatch):
     # as the launcher would pass it (int64) and the 64-bit row loop.
     sig, const, div16, warps = json.loads(json.dumps(cases[2]))
     sig["T"], const["ROWS_I64"] = "i64", True
-    results = compile_for_sm90(PTXAS_LOG + SCRIPT, json.dumps(cases + [[sig, const, div16, warps]]))
+    results = compile_for_sm90(SCRIPT, json.dumps(cases + [[sig, const, div16, warps]]))
     assert len(results) == len(CASES) + 1
     for case, res in zip(CASES, results):
         assert res["spills"] == 0 and res["compares64"] == 0, (case, res)

@@ -310,8 +310,8 @@ _UNDECORATED = (
 )
 
 
-# HF top-k routers whose formula `routing.fused_topk` computes, with how: (module, class, routing
-# arguments). Each returns `(router_logits, router_scores, router_indices)` like the original:
+# HF top-k routers whose formula `routing.fused_topk` computes: (module, class, which formula:
+# `_router_forward`'s kind). Each returns `(router_logits, router_scores, router_indices)` like the original:
 # scores in the logits' dtype (float32 for Mixtral, as HF leaves them), indices int64.
 _ROUTERS = (
     ("transformers.models.mixtral.modeling_mixtral", "MixtralTopKRouter", "mixtral"),
@@ -345,7 +345,7 @@ def _router_forward(kind: str) -> Callable:
     return forward
 
 
-def _install_dispatch(cls: type, replacement: Callable = None) -> None:
+def _install_dispatch(cls: type, replacement: Optional[Callable] = None) -> None:
     """Make class `cls` run `replacement` (default: `padded_moe_experts_forward`) when its config
     asks for "padded_moe", and its original forward otherwise (so the class behaves as before for
     every other implementation name, including HF's default). Instances made before this call keep

@@ -19,8 +19,7 @@ from padded_moe._validation import FLOAT_DTYPES, require_int, require_real, requ
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
 from padded_moe.expert_map import check_valid_tokens, drop_rows_past
 from padded_moe.experts import batched_experts, eager_cache_off, fused_experts
-from padded_moe.mxfp4 import (GROUP, HopperMxfp4, Mxfp4Tensor, prepared_stands_alone, quantize_mxfp4,
-                               unprepare_hopper)
+from padded_moe.mxfp4 import GROUP, HopperMxfp4, Mxfp4Tensor, prepared_stands_alone, quantize_mxfp4
 from padded_moe.presets import MoEPreset, get_preset
 
 RouterFn = Callable[[torch.Tensor, Optional[torch.Tensor]], "tuple[torch.Tensor, torch.Tensor]"]
@@ -109,9 +108,9 @@ class FusedMoE(nn.Module):
                     what = "hidden_size" if name == "w13" else "intermediate_size"
                     raise ValueError(f"weight_format='mxfp4' needs {what} to be a multiple of {GROUP} (one E8M0 "
                                      f"scale per {GROUP} elements), got {cols}")
-                for part, width in (("blocks", cols // 2), ("scales", cols // GROUP)):
-                    t = torch.empty(L, rows, width, dtype=torch.uint8, device=device)
-                    self.register_parameter(f"{name}_{part}", nn.Parameter(t, requires_grad=False))
+            for name, shape in self._mxfp4_param_shapes():
+                t = torch.empty(shape, dtype=torch.uint8, device=device)
+                self.register_parameter(name, nn.Parameter(t, requires_grad=False))
         else:
             self.w13 = nn.Parameter(torch.empty(self._w13_shape, **factory), requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(self._w2_shape, **factory), requires_grad=False)
@@ -295,11 +294,9 @@ class FusedMoE(nn.Module):
             q = self._canonical(name).prepare_for(keep_canonical=self.keep_canonical)
             self._hold_prepared(name, q)
         if not self.keep_canonical:
-            for name in self._MXFP4_PARAMS:
+            for name, _ in self._mxfp4_param_shapes():
                 p = getattr(self, name)
                 p.data = p.data.new_empty(0)
-
-    _MXFP4_PARAMS = ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales")
 
     def _hold_prepared(self, name: str, q: Mxfp4Tensor) -> None:
         for t in (q.hopper.blocks, q.hopper.scales):
@@ -319,10 +316,16 @@ class FusedMoE(nn.Module):
         if not self._canonical_emptied():
             return
         self._mxfp4.clear()
+        for name, shape in self._mxfp4_param_shapes():
+            p = getattr(self, name)
+            p.data = p.data.new_empty(shape)
+
+    def _mxfp4_param_shapes(self):
+        """(name, shape) of the four canonical MXFP4 parameters: e2m1 codes two per byte, one E8M0
+        scale per `GROUP` elements."""
         for name, (L, rows, cols) in (("w13", self._w13_shape), ("w2", self._w2_shape)):
-            for part, width in (("blocks", cols // 2), ("scales", cols // GROUP)):
-                p = getattr(self, f"{name}_{part}")
-                p.data = p.data.new_empty((L, rows, width))
+            yield f"{name}_blocks", (L, rows, cols // 2)
+            yield f"{name}_scales", (L, rows, cols // GROUP)
 
     def _apply(self, fn, recurse=True):
         emptied = self._canonical_emptied()
@@ -339,7 +342,7 @@ class FusedMoE(nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self._canonical_emptied():  # the canonical bytes, rebuilt from the prepared form
             for name, q in self._mxfp4.items():
-                c = unprepare_hopper(q.hopper)
+                c = q.canonical()
                 destination[f"{prefix}{name}_blocks"] = c.blocks
                 destination[f"{prefix}{name}_scales"] = c.scales
 

@@ -122,8 +122,9 @@ def _scores(logits32: torch.Tensor, scoring: str) -> torch.Tensor:
     return logits32.softmax(dim=-1)
 
 
-def _finish(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return weights.to(torch.float32).contiguous(), ids.to(torch.int32).contiguous()
+def _finish(weights: torch.Tensor, ids: torch.Tensor, weights_dtype: torch.dtype = torch.float32,
+            ids_dtype: torch.dtype = torch.int32) -> tuple[torch.Tensor, torch.Tensor]:
+    return weights.to(weights_dtype).contiguous(), ids.to(ids_dtype).contiguous()
 
 
 def _deepseek_normalize(weights: torch.Tensor, renormalize: bool, scale: float) -> torch.Tensor:
@@ -214,7 +215,7 @@ def _topk_formula(logits, k, renormalize, topk_before_softmax, weights_dtype, id
         weights, ids = torch.topk(logits32.softmax(dim=-1), k, dim=-1)
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(weights_dtype).contiguous(), ids.to(ids_dtype).contiguous()
+    return _finish(weights, ids, weights_dtype, ids_dtype)
 
 
 @register_fake("padded_moe::fused_topk")

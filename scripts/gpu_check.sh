@@ -321,6 +321,20 @@ for stage in "$@"; do
             STEP_TIMEOUT=100 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"
             STEP_TIMEOUT=140 step test-experts python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py
             STEP_TIMEOUT=120 step test-no-sync python3 -m pytest -q -m gpu tests/test_compile_gpu.py -k never_syncs ;;
+        act-pairs)  # interleaved gate/up rows loaded as one contiguous run (16-byte loads) and column blocks sized
+            # to the width: the activation's GPU tests and memcheck, its bench (model widths), the GPT-OSS
+            # MXFP4 layer's kernels at 8192 tokens, the activation in GEMM1's 256-row epilogue against it
+            STEP_TIMEOUT=90 step test-activation python3 -m pytest -q -m gpu tests/test_activation_gpu.py
+            STEP_TIMEOUT=120 step sanitizer-activation compute-sanitizer --tool memcheck --error-exitcode 9 \
+                python3 -m pytest -q -m gpu tests/test_activation_gpu.py -k "bfloat16 and (silu or swigluoai or situ)"
+            STEP_TIMEOUT=120 step bench-activation python3 benchmarks/bench_activation.py --out "$OUT/bench-activation"
+            STEP_TIMEOUT=120 step profile-gptoss-mx python3 benchmarks/profile_layer.py --graph --preset gpt-oss-120b \
+                --weights mxfp4 --tokens 8192 --calls 3
+            for pw in gpt-oss-120b dsv4-flash; do
+                STEP_TIMEOUT=150 step "fuse-ab-$pw" python3 benchmarks/bench_tiles_ab.py --preset "$pw" --weights mxfp4 \
+                    --tokens 8192 --regime medium --candidates persistent --fuse-activation both --rounds 3 \
+                    --out "$OUT/fuse-ab-$pw"
+            done ;;
         mx-once)  # MXFP4 experts held in the prepared form alone (prepare_for(keep_canonical=False), FusedMoE's
             # default): the suites that run MXFP4 through fused_experts, FusedMoE, the decode path, compile, HF
             STEP_TIMEOUT=170 step test-experts python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py

@@ -94,8 +94,8 @@ def ptxas_log(ptx):
 def launch_stats_script(module: str, kernel: str) -> str:
     """A `compile_for_sm90` script (PTXAS_LOG prepended) that compiles `module.kernel` for each
     `[signature, constexprs, ints divisible by 16, num_warps]` of its argument (`launch_signature`
-    plus the warps) and prints, per case, ptxas's spill stores and registers and the PTX's 64-bit
-    compares."""
+    plus the warps) and prints, per case, ptxas's spill stores and registers, the PTX's 64-bit
+    compares and its global loads of 128 bits (`loads128`) and of one 16-bit element (`loads16`)."""
     return PTXAS_LOG + rf"""
 import json, os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
@@ -113,7 +113,9 @@ for sig, const, div16, warps in json.loads(sys.argv[1]):
     log = ptxas_log(k.asm["ptx"])
     out.append(dict(spills=sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log)),
                     regs=int(re.search(r"Used (\d+) registers", log).group(1)),
-                    compares64=len(re.findall(r"setp\.\w+\.[su]64", k.asm["ptx"]))))
+                    compares64=len(re.findall(r"setp\.\w+\.[su]64", k.asm["ptx"])),
+                    loads128=len(re.findall(r"ld\.global[\w.]*\.v4\.b32", k.asm["ptx"])),
+                    loads16=len(re.findall(r"ld\.global[\w.]*\.b16\b", k.asm["ptx"]))))
 print(json.dumps(out))
 """
 

@@ -1,7 +1,7 @@
 """The count-aware activation kernel compiles for sm_90 on every form its launcher produces
 (Triton's own ptxas, no GPU): one row (the row count then arrives as the constant 1), int32 and
 int64 counts, flat and batched buffers, gated, interleaved and non-gated activations, float32 and
-16-bit outputs, without register spills; and the row loop's bound, induction and masks in 32 bits
+16-bit outputs, without register spills, 16-bit rows in 16-byte loads; and the row loop's bound, induction and masks in 32 bits
 (no 64-bit compare) unless the row count needs 64. The arguments are captured from interpreted calls and
 specialised as the launcher's first call would be.
 """
@@ -59,4 +59,7 @@ def test_activation_kernel_compiles_for_sm90_without_spills(monkeypatch):
     assert len(results) == len(CASES) + 1
     for case, res in zip(CASES, results):
         assert res["spills"] == 0 and res["compares64"] == 0, (case, res)
+        if case[3] != torch.float32 and case[1][-1] >= 512:
+            # 16-bit rows load as 16-byte vectors, interleaved gate/up pairs (swigluoai) included.
+            assert res["loads128"] > 0 and res["loads16"] == 0, (case, res)
     assert results[-1]["spills"] == 0 and results[-1]["compares64"] > 0, results[-1]

@@ -43,6 +43,24 @@ def test_flat_and_batched_on_gpu(act, dtype):
     assert torch.equal(flat_out, out[3])
 
 
+@pytest.mark.parametrize("act,d", [(MoEActivation.SWIGLUOAI, 2880), (MoEActivation.SILU, 768)],
+                         ids=["bfloat16-swigluoai-2880", "bfloat16-silu-768"])
+def test_model_widths_on_gpu(act, d):
+    """GPT-OSS's interleaved 2880 columns (three 1024-column blocks, the last partly masked) and
+    Qwen3-MoE's 768, bf16, with counts and NaN past them."""
+    dtype, rows = torch.bfloat16, 777
+    counts_list = [0, 5, rows, 300]
+    x = _input(act, (len(counts_list), rows), d, dtype)
+    for e, c in enumerate(counts_list):
+        x[e, c:] = float("nan")
+    out = torch.full((len(counts_list), rows, d), SENTINEL, dtype=dtype, device="cuda")
+    apply_moe_activation(act, out, x, valid_token_counts=torch.tensor(counts_list, device="cuda"))
+    for e, c in enumerate(counts_list):
+        if c:
+            assert rel_err(out[e, :c], activation_f64(act.value, x[e, :c].cpu())) <= REL_TOL[dtype]
+        assert (out[e, c:] == SENTINEL).all()
+
+
 def test_graph_replay_with_changed_counts():
     act, rows, d = MoEActivation.SILU, 4096, 1024
     x = _input(act, (rows,), d, torch.bfloat16)

@@ -151,6 +151,9 @@ def moe_activation_kernel(
 
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
+    if ACT == ACT_SWIGLUOAI:
+        pair_cols = 2 * pid_d * BLOCK_D + tl.arange(0, 2 * BLOCK_D)
+        pair_ok = pair_cols < 2 * D
     rows_in_block = tl.arange(0, BLOCK_T)
     in_base = in_ptr + e * stride_in_e
     out_base = out_ptr + e * stride_out_e
@@ -158,6 +161,8 @@ def moe_activation_kernel(
     for first_row in range(pid_t * BLOCK_T, n, num_row_programs * BLOCK_T):
         local = first_row + rows_in_block
         mask = (local < n)[:, None] & col_ok[None, :]
+        if ACT == ACT_SWIGLUOAI:
+            pair_mask = (local < n)[:, None] & pair_ok[None, :]
         rows = local.to(tl.int64)
         in_rows = in_base + rows[:, None] * stride_in_t
         if ACT >= ACT_SILU_NO_MUL:
@@ -165,13 +170,14 @@ def moe_activation_kernel(
             y = _ungated(x, ACT, FAST)
         else:
             if ACT == ACT_SWIGLUOAI:
-                g_off = 2 * cols
-                u_off = 2 * cols + 1
+                # Interleaved gate/up: the block's 2*BLOCK_D inputs are one contiguous run, loaded
+                # in 16-byte vectors and split in registers (two loads at stride 2 would move one
+                # element per instruction).
+                pairs = tl.load(in_rows + pair_cols[None, :], mask=pair_mask, other=0.0).to(tl.float32)
+                g, u = tl.split(tl.reshape(pairs, (BLOCK_T, BLOCK_D, 2)))
             else:
-                g_off = cols
-                u_off = cols + D
-            g = tl.load(in_rows + g_off[None, :], mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(in_rows + u_off[None, :], mask=mask, other=0.0).to(tl.float32)
+                g = tl.load(in_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                u = tl.load(in_rows + (cols + D)[None, :], mask=mask, other=0.0).to(tl.float32)
             y = _gated(g, u, ACT, HAS_LIMIT, limit, alpha, beta, situ_beta, HAS_LAMBDA, situ_lambda, FAST)
         out_rows = out_base + rows[:, None] * stride_out_t
         tl.store(out_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)

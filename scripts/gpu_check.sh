@@ -335,6 +335,17 @@ for stage in "$@"; do
                     --tokens 8192 --regime medium --candidates persistent --fuse-activation both --rounds 3 \
                     --out "$OUT/fuse-ab-$pw"
             done ;;
+        router-ds)  # DeepSeek-V3 / V4 routing in one kernel (biased_grouped_topk on CUDA): its GPU tests and memcheck,
+            # the suites whose FusedMoE routes through it (compiled and eager), the routers' bench, the
+            # DeepSeek-V4 layer's kernels at 1 and 8192 tokens
+            STEP_TIMEOUT=90 step test-routing python3 -m pytest -q -m gpu tests/test_routing_gpu.py
+            STEP_TIMEOUT=120 step sanitizer-routing compute-sanitizer --tool memcheck --error-exitcode 9 \
+                python3 -m pytest -q -m gpu tests/test_routing_gpu.py -k "biased_kernel or fused_topk"
+            STEP_TIMEOUT=170 step test-compile python3 -m pytest -q -n 2 -m gpu tests/test_compile_gpu.py
+            STEP_TIMEOUT=170 step test-experts python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py
+            STEP_TIMEOUT=120 step bench-router python3 benchmarks/bench_router.py --out "$OUT/bench-router"
+            STEP_TIMEOUT=120 step profile-dsv4 python3 benchmarks/profile_layer.py --graph --preset dsv4-flash \
+                --weights bf16 --tokens 1 8192 --calls 3 ;;
         mx-once)  # MXFP4 experts held in the prepared form alone (prepare_for(keep_canonical=False), FusedMoE's
             # default): the suites that run MXFP4 through fused_experts, FusedMoE, the decode path, compile, HF
             STEP_TIMEOUT=170 step test-experts python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py

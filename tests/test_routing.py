@@ -149,7 +149,7 @@ def _v3_router(gen, num_experts, k, n_group, topk_group, norm, scale):
     [(16, 4, 1, 1), (16, 4, 4, 2), (32, 6, 8, 3), (64, 8, 8, 4), (8, 2, 4, 4), (12, 2, 6, 1)],
 )
 @pytest.mark.parametrize("norm", [True, False])
-def test_deepseek_v3_matches_transformers(gen, num_experts, k, n_group, topk_group, norm):
+def test_deepseek_v3_matches_transformers(cpu_path, gen, num_experts, k, n_group, topk_group, norm):
     scale = 2.5
     router = _v3_router(gen, num_experts, k, n_group, topk_group, norm, scale)
     with torch.no_grad():
@@ -181,7 +181,7 @@ def _v4_config(num_experts, k, scoring_func, *, vocab):
 
 @pytest.mark.parametrize("scoring_func", ["sqrtsoftplus", "sigmoid"])
 @pytest.mark.parametrize("num_experts,k", [(16, 6), (8, 1), (7, 7)])
-def test_deepseek_v4_matches_transformers(gen, scoring_func, num_experts, k):
+def test_deepseek_v4_matches_transformers(cpu_path, gen, scoring_func, num_experts, k):
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
 
     router = DeepseekV4TopKRouter(_v4_config(num_experts, k, scoring_func, vocab=64))
@@ -259,7 +259,7 @@ def _ref_biased(logits, bias, k, scoring, scale, renormalize):
 
 
 @pytest.mark.parametrize("scoring", SCORING_FUNCS)
-def test_biased_topk_all_scorings_vs_float64(gen, scoring):
+def test_biased_topk_all_scorings_vs_float64(cpu_path, gen, scoring):
     logits = torch.randn(40, 12, generator=gen) * 2
     bias = torch.randn(12, generator=gen) * 0.1
     for renormalize in (True, False):
@@ -540,5 +540,59 @@ def test_fused_topk_keeps_the_gradient_where_autograd_records(cpu_path, gen):
     assert logits.grad is not None and torch.isfinite(logits.grad).all()
     with torch.no_grad():
         w2, ids2 = fused_topk(logits, 3, renormalize=True)
+    assert not w2.requires_grad and torch.equal(ids2, ids)
+    torch.testing.assert_close(w2, w.detach(), rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------
+# the DeepSeek routers' kernel (`biased_grouped_topk` on CUDA / interpreted): where its choices are its own
+
+
+def _interpreted_only(monkeypatch):
+    from padded_moe._platform import kernels_interpreted
+
+    if not kernels_interpreted():
+        pytest.skip("the interpreted kernel only")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_biased_kernel_ties_go_to_the_lower_id_and_group(monkeypatch):
+    """Equal choice scores go to the lower expert id, equal group scores to the lower group; a
+    NaN row routes to ids in [0, E] only (E is dropped by the expert guard)."""
+    _interpreted_only(monkeypatch)
+    logits = torch.zeros(3, 16)
+    logits[0, [5, 9, 14]] = 2.0  # three tied winners, then 13 tied experts
+    # four groups of 4: groups 1 and 3 tie for best (two 3.0s each), groups 0 and 2 tie below
+    logits[1] = -1.0
+    logits[1, [4, 5, 12, 13]] = 3.0
+    logits[2] = float("nan")
+    _, ids = biased_grouped_topk(logits[:1], None, 4)
+    assert ids[0].tolist() == [5, 9, 14, 0]
+    _, ids = biased_grouped_topk(logits[1:2], None, 6, num_groups=4, topk_groups=3)
+    assert ids[0].tolist() == [4, 5, 12, 13, 0, 1], "group 0 (lower than group 2) is the third kept"
+    _, ids = biased_grouped_topk(logits[2:], torch.zeros(16), 4, num_groups=4, topk_groups=2)
+    assert bool(((ids >= 0) & (ids <= 16)).all())
+
+
+def test_biased_kernel_softplus_of_very_negative_logits(monkeypatch, gen):
+    """sqrt(softplus(x)) for x far below 0 is sqrt(exp(x)), not 0: log1p keeps the small values
+    (the weights of a renormalised row of such experts are then still the right ratios)."""
+    _interpreted_only(monkeypatch)
+    logits = torch.tensor([[-30.0, -25.0, -40.0, -20.0]])
+    w, ids = biased_grouped_topk(logits, None, 2, scoring="sqrtsoftplus", renormalize=False)
+    assert ids[0].tolist() == [3, 1]
+    ref = torch.tensor([-20.0, -25.0], dtype=torch.float64).exp().log1p().sqrt()
+    torch.testing.assert_close(w[0].double(), ref, rtol=1e-6, atol=0)
+
+
+def test_biased_topk_keeps_the_gradient_where_autograd_records(cpu_path, gen):
+    logits = torch.randn(6, 16, generator=gen, requires_grad=True)
+    bias = torch.randn(16, generator=gen) * 0.1
+    w, ids = biased_grouped_topk(logits, bias, 3, scoring="sqrtsoftplus", routed_scaling_factor=1.5)
+    assert w.requires_grad
+    w.sum().backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+    with torch.no_grad():
+        w2, ids2 = biased_grouped_topk(logits, bias, 3, scoring="sqrtsoftplus", routed_scaling_factor=1.5)
     assert not w2.requires_grad and torch.equal(ids2, ids)
     torch.testing.assert_close(w2, w.detach(), rtol=1e-6, atol=1e-7)

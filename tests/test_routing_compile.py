@@ -36,3 +36,30 @@ def test_topk_router_kernel_compiles_for_sm90_without_spills(monkeypatch):
     results = compile_for_sm90(SCRIPT, json.dumps(cases))
     assert len(results) == len(CASES)
     assert all(r["spills"] == 0 for r in results), results
+
+
+BIASED_SCRIPT = launch_stats_script("padded_moe.kernels.topk", "_biased_router_kernel")
+
+# (experts, k, logits dtype, scoring, bias, groups, kept groups): DeepSeek-V4, DeepSeek-V3, Kimi-K2-like,
+# the widest row
+BIASED_CASES = [(256, 6, torch.bfloat16, "sqrtsoftplus", True, 1, 1), (256, 8, torch.float32, "sigmoid", True, 8, 4),
+                (384, 8, torch.bfloat16, "sigmoid", True, 1, 1), (1024, 8, torch.float32, "softmax", False, 16, 4)]
+
+
+def captured_biased_launch(monkeypatch, num_experts, k, dtype, scoring, has_bias, groups, kept) -> list:
+    from padded_moe.routing import biased_grouped_topk
+
+    bias = torch.randn(num_experts) if has_bias else None
+    (fn, args, constexprs, opt), = captured_launches(monkeypatch, lambda: biased_grouped_topk(
+        torch.randn(5, num_experts).to(dtype), bias, k, num_groups=groups, topk_groups=kept, scoring=scoring))
+    sig, const, div16 = launch_signature(fn, args, dict(constexprs, LIBDEVICE=True))
+    return [sig, const, div16, opt["num_warps"]]
+
+
+def test_biased_router_kernel_compiles_for_sm90_without_spills(monkeypatch):
+    require_interpreted_kernels(monkeypatch)
+    cases = [captured_biased_launch(monkeypatch, *c) for c in BIASED_CASES]
+    assert [c[1]["TOPK_GROUPS"] < c[1]["GROUPS"] for c in cases] == [False, True, False, True]
+    results = compile_for_sm90(BIASED_SCRIPT, json.dumps(cases))
+    assert len(results) == len(BIASED_CASES)
+    assert all(r["spills"] == 0 for r in results), results

@@ -76,3 +76,38 @@ def test_fused_topk_kernel_on_cuda(gen, num_experts, k, mode):
         assert torch.all(picked[:, :-1] >= picked[:, 1:])
         ref = top.softmax(-1) if tbs else (top / top.sum(-1, keepdim=True) if renorm else top)
         torch.testing.assert_close(w.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_experts, k, scoring, groups, kept", [
+    (256, 6, "sqrtsoftplus", 1, 1),  # DeepSeek-V4
+    (256, 8, "sigmoid", 8, 4),       # DeepSeek-V3
+    (384, 8, "sigmoid", 1, 1),       # Kimi-K2-like (E not a power of two)
+    (1024, 4, "softmax", 16, 16),
+])
+def test_biased_kernel_on_cuda(gen, num_experts, k, scoring, groups, kept):
+    """The compiled DeepSeek router kernel against the float64 formula on 2048 bf16 rows with a
+    correction bias: the kept choice scores equal the k best (a near-tie within float32 rounding
+    may keep either expert), largest first, within the kept groups, and the weights (unbiased scores,
+    renormalised, scaled) within float32 rounding."""
+    logits = (torch.randn(2048, num_experts, generator=gen) * 2).to(torch.bfloat16).cuda()
+    bias = (torch.randn(num_experts, generator=gen) * 0.1).cuda()
+    w, ids = biased_grouped_topk(logits, bias, k, num_groups=groups, topk_groups=kept, scoring=scoring,
+                                 routed_scaling_factor=2.5)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32
+    x = logits.double()
+    score = {"sigmoid": lambda: x.sigmoid(), "sqrtsoftplus": lambda: torch.nn.functional.softplus(x).sqrt(),
+             "softmax": lambda: x.softmax(-1)}[scoring]()
+    choice = score + bias.double()
+    if kept < groups:
+        grouped = choice.view(2048, groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(-1).topk(kept, dim=-1).indices
+        allowed = torch.zeros(2048, groups, dtype=torch.bool, device="cuda").scatter_(1, best, True)
+        choice = choice.masked_fill(~allowed.repeat_interleave(num_experts // groups, dim=1), float("-inf"))
+    top = choice.topk(k, dim=-1).values
+    picked = choice.gather(1, ids.long())
+    torch.testing.assert_close(picked, top, rtol=0, atol=1e-6)
+    assert torch.all(picked[:, :-1] >= picked[:, 1:] - 1e-6)
+    ref = score.gather(1, ids.long())
+    ref = 2.5 * ref / (ref.sum(-1, keepdim=True) + 1e-20)
+    torch.testing.assert_close(w.double(), ref, rtol=2e-6, atol=1e-7)

@@ -16,19 +16,23 @@ All math runs in float32 whatever the logits dtype (transformers does the same f
 Qwen3, OLMoE and DeepSeek-V3; GPT-OSS and DeepSeek-V4 compute in the model dtype, so with bf16
 logits our weights are the more precise ones and near-ties may pick a different expert).
 Everything has fixed output shapes and no host synchronisation, so the same code runs on CPU and
-CUDA and captures in a CUDA graph. The softmax routers run as one Triton kernel on CUDA
-(`fused_topk`; inside `torch.compile` as the op `padded_moe::fused_topk`, so compiled and eager
-calls give the same bits), and as the torch formula on CPU. The order of the k slots within a token is
+CUDA and captures in a CUDA graph. The softmax routers (`fused_topk`) and the DeepSeek routers
+(`biased_grouped_topk`) each run as one Triton kernel on CUDA (inside `torch.compile` as the ops
+`padded_moe::fused_topk` and `padded_moe::biased_topk`, so compiled and eager calls give the same
+bits), and as the torch formula on CPU. The order of the k slots within a token is
 descending by the selection score (table order for `hash_topk`); consumers must not rely on it
 (transformers uses `sorted=False` for DeepSeek).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
 from padded_moe._ops import custom_op, register_fake
+from padded_moe._util import next_pow2
 from padded_moe._validation import (
     INDEX_DTYPES,
     require_dtype,
@@ -232,26 +236,33 @@ def _fused_topk_serves(logits: torch.Tensor) -> bool:
 
 
 def _fused_topk_kernel(logits, k, renormalize, topk_before_softmax, weights_dtype, ids_dtype):
-    import triton
-
     from padded_moe.kernels._launch import launch, ptr_key
     from padded_moe.kernels.topk import _topk_router_kernel
 
-    if logits.shape[1] > 1 and logits.stride(1) != 1:
-        logits = logits.contiguous()
+    logits = _row_major(logits)
     num_tokens, num_experts = logits.shape
     weights = torch.empty(num_tokens, k, dtype=weights_dtype, device=logits.device)
     ids = torch.empty(num_tokens, k, dtype=ids_dtype, device=logits.device)
     if num_tokens == 0:
         return weights, ids
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = next_pow2(num_experts)
     args = (logits, logits.stride(0), weights, weights.stride(0), ids, ids.stride(0), num_experts)
-    constexprs = dict(K=k, K_POW2=triton.next_power_of_2(k), BLOCK_E=block_e,
+    constexprs = dict(K=k, K_POW2=next_pow2(k), BLOCK_E=block_e,
                       SOFTMAX_FIRST=not topk_before_softmax, RENORM=renormalize and not topk_before_softmax,
                       LIBDEVICE=logits.is_cuda)
     key = (logits.stride(0), weights.stride(0), ids.stride(0), num_experts) + ptr_key(logits, weights, ids)
-    launch(_topk_router_kernel, (num_tokens,), key, args, constexprs, num_warps=1 if block_e <= 256 else 4)
+    launch(_topk_router_kernel, (num_tokens,), key, args, constexprs, num_warps=_router_warps(block_e))
     return weights, ids
+
+
+def _row_major(logits: torch.Tensor) -> torch.Tensor:
+    """The router kernels read each row as one contiguous run."""
+    return logits.contiguous() if logits.shape[1] > 1 and logits.stride(1) != 1 else logits
+
+
+def _router_warps(block_e: int) -> int:
+    """One warp holds a row of up to 256 experts; wider rows take four."""
+    return 1 if block_e <= 256 else 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,7 +336,12 @@ def biased_grouped_topk(
         renormalize: divide the chosen scores by their sum before scaling.
 
     Returns:
-        `(topk_weights float32 [M, k], topk_ids int32 [M, k])`.
+        `(topk_weights float32 [M, k], topk_ids int32 [M, k])`, the k largest choice scores first.
+
+    On CUDA one Triton kernel computes it (E up to `FUSED_TOPK_MAX_EXPERTS`; with a group limit, E
+    and `num_groups` powers of two), with libdevice's exp / log1p and ties to the lower expert id
+    (and to the lower group); elsewhere, and where autograd records, the torch formula. The two
+    agree up to float32 rounding (a near-tie within it may pick either expert).
     """
     logits = _check_logits(logits)
     num_experts = logits.shape[1]
@@ -336,6 +352,30 @@ def biased_grouped_topk(
     scale = _check_scale(routed_scaling_factor)
     renormalize = _check_bool("renormalize", renormalize)
 
+    if (logits.requires_grad or (bias is not None and bias.requires_grad)) and torch.is_grad_enabled():
+        return _biased_formula(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize)
+    if torch.compiler.is_compiling():
+        return torch.ops.padded_moe.biased_topk(logits, bias, k, num_groups, topk_groups, scoring, scale,
+                                                renormalize)
+    return _biased_topk_op(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize)
+
+
+@custom_op("padded_moe::biased_topk", mutates_args=())
+def _biased_topk_op(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, num_groups: int, topk_groups: int,
+                    scoring: str, scale: float, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if _biased_kernel_serves(logits, num_groups, topk_groups):
+        return _biased_topk_kernel(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize)
+    return _biased_formula(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize)
+
+
+@register_fake("padded_moe::biased_topk")
+def _biased_topk_fake(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize):
+    return (logits.new_empty((logits.shape[0], k), dtype=torch.float32),
+            logits.new_empty((logits.shape[0], k), dtype=torch.int32))
+
+
+def _biased_formula(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize):
+    """`biased_grouped_topk` in torch ops (differentiable in the weights)."""
     scores = _scores(logits.to(torch.float32), scoring)
     choice = scores if bias is None else scores + bias.to(torch.float32)
     if topk_groups < num_groups:
@@ -343,6 +383,37 @@ def biased_grouped_topk(
     ids = torch.topk(choice, k, dim=-1).indices
     weights = _deepseek_normalize(scores.gather(1, ids), renormalize, scale)
     return _finish(weights, ids)
+
+
+def _biased_kernel_serves(logits: torch.Tensor, num_groups: int, topk_groups: int) -> bool:
+    """The kernel's group limit splits a row held whole in registers: E and the group count
+    powers of two (DeepSeek-V3: 256 experts in 8 groups); otherwise the torch formula."""
+    num_experts = logits.shape[1]
+    pow2 = num_experts & (num_experts - 1) == 0 and num_groups & (num_groups - 1) == 0
+    return _fused_topk_serves(logits) and (topk_groups == num_groups or pow2)
+
+
+def _biased_topk_kernel(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize):
+    from padded_moe.kernels._launch import launch, ptr_key
+    from padded_moe.kernels.topk import _biased_router_kernel
+
+    logits = _row_major(logits)
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty(num_tokens, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, k, dtype=torch.int32, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    if bias is not None:
+        bias = bias.contiguous()
+    block_e = next_pow2(num_experts)
+    bias_arg = logits if bias is None else bias  # never read without HAS_BIAS
+    args = (logits, logits.stride(0), bias_arg, weights, weights.stride(0), ids, ids.stride(0), num_experts, scale)
+    constexprs = dict(K=k, K_POW2=next_pow2(k), BLOCK_E=block_e, SCORING=SCORING_FUNCS.index(scoring),
+                      HAS_BIAS=bias is not None, GROUPS=num_groups, TOPK_GROUPS=topk_groups,
+                      RENORM=renormalize, LIBDEVICE=logits.is_cuda)
+    key = (logits.stride(0), num_experts, scale) + ptr_key(logits, bias_arg, weights, ids)
+    launch(_biased_router_kernel, (num_tokens,), key, args, constexprs, num_warps=_router_warps(block_e))
+    return weights, ids
 
 
 def _hash_lookup(

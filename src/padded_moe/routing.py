@@ -406,12 +406,15 @@ def _biased_topk_kernel(logits, bias, k, num_groups, topk_groups, scoring, scale
     if bias is not None:
         bias = bias.contiguous()
     block_e = next_pow2(num_experts)
+    if topk_groups == num_groups:  # no group limit: one compiled form whatever the group count
+        num_groups = topk_groups = 1
     bias_arg = logits if bias is None else bias  # never read without HAS_BIAS
     args = (logits, logits.stride(0), bias_arg, weights, weights.stride(0), ids, ids.stride(0), num_experts, scale)
     constexprs = dict(K=k, K_POW2=next_pow2(k), BLOCK_E=block_e, SCORING=SCORING_FUNCS.index(scoring),
                       HAS_BIAS=bias is not None, GROUPS=num_groups, TOPK_GROUPS=topk_groups,
                       RENORM=renormalize, LIBDEVICE=logits.is_cuda)
-    key = (logits.stride(0), num_experts, scale) + ptr_key(logits, bias_arg, weights, ids)
+    key = (logits.stride(0), weights.stride(0), ids.stride(0), num_experts, scale) + ptr_key(logits, bias_arg, weights,
+                                                                                           ids)
     launch(_biased_router_kernel, (num_tokens,), key, args, constexprs, num_warps=_router_warps(block_e))
     return weights, ids
 

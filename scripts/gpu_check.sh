@@ -346,6 +346,10 @@ for stage in "$@"; do
             STEP_TIMEOUT=120 step bench-router python3 benchmarks/bench_router.py --out "$OUT/bench-router"
             STEP_TIMEOUT=120 step profile-dsv4 python3 benchmarks/profile_layer.py --graph --preset dsv4-flash \
                 --weights bf16 --tokens 1 8192 --calls 3 ;;
+        layer-table)  # the whole-layer table (FusedMoE vs HF's experts functions), MXFP4 presets included (needs the
+            # carried transformers wheel for the HF columns)
+            STEP_TIMEOUT=420 step bench-layer python3 benchmarks/bench_layer.py --out "$OUT/bench-layer" \
+                --presets dsv4-flash:bf16,qwen3-30b-a3b:bf16,dsv4-flash:mxfp4,gpt-oss-120b:mxfp4 ;;
         mx-once)  # MXFP4 experts held in the prepared form alone (prepare_for(keep_canonical=False), FusedMoE's
             # default): the suites that run MXFP4 through fused_experts, FusedMoE, the decode path, compile, HF
             STEP_TIMEOUT=170 step test-experts python3 -m pytest -q -n 2 -m gpu tests/test_experts_gpu.py

@@ -1,7 +1,7 @@
 """Benchmark of a whole MoE layer (router → experts → output) against HF's experts implementations.
 
-Layers: dsv4-flash (bf16 and MXFP4 weights) and qwen3-30b-a3b (bf16), tokens in {1, 16, 128,
-1024, 8192}. Ours: `FusedMoE` (gate + routing + fused_experts). HF: the same gate and routing
+Layers: dsv4-flash (bf16 and MXFP4 weights), qwen3-30b-a3b (bf16) and gpt-oss-120b (MXFP4),
+tokens in {1, 16, 128, 1024, 8192}. Ours: `FusedMoE` (gate + routing + fused_experts). HF: the same gate and routing
 (identical cost on both sides), then transformers' `grouped_mm` and `batched_mm` experts forward
 functions on the same weights. Each is timed eagerly and as a CUDA-graph replay.
 """
@@ -101,7 +101,8 @@ def bench_preset(name: str, weight_format: str, rows: list, hf: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="docs/bench")
-    parser.add_argument("--presets", default="dsv4-flash:bf16,dsv4-flash:mxfp4,qwen3-30b-a3b:bf16")
+    parser.add_argument("--presets",
+                        default="dsv4-flash:bf16,qwen3-30b-a3b:bf16,dsv4-flash:mxfp4,gpt-oss-120b:mxfp4")
     args = parser.parse_args()
     hf = hf_functions()
     rows: list = []

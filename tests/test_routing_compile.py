@@ -1,7 +1,7 @@
-"""The one-kernel top-k (`padded_moe.kernels.topk`) compiles for sm_90 on the forms its launcher
-produces (Triton's own ptxas, no GPU): softmax first with and without renormalisation (Qwen3-MoE,
+"""The one-kernel routers (`padded_moe.kernels.topk`) compile for sm_90 on the forms their launchers
+produce (Triton's own ptxas, no GPU): softmax first with and without renormalisation (Qwen3-MoE,
 Mixtral) and top-k first (GPT-OSS), 8 to 1024 experts, with libdevice's exponential, no
-register spills. The arguments are captured from interpreted calls and specialised as the
+register spills; and DeepSeek's biased routing with and without the group limit, each scoring. The arguments are captured from interpreted calls and specialised as the
 launcher's first call would be, with the GPU's LIBDEVICE flag."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from padded_moe._validation import FLOAT_DTYPES, require_int, require_real, requ
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
 from padded_moe.expert_map import check_valid_tokens, drop_rows_past
 from padded_moe.experts import batched_experts, eager_cache_off, fused_experts
-from padded_moe.mxfp4 import GROUP, HopperMxfp4, Mxfp4Tensor, prepared_stands_alone, quantize_mxfp4
+from padded_moe.mxfp4 import GROUP, HopperMxfp4, Mxfp4Tensor, canonical_kept, quantize_mxfp4
 from padded_moe.presets import MoEPreset, get_preset
 
 RouterFn = Callable[[torch.Tensor, Optional[torch.Tensor]], "tuple[torch.Tensor, torch.Tensor]"]
@@ -120,8 +120,7 @@ class FusedMoE(nn.Module):
         # MXFP4: whether the canonical parameters stay filled next to the prepared arrangement. Off,
         # they are emptied by `prepare()` (the device holds the weights once) wherever the prepared
         # form can stand alone (K of both weights whole 64-element blocks).
-        self.keep_canonical = keep_canonical or not all(prepared_stands_alone(shape[2])
-                                                        for shape in (self._w13_shape, self._w2_shape))
+        self.keep_canonical = canonical_kept(keep_canonical, self._w13_shape[2], self._w2_shape[2])
         # Usable after construction, like nn.Linear; a meta-device layer is a shape only.
         if self.gate.weight.device.type != "meta":
             self.reset_parameters()

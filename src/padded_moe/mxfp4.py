@@ -46,6 +46,13 @@ def prepared_stands_alone(k: int) -> bool:
     logical K."""
     return k % HOPPER_KB == 0
 
+
+def canonical_kept(keep_canonical: bool, *inner_widths: int) -> bool:
+    """Whether a layer holding MXFP4 weights of these inner widths keeps their canonical bytes next
+    to the prepared form (`FusedMoE(keep_canonical=...)`): when asked to, or where some weight's
+    prepared form cannot stand alone."""
+    return keep_canonical or not all(prepared_stands_alone(k) for k in inner_widths)
+
 # E2M1 magnitudes for nibble codes 0..7; codes 8..15 are the negatives.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between consecutive codes; a tie goes to the even code (round to nearest even).
@@ -302,6 +309,16 @@ def dequantize_mxfp4(q: Mxfp4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
 # ---------------------------------------------------------------------------------------------
 
 
+def _prepared_planes(blocks: torch.Tensor) -> int:
+    """`HopperMxfp4.planes` of prepared blocks: int32 words hold 4 planes, bytes 2."""
+    return 4 if blocks.dtype == torch.int32 else 2
+
+
+def _prepared_k(blocks: torch.Tensor) -> int:
+    """`HopperMxfp4.k_padded` of prepared blocks: 8 codes per int32 word, 2 per byte."""
+    return blocks.shape[-1] * (8 if _prepared_planes(blocks) == 4 else 2)
+
+
 @dataclass(frozen=True)
 class HopperMxfp4:
     """The GEMM's arrangement of an `Mxfp4Tensor` `[L, rows, K]` (built by `prepare_hopper`).
@@ -332,16 +349,16 @@ class HopperMxfp4:
     def unpadded(cls, blocks: torch.Tensor, scales: torch.Tensor) -> "HopperMxfp4":
         """The prepared form of a weight whose K is a multiple of `HOPPER_KB` (no padding), from its
         two tensors alone (how a custom op's arguments carry it)."""
-        return cls(blocks, scales, blocks.shape[-1] * (8 if blocks.dtype == torch.int32 else 2))
+        return cls(blocks, scales, _prepared_k(blocks))
 
     @property
     def k_padded(self) -> int:
-        return self.blocks.shape[-1] * (8 if self.planes == 4 else 2)
+        return _prepared_k(self.blocks)
 
     @property
     def planes(self) -> int:
         """2 (bytes of two nibbles) or 4 (32-bit words of eight bit-placed codes): see above."""
-        return 4 if self.blocks.dtype == torch.int32 else 2
+        return _prepared_planes(self.blocks)
 
     @property
     def folded(self) -> bool:

@@ -23,7 +23,7 @@ import torch
 from padded_moe._util import itemsize
 from padded_moe.ep.transport import storage_plan, transport_names
 from padded_moe.ep.wire import EPGeometry, WireFormat, ep_buffer_specs
-from padded_moe.mxfp4 import HOPPER_KB, prepared_stands_alone
+from padded_moe.mxfp4 import HOPPER_KB, canonical_kept
 from padded_moe.presets import PRESETS, MoEPreset, get_preset
 
 GIB = 1 << 30
@@ -101,7 +101,7 @@ def _weights(p: MoEPreset, L: int, weight_format: str, dtype: torch.dtype, keep_
         out = []
         # The canonical bytes (2 elements per byte + one E8M0 scale per 32 elements) stay next to
         # the prepared form only as `FusedMoE` keeps them: asked to, or where a width is padded.
-        if keep_canonical or not (prepared_stands_alone(K) and prepared_stands_alone(N)):
+        if canonical_kept(keep_canonical, K, N):
             out += [Buffer("w13 blocks (MXFP4)", (L, G, K // 2), torch.uint8, "weights"),
                     Buffer("w13 scales (E8M0)", (L, G, K // 32), torch.uint8, "weights"),
                     Buffer("w2 blocks (MXFP4)", (L, K, N // 2), torch.uint8, "weights"),

@@ -47,6 +47,13 @@ def _log1p(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _softmax(x, LIBDEVICE: tl.constexpr):
+    """The float32 softmax of one row (padding columns at -inf get 0)."""
+    e = _exp(x - tl.max(x, axis=0), LIBDEVICE)
+    return e / tl.sum(e, axis=0)
+
+
+@triton.jit
 def _best(vals, cols, NONE: tl.constexpr):
     """The largest of `vals` and the lowest column holding it (NONE where no column equals the
     maximum: a NaN row)."""
@@ -63,8 +70,7 @@ def _topk_router_kernel(logits_ptr, stride_lm, w_ptr, stride_wm, ids_ptr, stride
     in_row = cols < E
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_lm + cols, mask=in_row, other=float("-inf")).to(tl.float32)
     if SOFTMAX_FIRST:
-        e = _exp(x - tl.max(x, axis=0), LIBDEVICE)
-        vals = e / tl.sum(e, axis=0)
+        vals = _softmax(x, LIBDEVICE)
     else:
         vals = x
     vals = tl.where(in_row, vals, float("-inf"))
@@ -110,8 +116,7 @@ def _biased_router_kernel(logits_ptr, stride_lm, bias_ptr, w_ptr, stride_wm, ids
         # torch's softplus: x itself above the threshold 20, else log1p(exp(x)).
         scores = tl.sqrt_rn(tl.where(x > 20.0, x, _log1p(_exp(x, LIBDEVICE), LIBDEVICE)))
     else:
-        e = _exp(x - tl.max(x, axis=0), LIBDEVICE)
-        scores = e / tl.sum(e, axis=0)
+        scores = _softmax(x, LIBDEVICE)
     choice = scores
     if HAS_BIAS:
         choice += tl.load(bias_ptr + cols, mask=in_row, other=0.0).to(tl.float32)

@@ -272,6 +272,39 @@ for stage in "$@"; do
                 --launch-count 6 python3 scripts/ncu_small.py act
             STEP_TIMEOUT=120 step ncu-unpermute ncu "${ncu_sections[@]}" -k "regex:_unpermute" --launch-count 6 \
                 python3 scripts/ncu_small.py unpermute ;;
+        quarters)  # GemmConfig.quarters (256-row bf16 tiles computing only their quarters with rows): GPU
+            # exactness, memcheck, then whole calls: the table (128-row tiles on 128-row blocks) against
+            # quarter tiles on 256-row INDEXED blocks (issue 14)
+            STEP_TIMEOUT=240 step test-quarters python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k quarter
+            STEP_TIMEOUT=120 step sanitizer-quarters compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
+                -q -m gpu tests/test_gemm_gpu.py -k "quarter and rows190 and w2"
+            q=BM256_BN128_BK64_G1_w8
+            for run in "dsv4-flash medium 8192,6144" "qwen3-30b-a3b medium 4096,8192" "mixtral-8x7b medium 1024" \
+                       "mixtral-8x7b prefill 8192"; do
+                set -- $run
+                STEP_TIMEOUT=100 step "ab-qtr-$1-$2" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights bf16 \
+                    --regime "$2" --tokens "$3" --rounds 3 --out "$OUT/ab-qtr-$1-$2" \
+                    --candidates "${q}_s4_tma_qtr@256,BM256_BN128_BK32_G1_w8_s6_tma_qtr@256,${q}_s4_tma_pers_qtr@256"
+            done ;;
+        ncu-gemm)  # Nsight Compute of the bf16 expert GEMMs at DeepSeek-V4 8192 tokens (third call: GEMM1, GEMM2)
+            # and of a dense cuBLAS matmul of GEMM1's rows (the tensor-pipe and DRAM reference)
+            ncu_sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis
+                          --section Occupancy --section WarpStateStats --section LaunchStats
+                          --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,lts__t_bytes.sum)
+            STEP_TIMEOUT=200 step ncu-gemm-dsv4 ncu "${ncu_sections[@]}" -k "regex:_expert_gemm" --launch-skip 4 \
+                --launch-count 2 python3 scripts/ncu_small.py layer dsv4-flash 8192
+            STEP_TIMEOUT=120 step ncu-mm ncu "${ncu_sections[@]}" --launch-skip 3 --launch-count 1 \
+                python3 scripts/ncu_small.py mm 49152 4096 4096 ;;
+        tile192)  # probe: one program over an expert's 192 rows vs two 128-row m-tiles (issue 14)
+            STEP_TIMEOUT=300 step tile192 python3 scripts/tile192_probe.py
+            STEP_TIMEOUT=200 step tile192-r160 python3 scripts/tile192_probe.py --rows 160 ;;
+        ncu-gemm-variants)  # the same GEMMs with the tile walk varied: dynamic counter, one program per tile
+            for c in BM128_BN256_BK64_G16_w8_s4_tma_pers_dyn BM128_BN256_BK64_G16_w8_s4_tma BM128_BN256_BK64_G8_w8_s4_tma_pers \
+                     BM128_BN256_BK64_G32_w8_s4_tma_pers; do
+                STEP_TIMEOUT=120 step "ncu-gemm-$c" ncu --section SpeedOfLight \
+                    --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct -k "regex:_expert_gemm" --launch-skip 4 \
+                    --launch-count 2 python3 scripts/ncu_small.py layer dsv4-flash 8192 "$c"
+            done ;;
         striding)  # grid-striding kernels sized to one wave of resident programs: the driver's occupancy
             # cross-check, the activation / layout / plan GPU tests, sanitizer, both benches
             STEP_TIMEOUT=200 step test-striding python3 -m pytest -q -n 2 -m gpu tests/test_platform_gpu.py \
@@ -724,6 +757,15 @@ print('warnings', n); assert n == 1, n"
         compile-profile)  # where compiled calls spend time next to eager ones (kernels, host events)
             step profile-compile python3 benchmarks/bench_compile.py --profile --presets qwen3-30b-a3b dsv4-flash:bf16 \
                 --tokens 16 1024 --out "$OUT/bench-compile" ;;
+        wide-bf16)  # bf16 256-row tiles over 256-row INDEXED blocks (an expert's rows under one weight stream)
+            # against the table's 128-row tile, whole calls, alternating rounds (issue 14, DeepSeek-V4 8192)
+            w=BM256_BN128_BK64_G8_w8
+            for run in "dsv4-flash 8192" "qwen3-30b-a3b 4096"; do
+                set -- $run
+                STEP_TIMEOUT=200 step "ab-wide-$1-$2" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights bf16 \
+                    --regime medium --tokens "$2" --rounds 3 --out "/tmp/ab-wide-$1" \
+                    --candidates "BM128_BN256_BK64_G16_w8_s4_tma_pers@256,${w}_s3_tma@256,${w}_s3_tma_pers@256,${w}_s4_tma_pers@256,${w}_s3_tma_pers_dyn@256"
+            done ;;
         gpu-suite)  # every single-GPU test file in one pytest (4 workers share the GPU)
             STEP_TIMEOUT=540 step test-gpu-suite python3 -m pytest -q -n 4 -rf -m "gpu and not multigpu" tests ;;
         cpu-suite)

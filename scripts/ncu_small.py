@@ -1,6 +1,8 @@
 """Drive one small kernel for Nsight Compute (`ncu`): a few warm-up calls, then the profiled ones.
 
     ncu --kernel-name regex:NAME python3 scripts/ncu_small.py act|unpermute|mx [ROWS]
+    ncu --kernel-name regex:_expert_gemm python3 scripts/ncu_small.py layer PRESET TOKENS [CONFIG]
+    ncu python3 scripts/ncu_small.py mm M N K   (a dense bf16 matmul: the tensor-pipe reference)
 """
 import sys
 
@@ -46,6 +48,26 @@ elif case == "mx":  # prepared MXFP4 w13 of GPT-OSS (E=128, K=2880, N=5760), ROW
     out = torch.empty(E * r, N, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         expert_gemm(a, q, meta, out=out)
+elif case == "layer":  # FusedMoE.experts of a bf16 preset at TOKENS tokens with its own router: 3 calls
+    # CONFIG: a GemmConfig short name in place of the bf16 medium table entry
+    from padded_moe.kernels import gemm as kg
+    from padded_moe.layer import FusedMoE
+
+    if len(sys.argv) > 4:
+        kg.TUNED[("bf16", "medium")] = kg.GemmConfig.from_short(sys.argv[4])
+
+    layer = FusedMoE.from_preset(sys.argv[2], weight_format="bf16", device="cuda", dtype=torch.bfloat16)
+    layer.randomize(seed=0, std=0.02)
+    x = torch.randn(int(sys.argv[3]), layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    tw, ids = layer.route(layer.gate(x), None)
+    for _ in range(3):
+        layer.experts(x, tw, ids)
+elif case == "mm":  # a dense [M, K] @ [K, N] bf16 matmul (cuBLAS), 3 calls
+    M, N, K = (int(v) for v in sys.argv[2:5])
+    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
 else:  # unpermute of every layout, M=4096, k=8, E=128, K=4096 (bench_permute's shape)
     M, k, E, K = 4096, 8, 128, 4096
     ids = torch.rand(M, E, device="cuda").topk(k, dim=1).indices.to(torch.int32)

@@ -658,6 +658,74 @@ def test_half_tail_tiles_match_full_tiles(monkeypatch, layout, wdtype, persisten
     assert torch.equal(full, half)
 
 
+# Experts whose last 64-row tile holds rows in one quarter (1, 16, 65), two (17, 32), three (33, 48,
+# 100: 36 rows in its second tile), four (49, 63, 64, 130: two full tiles and 2 rows), and none (0).
+QUARTER_COUNTS = [0, 1, 16, 17, 32, 33, 48, 49, 63, 64, 65, 100, 130]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("persistent", [False, True], ids=["one_per_tile", "persistent"])
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer_weights", "tma_weights"])
+def test_quarter_tiles_match_full_tiles(monkeypatch, layout, wdtype, persistent, tma, gen):
+    """`GemmConfig.quarters` with 64-row tiles: each tile's main loop covers its 16-row quarters up
+    to the last valid row (one, two, three or four: a 16-row, a 32-row, a 32 + 16-row and a 32 +
+    32-row body). The reference on every written row, nothing else written (NaN in every row the
+    layout must not read, invalid ids mixed in), and the bits of the same config without it."""
+    from padded_moe.kernels import gemm as kg
+
+    require_interpreter(monkeypatch)
+    K, n_out, k = 64, 40, 2
+    counts, L = QUARTER_COUNTS, len(QUARTER_COUNTS)
+    w, w64 = make_weight(L, n_out, K, wdtype, gen)
+    ids = ids_with_counts(counts, k, gen, extra_invalid=3)
+    t_max = max(counts) + 5 if layout == GemmLayout.GROUPED_MASKED else None
+    meta = local_meta(layout, ids, L, block_m=64, t_max=t_max)
+    a = layout_activations(layout, meta, ids.shape[0], k, K, gen, act_dtype(wdtype))
+    base = dataclasses.replace(kg.INTERPRET_CONFIG, BM=64, persistent=persistent, tma=tma)
+    full = run_and_check(a, w, w64, meta, "w13", backend="triton", config=base)
+    quarters = run_and_check(a, w, w64, meta, "w13", backend="triton", config=dataclasses.replace(base, quarters=True))
+    if tma and wdtype == torch.float32:
+        # The interpreter's float32 dot on a transposed (descriptor) weight tile may sum in another
+        # order for another row count; the compiled kernel's bits are compared in test_gemm_gpu.
+        torch.testing.assert_close(quarters, full, rtol=2e-6, atol=2e-6)
+    else:
+        assert torch.equal(full, quarters)
+
+
+def test_quarter_tiles_take_the_bodies_their_rows_need(monkeypatch, gen):
+    """Each quarter count runs its own body: with the count replaced by a wrong one (three-quarter
+    tiles run as one quarter) rows are left unwritten, so the equality above cannot hold by accident."""
+    from padded_moe.kernels import gemm as kg
+
+    require_interpreter(monkeypatch)
+    K, n_out, k = 64, 40, 2
+    counts = [48, 40]  # three quarters each
+    w, w64 = make_weight(len(counts), n_out, K, torch.float32, gen)
+    ids = ids_with_counts(counts, k, gen)
+    meta = local_meta(GemmLayout.INDEXED, ids, len(counts), block_m=64)
+    a = layout_activations(GemmLayout.INDEXED, meta, ids.shape[0], k, K, gen, torch.float32)
+    cfg = dataclasses.replace(kg.INTERPRET_CONFIG, BM=64, quarters=True)
+    run_and_check(a, w, w64, meta, "w13", backend="triton", config=cfg)
+    monkeypatch.setattr(kg, "_quarters_used", kg._in_first_half)  # 0 for these tiles
+    with pytest.raises(AssertionError):
+        run_and_check(a, w, w64, meta, "w13", backend="triton", config=cfg)
+
+
+def test_quarter_tiles_need_plain_weights(gen):
+    """`quarters` on MXFP4 weights, or with `half_tail`, is refused by name."""
+    from padded_moe.kernels import gemm as kg
+
+    aq, wq, wq64, metaq = edge_count_case(GemmLayout.INDEXED, "mxfp4", gen, extra_invalid=0)
+    with pytest.raises(ValueError, match="config.quarters"):
+        run_and_check(aq, wq, wq64, metaq, "w13", backend="triton",
+                      config=dataclasses.replace(kg.INTERPRET_CONFIG, BM=64, quarters=True))
+    a, w, w64, meta = edge_count_case(GemmLayout.INDEXED, torch.float32, gen, extra_invalid=0)
+    with pytest.raises(ValueError, match="config.quarters"):
+        run_and_check(a, w, w64, meta, "w13", backend="triton",
+                      config=dataclasses.replace(kg.INTERPRET_CONFIG, BM=64, quarters=True, half_tail=True))
+
+
 # ---------------------------------------------------------------------------------------------
 # MXFP4 in the prepared Hopper arrangement (`Mxfp4Tensor.prepare_for`, the Hopper kernel)
 # ---------------------------------------------------------------------------------------------

@@ -150,9 +150,10 @@ def weights():
     return weight_cache()
 
 
-def real_shape_case(shape, stage, layout, weights, wdtype):
+def real_shape_case(shape, stage, layout, weights, wdtype, block_m=None):
     """`(w, meta, a, bias, out)` for one model shape: ids with -1 and out-of-range garbage (each
-    expert at most once per token for prefill), NaN-poisoned padded rows, a poisoned output."""
+    expert at most once per token for prefill), NaN-poisoned padded rows, a poisoned output.
+    `block_m`: INDEXED's row block (None: the default)."""
     name, L, K, N, k, M, with_bias = shape
     n_out, k_in = (2 * N, K) if stage == "w13" else (K, N)
     w = weights(name, L, n_out, k_in, wdtype)
@@ -160,7 +161,7 @@ def real_shape_case(shape, stage, layout, weights, wdtype):
     ids = torch.randint(-1, L + 2, (M, k), generator=g, device=DEV, dtype=torch.int32)
     if name == "prefill":
         ids = torch.stack([torch.randperm(L, device=DEV)[:k] for _ in range(M)]).int()
-    meta = build_layout(layout, ids, L)
+    meta = build_layout(layout, ids, L, block_m=block_m if layout == GemmLayout.INDEXED else None)
     a = inputs_for(layout, meta, stage, k_in, M, k, 3)
     bias = torch.randn(L, n_out, device=DEV).bfloat16() if with_bias else None
     return w, meta, a, bias, out_for(layout, meta, a, n_out)
@@ -281,6 +282,30 @@ def test_switch_keeps_the_tiles_bits(layout, stage, shape, switch, wdtype, cfg, 
     torch.cuda.synchronize()
     check(a, w, meta, stage, on, bias, w_ref=w_ref)
     assert torch.equal(off, on)
+
+
+# `GemmConfig.quarters` on 256-row bf16 tiles (INDEXED in 256-row blocks): DeepSeek-V4's few rows
+# per expert (one quarter), about 190 rows per expert (three and four quarters) and prefill (full
+# tiles and tails).
+QUARTER_SHAPES = [SHAPES[0], ("rows190", 64, 2048, 1024, 6, 2048, True), SHAPES[2]]
+QUARTER_CONFIGS = [GemmConfig(256, 128, 64, 1, 8, 4, tma=True), GemmConfig(256, 128, 64, 1, 8, 4, tma=True,
+                                                                             persistent=True)]
+
+
+@pytest.mark.parametrize("cfg", QUARTER_CONFIGS, ids=lambda c: c.short())
+@pytest.mark.parametrize("shape", QUARTER_SHAPES, ids=lambda s: s[0])
+@pytest.mark.parametrize("stage", ["w13", "w2"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+def test_quarter_tiles_keep_the_tiles_bits(layout, stage, shape, cfg, weights):
+    """Garbage ids, NaN-poisoned padding, biases: the 256-row tile with `quarters` matches the
+    reference and gives the bits of the whole tile (TMA A rows in the grouped layouts)."""
+    w, meta, a, bias, out = real_shape_case(shape, stage, layout, weights, "bf16", block_m=256)
+    be = get_backend("triton")
+    whole = be.gemm(a, w, meta, stage=stage, bias=bias, out=out.clone(), config=cfg)
+    quarters = be.gemm(a, w, meta, stage=stage, bias=bias, out=out, config=dataclasses.replace(cfg, quarters=True))
+    torch.cuda.synchronize()
+    check(a, w, meta, stage, quarters, bias)
+    assert torch.equal(whole, quarters)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)

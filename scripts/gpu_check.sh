@@ -284,7 +284,7 @@ for stage in "$@"; do
                 set -- $run
                 STEP_TIMEOUT=100 step "ab-qtr-$1-$2" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights bf16 \
                     --regime "$2" --tokens "$3" --rounds 3 --out "$OUT/ab-qtr-$1-$2" \
-                    --candidates "${q}_s4_tma_qtr@256,BM256_BN128_BK32_G1_w8_s6_tma_qtr@256,${q}_s4_tma_pers_qtr@256"
+                    --candidates "${q}_s4_tma_qtr@256,BM256_BN128_BK32_G1_w8_s6_tma_qtr@256,BM256_BN64_BK32_G1_w8_s4_tma_qtr@256,${q}_s4_tma_pers_qtr@256"
             done ;;
         ncu-gemm)  # Nsight Compute of the bf16 expert GEMMs at DeepSeek-V4 8192 tokens (third call: GEMM1, GEMM2)
             # and of a dense cuBLAS matmul of GEMM1's rows (the tensor-pipe and DRAM reference)

@@ -134,10 +134,26 @@ def _gpt_oss(tiny: bool):
     return GptOssConfig(num_hidden_layers=2, layer_types=layer_types)
 
 
+def _deepseek_v3(tiny: bool):
+    from transformers import DeepseekV3Config
+
+    # MoE layers only (no dense first layers), one shared expert, the router's group limit.
+    common = dict(first_k_dense_replace=0, n_shared_experts=1, num_hidden_layers=2)
+    if tiny:
+        return DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                                qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **common)
+    # transformers' default DeepseekV3Config is DeepSeek-V3's (and Kimi-K2's) layer: 256 experts,
+    # top-8 in 4 of 8 groups, H=7168, N=2048, multi-head latent attention.
+    return DeepseekV3Config(**common)
+
+
 MODELS: dict = {
     "qwen3_moe": ("Qwen3-MoE", _qwen3_moe),
     "mixtral": ("Mixtral", _mixtral),
     "gpt_oss": ("GPT-OSS-like", _gpt_oss),
+    "deepseek_v3": ("DeepSeek-V3-like", _deepseek_v3),
 }
 
 

@@ -396,6 +396,15 @@ for stage in "$@"; do
             STEP_TIMEOUT=150 step test-compile python3 -m pytest -q -n 2 -m gpu tests/test_compile_gpu.py
             STEP_TIMEOUT=240 step bench-hf-graph python3 benchmarks/bench_hf.py --models qwen3_moe,gpt_oss,mixtral \
                 --columns graph_b1,graph_b32,decode_b1 --out "$OUT/bench-hf" ;;
+        router-v3)  # the HF plug-in's DeepSeek-V3-formula routers (DeepSeek-V3 / V3.2, GLM-4-MoE) through
+            # biased_grouped_topk with int64 indices: GPU router tests and memcheck, HF parity (the deepseek_v3
+            # family joined it), the DeepSeek-V3-like HF model's graph and eager decode steps
+            STEP_TIMEOUT=90 step test-routing python3 -m pytest -q -m gpu tests/test_routing_gpu.py
+            STEP_TIMEOUT=120 step sanitizer-routing compute-sanitizer --tool memcheck --error-exitcode 9 \
+                python3 -m pytest -q -m gpu tests/test_routing_gpu.py -k "biased_kernel"
+            STEP_TIMEOUT=150 step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py
+            STEP_TIMEOUT=240 step bench-hf-v3 python3 benchmarks/bench_hf.py --models deepseek_v3 \
+                --columns graph_b1,graph_b32,decode_b1,decode_b32 --out "$OUT/bench-hf-v3" ;;
         pipeline-suites)  # the kernels every fused_experts call runs outside the GEMMs (activation, layouts'
             # unpermute) through the suites that call fused_experts (decode, plans, eager, compile, HF parity)
             STEP_TIMEOUT=90 step test-activation python3 -m pytest -q -m gpu tests/test_activation_gpu.py

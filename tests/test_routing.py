@@ -269,6 +269,40 @@ def test_biased_topk_all_scorings_vs_float64(cpu_path, gen, scoring):
         assert_same_routing(ours, _ref_biased(logits, bias, 3, scoring, 0.7, renormalize), atol=2e-6)
 
 
+def test_biased_topk_output_dtypes(cpu_path, gen):
+    """The output dtypes asked for (transformers' DeepSeek-V3 router returns int64 indices): the
+    same experts and, within the dtype's rounding, the same weights as the default float32 / int32."""
+    logits = torch.randn(37, 64, generator=gen)
+    bias = torch.randn(64, generator=gen) * 0.3
+    ref_w, ref_ids = biased_grouped_topk(logits, bias, 6, 8, 3, "sigmoid", 2.5)
+    for w_dtype, i_dtype in ((torch.float32, torch.int64), (torch.bfloat16, torch.int64), (torch.float16, torch.int32)):
+        w, ids = biased_grouped_topk(logits, bias, 6, 8, 3, "sigmoid", 2.5, weights_dtype=w_dtype, ids_dtype=i_dtype)
+        assert (w.dtype, ids.dtype, tuple(w.shape)) == (w_dtype, i_dtype, (37, 6))
+        assert torch.equal(ids.long(), ref_ids.long())
+        torch.testing.assert_close(w.float(), ref_w, rtol=0 if w_dtype == torch.float32 else 8e-3,
+                                   atol=0 if w_dtype == torch.float32 else 8e-3)
+    with pytest.raises(TypeError, match="weights_dtype must be"):
+        biased_grouped_topk(logits, bias, 6, weights_dtype=torch.float64)
+    with pytest.raises(TypeError, match="ids_dtype must be"):
+        biased_grouped_topk(logits, bias, 6, ids_dtype=torch.int16)
+
+
+def test_biased_topk_compiles_as_one_op_with_its_dtypes(gen):
+    """Under torch.compile (fullgraph, inductor) the router is the op `padded_moe::biased_topk`,
+    whose fake gives the output dtypes asked for: the compiled call equals the eager one."""
+    logits = torch.randn(9, 32, generator=gen)
+    bias = torch.randn(32, generator=gen) * 0.3
+
+    def route(lg, b):
+        return biased_grouped_topk(lg, b, 4, 4, 2, "sigmoid", 2.5, weights_dtype=torch.bfloat16,
+                                   ids_dtype=torch.int64)
+
+    got = torch.compile(route, fullgraph=True)(logits, bias)
+    want = route(logits, bias)
+    assert (got[0].dtype, got[1].dtype) == (torch.bfloat16, torch.int64)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_logits_route_in_float32(gen, dtype):
     logits = (torch.randn(64, 16, generator=gen) * 3).to(dtype)

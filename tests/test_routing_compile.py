@@ -40,18 +40,21 @@ def test_topk_router_kernel_compiles_for_sm90_without_spills(monkeypatch):
 
 BIASED_SCRIPT = launch_stats_script("padded_moe.kernels.topk", "_biased_router_kernel")
 
-# (experts, k, logits dtype, scoring, bias, groups, kept groups): DeepSeek-V4, DeepSeek-V3, Kimi-K2-like,
-# the widest row
-BIASED_CASES = [(256, 6, torch.bfloat16, "sqrtsoftplus", True, 1, 1), (256, 8, torch.float32, "sigmoid", True, 8, 4),
-                (384, 8, torch.bfloat16, "sigmoid", True, 1, 1), (1024, 8, torch.float32, "softmax", False, 16, 4)]
+# (experts, k, logits dtype, scoring, bias, groups, kept groups, ids dtype): DeepSeek-V4, DeepSeek-V3 (as
+# transformers' router through the plug-in: float32 logits, int64 indices), Kimi-K2-like, the widest row
+BIASED_CASES = [(256, 6, torch.bfloat16, "sqrtsoftplus", True, 1, 1, torch.int32),
+                (256, 8, torch.float32, "sigmoid", True, 8, 4, torch.int64),
+                (384, 8, torch.bfloat16, "sigmoid", True, 1, 1, torch.int32),
+                (1024, 8, torch.float32, "softmax", False, 16, 4, torch.int32)]
 
 
-def captured_biased_launch(monkeypatch, num_experts, k, dtype, scoring, has_bias, groups, kept) -> list:
+def captured_biased_launch(monkeypatch, num_experts, k, dtype, scoring, has_bias, groups, kept, ids_dtype) -> list:
     from padded_moe.routing import biased_grouped_topk
 
     bias = torch.randn(num_experts) if has_bias else None
     (fn, args, constexprs, opt), = captured_launches(monkeypatch, lambda: biased_grouped_topk(
-        torch.randn(5, num_experts).to(dtype), bias, k, num_groups=groups, topk_groups=kept, scoring=scoring))
+        torch.randn(5, num_experts).to(dtype), bias, k, num_groups=groups, topk_groups=kept, scoring=scoring,
+        ids_dtype=ids_dtype))
     sig, const, div16 = launch_signature(fn, args, dict(constexprs, LIBDEVICE=True))
     return [sig, const, div16, opt["num_warps"]]
 

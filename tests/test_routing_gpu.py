@@ -111,3 +111,7 @@ def test_biased_kernel_on_cuda(gen, num_experts, k, scoring, groups, kept):
     ref = score.gather(1, ids.long())
     ref = 2.5 * ref / (ref.sum(-1, keepdim=True) + 1e-20)
     torch.testing.assert_close(w.double(), ref, rtol=2e-6, atol=1e-7)
+    # The output dtypes of transformers' routers (int64 indices) from the same kernel: the same bits.
+    w64, ids64 = biased_grouped_topk(logits, bias, k, num_groups=groups, topk_groups=kept, scoring=scoring,
+                                     routed_scaling_factor=2.5, ids_dtype=torch.int64)
+    assert ids64.dtype == torch.int64 and torch.equal(ids64, ids.long()) and torch.equal(w64, w)

@@ -99,6 +99,20 @@ def _deepseek_v4(s):
     return _causal_lm(cfg)
 
 
+def _deepseek_v3(s):
+    from transformers import DeepseekV3Config
+
+    # Two expert groups with one kept per token, a shared expert, routed scaling 2.5: the router's
+    # group limit and correction bias (randomized below) decide which experts run.
+    common = dict(_common(s), num_key_value_heads=4)  # MLA: as many key/value heads as query heads
+    cfg = DeepseekV3Config(**common, intermediate_size=2 * s["inter"], moe_intermediate_size=s["inter"],
+                           n_routed_experts=s["experts"], num_experts_per_tok=s["top_k"], n_group=2, topk_group=1,
+                           first_k_dense_replace=0, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16,
+                           qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5,
+                           norm_topk_prob=True)
+    return _causal_lm(cfg)
+
+
 def _gpt_oss(s):
     from transformers import GptOssConfig
 
@@ -143,6 +157,7 @@ FAMILIES = {
         Family("mixtral", _mixtral, "MixtralExperts", "silu"),
         Family("qwen3_moe", _qwen3_moe, "Qwen3MoeExperts", "silu"),
         Family("olmoe", _olmoe, "OlmoeExperts", "silu"),
+        Family("deepseek_v3", _deepseek_v3, "DeepseekV3Experts", "silu"),
         Family("deepseek_v4", _deepseek_v4, "DeepseekV4Experts", "silu"),
         Family("gpt_oss", _gpt_oss, "GptOssExperts", "swigluoai"),
         Family("minimax_m3", _minimax_m3, "MiniMaxM3VLExperts", "swigluoai_uninterleave"),
@@ -156,7 +171,9 @@ SEEDS = {name: 1000 + i for i, name in enumerate(FAMILIES)}
 def randomize(model: torch.nn.Module, seed: int, scale: float = 0.6) -> torch.nn.Module:
     """Non-trivial random weights: matrices N(0, scale^2 / fan_in) (fan_in = last dim, so
     activations keep their size at any width), other vectors N(0, 0.1^2), norm scales
-    1 + N(0, 0.1^2), and DeepSeek-V4's hash table filled with distinct experts per token."""
+    1 + N(0, 0.1^2), DeepSeek-V3's expert-score correction bias N(0, 0.3^2) (HF initialises it to
+    zero, which would leave it untested), and DeepSeek-V4's hash table filled with distinct experts
+    per token."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -168,6 +185,8 @@ def randomize(model: torch.nn.Module, seed: int, scale: float = 0.6) -> torch.nn
             else:
                 p.copy_(scale / math.sqrt(p.shape[-1]) * noise)
         for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias") and model.config.model_type == "deepseek_v3":
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen, dtype=torch.float64))
             if name.endswith("tid2eid"):
                 num_experts = model.config.n_routed_experts
                 b.copy_(torch.rand(b.shape[0], num_experts, generator=gen).argsort(-1)[:, : b.shape[1]])
@@ -301,39 +320,101 @@ def test_step3p7_dispatch_leaves_other_implementations_alone():
     assert rel_err(ours, eager) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe", "gpt_oss"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_router_runs_hf_formula_in_one_kernel(name, dtype, cpu_path, monkeypatch):
-    """register() makes the top-k routers of `plug._ROUTERS` run `fused_topk` under "padded_moe"
-    (one kernel launch: the interpreted path shows it): the same logits (HF's own projection), the
-    same experts and scores as HF's formula within float32 rounding, HF's output dtypes (int64
-    indices; scores in the logits' dtype, float32 for Mixtral); HF's own forward otherwise."""
-    from padded_moe.kernels import _launch
+class LaunchSpy:
+    """Names of the Triton kernels launched through `padded_moe.kernels._launch.launch`."""
 
-    model = build(name, dtype=dtype)
-    block = next(m for m in model.modules() if type(m).__name__.endswith("TopKRouter"))
-    assert type(block).__dict__.get("_padded_moe_dispatch"), type(block).__name__
-    launched, real = [], _launch.launch
+    def __init__(self, monkeypatch):
+        from padded_moe.kernels import _launch
 
-    def spy(fn, *args, **kwargs):
-        launched.append(fn.__name__ if hasattr(fn, "__name__") else fn.fn.__name__)
-        return real(fn, *args, **kwargs)
+        self.names, real = [], _launch.launch
 
-    monkeypatch.setattr(_launch, "launch", spy)
-    x = torch.randn(9, TINY["hidden"], generator=torch.Generator().manual_seed(SEEDS[name])).to(dtype)
-    with torch.no_grad():
-        hf_logits, hf_scores, hf_ids = block(x)  # the model was built with "eager" experts: HF's forward
-        assert launched == []
-        model.set_experts_implementation(plug.IMPLEMENTATION)
-        logits, scores, ids = block(x)
-    assert len(launched) == (1 if cpu_path == "triton_interpret" else 0), launched
+        def spy(fn, *args, **kwargs):
+            self.names.append(fn.__name__ if hasattr(fn, "__name__") else fn.fn.__name__)
+            return real(fn, *args, **kwargs)
+
+        monkeypatch.setattr(_launch, "launch", spy)
+
+
+def assert_same_router_output(ours: tuple, hf: tuple, tol: float) -> None:
+    """(logits, scores, indices) of a router under the plug-in against HF's own: the same logits,
+    HF's dtypes and shapes, the same experts per token and their scores within `tol`."""
+    (logits, scores, ids), (hf_logits, hf_scores, hf_ids) = ours, hf
     assert torch.equal(logits, hf_logits)
     assert (scores.dtype, ids.dtype, scores.shape, ids.shape) == (hf_scores.dtype, hf_ids.dtype, hf_scores.shape,
                                                                   hf_ids.shape)
     assert torch.equal(ids.sort(-1).values, hf_ids.sort(-1).values)
     order = lambda s, i: s.float().gather(1, i.argsort(-1))  # noqa: E731 - scores by expert id
-    tol = 1e-6 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(order(scores, ids), order(hf_scores, hf_ids), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_router_runs_hf_formula_in_one_kernel(name, dtype, cpu_path, monkeypatch):
+    """register() makes the top-k routers of `plug._ROUTERS` run `fused_topk` (DeepSeek-V3:
+    `biased_grouped_topk`) under "padded_moe" (one kernel launch: the interpreted path shows it):
+    the same logits (HF's own projection), the same experts and scores as HF's formula within
+    float32 rounding, HF's output dtypes (int64 indices; scores in the logits' dtype, float32 for
+    Mixtral and DeepSeek-V3); HF's own forward otherwise."""
+    model = build(name, dtype=dtype)
+    block = next(m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter"))
+    assert type(block).__dict__.get("_padded_moe_dispatch"), type(block).__name__
+    launched = LaunchSpy(monkeypatch)
+    x = torch.randn(9, TINY["hidden"], generator=torch.Generator().manual_seed(SEEDS[name])).to(dtype)
+    with torch.no_grad():
+        hf = block(x)  # the model was built with "eager" experts: HF's forward
+        assert launched.names == []
+        model.set_experts_implementation(plug.IMPLEMENTATION)
+        ours = block(x)
+    want = "_biased_router_kernel" if name == "deepseek_v3" else "_topk_router_kernel"
+    assert launched.names == ([want] if cpu_path == "triton_interpret" else []), launched.names
+    assert_same_router_output(ours, hf, 1e-6 if dtype == torch.float32 or name == "deepseek_v3" else 8e-3)
+
+
+def _biased_router(module: str, config: str, group_limit: bool):
+    """A DeepSeek-V3-formula router alone (16 experts, 4 per token; 4 groups, 2 kept where
+    `group_limit`), random weights and correction bias, built after register()."""
+    import importlib
+
+    mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    cls = next(c for n, c in vars(mod).items() if n.lower().endswith("topkrouter") and isinstance(c, type))
+    cfg = getattr(importlib.import_module("transformers"), config)(
+        hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4 if group_limit else 1,
+        topk_group=2 if group_limit else 1, norm_topk_prob=True, routed_scaling_factor=2.5)
+    cfg._experts_implementation = "eager"
+    router = cls(cfg)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        router.weight.copy_(0.5 * torch.randn(router.weight.shape, generator=gen))
+        router.e_score_correction_bias.copy_(0.3 * torch.randn(16, generator=gen))
+    return cfg, router
+
+
+@pytest.mark.parametrize("module,config", [("deepseek_v3", "DeepseekV3Config"), ("deepseek_v32", "DeepseekV32Config"),
+                                           ("glm4_moe", "Glm4MoeConfig")])
+@pytest.mark.parametrize("group_limit", [True, False], ids=["groups", "no_groups"])
+def test_deepseek_v3_formula_routers(module, config, group_limit, cpu_path, monkeypatch):
+    """The routers that share DeepSeek-V3's formula run `biased_grouped_topk` under "padded_moe"
+    with HF's results and dtypes (float32 logits and scores, int64 indices), HF's forward under any
+    other name; the group limit and the correction bias change the experts (non-vacuous)."""
+    from padded_moe.routing import biased_grouped_topk
+
+    cfg, router = _biased_router(module, config, group_limit)
+    assert type(router).__dict__.get("_padded_moe_dispatch"), type(router).__name__
+    launched = LaunchSpy(monkeypatch)
+    x = torch.randn(2, 33, 16, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        hf = router(x)
+        assert launched.names == []
+        cfg._experts_implementation = plug.IMPLEMENTATION
+        ours = router(x)
+    assert launched.names == (["_biased_router_kernel"] if cpu_path == "triton_interpret" else []), launched.names
+    assert_same_router_output(ours, hf, 1e-6)
+    logits = hf[0]
+    unbiased = biased_grouped_topk(logits, None, 4, cfg.n_group, cfg.topk_group, "sigmoid", 2.5)[1]
+    assert not torch.equal(unbiased.sort(-1).values.long(), hf[2].sort(-1).values)
+    if group_limit:
+        ungrouped = biased_grouped_topk(logits, router.e_score_correction_bias, 4, 1, 1, "sigmoid", 2.5)[1]
+        assert not torch.equal(ungrouped.sort(-1).values.long(), hf[2].sort(-1).values)
 
 
 # ---------------------------------------------------------------------------------------------

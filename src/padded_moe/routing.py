@@ -98,6 +98,15 @@ def _check_scoring(scoring: object) -> str:
     return scoring  # type: ignore[return-value]
 
 
+def _check_out_dtypes(weights_dtype: object, ids_dtype: object) -> None:
+    """The routers' output dtypes a caller may ask for (HF's routers return their scores in the
+    logits' dtype and int64 indices; the library's own default is float32 / int32)."""
+    if weights_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"weights_dtype must be float32, float16 or bfloat16, got {weights_dtype}")
+    if ids_dtype not in INDEX_DTYPES:
+        raise TypeError(f"ids_dtype must be torch.int32 or torch.int64, got {ids_dtype}")
+
+
 def _check_bias(bias: object, logits: torch.Tensor) -> torch.Tensor | None:
     if bias is None:
         return None
@@ -190,10 +199,7 @@ def fused_topk(
     k = _check_int("k", k, 1, logits.shape[1], "experts per token, at most E = logits.shape[1]")
     renormalize = _check_bool("renormalize", renormalize)
     topk_before_softmax = _check_bool("topk_before_softmax", topk_before_softmax)
-    if weights_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"weights_dtype must be float32, float16 or bfloat16, got {weights_dtype}")
-    if ids_dtype not in INDEX_DTYPES:
-        raise TypeError(f"ids_dtype must be torch.int32 or torch.int64, got {ids_dtype}")
+    _check_out_dtypes(weights_dtype, ids_dtype)
     if logits.requires_grad and torch.is_grad_enabled():
         return _topk_formula(logits, k, renormalize, topk_before_softmax, weights_dtype, ids_dtype)
     if torch.compiler.is_compiling():
@@ -312,6 +318,9 @@ def biased_grouped_topk(
     scoring: str = "sigmoid",
     routed_scaling_factor: float = 1.0,
     renormalize: bool = True,
+    *,
+    weights_dtype: torch.dtype = torch.float32,
+    ids_dtype: torch.dtype = torch.int32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / V4 routing: scores, bias-corrected group-limited selection, unbiased weights.
 
@@ -334,9 +343,12 @@ def biased_grouped_topk(
         scoring: one of `SCORING_FUNCS`.
         routed_scaling_factor: multiplier applied to the final weights.
         renormalize: divide the chosen scores by their sum before scaling.
+        weights_dtype, ids_dtype: the outputs' dtypes (float32 / float16 / bfloat16; int32 /
+            int64), written by the same kernel (transformers' routers return int64 indices).
 
     Returns:
-        `(topk_weights float32 [M, k], topk_ids int32 [M, k])`, the k largest choice scores first.
+        `(topk_weights [M, k] weights_dtype, topk_ids [M, k] ids_dtype)`, the k largest choice
+        scores first.
 
     On CUDA one Triton kernel computes it (E up to `FUSED_TOPK_MAX_EXPERTS`; with a group limit, E
     and `num_groups` powers of two), with libdevice's exp / log1p and ties to the lower expert id
@@ -351,30 +363,35 @@ def biased_grouped_topk(
     scoring = _check_scoring(scoring)
     scale = _check_scale(routed_scaling_factor)
     renormalize = _check_bool("renormalize", renormalize)
+    _check_out_dtypes(weights_dtype, ids_dtype)
+    args = (logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize, weights_dtype, ids_dtype)
 
     if (logits.requires_grad or (bias is not None and bias.requires_grad)) and torch.is_grad_enabled():
-        return _biased_formula(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize)
+        return _biased_formula(*args)
     if torch.compiler.is_compiling():
-        return torch.ops.padded_moe.biased_topk(logits, bias, k, num_groups, topk_groups, scoring, scale,
-                                                renormalize)
-    return _biased_topk_op(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize)
+        return torch.ops.padded_moe.biased_topk(*args)
+    return _biased_topk_op(*args)
 
 
 @custom_op("padded_moe::biased_topk", mutates_args=())
 def _biased_topk_op(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, num_groups: int, topk_groups: int,
-                    scoring: str, scale: float, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    scoring: str, scale: float, renormalize: bool, weights_dtype: torch.dtype,
+                    ids_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize, weights_dtype, ids_dtype)
     if _biased_kernel_serves(logits, num_groups, topk_groups):
-        return _biased_topk_kernel(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize)
-    return _biased_formula(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize)
+        return _biased_topk_kernel(*args)
+    return _biased_formula(*args)
 
 
 @register_fake("padded_moe::biased_topk")
-def _biased_topk_fake(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize):
-    return (logits.new_empty((logits.shape[0], k), dtype=torch.float32),
-            logits.new_empty((logits.shape[0], k), dtype=torch.int32))
+def _biased_topk_fake(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize, weights_dtype,
+                      ids_dtype):
+    return (logits.new_empty((logits.shape[0], k), dtype=weights_dtype),
+            logits.new_empty((logits.shape[0], k), dtype=ids_dtype))
 
 
-def _biased_formula(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize):
+def _biased_formula(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize,
+                    weights_dtype=torch.float32, ids_dtype=torch.int32):
     """`biased_grouped_topk` in torch ops (differentiable in the weights)."""
     scores = _scores(logits.to(torch.float32), scoring)
     choice = scores if bias is None else scores + bias.to(torch.float32)
@@ -382,7 +399,7 @@ def _biased_formula(logits, bias, k, num_groups, topk_groups, scoring, scale, re
         choice = choice.masked_fill(~_group_mask(choice, num_groups, topk_groups), float("-inf"))
     ids = torch.topk(choice, k, dim=-1).indices
     weights = _deepseek_normalize(scores.gather(1, ids), renormalize, scale)
-    return _finish(weights, ids)
+    return _finish(weights, ids, weights_dtype, ids_dtype)
 
 
 def _biased_kernel_serves(logits: torch.Tensor, num_groups: int, topk_groups: int) -> bool:
@@ -393,14 +410,15 @@ def _biased_kernel_serves(logits: torch.Tensor, num_groups: int, topk_groups: in
     return _fused_topk_serves(logits) and (topk_groups == num_groups or pow2)
 
 
-def _biased_topk_kernel(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize):
+def _biased_topk_kernel(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize, weights_dtype,
+                        ids_dtype):
     from padded_moe.kernels._launch import launch, ptr_key
     from padded_moe.kernels.topk import _biased_router_kernel
 
     logits = _row_major(logits)
     num_tokens, num_experts = logits.shape
-    weights = torch.empty(num_tokens, k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(num_tokens, k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(num_tokens, k, dtype=weights_dtype, device=logits.device)
+    ids = torch.empty(num_tokens, k, dtype=ids_dtype, device=logits.device)
     if num_tokens == 0:
         return weights, ids
     if bias is not None:

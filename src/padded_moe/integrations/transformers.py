@@ -5,9 +5,10 @@
 ``model.set_experts_implementation("padded_moe")`` routes every experts module through
 `padded_moe_experts_forward`: we receive the module, its flat hidden states, `top_k_index` and
 `top_k_weights`, and replace the expert computation. The routing formula stays HF's; for the
-top-k routers whose formula `padded_moe.routing.fused_topk` computes (`_ROUTERS`: Mixtral,
-Qwen3-MoE, OLMoE, GPT-OSS) the plug-in also runs it as one kernel instead of torch's several,
-with HF's output dtypes, when the model's experts implementation is "padded_moe".
+top-k routers whose formula `padded_moe.routing` computes (`_ROUTERS`: Mixtral, Qwen3-MoE, OLMoE,
+GPT-OSS through `fused_topk`; DeepSeek-V3, DeepSeek-V3.2, GLM-4-MoE through `biased_grouped_topk`)
+the plug-in also runs it as one kernel instead of torch's several, with HF's output dtypes, when
+the model's experts implementation is "padded_moe".
 
 Each call is served one of two ways (see `experts_plan` and docs/transformers.md):
 
@@ -310,23 +311,36 @@ _UNDECORATED = (
 )
 
 
-# HF top-k routers whose formula `routing.fused_topk` computes: (module, class, which formula:
-# `_router_forward`'s kind). Each returns `(router_logits, router_scores, router_indices)` like the original:
-# scores in the logits' dtype (float32 for Mixtral, as HF leaves them), indices int64.
+# HF top-k routers whose formula `routing.fused_topk` (softmax routers) or `routing.biased_grouped_topk`
+# (DeepSeek-V3's sigmoid, bias-corrected, group-limited router, which DeepSeek-V3.2 and GLM-4-MoE share)
+# computes: (module, class, which formula: `_router_forward`'s kind). Each returns `(router_logits,
+# router_scores, router_indices)` like the original: scores in the logits' dtype (float32 for Mixtral,
+# as HF leaves them; float32 logits for DeepSeek-V3's), indices int64.
 _ROUTERS = (
     ("transformers.models.mixtral.modeling_mixtral", "MixtralTopKRouter", "mixtral"),
     ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeTopKRouter", "softmax_norm_flag"),
     ("transformers.models.olmoe.modeling_olmoe", "OlmoeTopKRouter", "softmax_norm_flag"),
     ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssTopKRouter", "gpt_oss"),
+    ("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3TopkRouter", "deepseek_v3"),
+    ("transformers.models.deepseek_v32.modeling_deepseek_v32", "DeepseekV32TopkRouter", "deepseek_v3"),
+    ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeTopkRouter", "deepseek_v3"),
 )
 
 
 def _router_forward(kind: str) -> Callable:
     """The forward of an `_ROUTERS` class under the plug-in: HF's gate projection, then
-    `fused_topk` (one kernel on CUDA) for the rest of HF's formula."""
-    from padded_moe.routing import fused_topk
+    `fused_topk` or `biased_grouped_topk` (one kernel on CUDA) for the rest of HF's formula."""
+    from padded_moe.routing import biased_grouped_topk, fused_topk
 
     def forward(self, hidden_states):
+        if kind == "deepseek_v3":  # float32 projection; sigmoid, bias-corrected group-limited top-k
+            flat = hidden_states.view(-1, self.hidden_dim)
+            logits = torch.nn.functional.linear(flat.type(torch.float32), self.weight.type(torch.float32))
+            scores, ids = biased_grouped_topk(logits, self.e_score_correction_bias, self.top_k, self.num_group,
+                                              self.topk_group, scoring="sigmoid",
+                                              routed_scaling_factor=self.routed_scaling_factor,
+                                              renormalize=bool(self.norm_topk_prob), ids_dtype=torch.int64)
+            return logits, scores, ids
         if kind == "gpt_oss":  # F.linear with the bias; top-k of the logits, softmax over the k
             logits = torch.nn.functional.linear(hidden_states, self.weight, self.bias)
             flat = logits.reshape(-1, logits.shape[-1])

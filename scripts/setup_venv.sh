@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv with what padded-moe needs. On a machine without a GPU, torch==2.13.0 is the CPU
-# build this kind of machine keeps locally (never a multi-GB CUDA download). triton==3.6.0 matches
-# the GPU machines' compiler so the interpreter tests what the GPU runs. Extra args: pip extras.
+# Create .venv with what padded-moe's CPU test suite needs: torch==2.13.0 (the version CI tests on
+# CPU; pip resolves it from the configured index) and triton==3.6.0, the compiler of the GPU
+# machines, so the interpreter tests what the GPU runs. For a GPU machine install as README says
+# instead (its torch build). Extra args: pip extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"

@@ -188,6 +188,27 @@ def test_layer_never_quantizes_inside_the_graph():
     torch.testing.assert_close(second.dequantize(torch.float32), 2 * before, rtol=0, atol=0)
 
 
+def test_mxfp4_layer_compiled_straight_after_construction_reads_the_prepared_form():
+    """Construction prepares the MXFP4 experts (`reset_parameters` ends with `prepare()`), so a
+    layer compiled before any eager forward passes the prepared arrangement to the op, never the
+    canonical bytes (which would run the slower `tl.dot_scaled` GEMM on Hopper for good)."""
+    layer = FusedMoE(8, 2, 64, 64, router="softmax", weight_format="mxfp4", dtype=torch.float32)
+    assert layer._mxfp4 and layer.w13_blocks.numel() == 0
+    seen = []
+
+    def backend(gm, example_inputs):  # the traced graph's experts op and its arguments
+        seen.extend(n.args for n in gm.graph.nodes if n.target in (torch.ops.padded_moe.fused_experts,
+                                                                    torch.ops.padded_moe.fused_experts.default))
+        return gm.forward
+
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = torch.compile(layer, fullgraph=True, backend=backend)(x)
+    assert len(seen) == 1, seen
+    assert all(a is not None for a in seen[0][20:24]), seen  # the prepared blocks / scales of w13 and w2
+    torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------- expert parallelism
 def _ep_layer(mode, T=8):
     from padded_moe.distributed import ExpertParallel

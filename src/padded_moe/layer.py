@@ -218,6 +218,10 @@ class FusedMoE(nn.Module):
             if b is not None:
                 b.zero_()
         self._mxfp4.clear()
+        # Prepared now rather than at the first eager forward: a layer compiled (or captured)
+        # straight after construction would otherwise trace the canonical bytes and run the slower
+        # GEMM for good.
+        self.prepare()
 
     @torch.no_grad()
     def randomize(self, seed: int = 0, std: float = 0.05) -> None:
@@ -277,10 +281,10 @@ class FusedMoE(nn.Module):
     @torch.no_grad()
     def prepare(self) -> None:
         """Build what the GEMMs read from the layer's MXFP4 parameters now (`prepare_for`: the
-        prepared arrangement of the same bytes). Runs by itself after `load_experts`, `randomize`,
-        `load_state_dict` and `.to()`, and at the first `expert_weights()` after
-        `reset_parameters`; with `keep_canonical=True`, call it after changing the MXFP4 parameters
-        in place, and before `torch.compile`. Without `keep_canonical`, it then empties the
+        prepared arrangement of the same bytes). Runs by itself at construction (`reset_parameters`)
+        and after `load_experts`, `randomize`, `load_state_dict` and `.to()`; with
+        `keep_canonical=True`, call it after changing the MXFP4 parameters in place, and before
+        `torch.compile`. Without `keep_canonical`, it then empties the
         canonical parameters (size 0): the device holds the experts once, and `state_dict()`
         rebuilds their canonical bytes from the prepared form. Nothing to do for bf16."""
         if self.weight_format != "mxfp4" or self.w13_blocks.device.type == "meta":

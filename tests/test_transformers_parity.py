@@ -417,6 +417,47 @@ def test_deepseek_v3_formula_routers(module, config, group_limit, cpu_path, monk
         assert not torch.equal(ungrouped.sort(-1).values.long(), hf[2].sort(-1).values)
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v4", "gpt_oss", "minimax_m3", "step3p7"])
+def test_model_compiles_fullgraph_with_dynamic_shapes(name):
+    """`torch.compile(model, fullgraph=True, dynamic=True)` of a model on padded_moe equals the eager
+    model. dynamic=True makes the experts modules' float attributes (clamp limits, alpha) symbolic,
+    which the plan must read without `math.isnan` / `math.isinf`; GPT-OSS's transposed weights are
+    converted before tracing by `prepare_experts` (the graph reads the cached copy, never a copy
+    made per call)."""
+    torch._dynamo.reset()
+    model = build(name)
+    model.set_experts_implementation(plug.IMPLEMENTATION)
+    assert plug.prepare_experts(model) == (TINY["layers"] if name == "gpt_oss" else 0)
+    ids = prompts(2, 7, SEEDS[name])
+    # A node computing a tensor of an expert weight's shape in our layout would be the per-call conversion.
+    weight_shapes = {tuple(w.shape) for m in experts_modules(model, name) for w in plug.expert_weights(m)[:2]}
+    copies = []
+
+    def backend(gm, example_inputs):
+        for n in gm.graph.nodes:
+            value = n.meta.get("example_value")
+            static = isinstance(value, torch.Tensor) and all(type(d) is int for d in value.shape)
+            if n.op.startswith("call") and static and tuple(value.shape) in weight_shapes:
+                copies.append(n.format_node())
+        return gm.forward
+
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = torch.compile(model, fullgraph=True, dynamic=True, backend=backend)(input_ids=ids).logits
+    assert copies == [], copies
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_before_the_weights_are_converted_says_what_to_call():
+    """GPT-OSS's transposed weights traced before `prepare_experts` (or an eager forward): an error
+    naming the call, not a weight copy inside the graph."""
+    torch._dynamo.reset()
+    model = build("gpt_oss")
+    model.set_experts_implementation(plug.IMPLEMENTATION)
+    with torch.no_grad(), pytest.raises(Exception, match="prepare_experts"):
+        torch.compile(model, fullgraph=True)(input_ids=prompts(1, 5, 1))
+
+
 # ---------------------------------------------------------------------------------------------
 # whole-model parity
 # ---------------------------------------------------------------------------------------------

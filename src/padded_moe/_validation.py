@@ -86,6 +86,6 @@ def require_real(name: str, value: object, *, optional: bool = False) -> object:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         want = "a number or None" if optional else "a number"
         raise TypeError(f"{name} must be {want}, got {type(value).__name__} {value!r}")
-    if math.isnan(float(value)):
+    if value != value:  # NaN (also for a compiler's symbolic float, which math.isnan cannot take)
         raise ValueError(f"{name} must not be NaN")
     return value

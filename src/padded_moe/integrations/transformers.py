@@ -83,7 +83,7 @@ def _limit(value: Any) -> Optional[float]:
     if value is None:
         return None
     value = float(value)
-    return None if math.isinf(value) and value > 0 else value
+    return None if value == math.inf else value
 
 
 def _config(**fields) -> Any:
@@ -201,7 +201,19 @@ def _cached(module, slot: str, source: torch.Tensor, convert: Callable[[torch.Te
 
     Transposed checkpoints (GPT-OSS) need a contiguous `[E, out, in]` copy; converting on every
     forward would cost a full weight copy per token step.
+
+    Under `torch.compile` the cached value is read as it is: the compiler can neither compare data
+    pointers nor keep a conversion out of the graph (it would copy the weights on every call), so
+    the cache must be filled before tracing, by `prepare_experts(model)` or one eager forward.
     """
+    if torch.compiler.is_compiling():
+        hit = module.__dict__.get("_padded_moe_cache", {}).get(slot)
+        if hit is None:
+            raise RuntimeError(
+                f"padded_moe: {type(module).__name__} needs its weights converted before torch.compile traces it "
+                "(a transposed or MXFP4 checkpoint): call padded_moe.integrations.transformers.prepare_experts(model) "
+                "once after loading the model (or run one eager forward), then compile")
+        return hit[1]
     cache = module.__dict__.setdefault("_padded_moe_cache", {})
     key = (source.data_ptr(), source._version, tuple(source.shape), source.dtype, source.device)
     hit = cache.get(slot)
@@ -258,6 +270,23 @@ def expert_weights(module: torch.nn.Module, prepared: bool = True):
         b13 = getattr(module, "gate_up_proj_bias" if has_gate else "up_proj_bias")
         b2 = module.down_proj_bias
     return w13, w2, b13, b2
+
+
+def prepare_experts(model: torch.nn.Module) -> int:
+    """Convert the weights of every HF experts module of `model` that padded_moe reads in another
+    form (GPT-OSS's transposed bf16 parameters, MXFP4 checkpoint tensors) and cache them on the
+    module, as the first eager forward would. Call it once after loading (and again after changing
+    those weights) before `torch.compile`, which cannot make the conversion itself. Returns how many
+    experts modules hold a converted copy; a model with none (packed bf16 weights) needs no call."""
+    count = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if not (hasattr(module, "down_proj") or hasattr(module, "down_proj_blocks")):
+                continue
+            if getattr(module, "is_transposed", False) or holds_mxfp4(module):
+                expert_weights(module)
+                count += 1
+    return count
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,7 +468,7 @@ def is_registered() -> bool:
     return ExpertsInterface._global_mapping.get(IMPLEMENTATION) is padded_moe_experts_forward
 
 
-__all__ = ["IMPLEMENTATION", "ExpertsPlan", "experts_plan", "expert_weights",
+__all__ = ["IMPLEMENTATION", "ExpertsPlan", "experts_plan", "expert_weights", "prepare_experts",
            "padded_moe_experts_forward", "register", "is_registered"]
 
 # Expert parallelism for whole models lives in its own module; re-exported here so one import

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from helpers import devices
 
-from padded_moe.routing import SCORING_FUNCS, _hash_route, biased_grouped_topk, fused_topk, hash_topk, softmax_topk
+from padded_moe.routing import SCORING_FUNCS, biased_grouped_topk, fused_topk, hash_topk, softmax_topk
 
 ATOL = 1e-6
 
@@ -342,23 +342,6 @@ def test_empty_batch_all_routers():
 # hash routing: invalid ids
 
 
-@pytest.mark.parametrize("bad", [-1, 50, 2**31 - 1, -(2**31)])
-def test_hash_out_of_range_token_raises_on_cpu(gen, bad):
-    table = torch.randint(0, 8, (50, 2), generator=gen)
-    token_ids = torch.randint(0, 50, (10,), generator=gen)
-    token_ids[3] = bad
-    with pytest.raises(ValueError, match=r"token_ids must be in \[0, 50\)"):
-        hash_topk(token_ids, table, torch.randn(10, 8, generator=gen))
-
-
-def test_hash_bad_table_entry_raises_on_cpu(gen):
-    table = torch.randint(0, 8, (20, 3), generator=gen)
-    token_ids = torch.randint(0, 20, (6,), generator=gen)
-    table[token_ids[2], 1] = 8  # == E
-    with pytest.raises(ValueError, match=r"table entries .* \[0, 8\)"):
-        hash_topk(token_ids, table, torch.randn(6, 8, generator=gen))
-
-
 def _check_dropped_slots(gen, device):
     """The CUDA semantics: invalid slots -> id -1, weight 0, excluded from renormalisation."""
     num_experts, vocab, k = 8, 20, 3
@@ -367,8 +350,7 @@ def _check_dropped_slots(gen, device):
     table[9, :] = -5  # a row with no valid entry
     token_ids = torch.tensor([0, -1, 7, vocab, 9, 2**40, 3], dtype=torch.int64)
     logits = torch.randn(7, num_experts, generator=gen)
-    route = _hash_route if device == "cpu" else hash_topk  # CPU's public path raises instead
-    w, ids = route(token_ids.to(device), table.to(device), logits.to(device), "sigmoid", 2.0)
+    w, ids = hash_topk(token_ids.to(device), table.to(device), logits.to(device), "sigmoid", 2.0)
     w, ids = w.cpu(), ids.cpu()
 
     scores = torch.sigmoid(logits.double())
@@ -383,7 +365,9 @@ def _check_dropped_slots(gen, device):
     assert (w[[1, 3, 4, 5]] == 0).all()
 
 
-def test_hash_invalid_slots_dropped_sync_free_path(gen):
+def test_hash_invalid_slots_dropped(gen):
+    """Out-of-range token ids (negative, past the vocabulary, past int32) and table entries outside
+    [0, E) are dropped on the CPU as on CUDA (the GPU test runs the same check)."""
     _check_dropped_slots(gen, "cpu")
 
 

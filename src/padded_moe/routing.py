@@ -454,24 +454,6 @@ def _hash_lookup(
     return torch.where(valid, rows, torch.full_like(rows, -1)), valid
 
 
-def _raise_on_invalid_hash(token_ids: torch.Tensor, table: torch.Tensor, num_experts: int) -> None:
-    # Host-side check; only called for CPU tensors where reading a value costs no GPU sync.
-    tok = token_ids.reshape(-1).to(torch.int64)
-    vocab = table.shape[0]
-    bad_tok = (tok < 0) | (tok >= vocab)
-    if bool(bad_tok.any()):
-        first = int(tok[bad_tok][0])
-        raise ValueError(f"token_ids must be in [0, {vocab}) (rows of table), got {first}")
-    rows = table.index_select(0, tok).to(torch.int64)
-    bad_row = (rows < 0) | (rows >= num_experts)
-    if bool(bad_row.any()):
-        first = int(rows[bad_row][0])
-        raise ValueError(
-            f"table entries looked up by token_ids must be expert ids in [0, {num_experts}) "
-            f"(E from logits), got {first}"
-        )
-
-
 def hash_topk(
     token_ids: torch.Tensor,
     table: torch.Tensor,
@@ -486,11 +468,12 @@ def hash_topk(
     experts, always renormalised by `sum + 1e-20`, then times `routed_scaling_factor`
     (`config.scoring_func`, `config.routed_scaling_factor`).
 
-    Invalid input: on CPU a token id outside `[0, table.shape[0])` or a looked-up table entry
-    outside `[0, E)` raises ValueError. On CUDA we cannot look without a host sync, so such slots
-    get `topk_id = -1` (which the expert guard drops) and weight 0, and are left out of the
-    renormalisation sum; a token with no valid slot gets all-zero weights. (transformers would
-    wrap a negative id or fault on an out-of-range one.)
+    Invalid ids, on every device: a slot whose token id is outside `[0, table.shape[0])` (a
+    scheduler's padding token, say) or whose table entry is outside `[0, E)` gets `topk_id = -1`
+    (which the expert guard drops) and weight 0, and is left out of the renormalisation sum; a token
+    with no valid slot gets all-zero weights. Nothing is read back to the host, so this is also
+    what runs inside a CUDA graph. (transformers would wrap a negative id or fault on an
+    out-of-range one.)
 
     Args:
         token_ids: int32/int64 token ids, any shape with `M` elements (flattened row-major,
@@ -522,15 +505,13 @@ def hash_topk(
     scoring = _check_scoring(scoring)
     scale = _check_scale(routed_scaling_factor)
 
-    if token_ids.device.type == "cpu":
-        _raise_on_invalid_hash(token_ids, table, num_experts)
     return _hash_route(token_ids, table, logits, scoring, scale)
 
 
 def _hash_route(
     token_ids: torch.Tensor, table: torch.Tensor, logits: torch.Tensor, scoring: str, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sync-free body of `hash_topk` (what CUDA runs): invalid slots -> id -1, weight 0."""
+    """The body of `hash_topk` (no host sync): invalid slots -> id -1, weight 0."""
     ids, valid = _hash_lookup(token_ids, table, logits.shape[1])
     scores = _scores(logits.to(torch.float32), scoring)
     weights = scores.gather(1, ids.clamp(min=0)).masked_fill(~valid, 0.0)

@@ -78,7 +78,6 @@ def require_weight(name: str, value: object) -> object:
 
 def require_real(name: str, value: object, *, optional: bool = False) -> object:
     """A real number (int or float, not bool, not NaN); None allowed when `optional`."""
-    import math
     import numbers
 
     if value is None and optional:

@@ -40,21 +40,27 @@ def test_topk_router_kernel_compiles_for_sm90_without_spills(monkeypatch):
 
 BIASED_SCRIPT = launch_stats_script("padded_moe.kernels.topk", "_biased_router_kernel")
 
-# (experts, k, logits dtype, scoring, bias, groups, kept groups, ids dtype): DeepSeek-V4, DeepSeek-V3 (as
-# transformers' router through the plug-in: float32 logits, int64 indices), Kimi-K2-like, the widest row
-BIASED_CASES = [(256, 6, torch.bfloat16, "sqrtsoftplus", True, 1, 1, torch.int32),
-                (256, 8, torch.float32, "sigmoid", True, 8, 4, torch.int64),
-                (384, 8, torch.bfloat16, "sigmoid", True, 1, 1, torch.int32),
-                (1024, 8, torch.float32, "softmax", False, 16, 4, torch.int32)]
+# (experts, k, logits dtype, scoring, bias, groups, kept groups, ids dtype, bfloat16 steps): DeepSeek-V4,
+# DeepSeek-V3 (as transformers' router through the plug-in: float32 logits, int64 indices), Kimi-K2-like,
+# the widest row, DeepSeek-V4 as transformers' bfloat16 router through the plug-in (float32 bias, then a
+# bfloat16 one: BF16_CHOICE)
+BIASED_CASES = [(256, 6, torch.bfloat16, "sqrtsoftplus", True, 1, 1, torch.int32, None),
+                (256, 8, torch.float32, "sigmoid", True, 8, 4, torch.int64, None),
+                (384, 8, torch.bfloat16, "sigmoid", True, 1, 1, torch.int32, None),
+                (1024, 8, torch.float32, "softmax", False, 16, 4, torch.int32, None),
+                (256, 6, torch.bfloat16, "sqrtsoftplus", True, 1, 1, torch.int64, torch.float32),
+                (256, 6, torch.bfloat16, "sigmoid", True, 1, 1, torch.int64, torch.bfloat16)]
 
 
-def captured_biased_launch(monkeypatch, num_experts, k, dtype, scoring, has_bias, groups, kept, ids_dtype) -> list:
+def captured_biased_launch(monkeypatch, num_experts, k, dtype, scoring, has_bias, groups, kept, ids_dtype,
+                           bf16_bias) -> list:
     from padded_moe.routing import biased_grouped_topk
 
-    bias = torch.randn(num_experts) if has_bias else None
+    bias = torch.randn(num_experts).to(bf16_bias or torch.float32) if has_bias else None
     (fn, args, constexprs, opt), = captured_launches(monkeypatch, lambda: biased_grouped_topk(
         torch.randn(5, num_experts).to(dtype), bias, k, num_groups=groups, topk_groups=kept, scoring=scoring,
-        ids_dtype=ids_dtype))
+        ids_dtype=ids_dtype, weights_dtype=dtype if bf16_bias else torch.float32,
+        compute_dtype=torch.bfloat16 if bf16_bias else None))
     sig, const, div16 = launch_signature(fn, args, dict(constexprs, LIBDEVICE=True))
     return [sig, const, div16, opt["num_warps"]]
 
@@ -62,7 +68,9 @@ def captured_biased_launch(monkeypatch, num_experts, k, dtype, scoring, has_bias
 def test_biased_router_kernel_compiles_for_sm90_without_spills(monkeypatch):
     require_interpreted_kernels(monkeypatch)
     cases = [captured_biased_launch(monkeypatch, *c) for c in BIASED_CASES]
-    assert [c[1]["TOPK_GROUPS"] < c[1]["GROUPS"] for c in cases] == [False, True, False, True]
+    assert [c[1]["TOPK_GROUPS"] < c[1]["GROUPS"] for c in cases] == [False, True, False, True, False, False]
+    assert [(c[1]["BF16_STEPS"], c[1]["BF16_CHOICE"]) for c in cases][-3:] == [(False, False), (True, False),
+                                                                             (True, True)]
     results = compile_for_sm90(BIASED_SCRIPT, json.dumps(cases))
     assert len(results) == len(BIASED_CASES)
     assert all(r["spills"] == 0 for r in results), results

@@ -347,14 +347,14 @@ def assert_same_router_output(ours: tuple, hf: tuple, tol: float) -> None:
     torch.testing.assert_close(order(scores, ids), order(hf_scores, hf_ids), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "deepseek_v4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_router_runs_hf_formula_in_one_kernel(name, dtype, cpu_path, monkeypatch):
-    """register() makes the top-k routers of `plug._ROUTERS` run `fused_topk` (DeepSeek-V3:
-    `biased_grouped_topk`) under "padded_moe" (one kernel launch: the interpreted path shows it):
-    the same logits (HF's own projection), the same experts and scores as HF's formula within
-    float32 rounding, HF's output dtypes (int64 indices; scores in the logits' dtype, float32 for
-    Mixtral and DeepSeek-V3); HF's own forward otherwise."""
+    """register() makes the top-k routers of `plug._ROUTERS` run `fused_topk` (DeepSeek-V3 / V4:
+    `biased_grouped_topk`, V4 with its steps in the model dtype) under "padded_moe" (one kernel
+    launch: the interpreted path shows it): the same logits (HF's own projection), the same experts
+    and scores as HF's formula within float32 rounding, HF's output dtypes (int64 indices; scores in
+    the logits' dtype, float32 for Mixtral and DeepSeek-V3); HF's own forward otherwise."""
     model = build(name, dtype=dtype)
     block = next(m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter"))
     assert type(block).__dict__.get("_padded_moe_dispatch"), type(block).__name__
@@ -365,7 +365,7 @@ def test_router_runs_hf_formula_in_one_kernel(name, dtype, cpu_path, monkeypatch
         assert launched.names == []
         model.set_experts_implementation(plug.IMPLEMENTATION)
         ours = block(x)
-    want = "_biased_router_kernel" if name == "deepseek_v3" else "_topk_router_kernel"
+    want = "_biased_router_kernel" if name.startswith("deepseek") else "_topk_router_kernel"
     assert launched.names == ([want] if cpu_path == "triton_interpret" else []), launched.names
     assert_same_router_output(ours, hf, 1e-6 if dtype == torch.float32 or name == "deepseek_v3" else 8e-3)
 

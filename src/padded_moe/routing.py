@@ -321,6 +321,7 @@ def biased_grouped_topk(
     *,
     weights_dtype: torch.dtype = torch.float32,
     ids_dtype: torch.dtype = torch.int32,
+    compute_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / V4 routing: scores, bias-corrected group-limited selection, unbiased weights.
 
@@ -345,6 +346,13 @@ def biased_grouped_topk(
         renormalize: divide the chosen scores by their sum before scaling.
         weights_dtype, ids_dtype: the outputs' dtypes (float32 / float16 / bfloat16; int32 /
             int64), written by the same kernel (transformers' routers return int64 indices).
+        compute_dtype: None or float32 (the default: every step in float32), or bfloat16: each
+            value torch would hold in bfloat16 when the formula runs on bfloat16 logits, as
+            transformers' DeepSeek-V4 router does, is rounded to it (the scores, with a bfloat16
+            `bias` the biased scores, the sum of the chosen scores, the sum + 1e-20, the quotient,
+            the scaled weight), so the experts chosen are transformers' own and not only equal up
+            to bfloat16 rounding. Sigmoid and sqrt(softplus) scoring without a group limit only
+            (NotImplementedError otherwise).
 
     Returns:
         `(topk_weights [M, k] weights_dtype, topk_ids [M, k] ids_dtype)`, the k largest choice
@@ -364,7 +372,14 @@ def biased_grouped_topk(
     scale = _check_scale(routed_scaling_factor)
     renormalize = _check_bool("renormalize", renormalize)
     _check_out_dtypes(weights_dtype, ids_dtype)
-    args = (logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize, weights_dtype, ids_dtype)
+    if compute_dtype not in (None, torch.float32, torch.bfloat16):
+        raise TypeError(f"compute_dtype must be None, torch.float32 or torch.bfloat16, got {compute_dtype}")
+    bf16 = compute_dtype == torch.bfloat16
+    if bf16 and (scoring == "softmax" or topk_groups < num_groups):
+        raise NotImplementedError("compute_dtype=torch.bfloat16 supports scoring 'sigmoid' and 'sqrtsoftplus' "
+                                  f"without a group limit (DeepSeek-V4's router), got scoring={scoring!r}, "
+                                  f"{topk_groups} of {num_groups} groups")
+    args = (logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize, weights_dtype, ids_dtype, bf16)
 
     if (logits.requires_grad or (bias is not None and bias.requires_grad)) and torch.is_grad_enabled():
         return _biased_formula(*args)
@@ -376,8 +391,8 @@ def biased_grouped_topk(
 @custom_op("padded_moe::biased_topk", mutates_args=())
 def _biased_topk_op(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, num_groups: int, topk_groups: int,
                     scoring: str, scale: float, renormalize: bool, weights_dtype: torch.dtype,
-                    ids_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize, weights_dtype, ids_dtype)
+                    ids_dtype: torch.dtype, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize, weights_dtype, ids_dtype, bf16)
     if _biased_kernel_serves(logits, num_groups, topk_groups):
         return _biased_topk_kernel(*args)
     return _biased_formula(*args)
@@ -385,14 +400,18 @@ def _biased_topk_op(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, 
 
 @register_fake("padded_moe::biased_topk")
 def _biased_topk_fake(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize, weights_dtype,
-                      ids_dtype):
+                      ids_dtype, bf16):
     return (logits.new_empty((logits.shape[0], k), dtype=weights_dtype),
             logits.new_empty((logits.shape[0], k), dtype=ids_dtype))
 
 
 def _biased_formula(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize,
-                    weights_dtype=torch.float32, ids_dtype=torch.int32):
-    """`biased_grouped_topk` in torch ops (differentiable in the weights)."""
+                    weights_dtype=torch.float32, ids_dtype=torch.int32, bf16=False):
+    """`biased_grouped_topk` in torch ops (differentiable in the weights); `bf16`: the steps torch
+    holds in bfloat16 on bfloat16 logits rounded to it (`compute_dtype`)."""
+    if bf16:
+        return _biased_formula_bf16(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize,
+                                    weights_dtype, ids_dtype)
     scores = _scores(logits.to(torch.float32), scoring)
     choice = scores if bias is None else scores + bias.to(torch.float32)
     if topk_groups < num_groups:
@@ -400,6 +419,22 @@ def _biased_formula(logits, bias, k, num_groups, topk_groups, scoring, scale, re
     ids = torch.topk(choice, k, dim=-1).indices
     weights = _deepseek_normalize(scores.gather(1, ids), renormalize, scale)
     return _finish(weights, ids, weights_dtype, ids_dtype)
+
+
+def _biased_formula_bf16(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize, weights_dtype,
+                         ids_dtype):
+    """The formula as torch runs it on bfloat16 logits: each elementwise step computed in float32
+    and stored in bfloat16; the biased scores in float32 unless the bias is bfloat16 too."""
+    x = logits.to(torch.bfloat16)
+    scores = x.sigmoid() if scoring == "sigmoid" else F.softplus(x).sqrt()
+    choice = scores if bias is None else scores + (bias if bias.dtype == torch.bfloat16 else bias.to(torch.float32))
+    if topk_groups < num_groups:
+        choice = choice.masked_fill(~_group_mask(choice, num_groups, topk_groups), float("-inf"))
+    ids = torch.topk(choice, k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + _DEEPSEEK_NORM_EPS)
+    return _finish(weights * scale, ids, weights_dtype, ids_dtype)
 
 
 def _biased_kernel_serves(logits: torch.Tensor, num_groups: int, topk_groups: int) -> bool:
@@ -411,7 +446,7 @@ def _biased_kernel_serves(logits: torch.Tensor, num_groups: int, topk_groups: in
 
 
 def _biased_topk_kernel(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize, weights_dtype,
-                        ids_dtype):
+                        ids_dtype, bf16):
     from padded_moe.kernels._launch import launch, ptr_key
     from padded_moe.kernels.topk import _biased_router_kernel
 
@@ -430,7 +465,8 @@ def _biased_topk_kernel(logits, bias, k, num_groups, topk_groups, scoring, scale
     args = (logits, logits.stride(0), bias_arg, weights, weights.stride(0), ids, ids.stride(0), num_experts, scale)
     constexprs = dict(K=k, K_POW2=next_pow2(k), BLOCK_E=block_e, SCORING=SCORING_FUNCS.index(scoring),
                       HAS_BIAS=bias is not None, GROUPS=num_groups, TOPK_GROUPS=topk_groups,
-                      RENORM=renormalize, LIBDEVICE=logits.is_cuda)
+                      RENORM=renormalize, LIBDEVICE=logits.is_cuda, BF16_STEPS=bf16,
+                      BF16_CHOICE=bf16 and bias is not None and bias.dtype == torch.bfloat16)
     key = (logits.stride(0), weights.stride(0), ids.stride(0), num_experts, scale) + ptr_key(logits, bias_arg, weights,
                                                                                            ids)
     launch(_biased_router_kernel, (num_tokens,), key, args, constexprs, num_warps=_router_warps(block_e))

@@ -6,7 +6,8 @@
 `padded_moe_experts_forward`: we receive the module, its flat hidden states, `top_k_index` and
 `top_k_weights`, and replace the expert computation. The routing formula stays HF's; for the
 top-k routers whose formula `padded_moe.routing` computes (`_ROUTERS`: Mixtral, Qwen3-MoE, OLMoE,
-GPT-OSS through `fused_topk`; DeepSeek-V3, DeepSeek-V3.2, GLM-4-MoE through `biased_grouped_topk`)
+GPT-OSS through `fused_topk`; DeepSeek-V3, DeepSeek-V3.2, GLM-4-MoE, and DeepSeek-V4 with its steps
+in bfloat16, through `biased_grouped_topk`)
 the plug-in also runs it as one kernel instead of torch's several, with HF's output dtypes, when
 the model's experts implementation is "padded_moe".
 
@@ -353,7 +354,11 @@ _ROUTERS = (
     ("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3TopkRouter", "deepseek_v3"),
     ("transformers.models.deepseek_v32.modeling_deepseek_v32", "DeepseekV32TopkRouter", "deepseek_v3"),
     ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeTopkRouter", "deepseek_v3"),
+    ("transformers.models.deepseek_v4.modeling_deepseek_v4", "DeepseekV4TopKRouter", "deepseek_v4"),
 )
+
+# DeepSeek-V4's `score_fn` (an `ACT2FN` module, by class name) -> `biased_grouped_topk`'s scoring.
+_V4_SCORING = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid"}
 
 
 def _router_forward(kind: str) -> Callable:
@@ -362,6 +367,17 @@ def _router_forward(kind: str) -> Callable:
     from padded_moe.routing import biased_grouped_topk, fused_topk
 
     def forward(self, hidden_states):
+        if kind == "deepseek_v4":  # the model dtype's projection and steps (bfloat16 rounded as torch does)
+            flat = hidden_states.reshape(-1, self.hidden_dim)
+            logits = torch.nn.functional.linear(flat, self.weight)
+            scoring = _V4_SCORING.get(type(self.score_fn).__name__)
+            if scoring is None or logits.dtype not in (torch.float32, torch.bfloat16):
+                return type(self)._padded_moe_original_forward(self, hidden_states)
+            scores, ids = biased_grouped_topk(logits, self.e_score_correction_bias, self.top_k, scoring=scoring,
+                                              routed_scaling_factor=self.routed_scaling_factor, renormalize=True,
+                                              weights_dtype=logits.dtype, ids_dtype=torch.int64,
+                                              compute_dtype=logits.dtype)
+            return logits, scores, ids
         if kind == "deepseek_v3":  # float32 projection; sigmoid, bias-corrected group-limited top-k
             flat = hidden_states.view(-1, self.hidden_dim)
             logits = torch.nn.functional.linear(flat.type(torch.float32), self.weight.type(torch.float32))
@@ -414,6 +430,7 @@ def _install_dispatch(cls: type, replacement: Optional[Callable] = None) -> None
 
     cls.__init__, cls.forward = __init__, forward
     cls._padded_moe_dispatch = True
+    cls._padded_moe_original_forward = original_forward  # for a replacement that hands a case back
 
 
 def _allow_set_experts_implementation(module) -> None:

@@ -54,6 +54,15 @@ def _softmax(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _round_bf16(x):
+    """`x` rounded to the nearest bfloat16 (ties to even), returned as float32. By bit arithmetic,
+    so that Triton's interpreter (whose bfloat16 cast truncates) rounds exactly as the GPU does."""
+    b = x.to(tl.int32, bitcast=True)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, r)
+
+
+@triton.jit
 def _best(vals, cols, NONE: tl.constexpr):
     """The largest of `vals` and the lowest column holding it (NONE where no column equals the
     maximum: a NaN row)."""
@@ -103,23 +112,40 @@ SCORE_SOFTMAX = tl.constexpr(2)
 def _biased_router_kernel(logits_ptr, stride_lm, bias_ptr, w_ptr, stride_wm, ids_ptr, stride_im, E, scale,
                           K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, SCORING: tl.constexpr,
                           HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-                          RENORM: tl.constexpr, LIBDEVICE: tl.constexpr):
+                          RENORM: tl.constexpr, LIBDEVICE: tl.constexpr, BF16_STEPS: tl.constexpr,
+                          BF16_CHOICE: tl.constexpr):
     """One program per row. With TOPK_GROUPS < GROUPS the host guarantees BLOCK_E == E (E and
-    GROUPS powers of two), so group g is columns [g * E / GROUPS, (g + 1) * E / GROUPS)."""
+    GROUPS powers of two), so group g is columns [g * E / GROUPS, (g + 1) * E / GROUPS).
+
+    BF16_STEPS: every step torch would store in bfloat16 is rounded to it (transformers' DeepSeek-V4
+    router computes in the model's dtype): softplus, its square root or the sigmoid, the sum of
+    the chosen scores, the sum + 1e-20, the quotient and the scaled weight; BF16_CHOICE also the
+    biased choice scores (a bfloat16 correction bias). The host allows it with sigmoid and
+    sqrt(softplus) scoring and no group limit only."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     in_row = cols < E
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_lm + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+    if BF16_STEPS:
+        x = _round_bf16(x)  # the formula's input is bfloat16 (a no-op on bfloat16 logits)
     if SCORING == SCORE_SIGMOID:
         scores = 1.0 / (1.0 + _exp(-x, LIBDEVICE))
+        if BF16_STEPS:
+            scores = _round_bf16(scores)
     elif SCORING == SCORE_SQRTSOFTPLUS:
         # torch's softplus: x itself above the threshold 20, else log1p(exp(x)).
-        scores = tl.sqrt_rn(tl.where(x > 20.0, x, _log1p(_exp(x, LIBDEVICE), LIBDEVICE)))
+        soft = tl.where(x > 20.0, x, _log1p(_exp(x, LIBDEVICE), LIBDEVICE))
+        if BF16_STEPS:
+            scores = _round_bf16(tl.sqrt_rn(_round_bf16(soft)))
+        else:
+            scores = tl.sqrt_rn(soft)
     else:
         scores = _softmax(x, LIBDEVICE)
     choice = scores
     if HAS_BIAS:
         choice += tl.load(bias_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        if BF16_CHOICE:
+            choice = _round_bf16(choice)
     choice = tl.where(in_row, choice, float("-inf"))
     if TOPK_GROUPS < GROUPS:
         SIZE: tl.constexpr = BLOCK_E // GROUPS
@@ -146,8 +172,14 @@ def _biased_router_kernel(logits_ptr, stride_lm, bias_ptr, w_ptr, stride_wm, ids
         ids = tl.where(slots == j, tl.minimum(at, E), ids)
         choice = tl.where(cols == at, float("-inf"), choice)
     kept = slots < K
-    if RENORM:
-        top = top / (tl.sum(tl.where(kept, top, 0.0), axis=0) + 1e-20)
-    top = top * scale
+    if BF16_STEPS:
+        if RENORM:
+            total = _round_bf16(_round_bf16(tl.sum(tl.where(kept, top, 0.0), axis=0)) + 1e-20)
+            top = _round_bf16(top / total)
+        top = _round_bf16(top * scale)
+    else:
+        if RENORM:
+            top = top / (tl.sum(tl.where(kept, top, 0.0), axis=0) + 1e-20)
+        top = top * scale
     tl.store(w_ptr + row.to(tl.int64) * stride_wm + slots, top.to(w_ptr.dtype.element_ty), mask=kept)
     tl.store(ids_ptr + row.to(tl.int64) * stride_im + slots, ids.to(ids_ptr.dtype.element_ty), mask=kept)

@@ -396,12 +396,13 @@ for stage in "$@"; do
             STEP_TIMEOUT=150 step test-compile python3 -m pytest -q -n 2 -m gpu tests/test_compile_gpu.py
             STEP_TIMEOUT=240 step bench-hf-graph python3 benchmarks/bench_hf.py --models qwen3_moe,gpt_oss,mixtral \
                 --columns graph_b1,graph_b32,decode_b1 --out "$OUT/bench-hf" ;;
-        router-v3)  # the HF plug-in's DeepSeek-V3-formula routers (DeepSeek-V3 / V3.2, GLM-4-MoE) through
-            # biased_grouped_topk with int64 indices: GPU router tests and memcheck, HF parity (the deepseek_v3
-            # family joined it), the DeepSeek-V3-like HF model's graph and eager decode steps
+        router-v3)  # the HF plug-in's DeepSeek routers (V3 / V3.2, GLM-4-MoE; V4 with its steps rounded to
+            # bfloat16) through biased_grouped_topk with int64 indices: GPU router tests (incl. V4's bf16 steps
+            # against transformers' CUDA router) and memcheck, HF parity (deepseek_v3 joined it), compile,
+            # the two-GPU example, the DeepSeek-V3-like HF model's graph and eager decode steps
             STEP_TIMEOUT=90 step test-routing python3 -m pytest -q -m gpu tests/test_routing_gpu.py
             STEP_TIMEOUT=120 step sanitizer-routing compute-sanitizer --tool memcheck --error-exitcode 9 \
-                python3 -m pytest -q -m gpu tests/test_routing_gpu.py -k "biased_kernel"
+                python3 -m pytest -q -m gpu tests/test_routing_gpu.py -k "biased_kernel or bf16_steps"
             STEP_TIMEOUT=150 step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py
             STEP_TIMEOUT=200 step test-compile python3 -m pytest -q -n 2 -m gpu tests/test_compile_gpu.py
             STEP_TIMEOUT=150 step example-ep-cuda python3 -m torch.distributed.run --standalone --nproc-per-node \

@@ -137,8 +137,9 @@ def _gpt_oss(tiny: bool):
 def _deepseek_v3(tiny: bool):
     from transformers import DeepseekV3Config
 
-    # MoE layers only (no dense first layers), one shared expert, the router's group limit.
-    common = dict(first_k_dense_replace=0, n_shared_experts=1, num_hidden_layers=2)
+    # MoE layers only (no dense first layers), one shared expert, the router's group limit. One layer at
+    # full width: its experts are 22.5 GB in bf16, and the logits check adds a float32 copy of the model.
+    common = dict(first_k_dense_replace=0, n_shared_experts=1, num_hidden_layers=1)
     if tiny:
         return DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                                 n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
@@ -149,11 +150,27 @@ def _deepseek_v3(tiny: bool):
     return DeepseekV3Config(**common)
 
 
+def _deepseek_v4(tiny: bool):
+    from transformers import DeepseekV4Config
+
+    # One hash-routed and one top-k-routed MoE layer, as the real model's first layers.
+    layers = dict(num_hidden_layers=2, mlp_layer_types=["hash_moe", "moe"])
+    if tiny:
+        return DeepseekV4Config(vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4,
+                                num_key_value_heads=1, head_dim=16, q_lora_rank=16, num_experts_per_tok=2,
+                                n_routed_experts=8, hc_mult=2, sliding_window=8, o_groups=2, o_lora_rank=8,
+                                index_n_heads=2, index_head_dim=8, index_topk=4, partial_rotary_factor=0.5, **layers)
+    # transformers' default DeepseekV4Config is DeepSeek-V4-Flash's layer: 256 experts, top-6, H=4096,
+    # N=2048, sqrt(softplus) routing.
+    return DeepseekV4Config(**layers)
+
+
 MODELS: dict = {
     "qwen3_moe": ("Qwen3-MoE", _qwen3_moe),
     "mixtral": ("Mixtral", _mixtral),
     "gpt_oss": ("GPT-OSS-like", _gpt_oss),
     "deepseek_v3": ("DeepSeek-V3-like", _deepseek_v3),
+    "deepseek_v4": ("DeepSeek-V4-Flash-like", _deepseek_v4),
 }
 
 

@@ -33,6 +33,11 @@ def tiny_run(tmp_path_factory):
     return report, out
 
 
+# transformers 5.25's DeepSeek-V4 has no static-cache decode step (its compressed attention's cache),
+# so the graph columns are NaN for it, with a note saying why; every other model must time them.
+NOT_CAPTURABLE = {"DeepSeek-V4-Flash-like"}
+
+
 def test_every_model_and_column_has_finite_positive_times(tiny_run):
     report, _ = tiny_run
     assert [r["key"] for r in report["rows"]] == list(bench_hf.MODELS)
@@ -41,6 +46,10 @@ def test_every_model_and_column_has_finite_positive_times(tiny_run):
         assert set(row["times_ms"]) == set(bench_hf.COLUMNS)
         for col, times in row["times_ms"].items():
             assert set(times) == set(bench_hf.IMPLS), (row["model"], col)
+            if col.startswith("graph_") and row["model"] in NOT_CAPTURABLE:
+                assert all(math.isnan(t) for t in times.values()), (row["model"], col, times)
+                assert any(n.startswith(row["model"]) and "not capturable" in n for n in report["notes"])
+                continue
             assert all(math.isfinite(t) and t > 0 for t in times.values()), (row["model"], col, times)
             assert math.isfinite(row["speedup"][col]) and row["speedup"][col] > 0
 

@@ -129,9 +129,10 @@ def _biased_router_kernel(logits_ptr, stride_lm, bias_ptr, w_ptr, stride_wm, ids
     if BF16_STEPS:
         x = _round_bf16(x)  # the formula's input is bfloat16 (a no-op on bfloat16 logits)
     if SCORING == SCORE_SIGMOID:
-        scores = 1.0 / (1.0 + _exp(-x, LIBDEVICE))
-        if BF16_STEPS:
-            scores = _round_bf16(scores)
+        if BF16_STEPS:  # torch divides to nearest (div.rn); Triton's `/` is the approximate div.full
+            scores = _round_bf16(tl.math.div_rn(1.0, 1.0 + _exp(-x, LIBDEVICE)))
+        else:
+            scores = 1.0 / (1.0 + _exp(-x, LIBDEVICE))
     elif SCORING == SCORE_SQRTSOFTPLUS:
         # torch's softplus: x itself above the threshold 20, else log1p(exp(x)).
         soft = tl.where(x > 20.0, x, _log1p(_exp(x, LIBDEVICE), LIBDEVICE))
@@ -175,7 +176,7 @@ def _biased_router_kernel(logits_ptr, stride_lm, bias_ptr, w_ptr, stride_wm, ids
     if BF16_STEPS:
         if RENORM:
             total = _round_bf16(_round_bf16(tl.sum(tl.where(kept, top, 0.0), axis=0)) + 1e-20)
-            top = _round_bf16(top / total)
+            top = _round_bf16(tl.math.div_rn(top, total))
         top = _round_bf16(top * scale)
     else:
         if RENORM:

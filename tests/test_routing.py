@@ -198,21 +198,22 @@ def test_deepseek_v4_matches_transformers(cpu_path, gen, scoring_func, num_exper
         assert (_by_id(*wrong)[0] - _by_id(ref_w, ref_ids)[0]).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("scoring_func", ["sqrtsoftplus", "sigmoid"])
-def test_deepseek_v4_bf16_steps_match_transformers_bf16_router(cpu_path, gen, scoring_func):
-    """transformers' DeepSeek-V4 router on a bfloat16 model computes its scores and weights in
-    bfloat16. `compute_dtype=torch.bfloat16` rounds the same steps: on 400 tokens of 256 experts
-    every row gets transformers' experts and bit-equal bfloat16 weights, except rows with an exact
-    tie at the cut (unspecified in torch's top-k; the kernel takes the lower id). Non-vacuous: the
-    float32 formula (the default) chooses other experts in more than 2% of the rows."""
+def check_v4_bf16_steps(gen, scoring_func, tokens, device="cpu", bias_dtype=torch.float32):
+    """`compute_dtype=torch.bfloat16` against transformers' DeepSeek-V4 router on a bfloat16 model
+    (256 experts, top-6) on `device`: every row has transformers' experts and bit-equal bfloat16
+    weights, except rows whose 6th and 7th best choice scores (transformers' own) tie exactly
+    (torch's top-k leaves those unspecified; the kernel takes the lower id), and those are under 2%.
+    Returns (logits, bias, transformers' ids) for further checks."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
 
     router = DeepseekV4TopKRouter(_v4_config(256, 6, scoring_func, vocab=64))
     _randomize(router, gen, scale=0.5)
-    router = router.to(torch.bfloat16)
+    router = router.to(device, torch.bfloat16)
     with torch.no_grad():
-        router.e_score_correction_bias.data = torch.randn(256, generator=gen) * 0.05  # float32, as HF keeps it
-        logits, ref_w, ref_ids = router(_hidden(gen, 400, 16).to(torch.bfloat16))
+        # float32 as HF keeps it (`_keep_in_fp32_modules_strict`), bfloat16 after a plain `.to()`
+        router.e_score_correction_bias.data = (torch.randn(256, generator=gen) * 0.05).to(device, bias_dtype)
+        logits, ref_w, ref_ids = router(_hidden(gen, tokens, 16).to(device, torch.bfloat16))
+        choice = router.score_fn(logits) + router.e_score_correction_bias
     bias = router.e_score_correction_bias
     w, ids = biased_grouped_topk(logits, bias, 6, scoring=scoring_func, routed_scaling_factor=1.5,
                                  weights_dtype=torch.bfloat16, ids_dtype=torch.int64, compute_dtype=torch.bfloat16)
@@ -220,13 +221,20 @@ def test_deepseek_v4_bf16_steps_match_transformers_bf16_router(cpu_path, gen, sc
     same_ids = (ids.sort(-1).values == ref_ids.sort(-1).values).all(-1)
     by_id = lambda v, i: v.gather(1, i.argsort(-1))  # noqa: E731
     same = same_ids & (by_id(w, ids) == by_id(ref_w, ref_ids)).all(-1)
-    # every other row: the 6th best choice score ties with the 7th (bf16 scores plus the float32 bias)
-    score = logits.float().sigmoid() if scoring_func == "sigmoid" else torch.nn.functional.softplus(logits).sqrt()
-    choice = score.float() + bias
     top7 = choice.topk(7, dim=-1).values
     tied = top7[:, 5] == top7[:, 6]
     assert bool((same | tied).all()), (~(same | tied)).nonzero().flatten()[:5].tolist()
     assert same.float().mean() > 0.98
+    return logits, bias, ref_ids
+
+
+@pytest.mark.parametrize("scoring_func", ["sqrtsoftplus", "sigmoid"])
+def test_deepseek_v4_bf16_steps_match_transformers_bf16_router(cpu_path, gen, scoring_func):
+    """transformers' DeepSeek-V4 router on a bfloat16 model computes its scores and weights in
+    bfloat16; `compute_dtype=torch.bfloat16` rounds the same steps (`check_v4_bf16_steps`, 400
+    tokens). Non-vacuous: the float32 formula (the default) chooses other experts in more than 2%
+    of the rows."""
+    logits, bias, ref_ids = check_v4_bf16_steps(gen, scoring_func, 400)
     fp32_ids = biased_grouped_topk(logits, bias, 6, scoring=scoring_func, routed_scaling_factor=1.5)[1]
     assert (fp32_ids.long().sort(-1).values != ref_ids.sort(-1).values).any(-1).float().mean() > 0.02
 

@@ -3,7 +3,7 @@ capture), typed errors for tensors on different devices."""
 
 import pytest
 import torch
-from test_routing import _check_dropped_slots, assert_same_routing
+from test_routing import _check_dropped_slots, assert_same_routing, check_v4_bf16_steps
 
 from padded_moe.routing import biased_grouped_topk, hash_topk, softmax_topk
 
@@ -122,27 +122,6 @@ def test_biased_kernel_on_cuda(gen, num_experts, k, scoring, groups, kept):
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_bf16_steps_match_transformers_v4_router_on_cuda(gen, scoring_func, bias_dtype):
     """The compiled kernel with `compute_dtype=torch.bfloat16` against transformers' DeepSeek-V4
-    router run on CUDA in bfloat16 (libdevice's exp / log1p are CUDA's, as torch's kernels use): on
-    4096 tokens of 256 experts, transformers' experts and bit-equal bfloat16 weights on every row
-    without an exact tie at the cut; a bfloat16 correction bias (a model cast with `.to()`) too."""
-    from test_routing import _hidden, _randomize, _v4_config
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
-
-    router = DeepseekV4TopKRouter(_v4_config(256, 6, scoring_func, vocab=64))
-    _randomize(router, gen, scale=0.5)
-    router = router.to("cuda", torch.bfloat16)
-    with torch.no_grad():
-        router.e_score_correction_bias.data = (torch.randn(256, generator=gen) * 0.05).to("cuda", bias_dtype)
-        logits, ref_w, ref_ids = router(_hidden(gen, 4096, 16).to("cuda", torch.bfloat16))
-    bias = router.e_score_correction_bias
-    w, ids = biased_grouped_topk(logits, bias, 6, scoring=scoring_func, routed_scaling_factor=1.5,
-                                 weights_dtype=torch.bfloat16, ids_dtype=torch.int64, compute_dtype=torch.bfloat16)
-    same_ids = (ids.sort(-1).values == ref_ids.sort(-1).values).all(-1)
-    by_id = lambda v, i: v.gather(1, i.argsort(-1))  # noqa: E731
-    same = same_ids & (by_id(w, ids) == by_id(ref_w, ref_ids)).all(-1)
-    score = router.score_fn(logits)
-    choice = score + bias
-    top7 = choice.topk(7, dim=-1).values
-    tied = top7[:, 5] == top7[:, 6]
-    assert bool((same | tied).all()), (~(same | tied)).nonzero().flatten()[:5].tolist()
-    assert same.float().mean() > 0.98
+    router run on CUDA in bfloat16 (libdevice's exp / log1p are CUDA's, as torch's kernels use;
+    `check_v4_bf16_steps`, 4096 tokens); a bfloat16 correction bias (a model cast with `.to()`) too."""
+    check_v4_bf16_steps(gen, scoring_func, 4096, "cuda", bias_dtype)

@@ -126,13 +126,14 @@ def _check_bias(bias: object, logits: torch.Tensor) -> torch.Tensor | None:
 # shared pieces
 
 
-def _scores(logits32: torch.Tensor, scoring: str) -> torch.Tensor:
-    """The per-expert affinity DeepSeek weights experts by (float32 in, float32 out)."""
+def _scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """The per-expert affinity DeepSeek weights experts by (in the input's dtype: float32, or
+    bfloat16 for `compute_dtype=torch.bfloat16`)."""
     if scoring == "sigmoid":
-        return logits32.sigmoid()
+        return logits.sigmoid()
     if scoring == "sqrtsoftplus":
-        return F.softplus(logits32).sqrt()
-    return logits32.softmax(dim=-1)
+        return F.softplus(logits).sqrt()
+    return logits.softmax(dim=-1)
 
 
 def _finish(weights: torch.Tensor, ids: torch.Tensor, weights_dtype: torch.dtype = torch.float32,
@@ -407,34 +408,19 @@ def _biased_topk_fake(logits, bias, k, num_groups, topk_groups, scoring, scale, 
 
 def _biased_formula(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize,
                     weights_dtype=torch.float32, ids_dtype=torch.int32, bf16=False):
-    """`biased_grouped_topk` in torch ops (differentiable in the weights); `bf16`: the steps torch
-    holds in bfloat16 on bfloat16 logits rounded to it (`compute_dtype`)."""
-    if bf16:
-        return _biased_formula_bf16(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize,
-                                    weights_dtype, ids_dtype)
-    scores = _scores(logits.to(torch.float32), scoring)
-    choice = scores if bias is None else scores + bias.to(torch.float32)
+    """`biased_grouped_topk` in torch ops (differentiable in the weights). `bf16` (`compute_dtype`):
+    the same ops on bfloat16 logits, so torch stores every elementwise step in bfloat16, and the
+    biased scores stay bfloat16 with a bfloat16 bias (float32 with any other)."""
+    x = logits.to(torch.bfloat16 if bf16 else torch.float32)
+    scores = _scores(x, scoring)
+    if bias is not None and not (bf16 and bias.dtype == torch.bfloat16):
+        bias = bias.to(torch.float32)
+    choice = scores if bias is None else scores + bias
     if topk_groups < num_groups:
         choice = choice.masked_fill(~_group_mask(choice, num_groups, topk_groups), float("-inf"))
     ids = torch.topk(choice, k, dim=-1).indices
     weights = _deepseek_normalize(scores.gather(1, ids), renormalize, scale)
     return _finish(weights, ids, weights_dtype, ids_dtype)
-
-
-def _biased_formula_bf16(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize, weights_dtype,
-                         ids_dtype):
-    """The formula as torch runs it on bfloat16 logits: each elementwise step computed in float32
-    and stored in bfloat16; the biased scores in float32 unless the bias is bfloat16 too."""
-    x = logits.to(torch.bfloat16)
-    scores = x.sigmoid() if scoring == "sigmoid" else F.softplus(x).sqrt()
-    choice = scores if bias is None else scores + (bias if bias.dtype == torch.bfloat16 else bias.to(torch.float32))
-    if topk_groups < num_groups:
-        choice = choice.masked_fill(~_group_mask(choice, num_groups, topk_groups), float("-inf"))
-    ids = torch.topk(choice, k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + _DEEPSEEK_NORM_EPS)
-    return _finish(weights * scale, ids, weights_dtype, ids_dtype)
 
 
 def _biased_kernel_serves(logits: torch.Tensor, num_groups: int, topk_groups: int) -> bool:

@@ -70,6 +70,48 @@ def test_expert_map_rejects_bad_arguments(kwargs, exc, words):
         ExpertMap(**kwargs)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
+def test_from_table_any_placement(dtype):
+    """vLLM's expert_map tensor: local indices in any order over any set of global experts."""
+    table = torch.tensor([-1, 2, -1, 0, 1, -1], dtype=dtype)
+    m = ExpertMap.from_table(table)
+    assert m.num_experts == 6 and m.num_local == 3 and m.placement == "table"
+    assert m.ep_rank is None and m.ep_size is None
+    assert m.map.dtype == torch.int32 and m.map.tolist() == table.tolist()
+    assert m.local_experts.tolist() == [3, 4, 1]  # global id of local index 0, 1, 2
+    assert not m.is_identity
+    moved = m.to("cpu")
+    assert moved.map.tolist() == table.tolist() and moved.local_experts.tolist() == [3, 4, 1]
+    assert "from_table" in repr(m) and "num_local=3" in repr(m)
+    # The same placement as a linear map gives the same map.
+    linear = ExpertMap(10, 1, 3)
+    assert ExpertMap.from_table(linear.map).local_experts.tolist() == linear.local_experts.tolist()
+
+
+def test_from_table_identity_only_when_every_expert_sits_at_its_own_index():
+    assert ExpertMap.from_table(torch.arange(5)).is_identity
+    # All experts local but permuted: the map must still be read (not skipped as an identity).
+    swapped = ExpertMap.from_table(torch.tensor([1, 0, 2]))
+    assert swapped.num_local == swapped.num_experts == 3 and not swapped.is_identity
+    ids = torch.tensor([[0, 1], [2, 5]], dtype=torch.int32)
+    assert sanitize_topk_ids(ids, swapped).tolist() == [[1, 0], [2, 3]]
+
+
+@pytest.mark.parametrize("table,exc,words", [
+    ([0, 1], TypeError, "table"),  # a list, not a tensor
+    (torch.tensor([0.0, 1.0]), TypeError, "table"),
+    (torch.zeros(2, 2, dtype=torch.int32), ValueError, "table"),
+    (torch.zeros(0, dtype=torch.int32), ValueError, "empty"),
+    (torch.tensor([0, -2], dtype=torch.int32), ValueError, r"table\[1\]"),
+    (torch.tensor([0, 3, -1], dtype=torch.int32), ValueError, r"table\[1\]"),
+    (torch.tensor([0, 0, -1], dtype=torch.int32), ValueError, "exactly once"),
+    (torch.tensor([1, 2, -1], dtype=torch.int32), ValueError, "exactly once"),
+])
+def test_from_table_rejects_bad_tables(table, exc, words):
+    with pytest.raises(exc, match=words):
+        ExpertMap.from_table(table)
+
+
 def ref_sanitize(ids, E, emap, L, valid_tokens):
     """Python-int loop: the guard as the spec states it."""
     out = []
@@ -115,6 +157,8 @@ id_values = st.one_of(st.integers(-3, 12), st.sampled_from([2**31 - 1, -(2**31),
        vt=st.one_of(st.none(), st.integers(-1, 9)))
 def test_sanitize_matches_loop_reference(E, R, rank_seed, placement, use_map, rows, vt):
     m = ExpertMap(E, rank_seed % R, R, placement)
+    if placement == "round_robin" and rank_seed % 2:
+        m = ExpertMap.from_table(m.map)  # the same placement given as its table
     ids = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 3)
     experts = m if use_map else E
     emap = m.map.tolist() if use_map else None

@@ -74,10 +74,15 @@ def test_blocks_around_the_medium_regime(mean_rows, layout, fmt):
     assert torch.isfinite(out[:M]).all() and rel_err(out[:M], ref) <= BF16_TOL
 
 
+@pytest.mark.parametrize("placement", ["linear", "table"])
 @pytest.mark.parametrize("layout", ["indexed", "grouped_contiguous"])
-def test_graph_capture_and_replay_with_new_routes(layout):
+def test_graph_capture_and_replay_with_new_routes(layout, placement):
     M, k, E, K, N = 128, 4, 16, 512, 256
     emap = ExpertMap(E, ep_rank=0, ep_size=2, device="cuda")
+    if placement == "table":  # a vLLM-style table on the device: 8 scattered experts, local order shuffled
+        table = torch.full((E,), -1, dtype=torch.int32)
+        table[torch.randperm(E)[:8]] = torch.randperm(8, dtype=torch.int32)
+        emap = ExpertMap.from_table(table.cuda())
     L = emap.num_local
     w13 = (torch.randn(L, 2 * N, K, device="cuda") * 0.05).bfloat16()
     w2 = (torch.randn(L, K, N, device="cuda") * 0.05).bfloat16()

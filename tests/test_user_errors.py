@@ -162,6 +162,15 @@ def test_zero_experts_per_token_is_a_value_error():
         build_layout("indexed", torch.zeros(4, 0, dtype=torch.int64), 2)
 
 
+def test_a_table_tensor_for_expert_map_names_from_table():
+    """vLLM passes expert_map as a tensor; ours takes an ExpertMap and says how to convert."""
+    x, w13, w2 = torch.randn(4, K), torch.randn(2, 2 * N, K), torch.randn(2, K, N)
+    table = torch.tensor([-1, 0, 1, -1], dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"expert_map must be an ExpertMap.*ExpertMap.from_table"):
+        fused_experts(x, w13, w2, torch.ones(4, 1), torch.zeros(4, 1, dtype=torch.int32), activation="silu",
+                      expert_map=table)
+
+
 def test_from_preset_refuses_a_non_preset():
     with pytest.raises(TypeError, match="preset must be a preset name or a MoEPreset"):
         FusedMoE.from_preset(123)

@@ -34,6 +34,9 @@ class ExpertMap:
     `local_experts` (int64 `[L]`, global ids owned here, on `device`), `map` (int32 `[E]`, local
     index or -1, on `device`). `map_for(device)` returns (and caches) the map on another device so
     a CPU-built map can serve CUDA ids without a copy per call.
+
+    `ExpertMap.from_table(table)` takes any placement as the table itself (vLLM's `expert_map`
+    tensor); such a map has `placement == "table"` and no rank (`ep_rank`, `ep_size` None).
     """
 
     def __init__(self, num_experts: int, ep_rank: int = 0, ep_size: int = 1,
@@ -46,20 +49,57 @@ class ExpertMap:
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         self.placement = placement
-        owned = _owned_experts(num_experts, ep_rank, ep_size, placement)
+        self._own(_owned_experts(num_experts, ep_rank, ep_size, placement), device)
+
+    def _own(self, owned: list[int], device: Union[str, torch.device, None]) -> None:
+        """Set the map from `owned` (global ids in local-index order) on `device` (CPU if None)."""
         self.num_local = len(owned)
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        table = torch.full((num_experts,), -1, dtype=torch.int32)
+        table = torch.full((self.num_experts,), -1, dtype=torch.int32)
         if owned:
             table[torch.tensor(owned)] = torch.arange(len(owned), dtype=torch.int32)
         self.local_experts = torch.tensor(owned, dtype=torch.int64, device=dev)
         self.map = table.to(dev)
         self._maps = {dev: self.map}
+        self._identity = owned == list(range(self.num_experts))
 
     @classmethod
     def identity(cls, num_experts: int, *, device: Union[str, torch.device, None] = None) -> "ExpertMap":
         """No expert parallelism: every expert is local, local index = global id."""
         return cls(num_experts, 0, 1, "linear", device=device)
+
+    @classmethod
+    def from_table(cls, table: torch.Tensor, *, device: Union[str, torch.device, None] = None) -> "ExpertMap":
+        """A map of any placement from its table: `table [E]` (int32 or int64) holds, for global
+        expert `g`, the index of its weights among this rank's `L` local experts, or -1 where `g`
+        lives elsewhere — the `expert_map` tensor vLLM passes to its `fused_experts` (also for
+        load-balanced placements). The local indices must be `0 .. L-1`, each exactly once.
+
+        The table is read on the host once, here (a device table costs one synchronisation);
+        calls that use the map never read it on the host. `device` defaults to the table's."""
+        require_tensor("table", table)
+        require_dtype("table", table, INDEX_DTYPES)
+        require_rank("table", table, (1,))
+        if table.numel() < 1:
+            raise ValueError("table must hold one entry per global expert (E >= 1), got an empty tensor")
+        values = table.tolist()
+        num_experts = len(values)
+        for g, v in enumerate(values):
+            if v < -1 or v >= num_experts:
+                raise ValueError(f"table[{g}] must be -1 (not local) or a local index in [0, E={num_experts}), got {v}")
+        local = sorted(v for v in values if v != -1)
+        if local != list(range(len(local))):
+            shown = f"{local[:16]}{' ...' if len(local) > 16 else ''}"
+            raise ValueError(f"table's local indices must be 0 .. L-1 each exactly once (L = {len(local)} local "
+                             f"experts), got {shown}")
+        owned = [0] * len(local)
+        for g, v in enumerate(values):
+            if v >= 0:
+                owned[v] = g
+        emap = cls.__new__(cls)
+        emap.num_experts, emap.ep_rank, emap.ep_size, emap.placement = num_experts, None, None, "table"
+        emap._own(owned, table.device if device is None else device)
+        return emap
 
     @property
     def device(self) -> torch.device:
@@ -67,10 +107,13 @@ class ExpertMap:
 
     @property
     def is_identity(self) -> bool:
-        return self.num_local == self.num_experts
+        """Every expert local at its own index (the kernels then skip the map read)."""
+        return self._identity
 
     def to(self, device: Union[str, torch.device]) -> "ExpertMap":
         """The same map with its tensors on `device`."""
+        if self.placement == "table":
+            return ExpertMap.from_table(self.map, device=device)
         return ExpertMap(self.num_experts, self.ep_rank, self.ep_size, self.placement, device=device)
 
     def map_for(self, device: torch.device) -> torch.Tensor:
@@ -85,6 +128,8 @@ class ExpertMap:
         return cached
 
     def __repr__(self) -> str:
+        if self.placement == "table":
+            return f"ExpertMap.from_table(num_experts={self.num_experts}, num_local={self.num_local})"
         return (f"ExpertMap(num_experts={self.num_experts}, ep_rank={self.ep_rank}, "
                 f"ep_size={self.ep_size}, placement={self.placement!r}, num_local={self.num_local})")
 

@@ -186,6 +186,9 @@ def _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, a
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
     num_local, n = _check_weights(act, w13, w2, hidden_size)
+    if expert_map is not None and not isinstance(expert_map, ExpertMap):
+        raise TypeError(f"expert_map must be an ExpertMap or None, got {type(expert_map).__name__} (a vLLM-style "
+                        f"table tensor converts once: ExpertMap.from_table(table))")
     if expert_map is not None and expert_map.num_local != num_local:
         raise ValueError(f"expert_map has {expert_map.num_local} local experts but w13 holds {num_local}")
     cfg = _activation_config(activation_config)

@@ -780,13 +780,22 @@ def gpt_oss_mxfp4_checkpoint() -> torch.nn.Module:
 
 def test_gpt_oss_mxfp4_checkpoint_tensors(monkeypatch):
     """A GPT-OSS experts module holding the checkpoint's `*_blocks` / `*_scales` runs on them; HF's
-    eager path runs on the same weights dequantized into its transposed parameters."""
+    eager path runs on the same weights dequantized into its transposed parameters. A weight whose
+    inner width is a multiple of 64 (gate_up_proj, K = 64) is then held once, prepared, and its
+    checkpoint tensors come back from `state_dict()`; the other (down_proj, K = 32) keeps them and
+    caches its prepared form."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     model = gpt_oss_mxfp4_checkpoint()
+    before = {k: v.clone() for k, v in model.state_dict().items() if k.endswith(("_blocks", "_scales"))}
     ref, out = logits_both(model, prompts(2, 12, 6))
     assert max_rel(out, ref) <= 1e-4
-    cache = experts_modules(model, "gpt_oss")[0].__dict__["_padded_moe_cache"]
-    assert "gate_up_proj_mxfp4" in cache and "gate_up_proj" not in cache
+    m = experts_modules(model, "gpt_oss")[0]
+    cache = m.__dict__["_padded_moe_cache"]
+    assert "down_proj_mxfp4" in cache and "gate_up_proj_mxfp4" not in cache and "gate_up_proj" not in cache
+    assert "gate_up_proj_blocks" not in dict(m.named_buffers()) and "down_proj_blocks" in dict(m.named_buffers())
+    after = model.state_dict()
+    assert before.keys() <= after.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert not any("_padded_moe" in k for k in after)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,3 +90,23 @@ def test_plugin_forward_never_syncs(name):
             run()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_gpt_oss_mxfp4_checkpoint_loads_as_mxfp4_cuda(tmp_path):
+    """A GPT-OSS MXFP4 checkpoint loaded onto the GPU with experts_implementation="padded_moe": the
+    experts hold the prepared MXFP4 form on the device and match HF's eager experts on the same
+    checkpoint dequantized (fp32 activations, so the weights' bytes are the only approximation)."""
+    from test_transformers_mxfp4 import load, mxfp4_checkpoint
+    from transformers import Mxfp4Config
+
+    from padded_moe.integrations import transformers as plug
+
+    mxfp4_checkpoint(tmp_path / "ckpt", 128)
+    model = load(tmp_path / "ckpt", experts_implementation=plug.IMPLEMENTATION, device_map="cuda")
+    ref_model = load(tmp_path / "ckpt", experts_implementation="eager", device_map="cuda",
+                     quantization_config=Mxfp4Config(dequantize=True))
+    m = experts_modules(model, "gpt_oss")[0]
+    assert m._padded_moe_gate_up_proj_blocks.is_cuda and "gate_up_proj" not in dict(m.named_parameters())
+    ids = prompts(4, 33, 79, device="cuda")
+    with torch.no_grad():
+        assert max_rel(model(input_ids=ids).logits, ref_model(input_ids=ids).logits) <= 1e-3

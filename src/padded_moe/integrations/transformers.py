@@ -225,25 +225,115 @@ def _cached(module, slot: str, source: torch.Tensor, convert: Callable[[torch.Te
     return value
 
 
+# MXFP4 experts held once: the prepared arrangement (`Mxfp4Tensor.prepare_for`) as buffers
+# `_padded_moe_<proj>_blocks` / `_scales` (so `.to()` moves them), their K in this module attribute,
+# and no checkpoint tensors next to them: `state_dict()` gives `<proj>_blocks` / `<proj>_scales` in
+# GPT-OSS's format in their place, and `load_state_dict` takes those. (Persistent buffers, because
+# transformers' `from_pretrained` re-creates every non-persistent buffer after loading.)
+_HELD = "_padded_moe_mxfp4"
+_PROJS = ("gate_up_proj", "up_proj", "down_proj")
+
+
 def holds_mxfp4(module) -> bool:
-    """Whether an experts module holds GPT-OSS MXFP4 checkpoint tensors (`*_blocks` / `*_scales`)."""
-    return any(isinstance(getattr(module, f"{proj}_{part}", None), torch.Tensor)
-               for proj in ("gate_up_proj", "up_proj", "down_proj") for part in ("blocks", "scales"))
+    """Whether an experts module holds MXFP4 experts: GPT-OSS checkpoint tensors (`*_blocks` /
+    `*_scales`) or the prepared form they were turned into (`hold_mxfp4`)."""
+    return bool(module.__dict__.get(_HELD)) or any(
+        isinstance(getattr(module, f"{proj}_{part}", None), torch.Tensor)
+        for proj in _PROJS for part in ("blocks", "scales"))
+
+
+def hold_mxfp4(module: torch.nn.Module, proj: str, weight) -> None:
+    """Make HF experts module `module` hold MXFP4 weight `proj` (an `Mxfp4Tensor` `[E, out, in]`)
+    once, in the arrangement the GEMMs read, and drop its checkpoint tensors `<proj>_blocks` /
+    `<proj>_scales` if it had them (their bytes live on in the prepared form; `state_dict()`
+    rebuilds them). `in` must be a multiple of 64 (`mxfp4.prepared_stands_alone`)."""
+    from padded_moe.mxfp4 import Mxfp4Tensor, prepared_stands_alone
+
+    if not isinstance(weight, Mxfp4Tensor):
+        raise TypeError(f"weight must be an Mxfp4Tensor, got {type(weight).__name__}")
+    if not prepared_stands_alone(weight.shape[-1]):
+        raise ValueError(f"holding {proj} prepared alone needs its inner width a multiple of 64, got "
+                         f"{weight.shape[-1]}")
+    h = weight.prepare_for(keep_canonical=False).hopper
+    for part in ("blocks", "scales"):
+        name = f"{proj}_{part}"
+        module._buffers.pop(name, None)
+        module._parameters.pop(name, None)
+        module.__dict__.pop(name, None)
+        tensor = getattr(h, part)
+        # A fixed address, like a parameter: CUDA graphs of a compiled forward read it in place.
+        torch._dynamo.mark_static_address(tensor, guard=False)
+        module.register_buffer(f"_padded_moe_{proj}_{part}", tensor)
+    module.__dict__.setdefault(_HELD, {})[proj] = h.k
+    if not module.__dict__.get("_padded_moe_state_hooks"):
+        module._register_state_dict_hook(_held_state_dict)
+        module._register_load_state_dict_pre_hook(_held_load_state_dict, with_module=True)
+        module.__dict__["_padded_moe_state_hooks"] = True
+
+
+def _held(module, proj: str) -> Any:
+    """The held prepared `Mxfp4Tensor` of `proj`, or None."""
+    k = module.__dict__.get(_HELD, {}).get(proj)
+    if k is None:
+        return None
+    from padded_moe.mxfp4 import HopperMxfp4, Mxfp4Tensor
+
+    return Mxfp4Tensor(None, None, HopperMxfp4(getattr(module, f"_padded_moe_{proj}_blocks"),
+                                               getattr(module, f"_padded_moe_{proj}_scales"), k))
+
+
+def _held_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    """State-dict hook: the held weights as the checkpoint's `<proj>_blocks` / `<proj>_scales`
+    (rebuilt from the prepared form) in place of the prepared buffers."""
+    from padded_moe.mxfp4 import to_gpt_oss
+
+    for proj in module.__dict__.get(_HELD, {}):
+        for part in ("blocks", "scales"):
+            state_dict.pop(f"{prefix}_padded_moe_{proj}_{part}", None)
+        blocks, scales = to_gpt_oss(_held(module, proj))
+        state_dict[f"{prefix}{proj}_blocks"] = blocks
+        state_dict[f"{prefix}{proj}_scales"] = scales
+
+
+def _held_load_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                          error_msgs) -> None:
+    """Load pre-hook: checkpoint tensors of a held weight replace its prepared form (the load then
+    finds the new prepared buffers in the state dict, as themselves)."""
+    from padded_moe.mxfp4 import from_gpt_oss
+
+    for proj in list(module.__dict__.get(_HELD, {})):
+        names = (f"{prefix}{proj}_blocks", f"{prefix}{proj}_scales")
+        if not all(n in state_dict for n in names):
+            continue  # the prepared buffers are then missing keys, as any absent weight is
+        blocks, scales = (state_dict.pop(n) for n in names)
+        device = getattr(module, f"_padded_moe_{proj}_blocks").device
+        with torch.no_grad():
+            hold_mxfp4(module, proj, from_gpt_oss(blocks.to(device), scales.to(device)))
+        for part in ("blocks", "scales"):
+            state_dict[f"{prefix}_padded_moe_{proj}_{part}"] = getattr(module, f"_padded_moe_{proj}_{part}")
 
 
 def _mxfp4_weight(module, proj: str, prepared: bool) -> Any:
-    """An `Mxfp4Tensor` from GPT-OSS checkpoint tensors `<proj>_blocks` / `<proj>_scales` when the
-    module holds them (they are already `[E, out, in]`, so no transpose), else None. With
-    `prepared`, converted and prepared for the GEMM (`prepare_for`) once per weight, like the
-    transposed copies below; else the checkpoint's bytes as they are (a view)."""
+    """An `Mxfp4Tensor` of `proj` when the module holds MXFP4 experts (`holds_mxfp4`, already
+    `[E, out, in]`, so no transpose), else None. With `prepared`, the arrangement the GEMMs read:
+    checkpoint tensors are turned into it once (`hold_mxfp4`: the module then holds them once), or,
+    where the inner width is not a multiple of 64, prepared and cached next to them; else the
+    checkpoint's bytes (a view of the tensors, or rebuilt from the prepared form: a copy)."""
+    held = _held(module, proj)
+    if held is not None:
+        return held if prepared else held.canonical()
     blocks = getattr(module, f"{proj}_blocks", None)
     scales = getattr(module, f"{proj}_scales", None)
     if not (isinstance(blocks, torch.Tensor) and isinstance(scales, torch.Tensor)):
         return None
-    from padded_moe.mxfp4 import from_gpt_oss
+    from padded_moe.mxfp4 import GROUP, from_gpt_oss, prepared_stands_alone
 
     if not prepared:
         return from_gpt_oss(blocks.detach(), scales.detach())
+    if not torch.compiler.is_compiling() and prepared_stands_alone(scales.shape[-1] * GROUP):
+        with torch.no_grad():
+            hold_mxfp4(module, proj, from_gpt_oss(blocks.detach(), scales.detach()))
+        return _held(module, proj)
     return _cached(module, f"{proj}_mxfp4", blocks, lambda b: from_gpt_oss(b, scales).prepare_for())
 
 
@@ -474,6 +564,9 @@ def register() -> None:
         cls = getattr(module, class_name, None)
         if cls is not None:
             _install_dispatch(cls, _router_forward(kind))
+    from padded_moe.integrations.transformers_mxfp4 import install
+
+    install()  # GPT-OSS MXFP4 checkpoints load as MXFP4 when the model asks for "padded_moe"
 
 
 def is_registered() -> bool:

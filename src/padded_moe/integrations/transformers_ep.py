@@ -142,9 +142,15 @@ def _family(model: nn.Module) -> str:
 
 
 def _is_experts_module(module: nn.Module) -> bool:
-    """HF's experts contract: 3-D `down_proj` and `gate_up_proj` (or `up_proj` when ungated)."""
+    """HF's experts contract: 3-D `down_proj` and `gate_up_proj` (or `up_proj` when ungated), or the
+    MXFP4 form of them (GPT-OSS checkpoint tensors, or the prepared form a model loaded as MXFP4
+    holds instead of its float parameters)."""
+    from padded_moe.integrations.transformers import holds_mxfp4
+
     if isinstance(module, ExpertParallelExperts):
         return False
+    if holds_mxfp4(module):
+        return True
     down = getattr(module, "down_proj", None)
     up = getattr(module, "gate_up_proj", None)
     if up is None:

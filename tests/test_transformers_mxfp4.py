@@ -9,6 +9,7 @@ Checkpoints are tiny GPT-OSS models written to a temporary directory in the publ
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
@@ -136,3 +137,191 @@ def test_expert_parallel_takes_a_loaded_mxfp4_model(tmp_path, monkeypatch, one_r
     layer = next(iter(handle.layers.values())).moe
     key = next(k for k in source if k.endswith("layers.0.mlp.experts.down_proj_blocks"))
     assert torch.equal(to_gpt_oss(layer.expert_weights()[1])[0], source[key])
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers' quantized experts (`FP8Experts`) holding packed FP4 experts (DeepSeek-V4's checkpoints)
+# ---------------------------------------------------------------------------------------------
+
+def _fp8_experts_class():
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
+    from transformers.integrations.moe import use_experts_implementation
+
+    # What transformers' FP8 quantizer does to each experts module it replaces.
+    return use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS,
+                                      has_bias=False, has_gate=True)
+
+
+GATES = {  # config attributes -> which of FP8Experts' four gates runs
+    "silu_clamp": dict(swiglu_limit=0.5),
+    "swiglu_alpha": dict(swiglu_limit=0.5, swiglu_alpha=1.3),
+    "limit_after_act": dict(swiglu_limit=0.5, limit_after_act=True),
+    "silu": dict(),
+    "softcap": dict(mlp_gate_softcap=0.7, mlp_up_softcap=0.9),
+}
+E4, K4, N4 = 4, 64, 64
+
+
+def fp4_experts(gate: str, scale_fmt: str, seed: int = 0, expert_dtype: str = "fp4"):
+    """An `FP8Experts` module with packed FP4 experts (int8 codes, scales as `scale_fmt`:
+    "ue8m0" = float8_e8m0fnu, "uint8" = the E8M0 bytes, "float" = float32 powers of two)."""
+    import types
+
+    config = types.SimpleNamespace(hidden_size=K4, moe_intermediate_size=N4, num_local_experts=E4, hidden_act="silu",
+                                   _experts_implementation=plug.IMPLEMENTATION, **GATES[gate])
+    module = _fp8_experts_class()(config=config, block_size=None, activation_scheme="dynamic",
+                                  scale_fmt="ue8m0" if scale_fmt == "ue8m0" else "float", expert_dtype=expert_dtype)
+    gen = torch.Generator().manual_seed(seed)
+    for proj, shape in (("gate_up_proj", (E4, 2 * N4, K4)), ("down_proj", (E4, K4, N4))):
+        q = quantize_mxfp4(torch.randn(shape, generator=gen) * 0.3)
+        scales = {"ue8m0": q.scales.view(torch.float8_e8m0fnu), "uint8": q.scales,
+                  "float": torch.exp2(q.scales.float() - 127)}[scale_fmt]
+        setattr(module, proj, torch.nn.Parameter(q.blocks.view(torch.int8), requires_grad=False))
+        setattr(module, f"{proj}_scale_inv", torch.nn.Parameter(scales, requires_grad=False))
+    return module
+
+
+def hf_oracle(module, weights: dict, x, ids, tw) -> torch.Tensor:
+    """float64 loop with transformers' own pieces: its FP4 dequantization and the module's own
+    `_apply_gate`; ids outside [0, E) contribute nothing."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    deq = Fp8Dequantize(None)
+    w13 = deq._dequantize_one(*weights["gate_up_proj"], torch.float64)
+    w2 = deq._dequantize_one(*weights["down_proj"], torch.float64)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if 0 <= e < E4:
+                h = module._apply_gate(x[t].double() @ w13[e].T)
+                out[t] += float(tw[t, j]) * (h @ w2[e].T)
+    return out
+
+
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "uint8", "float"])
+@pytest.mark.parametrize("gate", list(GATES))
+def test_fp4_experts_module_matches_transformers(monkeypatch, gate, scale_fmt):
+    """`FP8Experts` with packed FP4 experts under "padded_moe": the plug-in reads the codes and
+    scales as MXFP4 and matches transformers' dequantization + the module's own gate (the
+    softcap gate has no kernel and runs as the module's callable)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    module = fp4_experts(gate, scale_fmt)
+    weights = {p: (getattr(module, p).detach().clone(), getattr(module, f"{p}_scale_inv").detach().clone())
+               for p in ("gate_up_proj", "down_proj")}
+    assert plug.experts_plan(module).path == (plug.COMPOSED if gate == "softcap" else plug.FUSED)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(11, K4, generator=gen)
+    ids = torch.stack([torch.randperm(E4, generator=gen)[:2] for _ in range(11)])
+    ids[3, 1], ids[5, 0] = -1, E4 + 2  # dropped slots
+    tw = torch.rand(11, 2, generator=gen)
+    spy = Spy(monkeypatch)
+    with torch.no_grad():
+        out = module(x, ids, tw)
+    assert spy.fused == 1
+    ref = hf_oracle(module, weights, x, ids, tw)
+    assert max_rel(out, ref) <= 1e-4
+    # Held once: the checkpoint's two tensors per weight come back from state_dict, same dtype.
+    assert "gate_up_proj" not in dict(module.named_parameters())
+    state = module.state_dict()
+    for proj, (values, scales) in weights.items():
+        assert torch.equal(state[proj], values) and state[f"{proj}_scale_inv"].dtype == scales.dtype
+        assert torch.equal(state[f"{proj}_scale_inv"].view(torch.uint8) if scale_fmt == "ue8m0"
+                           else state[f"{proj}_scale_inv"], scales.view(torch.uint8) if scale_fmt == "ue8m0" else scales)
+    with torch.no_grad():  # and a second call runs on the held form alone
+        assert torch.equal(module(x, ids, tw), out)
+
+
+def test_fp4_experts_clamp_is_exercised(monkeypatch):
+    """The clamp of the silu_clamp gate changes the result on these inputs (the parity above is
+    not blind to it)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(8, K4, generator=gen) * 3
+    ids = torch.stack([torch.randperm(E4, generator=gen)[:2] for _ in range(8)])
+    tw = torch.rand(8, 2, generator=gen)
+    with torch.no_grad():
+        clamped = fp4_experts("silu_clamp", "ue8m0")(x, ids, tw)
+        plain = fp4_experts("silu", "ue8m0")(x, ids, tw)
+    assert max_rel(clamped, plain) > 0.05
+
+
+def test_fp8_experts_fail_closed():
+    """FP8 (e4m3) experts are neither bf16 nor MXFP4: NotImplementedError naming the way out."""
+    module = fp4_experts("silu", "ue8m0")
+    module.gate_up_proj = torch.nn.Parameter(torch.zeros(E4, 2 * N4, K4, dtype=torch.float8_e4m3fn),
+                                             requires_grad=False)
+    with pytest.raises(NotImplementedError, match="FP8.*dequantize=True"):
+        module(torch.randn(3, K4), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))
+
+
+def test_float_scales_must_be_powers_of_two():
+    module = fp4_experts("silu", "float")
+    with torch.no_grad():
+        module.down_proj_scale_inv[0, 0, 0] = 0.3
+    with pytest.raises(ValueError, match="powers of two"):
+        module(torch.randn(3, K4), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))
+
+
+def test_fp8_interface_knows_padded_moe():
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+
+    assert ALL_FP8_EXPERTS_FUNCTIONS.get_interface(plug.IMPLEMENTATION, None) is plug.padded_moe_experts_forward
+
+
+def deepseek_v4_fp4_models():
+    """A tiny DeepSeek-V4 twice: with float experts holding MXFP4-representable values, and with
+    those experts as transformers' FP4 `FP8Experts` (the modules its FP8 quantizer makes for
+    DeepSeek-V4's FP4 checkpoints) holding the same values as codes and E8M0 scales."""
+    import copy
+
+    from padded_moe.mxfp4 import dequantize_mxfp4
+
+    model = build("deepseek_v4", sizes=dict(TINY, hidden=64, inter=64))
+    fp4 = copy.deepcopy(model)
+    cls = _fp8_experts_class()
+    for name, m in [(n, m) for n, m in fp4.named_modules() if type(m).__name__ == "DeepseekV4Experts"]:
+        # transformers 5.25 passes the module's limit; 5.24 reads config.swiglu_limit (the same value)
+        limit = {"swiglu_limit": m.limit} if "swiglu_limit" in inspect.signature(cls.__init__).parameters else {}
+        new = cls(config=m.config, block_size=None, activation_scheme="dynamic", scale_fmt="ue8m0", expert_dtype="fp4",
+                  **limit)
+        for proj in ("gate_up_proj", "down_proj"):
+            q = quantize_mxfp4(getattr(m, proj).detach())
+            setattr(new, proj, torch.nn.Parameter(q.blocks.view(torch.int8), requires_grad=False))
+            setattr(new, f"{proj}_scale_inv", torch.nn.Parameter(q.scales.view(torch.float8_e8m0fnu), requires_grad=False))
+            with torch.no_grad():
+                getattr(model.get_submodule(name), proj).copy_(dequantize_mxfp4(q, torch.float32))
+        parent, _, attr = name.rpartition(".")
+        setattr(fp4.get_submodule(parent), attr, new)
+    return model, fp4
+
+
+def test_deepseek_v4_with_fp4_experts_matches_eager(monkeypatch):
+    """Whole model: DeepSeek-V4 with FP4 `FP8Experts` under "padded_moe" (hash-routed and top-k
+    layers) gives the logits of HF's eager experts on the same weights as floats; the clamp limit
+    is the family's small test value, so the gate mapping is exercised."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model, fp4 = deepseek_v4_fp4_models()
+    model.set_experts_implementation("eager")
+    fp4.config._experts_implementation = plug.IMPLEMENTATION
+    ids = prompts(2, 9, 5)
+    spy = Spy(monkeypatch)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        out = fp4(input_ids=ids).logits
+    assert spy.fused == 2
+    assert max_rel(out, ref) <= 1e-4
+    assert all(plug.experts_plan(m).activation == "silu" for m in fp4.modules() if type(m).__name__ == "FP8Experts")
+
+
+def test_expert_parallel_takes_fp4_experts(monkeypatch, one_rank_group):
+    """`enable_expert_parallel(weight_format="mxfp4")` on DeepSeek-V4 with FP4 `FP8Experts`."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _, fp4 = deepseek_v4_fp4_models()
+    fp4.config._experts_implementation = plug.IMPLEMENTATION
+    ids = prompts(2, 5, 6)
+    with torch.no_grad():
+        ref = fp4(input_ids=ids).logits
+        plug.enable_expert_parallel(fp4, max_tokens_per_rank=10, weight_format="mxfp4")
+        out = fp4(input_ids=ids).logits
+    assert max_rel(out, ref) <= 1e-5

@@ -110,3 +110,26 @@ def test_gpt_oss_mxfp4_checkpoint_loads_as_mxfp4_cuda(tmp_path):
     ids = prompts(4, 33, 79, device="cuda")
     with torch.no_grad():
         assert max_rel(model(input_ids=ids).logits, ref_model(input_ids=ids).logits) <= 1e-3
+
+
+@pytest.mark.parametrize("gate", ["silu_clamp", "swiglu_alpha", "softcap"])
+def test_fp4_experts_module_cuda(gate, monkeypatch):
+    """transformers' `FP8Experts` holding packed FP4 experts (DeepSeek-V4's checkpoint form) under
+    "padded_moe" on the GPU: the prepared MXFP4 GEMMs against transformers' dequantization and the
+    module's own gate in float64 (bf16 activations)."""
+    from test_transformers_mxfp4 import E4, K4, fp4_experts, hf_oracle
+
+    module = fp4_experts(gate, "ue8m0")
+    weights = {p: (getattr(module, p).detach().clone(), getattr(module, f"{p}_scale_inv").detach().clone())
+               for p in ("gate_up_proj", "down_proj")}
+    module = module.cuda()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(40, K4, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E4, generator=gen)[:2] for _ in range(40)])
+    ids[7, 0] = -1
+    tw = torch.rand(40, 2, generator=gen)
+    spy = Spy(monkeypatch)
+    with torch.no_grad():
+        out = module(x.cuda(), ids.cuda(), tw.cuda())
+    assert spy.fused == 1 and module._padded_moe_gate_up_proj_blocks.is_cuda
+    assert max_rel(out.cpu(), hf_oracle(module.cpu(), weights, x, ids, tw)) <= 2e-2

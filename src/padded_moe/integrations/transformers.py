@@ -9,7 +9,9 @@ top-k routers whose formula `padded_moe.routing` computes (`_ROUTERS`: Mixtral, 
 GPT-OSS through `fused_topk`; DeepSeek-V3, DeepSeek-V3.2, GLM-4-MoE, and DeepSeek-V4 with its steps
 in bfloat16, through `biased_grouped_topk`)
 the plug-in also runs it as one kernel instead of torch's several, with HF's output dtypes, when
-the model's experts implementation is "padded_moe".
+the model's experts implementation is "padded_moe". MXFP4 experts are read as MXFP4 (never
+dequantized) from either checkpoint form: GPT-OSS's `*_blocks` / `*_scales`, or the packed FP4
+codes of transformers' quantized `FP8Experts` (DeepSeek-V4's checkpoints), and held once, prepared.
 
 Each call is served one of two ways (see `experts_plan` and docs/transformers.md):
 
@@ -124,6 +126,29 @@ def _step3p7(m) -> Optional[Tuple[str, Any]]:
     return "swiglustep", _config(clamp_limit=limit)
 
 
+def _fp8_experts(m) -> Optional[Tuple[str, Any]]:
+    # transformers' quantized experts (`FP8Experts`; DeepSeek-V4's FP4 checkpoints load into it), on
+    # packed halves. Its `_apply_gate` picks one of four gates from the module's attributes.
+    if getattr(m, "gate_softcap", None) is not None:
+        return None  # tanh soft caps: no kernel (spec 01), the module's own gate runs
+    act = _act_name(getattr(m, "act_fn", None))
+    limit = _limit(getattr(m, "limit", None))
+    if getattr(m, "swiglu_alpha", None) is not None:
+        # gate.clamp(max=L), up.clamp(-L, L), gate * sigmoid(alpha * gate) * (up + 1)
+        if limit is None:
+            return None
+        return "swigluoai_uninterleave", _config(clamp_limit=limit, alpha=float(m.swiglu_alpha), beta=1.0)
+    if limit is not None and getattr(m, "limit_after_act", False):
+        # act_fn(gate).clamp(max=L) * up.clamp(-L, L)
+        return ("swiglustep", _config(clamp_limit=limit)) if act == "silu" else None
+    if limit is not None:
+        # gate.clamp(max=L), up.clamp(-L, L), act_fn(gate) * up
+        return ("silu", _config(clamp_limit=limit)) if act == "silu" else None
+    if act is None or act == "relu2":
+        return None
+    return act, _config()
+
+
 # (module, class) that defines `_apply_gate` -> (family, reader).
 _KNOWN_GATES: dict = {
     ("transformers.models.deepseek_v4.modeling_deepseek_v4", "DeepseekV4Experts"):
@@ -134,6 +159,8 @@ _KNOWN_GATES: dict = {
         ("minimax_m3", _minimax_m3),
     ("transformers.models.step3p7.modeling_step3p7", "Step3p7Experts"):
         ("step3p7", _step3p7),
+    ("transformers.integrations.finegrained_fp8", "FP8Experts"):
+        ("fp8_experts", _fp8_experts),
 }
 
 
@@ -225,28 +252,117 @@ def _cached(module, slot: str, source: torch.Tensor, convert: Callable[[torch.Te
     return value
 
 
-# MXFP4 experts held once: the prepared arrangement (`Mxfp4Tensor.prepare_for`) as buffers
-# `_padded_moe_<proj>_blocks` / `_scales` (so `.to()` moves them), their K in this module attribute,
-# and no checkpoint tensors next to them: `state_dict()` gives `<proj>_blocks` / `<proj>_scales` in
-# GPT-OSS's format in their place, and `load_state_dict` takes those. (Persistent buffers, because
-# transformers' `from_pretrained` re-creates every non-persistent buffer after loading.)
+# MXFP4 experts come in two checkpoint forms (`_Form`):
+# - GPT-OSS's: `<proj>_blocks` uint8 [E, out, K/32, 16] and `<proj>_scales` uint8 E8M0 [E, out, K/32];
+# - packed FP4 (transformers' `FP8Experts` with expert_dtype="fp4", DeepSeek-V4's checkpoints):
+#   `<proj>` int8 [E, out, K/2] and `<proj>_scale_inv` [E, out, K/32], E8M0 as float8_e8m0fnu or
+#   uint8 bytes, or as float32 powers of two.
+# Both keep two e2m1 codes per byte with the even element in the low nibble: our canonical
+# `Mxfp4Tensor`, up to a reshape and the scales' dtype.
+#
+# Held once: the prepared arrangement (`Mxfp4Tensor.prepare_for`) as buffers
+# `_padded_moe_<proj>_blocks` / `_scales` (so `.to()` moves them), the K and the checkpoint form in
+# a module attribute, and no checkpoint tensors next to them: `state_dict()` gives those back in
+# their own form in place of the prepared buffers, and `load_state_dict` takes them. (Persistent
+# buffers, because transformers' `from_pretrained` re-creates every non-persistent buffer after
+# loading.)
 _HELD = "_padded_moe_mxfp4"
 _PROJS = ("gate_up_proj", "up_proj", "down_proj")
+GPT_OSS_FORM = "gpt_oss"
+# Dtypes of packed FP4 values (two e2m1 codes per byte): transformers allocates int8.
+_PACKED_FP4_DTYPES = tuple(d for d in (torch.int8, getattr(torch, "float4_e2m1fn_x2", None)) if d is not None)
+
+
+@dataclass(frozen=True)
+class _Form:
+    """How one weight's MXFP4 bytes sit in a checkpoint: `kind` GPT_OSS_FORM or "packed", and for
+    packed weights the dtype their scales had (float8_e8m0fnu, uint8 or float32)."""
+
+    kind: str
+    scale_dtype: Any = None
+
+    def names(self, proj: str) -> tuple:
+        """The two checkpoint tensors' names (values, scales)."""
+        return (f"{proj}_blocks", f"{proj}_scales") if self.kind == GPT_OSS_FORM else (proj, f"{proj}_scale_inv")
+
+    def read(self, values: torch.Tensor, scales: torch.Tensor, where: str) -> Any:
+        """The canonical `Mxfp4Tensor` of the two tensors (a view of the values; the scales viewed
+        as their E8M0 bytes, or computed from float powers of two)."""
+        from padded_moe.mxfp4 import Mxfp4Tensor, from_gpt_oss
+
+        if self.kind == GPT_OSS_FORM:
+            return from_gpt_oss(values, scales)
+        return Mxfp4Tensor(values.view(torch.uint8), _e8m0_bytes(scales, where))
+
+    def write(self, weight) -> tuple:
+        """Inverse of `read`: the two tensors in this form."""
+        from padded_moe.mxfp4 import to_gpt_oss
+
+        if self.kind == GPT_OSS_FORM:
+            return to_gpt_oss(weight)
+        q = weight.canonical()
+        if self.scale_dtype == torch.uint8:
+            scales = q.scales
+        elif self.scale_dtype.is_floating_point and self.scale_dtype.itemsize == 1:  # float8_e8m0fnu
+            scales = q.scales.view(self.scale_dtype)
+        else:
+            scales = torch.exp2(q.scales.to(torch.float32) - 127.0).to(self.scale_dtype)
+        return q.blocks.view(torch.int8), scales
+
+
+def _e8m0_bytes(scales: torch.Tensor, where: str) -> torch.Tensor:
+    """E8M0 bytes (uint8) of MXFP4 scales stored as float8_e8m0fnu, uint8, or float powers of two."""
+    if scales.dtype == torch.uint8:
+        return scales
+    if scales.dtype.is_floating_point and scales.dtype.itemsize == 1:  # float8_e8m0fnu: the bytes themselves
+        return scales.view(torch.uint8)
+    if scales.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{where}: MXFP4 scales must be E8M0 (float8_e8m0fnu or uint8) or float powers of two, "
+                        f"got {scales.dtype}")
+    mantissa, exponent = torch.frexp(scales.float())
+    byte = exponent.to(torch.int32) + 126  # s = 0.5 * 2^e = 2^(byte - 127)
+    if not bool(((mantissa == 0.5) & (byte >= 0) & (byte <= 254)).all()):
+        raise ValueError(f"{where}: float MXFP4 scales must be powers of two in [2^-127, 2^127] (E8M0), got "
+                         f"other values")
+    return byte.to(torch.uint8)
+
+
+def _mxfp4_source(module, proj: str) -> Optional[tuple]:
+    """`(values, scales, form)` when the module holds `proj` as MXFP4 checkpoint tensors, else None.
+    Packed FP8-format experts (float8 values) raise NotImplementedError: neither bf16 nor MXFP4."""
+    blocks, scales = getattr(module, f"{proj}_blocks", None), getattr(module, f"{proj}_scales", None)
+    if isinstance(blocks, torch.Tensor) and isinstance(scales, torch.Tensor):
+        return blocks, scales, _Form(GPT_OSS_FORM)
+    values, scale_inv = getattr(module, proj, None), getattr(module, f"{proj}_scale_inv", None)
+    if not (isinstance(values, torch.Tensor) and isinstance(scale_inv, torch.Tensor)):
+        return None
+    if values.dtype in _PACKED_FP4_DTYPES:
+        return values, scale_inv, _Form("packed", scale_inv.dtype)
+    if values.dtype.is_floating_point and values.dtype.itemsize == 1:
+        raise NotImplementedError(
+            f"padded_moe runs bf16 and MXFP4 experts; {type(module).__name__}.{proj} holds FP8 ({values.dtype}) "
+            "experts. Load the checkpoint with dequantize=True for bf16, or choose another experts implementation")
+    return None
 
 
 def holds_mxfp4(module) -> bool:
-    """Whether an experts module holds MXFP4 experts: GPT-OSS checkpoint tensors (`*_blocks` /
-    `*_scales`) or the prepared form they were turned into (`hold_mxfp4`)."""
-    return bool(module.__dict__.get(_HELD)) or any(
-        isinstance(getattr(module, f"{proj}_{part}", None), torch.Tensor)
-        for proj in _PROJS for part in ("blocks", "scales"))
+    """Whether an experts module holds MXFP4 experts: checkpoint tensors of either form (GPT-OSS's
+    `*_blocks` / `*_scales`, packed FP4 `*` / `*_scale_inv`) or the prepared form they were turned
+    into (`hold_mxfp4`)."""
+    if module.__dict__.get(_HELD):
+        return True
+    try:
+        return any(_mxfp4_source(module, proj) is not None for proj in _PROJS)
+    except NotImplementedError:
+        return False
 
 
-def hold_mxfp4(module: torch.nn.Module, proj: str, weight) -> None:
+def hold_mxfp4(module: torch.nn.Module, proj: str, weight, form: str = GPT_OSS_FORM, scale_dtype=None) -> None:
     """Make HF experts module `module` hold MXFP4 weight `proj` (an `Mxfp4Tensor` `[E, out, in]`)
-    once, in the arrangement the GEMMs read, and drop its checkpoint tensors `<proj>_blocks` /
-    `<proj>_scales` if it had them (their bytes live on in the prepared form; `state_dict()`
-    rebuilds them). `in` must be a multiple of 64 (`mxfp4.prepared_stands_alone`)."""
+    once, in the arrangement the GEMMs read, and drop its checkpoint tensors if it had them (their
+    bytes live on in the prepared form; `state_dict()` gives them back in `form`: GPT_OSS_FORM,
+    or "packed" with scales of `scale_dtype`). `in` must be a multiple of 64
+    (`mxfp4.prepared_stands_alone`)."""
     from padded_moe.mxfp4 import Mxfp4Tensor, prepared_stands_alone
 
     if not isinstance(weight, Mxfp4Tensor):
@@ -254,17 +370,22 @@ def hold_mxfp4(module: torch.nn.Module, proj: str, weight) -> None:
     if not prepared_stands_alone(weight.shape[-1]):
         raise ValueError(f"holding {proj} prepared alone needs its inner width a multiple of 64, got "
                          f"{weight.shape[-1]}")
+    if form not in (GPT_OSS_FORM, "packed"):
+        raise ValueError(f"form must be {GPT_OSS_FORM!r} or 'packed', got {form!r}")
+    fmt = _Form(form, scale_dtype if form == "packed" else None)
+    if form == "packed" and not isinstance(scale_dtype, torch.dtype):
+        raise TypeError(f"scale_dtype must be a torch.dtype for packed weights, got {type(scale_dtype).__name__}")
     h = weight.prepare_for(keep_canonical=False).hopper
-    for part in ("blocks", "scales"):
-        name = f"{proj}_{part}"
+    for name in fmt.names(proj):
         module._buffers.pop(name, None)
         module._parameters.pop(name, None)
         module.__dict__.pop(name, None)
+    for part in ("blocks", "scales"):
         tensor = getattr(h, part)
         # A fixed address, like a parameter: CUDA graphs of a compiled forward read it in place.
         torch._dynamo.mark_static_address(tensor, guard=False)
         module.register_buffer(f"_padded_moe_{proj}_{part}", tensor)
-    module.__dict__.setdefault(_HELD, {})[proj] = h.k
+    module.__dict__.setdefault(_HELD, {})[proj] = (h.k, fmt)
     if not module.__dict__.get("_padded_moe_state_hooks"):
         module._register_state_dict_hook(_held_state_dict)
         module._register_load_state_dict_pre_hook(_held_load_state_dict, with_module=True)
@@ -273,42 +394,38 @@ def hold_mxfp4(module: torch.nn.Module, proj: str, weight) -> None:
 
 def _held(module, proj: str) -> Any:
     """The held prepared `Mxfp4Tensor` of `proj`, or None."""
-    k = module.__dict__.get(_HELD, {}).get(proj)
-    if k is None:
+    entry = module.__dict__.get(_HELD, {}).get(proj)
+    if entry is None:
         return None
     from padded_moe.mxfp4 import HopperMxfp4, Mxfp4Tensor
 
     return Mxfp4Tensor(None, None, HopperMxfp4(getattr(module, f"_padded_moe_{proj}_blocks"),
-                                               getattr(module, f"_padded_moe_{proj}_scales"), k))
+                                               getattr(module, f"_padded_moe_{proj}_scales"), entry[0]))
 
 
 def _held_state_dict(module, state_dict, prefix, local_metadata) -> None:
-    """State-dict hook: the held weights as the checkpoint's `<proj>_blocks` / `<proj>_scales`
-    (rebuilt from the prepared form) in place of the prepared buffers."""
-    from padded_moe.mxfp4 import to_gpt_oss
-
-    for proj in module.__dict__.get(_HELD, {}):
+    """State-dict hook: each held weight as its checkpoint tensors (rebuilt from the prepared form)
+    in place of the prepared buffers."""
+    for proj, (_, fmt) in module.__dict__.get(_HELD, {}).items():
         for part in ("blocks", "scales"):
             state_dict.pop(f"{prefix}_padded_moe_{proj}_{part}", None)
-        blocks, scales = to_gpt_oss(_held(module, proj))
-        state_dict[f"{prefix}{proj}_blocks"] = blocks
-        state_dict[f"{prefix}{proj}_scales"] = scales
+        for name, tensor in zip(fmt.names(proj), fmt.write(_held(module, proj))):
+            state_dict[prefix + name] = tensor
 
 
 def _held_load_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                           error_msgs) -> None:
     """Load pre-hook: checkpoint tensors of a held weight replace its prepared form (the load then
     finds the new prepared buffers in the state dict, as themselves)."""
-    from padded_moe.mxfp4 import from_gpt_oss
-
-    for proj in list(module.__dict__.get(_HELD, {})):
-        names = (f"{prefix}{proj}_blocks", f"{prefix}{proj}_scales")
+    for proj, (_, fmt) in list(module.__dict__.get(_HELD, {}).items()):
+        names = tuple(prefix + n for n in fmt.names(proj))
         if not all(n in state_dict for n in names):
             continue  # the prepared buffers are then missing keys, as any absent weight is
-        blocks, scales = (state_dict.pop(n) for n in names)
+        values, scales = (state_dict.pop(n) for n in names)
         device = getattr(module, f"_padded_moe_{proj}_blocks").device
+        weight = fmt.read(values.to(device), scales.to(device), f"{type(module).__name__}.{proj}")
         with torch.no_grad():
-            hold_mxfp4(module, proj, from_gpt_oss(blocks.to(device), scales.to(device)))
+            hold_mxfp4(module, proj, weight, fmt.kind, fmt.scale_dtype)
         for part in ("blocks", "scales"):
             state_dict[f"{prefix}_padded_moe_{proj}_{part}"] = getattr(module, f"_padded_moe_{proj}_{part}")
 
@@ -322,19 +439,23 @@ def _mxfp4_weight(module, proj: str, prepared: bool) -> Any:
     held = _held(module, proj)
     if held is not None:
         return held if prepared else held.canonical()
-    blocks = getattr(module, f"{proj}_blocks", None)
-    scales = getattr(module, f"{proj}_scales", None)
-    if not (isinstance(blocks, torch.Tensor) and isinstance(scales, torch.Tensor)):
+    source = _mxfp4_source(module, proj)
+    if source is None:
         return None
-    from padded_moe.mxfp4 import GROUP, from_gpt_oss, prepared_stands_alone
+    from padded_moe.mxfp4 import prepared_stands_alone
 
+    values, scales, fmt = source
+    where = f"{type(module).__name__}.{proj}"
     if not prepared:
-        return from_gpt_oss(blocks.detach(), scales.detach())
-    if not torch.compiler.is_compiling() and prepared_stands_alone(scales.shape[-1] * GROUP):
-        with torch.no_grad():
-            hold_mxfp4(module, proj, from_gpt_oss(blocks.detach(), scales.detach()))
-        return _held(module, proj)
-    return _cached(module, f"{proj}_mxfp4", blocks, lambda b: from_gpt_oss(b, scales).prepare_for())
+        return fmt.read(values.detach(), scales.detach(), where)
+    if not torch.compiler.is_compiling():
+        weight = fmt.read(values.detach(), scales.detach(), where)
+        if prepared_stands_alone(weight.shape[-1]):
+            with torch.no_grad():
+                hold_mxfp4(module, proj, weight, fmt.kind, fmt.scale_dtype)
+            return _held(module, proj)
+    return _cached(module, f"{proj}_mxfp4", values,
+                   lambda v: fmt.read(v.detach(), scales.detach(), where).prepare_for())
 
 
 def _weight(module, proj: str, prepared: bool) -> Any:
@@ -372,9 +493,10 @@ def prepare_experts(model: torch.nn.Module) -> int:
     count = 0
     with torch.no_grad():
         for module in model.modules():
-            if not (hasattr(module, "down_proj") or hasattr(module, "down_proj_blocks")):
+            mxfp4 = holds_mxfp4(module)
+            if not (mxfp4 or hasattr(module, "down_proj")):
                 continue
-            if getattr(module, "is_transposed", False) or holds_mxfp4(module):
+            if getattr(module, "is_transposed", False) or mxfp4:
                 expert_weights(module)
                 count += 1
     return count
@@ -547,6 +669,12 @@ def register() -> None:
         raise ImportError("padded_moe.integrations.transformers needs transformers >= 5 "
                           "(transformers.integrations.moe.ExpertsInterface)") from err
     ExpertsInterface.register(IMPLEMENTATION, padded_moe_experts_forward)
+    try:  # transformers' quantized experts (FP8Experts) dispatch through an interface of their own
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:  # pragma: no cover - depends on the transformers version
+        FP8ExpertsInterface = None
+    if FP8ExpertsInterface is not None:
+        FP8ExpertsInterface.register(IMPLEMENTATION, padded_moe_experts_forward)
     for module_name, class_name in _UNDECORATED:
         try:
             module = importlib.import_module(module_name)

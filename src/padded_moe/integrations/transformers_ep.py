@@ -201,7 +201,8 @@ def _float_dtype(model: nn.Module, module: nn.Module, w2) -> torch.dtype:
     float tensors' (its biases), else the model's."""
     if isinstance(w2, torch.Tensor):
         return w2.dtype
-    floats = [t.dtype for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()]
+    # (not the 1-byte float dtypes of MXFP4 scales, float8_e8m0fnu)
+    floats = [t.dtype for t in list(module.parameters()) + list(module.buffers()) if t.dtype in FLOAT_DTYPES]
     return floats[0] if floats else getattr(model, "dtype", torch.get_default_dtype())
 
 

@@ -325,3 +325,35 @@ def test_expert_parallel_takes_fp4_experts(monkeypatch, one_rank_group):
         plug.enable_expert_parallel(fp4, max_tokens_per_rank=10, weight_format="mxfp4")
         out = fp4(input_ids=ids).logits
     assert max_rel(out, ref) <= 1e-5
+
+
+def test_loaded_mxfp4_model_compiles_without_a_prepare_call(tmp_path, monkeypatch):
+    """A GPT-OSS MXFP4 checkpoint loaded under "padded_moe" holds the prepared form from the start:
+    `torch.compile(fullgraph=True, dynamic=True)` traces it as it is and equals the eager model."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch._dynamo.reset()
+    mxfp4_checkpoint(tmp_path / "ckpt", 64)
+    model = load(tmp_path / "ckpt", experts_implementation=plug.IMPLEMENTATION)
+    ids = prompts(2, 7, 8)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = torch.compile(model, fullgraph=True, dynamic=True, backend="eager")(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp4_experts_compile_after_prepare_experts(monkeypatch):
+    """FP4 `FP8Experts` are turned into the held form by `prepare_experts` (or one eager forward);
+    tracing before that raises an error naming the call, after it the compiled model equals eager."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch._dynamo.reset()
+    _, fp4 = deepseek_v4_fp4_models()
+    fp4.config._experts_implementation = plug.IMPLEMENTATION
+    ids = prompts(2, 7, 9)
+    with torch.no_grad(), pytest.raises(Exception, match="prepare_experts"):
+        torch.compile(fp4, fullgraph=True, backend="eager")(input_ids=ids)
+    torch._dynamo.reset()
+    assert plug.prepare_experts(fp4) == 2
+    with torch.no_grad():
+        want = fp4(input_ids=ids).logits
+        got = torch.compile(fp4, fullgraph=True, dynamic=True, backend="eager")(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -320,6 +320,8 @@ def test_expert_parallel_takes_fp4_experts(monkeypatch, one_rank_group):
     _, fp4 = deepseek_v4_fp4_models()
     fp4.config._experts_implementation = plug.IMPLEMENTATION
     ids = prompts(2, 5, 6)
+    with pytest.raises(ValueError, match="weight_format must be 'mxfp4'"):
+        plug.enable_expert_parallel(fp4, max_tokens_per_rank=10)
     with torch.no_grad():
         ref = fp4(input_ids=ids).logits
         plug.enable_expert_parallel(fp4, max_tokens_per_rank=10, weight_format="mxfp4")

@@ -359,3 +359,18 @@ def test_fp4_experts_compile_after_prepare_experts(monkeypatch):
         want = fp4(input_ids=ids).logits
         got = torch.compile(fp4, fullgraph=True, dynamic=True, backend="eager")(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_held_weight_follows_its_buffers():
+    """The held `Mxfp4Tensor` is reused across eager calls and rebuilt when the module's buffers
+    are replaced (`.to()`, `_apply`, a new hold): never a view of stale tensors."""
+    from padded_moe.integrations.transformers import _held, hold_mxfp4
+
+    module = torch.nn.Module()
+    hold_mxfp4(module, "down_proj", quantize_mxfp4(torch.randn(4, 64, 128)))
+    first = _held(module, "down_proj")
+    assert _held(module, "down_proj") is first
+    module._apply(lambda t: t.clone())  # what .to(other device) does to buffers
+    moved = _held(module, "down_proj")
+    assert moved is not first and moved.hopper.blocks is module._padded_moe_down_proj_blocks
+    assert torch.equal(moved.hopper.blocks, first.hopper.blocks)

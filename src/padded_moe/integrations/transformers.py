@@ -393,14 +393,21 @@ def hold_mxfp4(module: torch.nn.Module, proj: str, weight, form: str = GPT_OSS_F
 
 
 def _held(module, proj: str) -> Any:
-    """The held prepared `Mxfp4Tensor` of `proj`, or None."""
+    """The held prepared `Mxfp4Tensor` of `proj`, or None. Eager calls reuse the object while the
+    module's buffers are the same tensors (building one costs a few µs per weight and forward)."""
     entry = module.__dict__.get(_HELD, {}).get(proj)
     if entry is None:
         return None
     from padded_moe.mxfp4 import HopperMxfp4, Mxfp4Tensor
 
-    return Mxfp4Tensor(None, None, HopperMxfp4(getattr(module, f"_padded_moe_{proj}_blocks"),
-                                               getattr(module, f"_padded_moe_{proj}_scales"), entry[0]))
+    blocks, scales = module._buffers[f"_padded_moe_{proj}_blocks"], module._buffers[f"_padded_moe_{proj}_scales"]
+    if torch.compiler.is_compiling():
+        return Mxfp4Tensor(None, None, HopperMxfp4(blocks, scales, entry[0]))
+    built = module.__dict__.setdefault("_padded_moe_held_objects", {})
+    weight = built.get(proj)
+    if weight is None or weight.hopper.blocks is not blocks or weight.hopper.scales is not scales:
+        weight = built[proj] = Mxfp4Tensor(None, None, HopperMxfp4(blocks, scales, entry[0]))
+    return weight
 
 
 def _held_state_dict(module, state_dict, prefix, local_metadata) -> None:

@@ -295,6 +295,24 @@ def test_plan_maps_each_family_to_its_activation(name):
             assert cfg.clamp_limit == want
 
 
+def test_plan_is_reused_until_what_it_reads_changes():
+    """An eager forward reuses the module's plan while nothing it reads has changed; a new limit, a
+    new activation module or another `_apply_gate` on the class gives a new plan."""
+    m = experts_modules(build("deepseek_v4"), "deepseek_v4")[0]
+    first = plug.experts_plan(m)
+    assert plug.experts_plan(m) is first
+    m.limit = 0.25
+    assert plug.experts_plan(m).activation_config.clamp_limit == 0.25
+    m.act_fn = torch.nn.ReLU()  # not SiLU: DeepSeek-V4's reader sends it to the composed path
+    assert plug.experts_plan(m).path == plug.COMPOSED
+    mixtral = experts_modules(build("mixtral"), "mixtral")[0]
+    assert plug.experts_plan(mixtral).path == plug.FUSED  # HF's default gate
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(mixtral), "_apply_gate", lambda self, x: x)  # the class's gate replaced in place
+        assert plug.experts_plan(mixtral).path == plug.COMPOSED
+    assert plug.experts_plan(mixtral).path == plug.FUSED
+
+
 def test_step3p7_layer_without_a_limit_reads_as_no_clamp():
     """transformers 5.25 leaves `limit` None on Step-3.7 layers without a clamp (5.24 gave inf):
     both map to swiglustep with an infinite limit, whichever version is installed."""

@@ -193,13 +193,47 @@ def _plan_ungated(module) -> ExpertsPlan:
     return ExpertsPlan("ungated", FUSED, act + "_no_mul", _config())
 
 
+def _member(module, name: str) -> Any:
+    """`getattr(module, name, None)` for an instance member (attribute, parameter, buffer,
+    submodule), without nn.Module's exception path for absent names (a few µs each)."""
+    members = module.__dict__
+    if name in members:
+        return members[name]
+    for table in ("_parameters", "_buffers", "_modules"):
+        found = members.get(table)
+        if found is not None and name in found:
+            return found[name]
+    return None
+
+
+# Every instance member a plan reads (the gate readers above, `experts_plan` below).
+_PLAN_MEMBERS = ("act_fn", "limit", "alpha", "swiglu_limit", "swiglu_alpha", "gate_softcap", "limit_after_act",
+                 "has_gate", "has_post_expert_norm")
+
+
 def experts_plan(module: torch.nn.Module) -> ExpertsPlan:
-    """Decide how `module` (an HF experts module) runs; cheap enough to call every forward.
+    """Decide how `module` (an HF experts module) runs; called every forward, so an eager call
+    reuses the module's last plan while its class, the class's `_apply_gate` and every member a
+    plan reads are the same objects (a changed limit, say, makes a new plan).
 
     Detection is by the class that defines `_apply_gate`, never by name guessing: a subclass that
     overrides `_apply_gate` is unknown and takes the composed path, one that inherits it keeps
     its parent's mapping.
     """
+    if torch.compiler.is_compiling():
+        return _experts_plan(module)
+    cls = type(module)
+    key = (cls, getattr(cls, "_apply_gate", None)) + tuple(_member(module, name) for name in _PLAN_MEMBERS)
+    hit = module.__dict__.get("_padded_moe_plan")
+    if hit is not None and len(hit[0]) == len(key) and all(a is b for a, b in zip(hit[0], key)):
+        return hit[1]
+    plan = _experts_plan(module)
+    module.__dict__["_padded_moe_plan"] = (key, plan)
+    return plan
+
+
+def _experts_plan(module: torch.nn.Module) -> ExpertsPlan:
+    """`experts_plan` computed afresh."""
     if not getattr(module, "has_gate", True):
         plan = _plan_ungated(module)
     else:
@@ -330,10 +364,10 @@ def _e8m0_bytes(scales: torch.Tensor, where: str) -> torch.Tensor:
 def _mxfp4_source(module, proj: str) -> Optional[tuple]:
     """`(values, scales, form)` when the module holds `proj` as MXFP4 checkpoint tensors, else None.
     Packed FP8-format experts (float8 values) raise NotImplementedError: neither bf16 nor MXFP4."""
-    blocks, scales = getattr(module, f"{proj}_blocks", None), getattr(module, f"{proj}_scales", None)
+    blocks, scales = _member(module, f"{proj}_blocks"), _member(module, f"{proj}_scales")
     if isinstance(blocks, torch.Tensor) and isinstance(scales, torch.Tensor):
         return blocks, scales, _Form(GPT_OSS_FORM)
-    values, scale_inv = getattr(module, proj, None), getattr(module, f"{proj}_scale_inv", None)
+    values, scale_inv = _member(module, proj), _member(module, f"{proj}_scale_inv")
     if not (isinstance(values, torch.Tensor) and isinstance(scale_inv, torch.Tensor)):
         return None
     if values.dtype in _PACKED_FP4_DTYPES:

@@ -714,10 +714,11 @@ print('warnings', n); assert n == 1, n"
         hf)
             step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py ;;
         hf-mxfp4)  # HF MXFP4 routes: GPT-OSS checkpoints loaded as MXFP4, DeepSeek-V4's FP4 FP8Experts (GPU tests,
-            # memcheck of the loaded model's forward), then GPT-OSS-120B-width layers loaded as MXFP4 against the
+            # memcheck of the loaded model's forward), ExpertMap.from_table in graph replays, then GPT-OSS-120B-width layers loaded as MXFP4 against the
             # same checkpoint dequantized (HF grouped_mm and our bf16): experts memory, prefill and eager decode
             STEP_TIMEOUT=150 step test-hf-mxfp4 python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py \
                 -k "mxfp4 or fp4"
+            STEP_TIMEOUT=120 step test-expert-map-table python3 -m pytest -q -m gpu tests/test_experts_gpu.py -k graph_capture
             STEP_TIMEOUT=200 step sanitizer-hf-mxfp4 compute-sanitizer --tool memcheck --error-exitcode 9 \
                 python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py -k "mxfp4_checkpoint"
             STEP_TIMEOUT=400 step bench-hf-mxfp4 python3 benchmarks/bench_hf_mxfp4.py --work /tmp/hf-mxfp4 \

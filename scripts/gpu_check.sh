@@ -409,6 +409,14 @@ for stage in "$@"; do
                 "$(python3 -c 'import torch; print(min(2, torch.cuda.device_count()))')" examples/expert_parallel.py --cuda
             STEP_TIMEOUT=300 step bench-hf-ds python3 benchmarks/bench_hf.py --models deepseek_v3,deepseek_v4 \
                 --columns graph_b1,graph_b32,decode_b1,decode_b32 --out "$OUT/bench-hf-ds" ;;
+        router-v3-tests)  # router-v3 without its benchmark step
+            STEP_TIMEOUT=90 step test-routing python3 -m pytest -q -m gpu tests/test_routing_gpu.py
+            STEP_TIMEOUT=120 step sanitizer-routing compute-sanitizer --tool memcheck --error-exitcode 9 \
+                python3 -m pytest -q -m gpu tests/test_routing_gpu.py -k "biased_kernel or bf16_steps"
+            STEP_TIMEOUT=150 step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py
+            STEP_TIMEOUT=200 step test-compile python3 -m pytest -q -n 2 -m gpu tests/test_compile_gpu.py
+            STEP_TIMEOUT=150 step example-ep-cuda python3 -m torch.distributed.run --standalone --nproc-per-node \
+                "$(python3 -c 'import torch; print(min(2, torch.cuda.device_count()))')" examples/expert_parallel.py --cuda ;;
         pipeline-suites)  # the kernels every fused_experts call runs outside the GEMMs (activation, layouts'
             # unpermute) through the suites that call fused_experts (decode, plans, eager, compile, HF parity)
             STEP_TIMEOUT=90 step test-activation python3 -m pytest -q -m gpu tests/test_activation_gpu.py

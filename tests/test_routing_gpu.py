@@ -99,15 +99,25 @@ def test_biased_kernel_on_cuda(gen, num_experts, k, scoring, groups, kept):
     score = {"sigmoid": lambda: x.sigmoid(), "sqrtsoftplus": lambda: torch.nn.functional.softplus(x).sqrt(),
              "softmax": lambda: x.softmax(-1)}[scoring]()
     choice = score + bias.double()
+    rows = torch.ones(2048, dtype=torch.bool, device="cuda")
     if kept < groups:
-        grouped = choice.view(2048, groups, -1)
-        best = grouped.topk(2, dim=-1).values.sum(-1).topk(kept, dim=-1).indices
-        allowed = torch.zeros(2048, groups, dtype=torch.bool, device="cuda").scatter_(1, best, True)
+        group_score = choice.view(2048, groups, -1).topk(2, dim=-1).values.sum(-1)
+        ordered = group_score.sort(-1, descending=True)
+        # A row whose last kept group and first dropped one score within float32 rounding (sums
+        # near 2: ulp 2.4e-7) may keep either: its experts must come from the best kept + 1 groups.
+        near = (ordered.values[:, kept - 1] - ordered.values[:, kept]) <= 4e-6
+        assert int(near.sum()) <= 8, int(near.sum())
+        candidates = torch.zeros(2048, groups, dtype=torch.bool, device="cuda").scatter_(
+            1, ordered.indices[:, : kept + 1], True)
+        picked_groups = ids.long() // (num_experts // groups)
+        assert bool(candidates.gather(1, picked_groups)[near].all())
+        rows = ~near
+        allowed = torch.zeros(2048, groups, dtype=torch.bool, device="cuda").scatter_(1, ordered.indices[:, :kept], True)
         choice = choice.masked_fill(~allowed.repeat_interleave(num_experts // groups, dim=1), float("-inf"))
     top = choice.topk(k, dim=-1).values
     picked = choice.gather(1, ids.long())
-    torch.testing.assert_close(picked, top, rtol=0, atol=1e-6)
-    assert torch.all(picked[:, :-1] >= picked[:, 1:] - 1e-6)
+    torch.testing.assert_close(picked[rows], top[rows], rtol=0, atol=1e-6)
+    assert torch.all(picked[rows, :-1] >= picked[rows, 1:] - 1e-6)
     ref = score.gather(1, ids.long())
     ref = 2.5 * ref / (ref.sum(-1, keepdim=True) + 1e-20)
     torch.testing.assert_close(w.double(), ref, rtol=2e-6, atol=1e-7)

@@ -67,9 +67,9 @@ def test_plugin_forward_never_syncs(name):
     model = build(name, SMALL, dtype=torch.bfloat16, device="cuda")
     model.set_experts_implementation(plug.IMPLEMENTATION)
     experts = experts_modules(model, name)[0]
-    routers = [m for m in model.modules() if type(m).__dict__.get("_padded_moe_dispatch")
-               and type(m).__name__.endswith("TopKRouter")]
-    assert bool(routers) == (name in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")), name
+    taken_over = {cls for _, cls, _ in plug._ROUTERS}
+    routers = [m for m in model.modules() if type(m).__name__ in taken_over and type(m).__dict__.get("_padded_moe_dispatch")]
+    assert bool(routers) == (name in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "deepseek_v4")), name
     g = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(16, SMALL["hidden"], device="cuda", generator=g).bfloat16()
     ids = torch.randint(0, SMALL["experts"], (16, SMALL["top_k"]), device="cuda", generator=g)

@@ -374,3 +374,16 @@ def test_held_weight_follows_its_buffers():
     moved = _held(module, "down_proj")
     assert moved is not first and moved.hopper.blocks is module._padded_moe_down_proj_blocks
     assert torch.equal(moved.hopper.blocks, first.hopper.blocks)
+
+
+def test_load_op_names_a_missing_tensor():
+    """The conversion op given blocks without scales: a ValueError naming what is missing."""
+    import types
+
+    from padded_moe.integrations.transformers_mxfp4 import _load_op_class
+
+    op = _load_op_class()(None)
+    model = types.SimpleNamespace(get_submodule=lambda name: torch.nn.Module())
+    with pytest.raises(ValueError, match="down_proj_scales"):
+        op.convert({"down_proj_blocks": [torch.zeros(2, 4, 2, 16, dtype=torch.uint8)]}, model=model,
+                   full_layer_name="model.layers.0.mlp.experts.down_proj")

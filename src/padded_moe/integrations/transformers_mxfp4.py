@@ -27,9 +27,12 @@ from padded_moe.integrations.transformers import IMPLEMENTATION, hold_mxfp4
 _REQUEST = threading.local()
 
 
-def _first(value: Any) -> torch.Tensor:
-    """A loader value: the tensor itself or a one-element list of it."""
-    return value[0] if isinstance(value, (list, tuple)) else value
+def _pick(tensors: dict, name: str, layer: str) -> torch.Tensor:
+    """The loader's tensor for checkpoint name `*name` (the tensor itself or a one-element list)."""
+    for key, value in tensors.items():
+        if key.endswith(name):
+            return (value[0] if isinstance(value, (list, tuple)) else value).contiguous()
+    raise ValueError(f"{layer}: the checkpoint has no {name} for it (got {sorted(tensors)})")
 
 
 def _load_op_class() -> type:
@@ -50,8 +53,8 @@ def _load_op_class() -> type:
 
             owner, _, proj = full_layer_name.rpartition(".")
             module = model.get_submodule(owner)
-            blocks = _first(next(v for k, v in input_dict.items() if k.endswith(f"{proj}_blocks"))).contiguous()
-            scales = _first(next(v for k, v in input_dict.items() if k.endswith(f"{proj}_scales"))).contiguous()
+            blocks = _pick(input_dict, f"{proj}_blocks", full_layer_name)
+            scales = _pick(input_dict, f"{proj}_scales", full_layer_name)
             weight = from_gpt_oss(blocks, scales)  # checks both tensors' dtype and shape
             module._parameters.pop(proj, None)
             if prepared_stands_alone(weight.shape[-1]):

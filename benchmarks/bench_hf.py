@@ -258,7 +258,9 @@ def prefill_cases(model, ids: torch.Tensor) -> dict:
     return {impl: (_nothing, run) for impl in IMPLS}
 
 
-def decode_cases(model, prompt: torch.Tensor, steps: torch.Tensor) -> dict:
+def decode_pair(model, prompt: torch.Tensor, steps: torch.Tensor) -> tuple:
+    """`(prepare, run)` of the decode loop: a prefill of `prompt` into a fresh DynamicCache (not
+    timed), then one eager forward per column of `steps`."""
     from transformers import DynamicCache
 
     def prepare():
@@ -270,7 +272,12 @@ def decode_cases(model, prompt: torch.Tensor, steps: torch.Tensor) -> dict:
         for s in range(steps.shape[1]):
             model(input_ids=steps[:, s:s + 1], cache=cache, use_cache=True, logits_to_keep=1)
 
-    return {impl: (prepare, run) for impl in IMPLS}
+    return prepare, run
+
+
+def decode_cases(model, prompt: torch.Tensor, steps: torch.Tensor) -> dict:
+    pair = decode_pair(model, prompt, steps)
+    return {impl: pair for impl in IMPLS}
 
 
 def generate_cases(model, prompt: torch.Tensor, new_tokens: int) -> dict:

@@ -34,7 +34,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_hf import random_ids, time_ms  # noqa: E402
+from bench_hf import decode_pair, random_ids, time_ms  # noqa: E402
 
 RUNS = ("mxfp4_padded_moe", "bf16_grouped_mm", "bf16_padded_moe")
 COLUMNS = ("prefill_b1", "prefill_b8", "decode_b1", "decode_b32")
@@ -103,22 +103,6 @@ def load(path: str, device: torch.device, implementation: str, dequantize: bool)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, experts_implementation=implementation,
                                                  **kwargs)
     return model.to(device).eval()
-
-
-def decode_run(model, prompt: torch.Tensor, steps: torch.Tensor):
-    """(prepare, run): a prefill into a fresh DynamicCache, then one-token forwards."""
-    from transformers import DynamicCache
-
-    def prepare():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return cache
-
-    def run(cache):
-        for i in range(steps.shape[1]):
-            model(input_ids=steps[:, i:i + 1], past_key_values=cache, use_cache=True)
-
-    return prepare, run
 
 
 def interleaved(cases: dict, device: torch.device, iters: int, warmup: int, per: int) -> dict:
@@ -196,7 +180,7 @@ def main(argv=None) -> dict:
             steps = random_ids(batch, args.decode_steps, vocab, args.seed + 11 * batch, device)
             cases = {}
             for name, (model, switch) in runs.items():
-                prep, run = decode_run(model, prompt, steps)
+                prep, run = decode_pair(model, prompt, steps)
 
                 def prepare(prep=prep, switch=switch):
                     switch()

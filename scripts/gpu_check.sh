@@ -396,10 +396,11 @@ for stage in "$@"; do
             STEP_TIMEOUT=150 step test-compile python3 -m pytest -q -n 2 -m gpu tests/test_compile_gpu.py
             STEP_TIMEOUT=240 step bench-hf-graph python3 benchmarks/bench_hf.py --models qwen3_moe,gpt_oss,mixtral \
                 --columns graph_b1,graph_b32,decode_b1 --out "$OUT/bench-hf" ;;
-        router-v3)  # the HF plug-in's DeepSeek routers (V3 / V3.2, GLM-4-MoE; V4 with its steps rounded to
-            # bfloat16) through biased_grouped_topk with int64 indices: GPU router tests (incl. V4's bf16 steps
-            # against transformers' CUDA router) and memcheck, HF parity (deepseek_v3 joined it), compile,
-            # the two-GPU example, the DeepSeek-V3- and V4-like HF models' graph and eager decode steps
+        router-v3|router-v3-tests)  # the HF plug-in's DeepSeek routers (V3 / V3.2, GLM-4-MoE; V4 with its steps
+            # rounded to bfloat16) through biased_grouped_topk with int64 indices: GPU router tests (incl. V4's bf16
+            # steps against transformers' CUDA router) and memcheck, HF parity (deepseek_v3 joined it), compile,
+            # the two-GPU example; router-v3 also times the DeepSeek-V3- and V4-like HF models' graph and eager
+            # decode steps
             STEP_TIMEOUT=90 step test-routing python3 -m pytest -q -m gpu tests/test_routing_gpu.py
             STEP_TIMEOUT=120 step sanitizer-routing compute-sanitizer --tool memcheck --error-exitcode 9 \
                 python3 -m pytest -q -m gpu tests/test_routing_gpu.py -k "biased_kernel or bf16_steps"
@@ -407,16 +408,10 @@ for stage in "$@"; do
             STEP_TIMEOUT=200 step test-compile python3 -m pytest -q -n 2 -m gpu tests/test_compile_gpu.py
             STEP_TIMEOUT=150 step example-ep-cuda python3 -m torch.distributed.run --standalone --nproc-per-node \
                 "$(python3 -c 'import torch; print(min(2, torch.cuda.device_count()))')" examples/expert_parallel.py --cuda
-            STEP_TIMEOUT=300 step bench-hf-ds python3 benchmarks/bench_hf.py --models deepseek_v3,deepseek_v4 \
-                --columns graph_b1,graph_b32,decode_b1,decode_b32 --out "$OUT/bench-hf-ds" ;;
-        router-v3-tests)  # router-v3 without its benchmark step
-            STEP_TIMEOUT=90 step test-routing python3 -m pytest -q -m gpu tests/test_routing_gpu.py
-            STEP_TIMEOUT=120 step sanitizer-routing compute-sanitizer --tool memcheck --error-exitcode 9 \
-                python3 -m pytest -q -m gpu tests/test_routing_gpu.py -k "biased_kernel or bf16_steps"
-            STEP_TIMEOUT=150 step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py
-            STEP_TIMEOUT=200 step test-compile python3 -m pytest -q -n 2 -m gpu tests/test_compile_gpu.py
-            STEP_TIMEOUT=150 step example-ep-cuda python3 -m torch.distributed.run --standalone --nproc-per-node \
-                "$(python3 -c 'import torch; print(min(2, torch.cuda.device_count()))')" examples/expert_parallel.py --cuda ;;
+            if [ "$stage" = router-v3 ]; then
+                STEP_TIMEOUT=300 step bench-hf-ds python3 benchmarks/bench_hf.py --models deepseek_v3,deepseek_v4 \
+                    --columns graph_b1,graph_b32,decode_b1,decode_b32 --out "$OUT/bench-hf-ds"
+            fi ;;
         pipeline-suites)  # the kernels every fused_experts call runs outside the GEMMs (activation, layouts'
             # unpermute) through the suites that call fused_experts (decode, plans, eager, compile, HF parity)
             STEP_TIMEOUT=90 step test-activation python3 -m pytest -q -m gpu tests/test_activation_gpu.py

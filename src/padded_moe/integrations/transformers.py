@@ -483,18 +483,18 @@ def _mxfp4_weight(module, proj: str, prepared: bool) -> Any:
     source = _mxfp4_source(module, proj)
     if source is None:
         return None
-    from padded_moe.mxfp4 import prepared_stands_alone
+    from padded_moe.mxfp4 import GROUP, prepared_stands_alone
 
     values, scales, fmt = source
     where = f"{type(module).__name__}.{proj}"
     if not prepared:
         return fmt.read(values.detach(), scales.detach(), where)
-    if not torch.compiler.is_compiling():
-        weight = fmt.read(values.detach(), scales.detach(), where)
-        if prepared_stands_alone(weight.shape[-1]):
-            with torch.no_grad():
-                hold_mxfp4(module, proj, weight, fmt.kind, fmt.scale_dtype)
-            return _held(module, proj)
+    # K from the scales' shape ([E, out, K/32] in both forms): no read (for float scales a host
+    # check) on the cached route's every call.
+    if not torch.compiler.is_compiling() and prepared_stands_alone(scales.shape[-1] * GROUP):
+        with torch.no_grad():
+            hold_mxfp4(module, proj, fmt.read(values.detach(), scales.detach(), where), fmt.kind, fmt.scale_dtype)
+        return _held(module, proj)
     return _cached(module, f"{proj}_mxfp4", values,
                    lambda v: fmt.read(v.detach(), scales.detach(), where).prepare_for())
 

@@ -111,6 +111,34 @@ def python_profile(title: str, fn, calls: int) -> None:
     print("\n".join(s.getvalue().splitlines()[:45]))
 
 
+def op_profile(title: str, fn, calls: int) -> None:
+    """Host time per call of each torch op / launch (torch.profiler's self CPU time)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:18]
+    print(f"\n--- {title}: self CPU time per call (torch.profiler, {calls} calls)")
+    for e in rows:
+        print(f"  {e.self_cpu_time_total / calls:8.1f} us  x{e.count / calls:4.1f}  {e.key[:90]}")
+
+
+def run_gate(K: int, E: int, bias: bool, tokens: list[int]) -> None:
+    """Eager host-inclusive time of a router gate projection, by the call that makes it."""
+    import torch.nn.functional as F
+
+    w = torch.randn(E, K, device="cuda", dtype=torch.bfloat16) * 0.02
+    b = torch.randn(E, device="cuda", dtype=torch.bfloat16) * 0.02 if bias else None
+    for T in tokens:
+        x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+        forms = {"F.linear": lambda: F.linear(x, w, b), "mm": lambda: torch.mm(x, w.t())}
+        if b is not None:
+            forms["mm + bias"] = lambda: torch.mm(x, w.t()) + b
+            forms["addmm 2-D bias"] = lambda: torch.addmm(b.expand(T, E), x, w.t())
+        cells = "  ".join(f"{k} {eager_us(f, calls=500):6.1f}" for k, f in forms.items())
+        print(f"gate K={K} E={E} bias={bias} T={T}: {cells} us/call")
+
+
 def run_layer(preset: str, T: int, calls: int) -> None:
     """`FusedMoE` eager vs `torch.compile(fullgraph=True)`: time per call and where the host time goes."""
     from padded_moe import FusedMoE
@@ -120,24 +148,36 @@ def run_layer(preset: str, T: int, calls: int) -> None:
     layer.randomize(seed=0, std=0.02)
     x = torch.randn(T, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
     comp = torch.compile(layer, fullgraph=True)
+    forms = {"eager": lambda: layer(x),  # decode-sized: the layer's launch plan
+             "eager, no layer plan": lambda: layer._forward(x, None, None, None),
+             "eager, nn.Linear gate": lambda: layer.experts(x, *layer.route(layer.gate(x))),
+             "compiled": lambda: comp(x)}
     with torch.no_grad():
-        for label, fn in (("eager", lambda: layer(x)), ("compiled", lambda: comp(x))):
+        for label, fn in forms.items():
             us = eager_us(fn)
             plans = 0 if X._PLANS is None else len(X._PLANS)
             print(f"\n=== layer {preset} T={T} {label}: {us:.1f} us/call (launch plans held: {plans})")
-            python_profile(f"layer {preset} T={T} {label}", fn, calls)
+            if label in ("eager", "compiled"):
+                python_profile(f"layer {preset} T={T} {label}", fn, calls)
+                op_profile(f"layer {preset} T={T} {label}", fn, calls)
+        for label in ("eager", "eager, nn.Linear gate"):  # device time of the same work, as graph replays
+            print(f"=== layer {preset} T={T} graph replay, {label.split(', ')[-1]}: {bench_graph_us(forms[label]):.1f} us")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--cases", nargs="*", default=["dsv4:1", "dsv4:16", "dsv4mx:1", "qwen3:1", "qwen3:2048"])
     p.add_argument("--layers", nargs="*", default=[], help="PRESET:T cases of FusedMoE, eager and compiled")
+    p.add_argument("--gates", nargs="*", default=[], help="K:E:bias gate projections (bias 0/1), eager")
     p.add_argument("--calls", type=int, default=50)
     args = p.parse_args()
     print(f"launch floor (noop Triton kernel, 33 args): {launch_floor_us():.1f} us")
     for case in args.cases:
         name, T = case.split(":")
         run_case(name, int(T), args.calls)
+    for case in args.gates:
+        K, E, bias = (int(v) for v in case.split(":"))
+        run_gate(K, E, bool(bias), [1, 4, 16, 256])
     for case in args.layers:
         preset, T = case.rsplit(":", 1)
         run_layer(preset, int(T), args.calls)

@@ -40,6 +40,16 @@ for stage in "$@"; do
             step test-routing python3 -m pytest -q -m gpu tests/test_routing_gpu.py ;;
         experts)
             step test-experts python3 -m pytest -q -m gpu tests/test_experts_gpu.py ;;
+        layer-plan)  # decode-sized FusedMoE forwards as one launch plan (gate kernel + router + experts): GPU
+            # tests of the plan and the gate kernel, the suites that call the layer, memcheck, host time per layer
+            step test-layer-plan python3 -m pytest -q -m gpu tests/test_launch_plan_gpu.py tests/test_routing_gpu.py
+            step test-layer-suites python3 -m pytest -q -m gpu tests/test_experts_gpu.py tests/test_compile_gpu.py \
+                -k "layer or once or preset or compile or sync"
+            step test-hf-parity python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py
+            step sanitizer-layer-plan compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+                tests/test_launch_plan_gpu.py tests/test_routing_gpu.py -k "layer_forward and (mixtral or gpt) or gate_kernel"
+            step profile-host python3 benchmarks/profile_host.py --cases gptoss:1 --layers gpt-oss-120b:1 \
+                qwen3-30b-a3b:1 dsv4-flash:1 qwen3-30b-a3b:8 mixtral-8x7b:1 --calls 50 ;;
         layer)
             step bench-layer python3 benchmarks/bench_layer.py --out "$OUT/bench" ;;
         profile)

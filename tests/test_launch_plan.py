@@ -100,6 +100,41 @@ def test_replay_places_the_temporaries_apart_in_one_buffer():
     assert pb == pa + A + 10 * 8 and pc == pa + 5 * A
 
 
+def test_a_planned_call_inside_a_recorded_one_is_recorded_with_it():
+    """A call with a plan of its own, made inside another call's recording (`fused_experts` inside
+    `FusedMoE.forward`), runs in full so the outer recording sees its launches: the outer plan
+    replays both launches, and the inner key's plan stays as it was."""
+    inner_kernel, outer_kernel, plans, static = FakeKernel(), FakeKernel(), LP.LaunchPlans(), torch.zeros(16)
+    inner = make_call(inner_kernel, static)
+
+    def inner_planned(x):
+        plan = plans.get("inner")
+        return plan.run((x, None)) if plan is not None else plans.call("inner", 0, (x, None), lambda: inner(x))
+
+    for _ in range(3):  # the inner key gets its plan first
+        inner_planned(torch.randn(5, 4))
+    assert plans.get("inner") is not None
+
+    def outer(x):
+        y = inner_planned(x)
+        _launch_event(outer_kernel, (2, 1, 1), [y, x])
+        return y
+
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        plans.call("outer", 0, (x,), lambda: outer(x))
+    plan = plans.get("outer")
+    assert plan is not None and len(plans) == 2
+    inner_kernel.calls.clear()
+    outer_kernel.calls.clear()
+    x = torch.randn(5, 4)
+    out = plan.run((x,))
+    (_, _, inner_args), = inner_kernel.calls
+    (_, _, outer_args), = outer_kernel.calls
+    assert inner_args[0] == x.data_ptr() + 4 * x.element_size() and inner_args[5] == out.data_ptr()
+    assert outer_args == (out.data_ptr(), x.data_ptr())
+
+
 def test_other_device_work_makes_the_key_unplannable():
     kernel, plans, static = FakeKernel(), LP.LaunchPlans(), torch.zeros(16)
     call = make_call(kernel, static, extra_op=True)
@@ -209,7 +244,7 @@ def test_fused_experts_takes_no_plan_on_cpu(cpu_path):
     x = torch.randn(3, 8)
     w13, w2 = torch.randn(4, 6, 8), torch.randn(4, 8, 3)
     tw, ids = torch.rand(3, 2), torch.randint(0, 4, (3, 2), dtype=torch.int32)
-    assert X._plan_key(x, tw, ids, None, (w13, w2, None, None), X._plain_options("silu", None, None, "auto")) is None
+    assert X._plan_key(x, tw, ids, None, (w13, w2, None, None), X.plan_options("silu", None, None, "auto")) is None
 
 
 def test_tensor_descriptors_are_rebuilt_over_inputs_and_kept_over_long_lived_tensors():

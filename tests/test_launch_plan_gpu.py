@@ -157,3 +157,76 @@ def test_no_plan_under_graph_capture_or_with_scratch():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, _full(x, w13, w2, tw, ids, activation="silu"))
+
+
+LAYER_CASES = {
+    "gpt-oss-like": dict(E=32, k=4, K=256, N=128, router="topk_softmax", activation="swigluoai", has_bias=True,
+                         weight_format="mxfp4"),
+    "qwen3-like": dict(E=64, k=8, K=256, N=128, router="softmax"),
+    "mixtral-like": dict(E=8, k=2, K=512, N=256, router="softmax_renorm"),
+    "deepseek-like": dict(E=64, k=6, K=256, N=128, router="biased_sqrtsoftplus", routed_scaling_factor=2.5,
+                          num_groups=8, topk_groups=4),
+}
+
+
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("case", sorted(LAYER_CASES))
+def test_layer_forward_replays_its_plan_bitwise(case, M, monkeypatch):
+    """An eager decode-sized `FusedMoE.forward` (gate kernel, router kernel, experts) becomes one
+    launch plan: once planned, a call runs no host code of the layer's own (`_forward` is not
+    entered), and gives the bits of the full forward on fresh hidden states, with and without a
+    count whose padded rows hold NaN; the result equals the float64 reference on the layer's own
+    routes."""
+    from padded_moe.layer import FusedMoE
+
+    c = dict(LAYER_CASES[case])
+    E, k, K, N = c.pop("E"), c.pop("k"), c.pop("K"), c.pop("N")
+    layer = FusedMoE(E, k, K, N, device="cuda", dtype=torch.bfloat16, **c)
+    layer.randomize(seed=zlib.crc32(case.encode()), std=0.05)
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{case}-{M}".encode()))
+    entered = []
+    full = FusedMoE._forward
+    monkeypatch.setattr(FusedMoE, "_forward", lambda self, *a: entered.append(1) or full(self, *a))
+    with torch.no_grad():
+        for valid in (None, max(M - 1, 0)):
+            count = None if valid is None else torch.tensor([valid], device="cuda", dtype=torch.int32)
+            for _ in range(3):  # plain, then two agreeing recordings
+                layer(torch.randn(M, K, device="cuda", generator=gen).bfloat16(), valid_tokens=count)
+            entered.clear()
+            for _ in range(3):
+                x = torch.randn(M, K, device="cuda", generator=gen).bfloat16()
+                if valid is not None:
+                    x[valid:] = float("nan")
+                out = layer(x) if valid is None else layer(x, valid_tokens=count)
+                assert entered == [], "the forward did not replay its plan"
+                want = full(layer, x, None, None, count)
+                n = M if valid is None else valid
+                assert torch.equal(out[:n], want[:n])
+            if n:
+                tw, ids = layer._gate_routes(x[:n])  # the layer's own routes (the routers have their tests)
+                w13, w2 = layer.expert_weights()
+                ref = reference_moe(x[:n], dense_weights(w13), dense_weights(w2), tw, ids,
+                                    activation=layer.activation.value,
+                                    activation_kwargs=dict(limit=layer.activation_config.clamp_limit),
+                                    w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
+                assert rel_err(out[:n], ref) <= 2e-2
+
+
+def test_layer_plan_follows_new_weights_and_settings():
+    """A layer's plan never serves a call whose host code would decide differently: a new gate
+    weight, a changed top-k or a larger batch take the full forward (and agree with it)."""
+    from padded_moe.layer import FusedMoE
+
+    layer = FusedMoE(32, 4, 256, 128, device="cuda", dtype=torch.bfloat16, router="softmax_renorm")
+    layer.randomize(seed=5, std=0.05)
+    x = torch.randn(4, 256, device="cuda").bfloat16()
+    with torch.no_grad():
+        for _ in range(4):
+            layer(x)
+        layer.gate.weight = torch.nn.Parameter(torch.randn_like(layer.gate.weight) * 0.05)
+        assert torch.equal(layer(x), layer._forward(x, None, None, None))
+        layer.top_k = 3
+        assert torch.equal(layer(x), layer._forward(x, None, None, None))
+        assert layer._gate_routes(x)[1].shape == (4, 3)
+        big = torch.randn(40, 256, device="cuda").bfloat16()
+        assert layer._plan_key(big, None) is None

@@ -12,7 +12,14 @@ import torch
 import torch.nn.functional as F
 from helpers import devices
 
-from padded_moe.routing import SCORING_FUNCS, biased_grouped_topk, fused_topk, hash_topk, softmax_topk
+from padded_moe.routing import (
+    GATE_KERNEL_MAX_TOKENS,
+    SCORING_FUNCS,
+    biased_grouped_topk,
+    fused_topk,
+    hash_topk,
+    softmax_topk,
+)
 
 ATOL = 1e-6
 
@@ -611,6 +618,119 @@ def test_fused_topk_keeps_the_gradient_where_autograd_records(cpu_path, gen):
         w2, ids2 = fused_topk(logits, 3, renormalize=True)
     assert not w2.requires_grad and torch.equal(ids2, ids)
     torch.testing.assert_close(w2, w.detach(), rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------
+# the gate projection for decode-sized batches (`gate_sums`) and the router kernels finishing it
+
+_ULP_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+
+
+def _interpreted(monkeypatch):
+    from padded_moe._platform import kernels_interpreted
+
+    if not kernels_interpreted():
+        pytest.skip("the interpreted kernel only")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def finished_logits(gate) -> torch.Tensor:
+    """What the router kernels make of `GateSums`: the splits added in order in float32, the bias,
+    one rounding to the logits' dtype (torch's float32 -> 16-bit casts round to nearest even)."""
+    x = gate.parts[0].clone()
+    for part in gate.parts[1:]:
+        x += part
+    if gate.bias is not None:
+        x += gate.bias.float()
+    return x.to(gate.dtype)
+
+
+@pytest.mark.parametrize("M, E, D, bias", [(1, 128, 2880, True), (5, 8, 300, False), (16, 40, 256, True),
+                                           (3, 256, 4096, False), (2, 16, 100, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_gate_sums_match_the_float64_projection(monkeypatch, gen, dtype, M, E, D, bias):
+    """The gate kernel's partial sums add up to `x @ W.T` within float32 summation error, every
+    split over its own columns (ragged last split included); finished, every logit is within one
+    unit in the last place of the exact `x @ W.T + b` and (16-bit) nearly all round to the nearest;
+    a NaN row stays in its row."""
+    from padded_moe.routing import gate_splits, gate_sums
+
+    _interpreted(monkeypatch)
+    x = torch.randn(M, D, generator=gen).to(dtype)
+    w = (torch.randn(E, D, generator=gen) * 0.05).to(dtype)
+    b = (torch.randn(E, generator=gen) * 0.1).to(dtype) if bias else None
+    if M > 2:
+        x[2] = float("nan")
+    with torch.no_grad():
+        gate = gate_sums(x, w, b)
+    splits, per_split = gate_splits(E, D)
+    assert tuple(gate.parts.shape) == (splits, M, E) and (splits - 1) * per_split < D <= splits * per_split
+    assert gate.dtype == dtype and gate.bias is b
+    xd, wd = x.double(), w.double()
+    for s in range(splits):  # each split is its own columns' sum
+        cols = slice(s * per_split, min(D, (s + 1) * per_split))
+        want = xd[:, cols] @ wd[:, cols].T
+        ok = torch.isfinite(want)
+        bound = (xd[:, cols].abs() @ wd[:, cols].abs().T) * D * 2.0 ** -23 + 1e-30
+        assert ((gate.parts[s].double() - want).abs() <= bound)[ok].all(), s
+    got = finished_logits(gate)
+    exact = xd @ wd.T + (0.0 if b is None else b.double())
+    summed = xd.abs() @ wd.abs().T + (0.0 if b is None else b.double().abs())
+    tol = exact.abs() * 2.0 ** -_ULP_BITS[dtype] + summed * D * 2.0 ** -23
+    ok = torch.isfinite(exact)
+    assert ((got.double() - exact).abs() <= tol)[ok].all()
+    assert torch.isnan(got[~ok]).all() and (ok.sum(1) == E).sum() == M - (M > 2)
+    if dtype != torch.float32:
+        assert (got == exact.to(dtype))[ok].double().mean() >= 0.98
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_router_kernels_route_gate_sums_as_their_finished_logits(monkeypatch, gen, dtype):
+    """The router kernels reading `GateSums` give the bits they give on the finished logits
+    (splits in order, bias, one rounding): softmax routers, GPT-OSS's (with its bias) and the
+    DeepSeek router with a group limit; a NaN row routes to the dropped id E."""
+    from padded_moe.routing import gate_biased_topk, gate_softmax_topk, gate_sums
+
+    _interpreted(monkeypatch)
+    M, E, D = 9, 64, 1000
+    x = torch.randn(M, D, generator=gen).to(dtype)
+    x[4] = float("nan")
+    w = (torch.randn(E, D, generator=gen) * 0.05).to(dtype)
+    b = (torch.randn(E, generator=gen) * 0.1).to(dtype)
+    e_bias = torch.randn(E, generator=gen) * 0.1
+    with torch.no_grad():
+        for bias in (None, b):
+            gate = gate_sums(x, w, bias)
+            logits = finished_logits(gate)
+            for renorm, before in ((False, False), (True, False), (False, True)):
+                got = gate_softmax_topk(gate, 6, renorm, topk_before_softmax=before)
+                want = fused_topk(logits, 6, renormalize=renorm, topk_before_softmax=before)
+                torch.testing.assert_close(got[0], want[0], rtol=0, atol=0, equal_nan=True)
+                assert torch.equal(got[1], want[1]), (bias is None, renorm, before)
+                assert (got[1][4] == E).all()
+            got = gate_biased_topk(gate, e_bias, 6, 8, 3, "sigmoid", 2.5, True)
+            want = biased_grouped_topk(logits, e_bias, 6, 8, 3, "sigmoid", 2.5, True)
+            torch.testing.assert_close(got[0], want[0], rtol=0, atol=0, equal_nan=True)
+            assert torch.equal(got[1], want[1])
+
+
+def test_gate_sums_leave_what_the_kernel_does_not_serve(monkeypatch, gen):
+    """None (the caller runs F.linear and the router on its logits) past GATE_KERNEL_MAX_TOKENS
+    rows, for strided columns, mixed dtypes and where autograd records; a group limit the router
+    kernel cannot split is refused by name."""
+    from padded_moe.routing import gate_biased_topk, gate_sums
+
+    _interpreted(monkeypatch)
+    w = torch.randn(8, 32, generator=gen).bfloat16()
+    with torch.no_grad():
+        assert gate_sums(torch.randn(GATE_KERNEL_MAX_TOKENS, 32, generator=gen).bfloat16(), w) is not None
+        assert gate_sums(torch.randn(GATE_KERNEL_MAX_TOKENS + 1, 32, generator=gen).bfloat16(), w) is None
+        assert gate_sums(torch.randn(32, 2, generator=gen).bfloat16().t(), w) is None
+        assert gate_sums(torch.randn(2, 32, generator=gen), w) is None
+        gate = gate_sums(torch.randn(2, 32, generator=gen).bfloat16(), torch.randn(12, 32, generator=gen).bfloat16())
+        with pytest.raises(ValueError, match="powers of two"):
+            gate_biased_topk(gate, None, 2, 4, 2, "sigmoid", 1.0, True)
+    assert gate_sums(torch.randn(2, 32, generator=gen).bfloat16(), w.float().bfloat16().requires_grad_()) is None
 
 
 # --------------------------------------------------------------------------------------------

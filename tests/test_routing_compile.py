@@ -74,3 +74,31 @@ def test_biased_router_kernel_compiles_for_sm90_without_spills(monkeypatch):
     results = compile_for_sm90(BIASED_SCRIPT, json.dumps(cases))
     assert len(results) == len(BIASED_CASES)
     assert all(r["spills"] == 0 for r in results), results
+
+
+GATE_SCRIPT = launch_stats_script("padded_moe.kernels.topk", "_gate_kernel")
+
+
+def test_gate_path_compiles_for_sm90_without_spills(monkeypatch):
+    """A decode step's gate kernel (GPT-OSS: bias; DeepSeek-V4: 256 experts, 4096 wide; float32
+    weights) and the router kernels finishing its sums, as the GPU's first calls specialise them."""
+    from padded_moe.routing import gate_biased_topk, gate_softmax_topk, gate_sums
+
+    require_interpreted_kernels(monkeypatch)
+    gates, routers, biased = [], [], []
+    for (E, D, dtype, bias) in ((128, 2880, torch.bfloat16, True), (256, 4096, torch.bfloat16, False),
+                                (64, 512, torch.float32, False)):
+        x, w = torch.randn(3, D).to(dtype), torch.randn(E, D).to(dtype)
+        b = torch.randn(E).to(dtype) if bias else None
+        with torch.no_grad():
+            launches = captured_launches(monkeypatch, lambda: gate_softmax_topk(gate_sums(x, w, b), 4, False, True))
+            launches += captured_launches(monkeypatch, lambda: gate_biased_topk(
+                gate_sums(x, w, b), torch.randn(E), 6, 8, 4, "sigmoid", 2.5, True))
+        for n, (fn, args, constexprs, opt) in enumerate(launches):
+            gpu = dict(constexprs, FP32_DOT=dtype == torch.float32) if n % 2 == 0 else dict(constexprs, LIBDEVICE=True)
+            sig, const, div16 = launch_signature(fn, args, gpu)
+            (gates, routers, gates, biased)[n].append([sig, const, div16, opt["num_warps"]])
+    assert all(c[1]["PARTS"] > 1 for c in routers + biased)
+    for script, cases in ((GATE_SCRIPT, gates), (SCRIPT, routers), (BIASED_SCRIPT, biased)):
+        results = compile_for_sm90(script, json.dumps(cases))
+        assert len(results) == len(cases) and all(r["spills"] == 0 for r in results), results

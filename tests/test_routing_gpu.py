@@ -135,3 +135,53 @@ def test_bf16_steps_match_transformers_v4_router_on_cuda(gen, scoring_func, bias
     router run on CUDA in bfloat16 (libdevice's exp / log1p are CUDA's, as torch's kernels use;
     `check_v4_bf16_steps`, 4096 tokens); a bfloat16 correction bias (a model cast with `.to()`) too."""
     check_v4_bf16_steps(gen, scoring_func, 4096, "cuda", bias_dtype)
+
+
+@pytest.mark.parametrize("M, E, D, bias", [(1, 128, 2880, True), (16, 128, 2048, False), (4, 256, 4096, False),
+                                           (7, 8, 4096, False)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gate_kernel_on_cuda(gen, dtype, M, E, D, bias):
+    """The gate kernel compiled (tensor-core sums): finished logits within one unit in the last
+    place of the exact projection (plus float32 summation error) and nearly all equal to cuBLAS's
+    `F.linear`; the router kernel routes them as their finished logits (the same experts, weights
+within float32 rounding); a NaN row
+    stays in its row; gate and router capture in a CUDA graph."""
+    from test_routing import _ULP_BITS, finished_logits
+
+    from padded_moe.routing import fused_topk, gate_softmax_topk, gate_sums
+
+    x = torch.randn(M, D, generator=gen).to(dtype).cuda()
+    w = (torch.randn(E, D, generator=gen) * 0.05).to(dtype).cuda()
+    b = (torch.randn(E, generator=gen) * 0.1).to(dtype).cuda() if bias else None
+    if M > 2:
+        x[2] = float("nan")
+    with torch.no_grad():
+        gate = gate_sums(x, w, b)
+        lib = torch.nn.functional.linear(x, w, b)
+    got = finished_logits(gate)
+    exact = x.double() @ w.double().T + (0.0 if b is None else b.double())
+    summed = x.double().abs() @ w.double().abs().T + (0.0 if b is None else b.double().abs())
+    ok = torch.isfinite(exact)
+    tol = exact.abs() * 2.0 ** -_ULP_BITS[dtype] + summed * D * 2.0 ** -23
+    assert ((got.double() - exact).abs() <= tol)[ok].all()
+    assert torch.isnan(got[~ok]).all()
+    if dtype == torch.bfloat16:
+        assert (got == lib)[ok].double().mean() >= 0.95
+    k = min(4, E)
+    routed = gate_softmax_topk(gate, k, True)
+    want = fused_topk(got, k, renormalize=True)
+    # The same experts; weights within float32 rounding (the compiled kernels may sum the softmax
+    # in another order when the row comes from the sums rather than from memory).
+    torch.testing.assert_close(routed[0], want[0], rtol=4e-7, atol=0, equal_nan=True)
+    assert torch.equal(routed[1], want[1])
+    static = x.clone()
+    gate_softmax_topk(gate_sums(static, w, b), k, True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gate_softmax_topk(gate_sums(static, w, b), k, True)
+    static.copy_(torch.randn(M, D, generator=gen).to(dtype).cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    again = gate_softmax_topk(gate_sums(static, w, b), k, True)
+    assert torch.equal(out[0], again[0]) and torch.equal(out[1], again[1])

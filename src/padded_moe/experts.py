@@ -156,8 +156,8 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
     """
     if scratch is None and output_transform is None and expert_map is None:
         key = _plan_key(hidden_states, topk_weights, topk_ids, valid_tokens, (w13, w2, w13_bias, w2_bias),
-                        _plain_options(activation, activation_config, layout, backend))
-        return _planned(key, (hidden_states, topk_weights, topk_ids, valid_tokens), lambda: _fused_experts(
+                        plan_options(activation, activation_config, layout, backend))
+        return planned_call(key, (hidden_states, topk_weights, topk_ids, valid_tokens), lambda: _fused_experts(
             hidden_states, w13, w2, topk_weights, topk_ids, activation, activation_config, None, layout,
             w13_bias, w2_bias, valid_tokens, backend, None, None))
     return _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, activation_config, expert_map,
@@ -234,7 +234,7 @@ _PLANS = None
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _planned(key: Optional[tuple], inputs: tuple, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+def planned_call(key: Optional[tuple], inputs: tuple, call: Callable[[], torch.Tensor]) -> torch.Tensor:
     """`call()`, or the replay of its launch plan once it has one (`padded_moe.launch_plan`); a
     None key (plans do not apply) always runs `call()`."""
     if key is None:
@@ -259,9 +259,18 @@ def _plan_key(x, topk_weights, topk_ids, valid_tokens, weights: tuple, options: 
     # First, so that the compiler never traces the checks below (a guard on the token count).
     if torch.compiler.is_compiling():
         return None
-    if options is None or type(x) is not torch.Tensor or not x.is_cuda or type(topk_ids) is not torch.Tensor \
-            or type(topk_weights) is not torch.Tensor or (valid_tokens is not None and type(valid_tokens) is not torch.Tensor) \
-            or x.shape[0] == 0:
+    if type(topk_ids) is not torch.Tensor or type(topk_weights) is not torch.Tensor:
+        return None
+    head = plan_key_head(x, valid_tokens, weights, options, eager_cache=eager_cache)
+    return None if head is None else head + (_input_key(topk_weights), _input_key(topk_ids))
+
+
+def plan_key_head(x, valid_tokens, weights: tuple, options: Optional[tuple], *, eager_cache: bool = True) -> Optional[tuple]:
+    """`_plan_key`'s part every planned call shares (`fused_experts`, `FusedMoE.forward`): the
+    device, stream, thread and environment, the options, the long-lived tensors' identities, and
+    the hidden states' and count's signature; None where plans do not apply."""
+    if options is None or type(x) is not torch.Tensor or not x.is_cuda \
+            or (valid_tokens is not None and type(valid_tokens) is not torch.Tensor) or x.shape[0] == 0:
         return None
     from padded_moe.kernels import _launch
 
@@ -274,11 +283,10 @@ def _plan_key(x, topk_weights, topk_ids, valid_tokens, weights: tuple, options: 
     device = torch.cuda.current_device()
     return (device, _launch.current_stream(device), threading.get_ident(), os.environ.get(LAYOUT_ENV),
             os.environ.get(DECODE_ENV), os.environ.get(FUSE_ENV), eager_cache,
-            options, weight_keys, _input_key(x), _input_key(topk_weights), _input_key(topk_ids),
-            None if valid_tokens is None else _input_key(valid_tokens))
+            options, weight_keys, _input_key(x), None if valid_tokens is None else _input_key(valid_tokens))
 
 
-def _plain_options(activation, activation_config, layout, backend) -> Optional[tuple]:
+def plan_options(activation, activation_config, layout, backend) -> Optional[tuple]:
     """`fused_experts`' options as a plan key's part, or None when one is of a type plans skip (a
     callable activation, a subclass): the full path then checks them."""
     if not isinstance(activation, (str, MoEActivation)) or not isinstance(backend, str) \
@@ -501,7 +509,7 @@ def _fused_experts_op(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: Optio
                w2_hopper_scales, w13_bias, w2_bias, expert_table)
     options = (activation, clamp_limit, alpha, beta, situ_beta, situ_linear_beta, layout, backend, num_experts, decode)
     key = _plan_key(hidden, topk_weights, topk_ids, valid_tokens, weights, options, eager_cache=False)
-    return _planned(key, (hidden, topk_weights, topk_ids, valid_tokens), call)
+    return planned_call(key, (hidden, topk_weights, topk_ids, valid_tokens), call)
 
 
 @register_fake("padded_moe::fused_experts")

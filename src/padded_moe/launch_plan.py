@@ -294,8 +294,11 @@ class LaunchPlans:
         self._lock = threading.Lock()
 
     def get(self, key) -> Optional[LaunchPlan]:
-        """The plan for `key` if there is one and every tensor it keeps a pointer into is alive."""
-        plan = self._plans.get(key) if self.enabled else None
+        """The plan for `key` if there is one and every tensor it keeps a pointer into is alive.
+        None while a recording is open (a planned call inside another one, e.g. `fused_experts`
+        inside `FusedMoE.forward`): the outer recording must see the inner call's launches, which
+        a replay does not report."""
+        plan = self._plans.get(key) if self.enabled and not _launch.recording_active() else None
         if plan is None or plan is self._NO_PLAN:
             return None
         if not plan.alive():
@@ -307,8 +310,8 @@ class LaunchPlans:
     def call(self, key, device: int, inputs: Sequence[Optional[torch.Tensor]], fn: Callable[[], torch.Tensor]):
         """`fn()` (the full call) for a key without a plan: plain the first time (caches fill),
         recorded after that until two recordings agree or the key is given up."""
-        if not self.enabled or self._plans.get(key) is self._NO_PLAN:
-            return fn()
+        if not self.enabled or self._plans.get(key) is self._NO_PLAN or _launch.recording_active():
+            return fn()  # inside an open recording: the outer one records this call's launches
         state = self._pending.get(key)
         if state is None:
             self._remember(self._pending, key, (0, None))

@@ -3,6 +3,12 @@
 The router turns logits into `(topk_weights, topk_ids)` with the functions of
 `padded_moe.routing`; the experts run through `padded_moe.experts.fused_experts`, or through an
 `ExpertParallel` dispatch → local experts → combine when `expert_parallel` is given.
+
+An eager decode-sized forward (up to `routing.GATE_KERNEL_MAX_TOKENS` tokens, no shared experts,
+no expert parallelism, a named router) is Triton launches only: the gate projection's kernel and
+the router kernel that finishes its logits (`routing.gate_sums`), then `fused_experts`' kernels.
+Such a forward replays as one launch plan (`padded_moe.launch_plan`), keyed on everything its host
+code reads, so the layer's host time is one key lookup and the launches.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from padded_moe._ops import OpObjects, custom_op, register_fake
 from padded_moe._validation import FLOAT_DTYPES, require_int, require_real, require_tensor
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
 from padded_moe.expert_map import check_valid_tokens, drop_rows_past
-from padded_moe.experts import batched_experts, eager_cache_off, fused_experts
+from padded_moe.experts import batched_experts, eager_cache_off, fused_experts, plan_key_head, plan_options, planned_call
 from padded_moe.mxfp4 import GROUP, HopperMxfp4, Mxfp4Tensor, canonical_kept, quantize_mxfp4
 from padded_moe.presets import MoEPreset, get_preset
 
@@ -378,12 +384,72 @@ class FusedMoE(nn.Module):
         check_valid_tokens(valid_tokens, hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
-        logits = self.gate(x) if router_logits is None else router_logits
-        topk_weights, topk_ids = self.route(logits, token_ids)
+        if router_logits is None and token_ids is None:
+            key = self._plan_key(x, valid_tokens)
+            if key is not None:
+                return planned_call(key, (x, valid_tokens), lambda: self._forward(x, None, None, valid_tokens)).view(shape)
+        return self._forward(x, router_logits, token_ids, valid_tokens).view(shape)
+
+    def _forward(self, x: torch.Tensor, router_logits: Optional[torch.Tensor], token_ids: Optional[torch.Tensor],
+                 valid_tokens: Optional[torch.Tensor]) -> torch.Tensor:
+        routes = self._gate_routes(x) if router_logits is None and token_ids is None else None
+        if routes is None:
+            logits = self.gate(x) if router_logits is None else router_logits
+            routes = self.route(logits, token_ids)
+        topk_weights, topk_ids = routes
         out = self.experts(x, topk_weights, topk_ids, valid_tokens)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out.view(shape)
+        return out
+
+    def _gate_routes(self, x: torch.Tensor) -> Optional[tuple]:
+        """`route(gate(x))` for a decode-sized batch by the gate kernel and the router kernel
+        (`routing.gate_sums`), or None where those do not serve it."""
+        if not isinstance(self.router, str) or not self._plain_gate() or (
+                self.router.startswith("biased_")
+                and not routing.biased_groups_fit(self.num_experts, self.num_groups, self.topk_groups)):
+            return None
+        gate = routing.gate_sums(x, self.gate.weight, self.gate.bias)
+        if gate is None:
+            return None
+        if not self.router.startswith("biased_"):
+            return routing.gate_softmax_topk(gate, self.top_k, self.router == "softmax_renorm",
+                                             topk_before_softmax=self.router == "topk_softmax")
+        scoring = "sigmoid" if self.router == "biased_sigmoid" else "sqrtsoftplus"
+        return routing.gate_biased_topk(gate, self.e_score_correction_bias, self.top_k, self.num_groups,
+                                        self.topk_groups, scoring, self.routed_scaling_factor, True)
+
+    def _plain_gate(self) -> bool:
+        """Whether calling `self.gate` is exactly `F.linear` with its parameters: an `nn.Linear`
+        (not a subclass or a replacement module) with no forward hooks of its own or global ones
+        (nn.Module's own fast path checks the same registries)."""
+        gate = self.gate
+        return type(gate) is nn.Linear and not (gate._forward_hooks or gate._forward_pre_hooks
+                                               or nn.modules.module._global_forward_hooks
+                                               or nn.modules.module._global_forward_pre_hooks)
+
+    def _plan_key(self, x: torch.Tensor, valid_tokens: Optional[torch.Tensor]) -> Optional[tuple]:
+        """The launch-plan key of a forward that runs Triton launches only (see the module
+        docstring), or None: every value the forward's host code reads that may change between
+        calls — the weights' and biases' identities, the router's and experts' settings, the
+        hidden states' signature, the environment (`experts.plan_key_head`)."""
+        if torch.compiler.is_compiling() or self.shared_experts is not None or self.expert_parallel is not None \
+                or not isinstance(self.router, str) or not 0 < x.shape[0] <= routing.GATE_KERNEL_MAX_TOKENS \
+                or not self._plain_gate():
+            return None
+        gate = self.gate
+        grad = torch.is_grad_enabled()
+        if grad and (x.requires_grad or gate.weight.requires_grad or (gate.bias is not None and gate.bias.requires_grad)):
+            return None  # autograd records the torch formulas
+        experts = plan_options(self.activation, self.activation_config, self.layout, self.backend)
+        if experts is None:
+            return None
+        w13, w2 = self.expert_weights()
+        options = experts + (self.router, self.top_k, self.routed_scaling_factor, self.num_groups, self.topk_groups,
+                             grad)
+        head = plan_key_head(x, valid_tokens, (w13, w2, self.w13_bias, self.w2_bias, gate.weight, gate.bias,
+                                               self.e_score_correction_bias), options)
+        return None if head is None else head + ("FusedMoE.forward",)
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 valid_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:

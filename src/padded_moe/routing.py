@@ -26,6 +26,7 @@ descending by the selection score (table order for `hash_topk`); consumers must 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -56,6 +57,12 @@ _DEEPSEEK_NORM_EPS = 1e-20
 # The one-kernel top-k (`padded_moe.kernels.topk`) holds a row of logits in registers: rows of up
 # to this many experts.
 FUSED_TOPK_MAX_EXPERTS = 1024
+
+
+# `gate_sums` runs the gate projection as its own kernel (`padded_moe.kernels.topk._gate_kernel`)
+# for batches of up to this many rows: decode steps, where a GEMM library call costs more host time
+# than the projection costs the device.
+GATE_KERNEL_MAX_TOKENS = 16
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,6 +160,116 @@ def _deepseek_normalize(weights: torch.Tensor, renormalize: bool, scale: float) 
 # softmax routers
 
 
+@dataclass(frozen=True)
+class GateSums:
+    """A decode-sized batch's router logits as the gate kernel leaves them: `parts [S, M, E]`
+    float32 partial sums of `x @ weight.T` over S splits of the hidden size, the gate's `bias`
+    (or None) and the logits' `dtype`. The router kernels finish the logits from it (splits added
+    in order, the bias, one rounding to `dtype`) as they read them (`gate_softmax_topk`,
+    `gate_biased_topk`)."""
+
+    parts: torch.Tensor
+    bias: Optional[torch.Tensor]
+    dtype: torch.dtype
+
+
+def gate_sums(hidden_states: torch.Tensor, weight: torch.Tensor,
+              bias: Optional[torch.Tensor] = None) -> Optional[GateSums]:
+    """The gate projection `F.linear(hidden_states [M, D], weight [E, D], bias)` of a decode-sized
+    batch as partial sums (`GateSums`), or None where the gate kernel does not serve: past
+    `GATE_KERNEL_MAX_TOKENS` rows or `FUSED_TOPK_MAX_EXPERTS` experts, mixed dtypes, strided
+    columns, not CUDA (or the interpreter), under `torch.compile`, or a gradient to record.
+
+    Why: `FusedMoE`'s decode step is then Triton launches only, which replay as one launch plan
+    (a GEMM library call costs tens of µs of host time there, more than the device spends on it).
+    The logits equal a GEMM's with a bias epilogue up to the order of the float32 sums: a logit
+    may differ from cuBLAS's `F.linear` by one unit in its last place (a router near-tie may then
+    pick the other expert)."""
+    from padded_moe import _platform
+
+    x = hidden_states
+    if type(x) is not torch.Tensor or torch.compiler.is_compiling() or x.dim() != 2 \
+            or not 0 < x.shape[0] <= GATE_KERNEL_MAX_TOKENS or weight.dim() != 2 or x.shape[1] != weight.shape[1] \
+            or not 0 < weight.shape[0] <= FUSED_TOPK_MAX_EXPERTS:
+        return None
+    if x.dtype not in _ROUNDING or weight.dtype != x.dtype \
+            or (bias is not None and (bias.dtype != x.dtype or bias.shape != weight.shape[:1]
+                                      or bias.device != x.device or bias.stride(0) != 1)):
+        return None
+    if weight.device != x.device or x.stride(1) != 1 or weight.stride(1) != 1 or not _platform.use_triton(x.device):
+        return None
+    # Autograd records F.linear; the kernel has no backward.
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return None
+    return GateSums(_gate_partials(x, weight), bias, x.dtype)
+
+
+# How `_row_logits` rounds the finished logits, by their dtype.
+_ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The gate kernel's blocks: experts per program (tl.dot's narrowest side), hidden columns per step.
+_GATE_BLOCK_E, _GATE_BLOCK_K = 16, 128
+# Programs the gate kernel aims for (about two per SM of an H100 / H200): the gate weight
+# (0.3-2 MB) then streams at the device's rate instead of one program's.
+_GATE_PROGRAMS = 256
+# Splits of the hidden size at most (the router kernels add them in registers, unrolled).
+_GATE_MAX_SPLITS = 16
+
+
+def gate_splits(num_experts: int, hidden: int) -> tuple[int, int]:
+    """`(S, KS)`: the gate kernel's splits of the hidden size and columns per split (a multiple of
+    its step), so that about `_GATE_PROGRAMS` programs each read at least one step."""
+    blocks = -(-num_experts // _GATE_BLOCK_E)
+    steps = -(-hidden // _GATE_BLOCK_K)
+    want = max(1, min(_GATE_MAX_SPLITS, steps, _GATE_PROGRAMS // blocks))
+    per_split = -(-steps // want)
+    return -(-steps // per_split), per_split * _GATE_BLOCK_K
+
+
+def _gate_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from padded_moe.kernels import INTERPRETED
+    from padded_moe.kernels._launch import launch, ptr_key
+    from padded_moe.kernels.topk import _gate_kernel
+
+    M, D = x.shape
+    E = weight.shape[0]
+    splits, per_split = gate_splits(E, D)
+    parts = torch.empty(splits, M, E, dtype=torch.float32, device=x.device)
+    args = (x, x.stride(0), weight, weight.stride(0), parts, parts.stride(0), parts.stride(1), M, E, D, per_split)
+    constexprs = dict(BM=16, BE=_GATE_BLOCK_E, BK=_GATE_BLOCK_K, FP32_DOT=x.dtype == torch.float32 or INTERPRETED)
+    key = (x.stride(0), weight.stride(0), parts.stride(0), parts.stride(1), M, E, D, per_split) \
+        + ptr_key(x, weight, parts)
+    launch(_gate_kernel, (-(-E // _GATE_BLOCK_E), splits), key, args, constexprs, num_warps=4)
+    return parts
+
+
+def gate_softmax_topk(gate: GateSums, k: int, renormalize: bool,
+                      topk_before_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`softmax_topk` on the logits `gate` holds (one router kernel finishes and routes them)."""
+    return _fused_topk_kernel(gate.parts, k, renormalize, topk_before_softmax, torch.float32, torch.int32, gate)
+
+
+def gate_biased_topk(gate: GateSums, bias: Optional[torch.Tensor], k: int, num_groups: int, topk_groups: int,
+                     scoring: str, scale: float, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`biased_grouped_topk` (float32 steps) on the logits `gate` holds; the group limit must be
+    one the kernel serves (`biased_groups_fit`)."""
+    if not biased_groups_fit(gate.parts.shape[2], num_groups, topk_groups):
+        raise ValueError(f"the router kernel's group limit needs E and num_groups powers of two, got "
+                         f"E={gate.parts.shape[2]}, num_groups={num_groups}")
+    return _biased_topk_kernel(gate.parts, bias, k, num_groups, topk_groups, scoring, scale, renormalize,
+                               torch.float32, torch.int32, False, gate)
+
+
+def _router_source(logits: torch.Tensor, gate: Optional[GateSums]) -> tuple:
+    """What the router kernels read: `(tensor, row stride, split stride, gate bias argument,
+    constexprs)` for logits, or for a gate's partial sums (`_row_logits`)."""
+    if gate is None:
+        return logits, logits.stride(0), 0, logits, dict(PARTS=0, GATE_BIAS=False, ROUND=0)
+    parts = gate.parts
+    gbias = parts if gate.bias is None else gate.bias  # never read without GATE_BIAS
+    return parts, parts.stride(1), parts.stride(0), gbias, dict(PARTS=parts.shape[0], GATE_BIAS=gate.bias is not None,
+                                                                ROUND=_ROUNDING[gate.dtype])
+
+
 def softmax_topk(
     logits: torch.Tensor, k: int, renormalize: bool, *, topk_before_softmax: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,22 +359,26 @@ def _fused_topk_serves(logits: torch.Tensor) -> bool:
             and _platform.use_triton(logits.device))
 
 
-def _fused_topk_kernel(logits, k, renormalize, topk_before_softmax, weights_dtype, ids_dtype):
+def _fused_topk_kernel(logits, k, renormalize, topk_before_softmax, weights_dtype, ids_dtype,
+                       gate: Optional[GateSums] = None):
+    """The router kernel on `logits [M, E]`, or with `gate` on its partial sums (then `logits` is
+    `gate.parts`)."""
     from padded_moe.kernels._launch import launch, ptr_key
     from padded_moe.kernels.topk import _topk_router_kernel
 
-    logits = _row_major(logits)
-    num_tokens, num_experts = logits.shape
+    logits = _row_major(logits) if gate is None else logits
+    num_tokens, num_experts = logits.shape[-2:]
     weights = torch.empty(num_tokens, k, dtype=weights_dtype, device=logits.device)
     ids = torch.empty(num_tokens, k, dtype=ids_dtype, device=logits.device)
     if num_tokens == 0:
         return weights, ids
+    src, stride_m, stride_s, gbias, gate_constexprs = _router_source(logits, gate)
     block_e = next_pow2(num_experts)
-    args = (logits, logits.stride(0), weights, weights.stride(0), ids, ids.stride(0), num_experts)
+    args = (src, stride_m, stride_s, gbias, weights, weights.stride(0), ids, ids.stride(0), num_experts)
     constexprs = dict(K=k, K_POW2=next_pow2(k), BLOCK_E=block_e,
                       SOFTMAX_FIRST=not topk_before_softmax, RENORM=renormalize and not topk_before_softmax,
-                      LIBDEVICE=logits.is_cuda)
-    key = (logits.stride(0), weights.stride(0), ids.stride(0), num_experts) + ptr_key(logits, weights, ids)
+                      LIBDEVICE=logits.is_cuda, **gate_constexprs)
+    key = (stride_m, stride_s, weights.stride(0), ids.stride(0), num_experts) + ptr_key(src, gbias, weights, ids)
     launch(_topk_router_kernel, (num_tokens,), key, args, constexprs, num_warps=_router_warps(block_e))
     return weights, ids
 
@@ -424,20 +545,24 @@ def _biased_formula(logits, bias, k, num_groups, topk_groups, scoring, scale, re
 
 
 def _biased_kernel_serves(logits: torch.Tensor, num_groups: int, topk_groups: int) -> bool:
+    return _fused_topk_serves(logits) and biased_groups_fit(logits.shape[1], num_groups, topk_groups)
+
+
+def biased_groups_fit(num_experts: int, num_groups: int, topk_groups: int) -> bool:
     """The kernel's group limit splits a row held whole in registers: E and the group count
     powers of two (DeepSeek-V3: 256 experts in 8 groups); otherwise the torch formula."""
-    num_experts = logits.shape[1]
     pow2 = num_experts & (num_experts - 1) == 0 and num_groups & (num_groups - 1) == 0
-    return _fused_topk_serves(logits) and (topk_groups == num_groups or pow2)
+    return topk_groups == num_groups or pow2
 
 
 def _biased_topk_kernel(logits, bias, k, num_groups, topk_groups, scoring, scale, renormalize, weights_dtype,
-                        ids_dtype, bf16):
+                        ids_dtype, bf16, gate: Optional[GateSums] = None):
+    """The DeepSeek router kernel on `logits [M, E]`, or with `gate` on its partial sums."""
     from padded_moe.kernels._launch import launch, ptr_key
     from padded_moe.kernels.topk import _biased_router_kernel
 
-    logits = _row_major(logits)
-    num_tokens, num_experts = logits.shape
+    logits = _row_major(logits) if gate is None else logits
+    num_tokens, num_experts = logits.shape[-2:]
     weights = torch.empty(num_tokens, k, dtype=weights_dtype, device=logits.device)
     ids = torch.empty(num_tokens, k, dtype=ids_dtype, device=logits.device)
     if num_tokens == 0:
@@ -448,13 +573,15 @@ def _biased_topk_kernel(logits, bias, k, num_groups, topk_groups, scoring, scale
     if topk_groups == num_groups:  # no group limit: one compiled form whatever the group count
         num_groups = topk_groups = 1
     bias_arg = logits if bias is None else bias  # never read without HAS_BIAS
-    args = (logits, logits.stride(0), bias_arg, weights, weights.stride(0), ids, ids.stride(0), num_experts, scale)
+    src, stride_m, stride_s, gbias, gate_constexprs = _router_source(logits, gate)
+    args = (src, stride_m, stride_s, gbias, bias_arg, weights, weights.stride(0), ids, ids.stride(0), num_experts,
+            scale)
     constexprs = dict(K=k, K_POW2=next_pow2(k), BLOCK_E=block_e, SCORING=SCORING_FUNCS.index(scoring),
                       HAS_BIAS=bias is not None, GROUPS=num_groups, TOPK_GROUPS=topk_groups,
                       RENORM=renormalize, LIBDEVICE=logits.is_cuda, BF16_STEPS=bf16,
-                      BF16_CHOICE=bf16 and bias is not None and bias.dtype == torch.bfloat16)
-    key = (logits.stride(0), weights.stride(0), ids.stride(0), num_experts, scale) + ptr_key(logits, bias_arg, weights,
-                                                                                           ids)
+                      BF16_CHOICE=bf16 and bias is not None and bias.dtype == torch.bfloat16, **gate_constexprs)
+    key = (stride_m, stride_s, weights.stride(0), ids.stride(0), num_experts, scale) \
+        + ptr_key(src, gbias, bias_arg, weights, ids)
     launch(_biased_router_kernel, (num_tokens,), key, args, constexprs, num_warps=_router_warps(block_e))
     return weights, ids
 

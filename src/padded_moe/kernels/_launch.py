@@ -45,6 +45,11 @@ def recording(events: list):
         _RECORD.events = previous
 
 
+def recording_active() -> bool:
+    """Whether a `recording` block is open on this thread."""
+    return getattr(_RECORD, "events", None) is not None
+
+
 def fast_path() -> bool:
     """Whether launches take the cached path (compiled kernels, no launch hook installed)."""
     return not (INTERPRETED or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook))

@@ -19,6 +19,12 @@ for V3 the group limit (each group scored by the sum of its two best choice scor
 TOPK_GROUPS best groups kept, ties to the lower group), the k best choices, and as weights the
 chosen experts' unbiased scores, renormalised (sum + 1e-20) and scaled.
 
+`_gate_kernel` is the router's gate projection for decode-sized batches (`routing.gate_routes`):
+partial float32 sums of `x @ W.T` for up to 16 rows, each program a block of 16 experts and one
+split of the hidden size (enough programs to stream the gate weight at the device's rate); the
+router kernels then add the splits in order, add the bias and round once to the logits' dtype, as
+a GEMM with a bias epilogue rounds, before routing (`_row_logits`).
+
 Replaces the 3-6 small kernels of the torch formula (softmax, top-k, sum, divide, casts; for
 DeepSeek also softplus, sqrt, the bias add, the gather): a decode step pays each of them in launch
 and tail time, and torch's top-k over 8192 rows of 256 experts alone took ~137 µs on an H200.
@@ -71,13 +77,38 @@ def _best(vals, cols, NONE: tl.constexpr):
 
 
 @triton.jit
-def _topk_router_kernel(logits_ptr, stride_lm, w_ptr, stride_wm, ids_ptr, stride_im, E,
+def _row_logits(logits_ptr, row, stride_lm, stride_ls, gbias_ptr, cols, in_row, PARTS: tl.constexpr,
+                GATE_BIAS: tl.constexpr, ROUND: tl.constexpr):
+    """A row of router logits in float32, -inf past E. PARTS == 0: read from `logits`. Otherwise
+    `logits` holds `_gate_kernel`'s PARTS partial sums (`[PARTS, M, E]` float32): added in split
+    order (the same bits on every call), plus the gate's bias, rounded once to the logits' dtype
+    as a GEMM with a bias epilogue rounds (ROUND: 0 float32, 1 bfloat16, 2 float16)."""
+    base = logits_ptr + row.to(tl.int64) * stride_lm + cols
+    if PARTS == 0:
+        x = tl.load(base, mask=in_row, other=float("-inf")).to(tl.float32)
+    else:
+        x = tl.load(base, mask=in_row, other=0.0)
+        for s in tl.static_range(1, PARTS):
+            x += tl.load(base + s * stride_ls, mask=in_row, other=0.0)
+        if GATE_BIAS:
+            x += tl.load(gbias_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        if ROUND == 1:
+            x = _round_bf16(x)
+        elif ROUND == 2:
+            x = x.to(tl.float16).to(tl.float32)
+        x = tl.where(in_row, x, float("-inf"))
+    return x
+
+
+@triton.jit
+def _topk_router_kernel(logits_ptr, stride_lm, stride_ls, gbias_ptr, w_ptr, stride_wm, ids_ptr, stride_im, E,
                         K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl.constexpr,
-                        SOFTMAX_FIRST: tl.constexpr, RENORM: tl.constexpr, LIBDEVICE: tl.constexpr):
+                        SOFTMAX_FIRST: tl.constexpr, RENORM: tl.constexpr, LIBDEVICE: tl.constexpr,
+                        PARTS: tl.constexpr, GATE_BIAS: tl.constexpr, ROUND: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     in_row = cols < E
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_lm + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+    x = _row_logits(logits_ptr, row, stride_lm, stride_ls, gbias_ptr, cols, in_row, PARTS, GATE_BIAS, ROUND)
     if SOFTMAX_FIRST:
         vals = _softmax(x, LIBDEVICE)
     else:
@@ -109,11 +140,13 @@ SCORE_SOFTMAX = tl.constexpr(2)
 
 
 @triton.jit
-def _biased_router_kernel(logits_ptr, stride_lm, bias_ptr, w_ptr, stride_wm, ids_ptr, stride_im, E, scale,
+def _biased_router_kernel(logits_ptr, stride_lm, stride_ls, gbias_ptr, bias_ptr, w_ptr, stride_wm, ids_ptr,
+                          stride_im, E, scale,
                           K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, SCORING: tl.constexpr,
                           HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
                           RENORM: tl.constexpr, LIBDEVICE: tl.constexpr, BF16_STEPS: tl.constexpr,
-                          BF16_CHOICE: tl.constexpr):
+                          BF16_CHOICE: tl.constexpr, PARTS: tl.constexpr, GATE_BIAS: tl.constexpr,
+                          ROUND: tl.constexpr):
     """One program per row. With TOPK_GROUPS < GROUPS the host guarantees BLOCK_E == E (E and
     GROUPS powers of two), so group g is columns [g * E / GROUPS, (g + 1) * E / GROUPS).
 
@@ -121,11 +154,11 @@ def _biased_router_kernel(logits_ptr, stride_lm, bias_ptr, w_ptr, stride_wm, ids
     router computes in the model's dtype): softplus, its square root or the sigmoid, the sum of
     the chosen scores, the sum + 1e-20, the quotient and the scaled weight; BF16_CHOICE also the
     biased choice scores (a bfloat16 correction bias). The host allows it with sigmoid and
-    sqrt(softplus) scoring and no group limit only."""
+    sqrt(softplus) scoring and no group limit only. PARTS, GATE_BIAS, ROUND: `_row_logits`."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     in_row = cols < E
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_lm + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+    x = _row_logits(logits_ptr, row, stride_lm, stride_ls, gbias_ptr, cols, in_row, PARTS, GATE_BIAS, ROUND)
     if BF16_STEPS:
         x = _round_bf16(x)  # the formula's input is bfloat16 (a no-op on bfloat16 logits)
     if SCORING == SCORE_SIGMOID:
@@ -184,3 +217,35 @@ def _biased_router_kernel(logits_ptr, stride_lm, bias_ptr, w_ptr, stride_wm, ids
         top = top * scale
     tl.store(w_ptr + row.to(tl.int64) * stride_wm + slots, top.to(w_ptr.dtype.element_ty), mask=kept)
     tl.store(ids_ptr + row.to(tl.int64) * stride_im + slots, ids.to(ids_ptr.dtype.element_ty), mask=kept)
+
+
+@triton.jit
+def _gate_kernel(x_ptr, stride_xm, g_ptr, stride_ge, part_ptr, stride_ps, stride_pm, M, E, D, KS,
+                 BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Partial gate projections: program (i, s) writes `part[s, m, e] = sum_{d in split s} x[m, d] *
+    g[e, d]` (float32) for rows m < M <= BM and the BE experts of block i, split s covering columns
+    [s * KS, (s + 1) * KS) (KS a multiple of BK). Rows past M are not read (they may be padding).
+    The router kernels add the splits in order (`_row_logits`). FP32_DOT: the operands multiply as
+    float32 in full precision (not TF32): float32 weights, and the interpreter, whose 16-bit
+    `tl.dot` is wrong in Triton 3.6 (a 16-bit product is exact in float32 either way)."""
+    e0 = tl.program_id(0) * BE
+    split = tl.program_id(1)
+    rm = tl.arange(0, BM)
+    re = e0 + tl.arange(0, BE)
+    rk = tl.arange(0, BK)
+    m_ok = rm < M
+    e_ok = re < E
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    g_rows = g_ptr + re.to(tl.int64)[:, None] * stride_ge
+    acc = tl.zeros((BM, BE), dtype=tl.float32)
+    k_end = tl.minimum(split * KS + KS, D)
+    for k0 in range(split * KS, k_end, BK):
+        k_ok = (k0 + rk) < k_end
+        a = tl.load(x_rows + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_rows + (k0 + rk)[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP32_DOT:
+            acc = tl.dot(a.to(tl.float32), tl.trans(g.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(g), acc)
+    tl.store(part_ptr + split * stride_ps + rm.to(tl.int64)[:, None] * stride_pm + re[None, :], acc,
+             mask=m_ok[:, None] & e_ok[None, :])

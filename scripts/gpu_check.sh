@@ -282,20 +282,6 @@ for stage in "$@"; do
                 --launch-count 6 python3 scripts/ncu_small.py act
             STEP_TIMEOUT=120 step ncu-unpermute ncu "${ncu_sections[@]}" -k "regex:_unpermute" --launch-count 6 \
                 python3 scripts/ncu_small.py unpermute ;;
-        quarters)  # GemmConfig.quarters (256-row bf16 tiles computing only their quarters with rows): GPU
-            # exactness, memcheck, then whole calls: the table (128-row tiles on 128-row blocks) against
-            # quarter tiles on 256-row INDEXED blocks (issue 14)
-            STEP_TIMEOUT=240 step test-quarters python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k quarter
-            STEP_TIMEOUT=120 step sanitizer-quarters compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
-                -q -m gpu tests/test_gemm_gpu.py -k "quarter and rows190 and w2"
-            q=BM256_BN128_BK64_G1_w8
-            for run in "dsv4-flash medium 8192,6144" "qwen3-30b-a3b medium 4096,8192" "mixtral-8x7b medium 1024" \
-                       "mixtral-8x7b prefill 8192"; do
-                set -- $run
-                STEP_TIMEOUT=100 step "ab-qtr-$1-$2" python3 benchmarks/bench_tiles_ab.py --preset "$1" --weights bf16 \
-                    --regime "$2" --tokens "$3" --rounds 3 --out "$OUT/ab-qtr-$1-$2" \
-                    --candidates "${q}_s4_tma_qtr@256,BM256_BN128_BK32_G1_w8_s6_tma_qtr@256,BM256_BN64_BK32_G1_w8_s4_tma_qtr@256,${q}_s4_tma_pers_qtr@256"
-            done ;;
         ncu-gemm)  # Nsight Compute of the bf16 expert GEMMs at DeepSeek-V4 8192 tokens (third call: GEMM1, GEMM2)
             # and of a dense cuBLAS matmul of GEMM1's rows (the tensor-pipe and DRAM reference)
             ncu_sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis

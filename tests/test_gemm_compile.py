@@ -392,29 +392,6 @@ def test_half_tail_tiles_compile_both_loops():
         assert half["shared"] <= 227 * 1024, half
 
 
-def test_quarter_tiles_compile_every_body():
-    """256-row bf16 tiles with `GemmConfig.quarters` (the candidates `gpu_check.sh quarters` times;
-    INDEXED: gathered A rows; grouped: A through pointers too), with and without silu in the
-    epilogue: the one- and two-quarter bodies' MMAs and the pieces' (64 and 128 rows on two
-    warpgroups: wgmmas of BN/2 and BN columns), no spills, asynchronous wgmmas, shared memory within the
-    SM's, and no TMA read of A."""
-    pytest.importorskip("triton")
-
-    from padded_moe.kernels import _codes as codes
-    from padded_moe.kernels import gemm as kg
-
-    cfgs = [kg.GemmConfig.from_short(n) for n in ("BM256_BN128_BK64_G1_w8_s4_tma_qtr", "BM256_BN64_BK32_G1_w8_s4_tma_qtr")]
-    cases = [_captured_launch(c, layout, epi) for c in cfgs for layout in (codes.INDEXED, codes.GROUPED_CONTIGUOUS)
-             for epi in (None, "silu")]
-    for sig, const, *_ in cases:
-        assert const["QUARTERS"] and not const["A_DESC"], const
-    results = compile_for_sm90(PTXAS_LOG + HGMMA_LOOPS + TMA_SCRIPT, json.dumps(cases))
-    for c, r in zip([c for c in cfgs for _ in range(4)], results):
-        assert r["widths"] == [c.BN // 2, c.BN] and r["wgmma"] >= 4, (c.short(), r)
-        assert r["spills"] == 0 and r["wgmma_serialized"] is False, r
-        assert r["shared"] <= 227 * 1024 and r["dot_operands_shared"], r
-
-
 def test_dynamic_tile_order_compiles_to_the_same_main_loop():
     """`GemmConfig.dynamic` (tiles from a device counter) on the bf16 medium tile, alone and with
     half tiles, INDEXED and grouped, with silu in the epilogue: the static walk's wgmma widths and

@@ -196,31 +196,6 @@ def test_tma_weights(monkeypatch, layout, act, gate_up, gen):
     check(a, w, w64, meta, bias, act, None, config=dataclasses.replace(kg.INTERPRET_CONFIG, tma=True))
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointer_weights", "tma_weights"])
-@pytest.mark.parametrize("act", [MoEActivation.SILU, MoEActivation.SWIGLUOAI, MoEActivation.GELU_TANH_NO_MUL],
-                         ids=lambda a: a.value)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
-def test_quarter_tiles(monkeypatch, layout, act, tma, gen):
-    """`GemmConfig.quarters` (64-row tiles of one to four 16-row quarters, the three- and four-quarter
-    ones in two accumulators): each piece's epilogue equals GEMM1 then the activation op; gate-first
-    TMA rows as one 4-D tile."""
-    from padded_moe.kernels import gemm as kg
-    from test_gemm import QUARTER_COUNTS, make_weight
-
-    require_interpreter(monkeypatch)
-    monkeypatch.setattr(kg, "GATE_UP_TMA", "one_tile")
-    K, n_out, k = 64, 48, 2
-    counts, L = QUARTER_COUNTS, len(QUARTER_COUNTS)
-    w, w64 = make_weight(L, n_out, K, torch.float32, gen)
-    ids = ids_with_counts(counts, k, gen, extra_invalid=2)
-    t_max = max(counts) + 3 if layout == GemmLayout.GROUPED_MASKED else None
-    meta = local_meta(layout, ids, L, block_m=64, t_max=t_max)
-    a = layout_activations(layout, meta, ids.shape[0], k, K, gen, torch.float32)
-    bias = torch.randn(L, n_out, generator=gen)
-    cfg = dataclasses.replace(kg.INTERPRET_CONFIG, BM=64, tma=tma, quarters=True)
-    check(a, w, w64, meta, bias, act, CONFIGS.get(act), config=cfg)
-
-
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
 def test_mxfp4_gpt_oss_like_widths(monkeypatch, layout, gen):
     """swigluoai with biases on prepared MXFP4 weights whose K (160) is not a multiple of the

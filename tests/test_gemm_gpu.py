@@ -284,30 +284,6 @@ def test_switch_keeps_the_tiles_bits(layout, stage, shape, switch, wdtype, cfg, 
     assert torch.equal(off, on)
 
 
-# `GemmConfig.quarters` on 256-row bf16 tiles (INDEXED in 256-row blocks): DeepSeek-V4's few rows
-# per expert (one quarter), about 190 rows per expert (three and four quarters) and prefill (full
-# tiles and tails).
-QUARTER_SHAPES = [SHAPES[0], ("rows190", 64, 2048, 1024, 6, 2048, True), SHAPES[2]]
-QUARTER_CONFIGS = [GemmConfig(256, 128, 64, 1, 8, 4, tma=True), GemmConfig(256, 128, 64, 1, 8, 4, tma=True,
-                                                                             persistent=True)]
-
-
-@pytest.mark.parametrize("cfg", QUARTER_CONFIGS, ids=lambda c: c.short())
-@pytest.mark.parametrize("shape", QUARTER_SHAPES, ids=lambda s: s[0])
-@pytest.mark.parametrize("stage", ["w13", "w2"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
-def test_quarter_tiles_keep_the_tiles_bits(layout, stage, shape, cfg, weights):
-    """Garbage ids, NaN-poisoned padding, biases: the 256-row tile with `quarters` matches the
-    reference and gives the bits of the whole tile (TMA A rows in the grouped layouts)."""
-    w, meta, a, bias, out = real_shape_case(shape, stage, layout, weights, "bf16", block_m=256)
-    be = get_backend("triton")
-    whole = be.gemm(a, w, meta, stage=stage, bias=bias, out=out.clone(), config=cfg)
-    quarters = be.gemm(a, w, meta, stage=stage, bias=bias, out=out, config=dataclasses.replace(cfg, quarters=True))
-    torch.cuda.synchronize()
-    check(a, w, meta, stage, quarters, bias)
-    assert torch.equal(whole, quarters)
-
-
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
 def test_persistent_graph_replay_after_ids_change(layout):
     """Captured once, replayed on new routings (garbage ids, then few experts): INDEXED's walk ends

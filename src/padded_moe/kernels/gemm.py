@@ -100,14 +100,6 @@ class GemmConfig:
     # together. Each program takes as many tiles as in the static walk. The counter is zeroed
     # before each launch. Same tiles, same math: bit-identical.
     dynamic: bool = False
-    # `_expert_gemm_kernel` with 16/32-bit weights: the main loop covers only the tile's BM/4-row
-    # quarters up to the last one holding a valid row. One quarter runs as a BM/4-row tile, two as
-    # a BM/2-row tile, three as a BM/2-row and a BM/4-row piece and four as two BM/2-row pieces,
-    # each pair in two accumulators under one read of each weight tile (`_expert_gemm_pieces`), so
-    # an expert's rows in a 256-row tile cost their 64-row quarters, not the whole tile, and its
-    # weights are read once. A rows are read through pointers in every layout. Same math per row:
-    # bit-identical outputs. Ignored for tiles under 64 rows (a quarter's tl.dot needs 16).
-    quarters: bool = False
 
     def short(self) -> str:
         tag = "".join(f"_{name}" for name, field, when in _SHORT_TAGS if getattr(self, field) == when)
@@ -137,7 +129,7 @@ class GemmConfig:
 _SHORT_TAGS = (("tma", "tma", True), ("bitdq", "mx_native", False), ("swap", "swap_ab", True),
                ("hop", "mx_hopper", True), ("ptx", "mx_ptx", True), ("wide", "mx_wide", True),
                ("wsh", "mx_w_shared", True), ("pers", "persistent", True),
-               ("half", "half_tail", True), ("dyn", "dynamic", True), ("qtr", "quarters", True))
+               ("half", "half_tail", True), ("dyn", "dynamic", True))
 
 
 # Tuned for H200 (sm_90), keyed by (weight kind, regime). Regimes by rows per expert:
@@ -408,17 +400,16 @@ def _dequant_mxfp4(packed, scales, BN: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def _tile_rows(pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
                LAYOUT: tl.constexpr, A_DIV: tl.constexpr, BLOCK_MB: tl.constexpr, SUB: tl.constexpr,
-               ROWS: tl.constexpr, L_POW2: tl.constexpr, BM: tl.constexpr, TM: tl.constexpr,
-               OFF: tl.constexpr):
+               ROWS: tl.constexpr, L_POW2: tl.constexpr, BM: tl.constexpr, TM: tl.constexpr):
     """Rows of m-tile `pid_m` for the layout: (live, expert, first row, A rows, C rows, row valid),
-    the vectors over `TM` of its `BM` rows from its row `OFF` (TM = BM, OFF = 0: all of them; the
-    first row is the tile's own either way).
+    the vectors over the first `TM` of its `BM` rows (TM = BM: all of them; the first row is the
+    tile's own either way).
 
     `live` is 0 for a tile with nothing to compute (the caller returns at once); then the other
     values are unspecified. Every load here stays inside its metadata tensor for any tile of the
     launch grid. Rows with `valid` false are 0 in `a_rows` / `c_rows` and must be masked.
     """
-    rm = OFF + tl.arange(0, TM)
+    rm = tl.arange(0, TM)
     if LAYOUT == INDEXED:
         mb = pid_m // SUB
         row0 = mb * BLOCK_MB + (pid_m % SUB) * BM
@@ -478,15 +469,15 @@ def _contiguous_tiles(off_ptr, R_a, num_local, L_POW2: tl.constexpr, BM: tl.cons
 def _program_tile(tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
                   LAYOUT: tl.constexpr, A_DIV: tl.constexpr, BLOCK_MB: tl.constexpr, SUB: tl.constexpr,
                   ROWS: tl.constexpr, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  GROUP_M: tl.constexpr, IN_LOOP: tl.constexpr, TM: tl.constexpr, OFF: tl.constexpr):
+                  GROUP_M: tl.constexpr, IN_LOOP: tl.constexpr, TM: tl.constexpr):
     """Tile `tile`, shared by both GEMM kernels: `_tile_rows`' values for its m-tile (the expert as
     int64), its first output column `n0`, the columns `rn` and their mask `n_ok`. `IN_LOOP` (a
     persistent program, which cannot return early): a dead tile gets expert 0 and no valid rows,
-    so its bias loads stay in bounds and it stores nothing. `TM`, `OFF`: as in `_tile_rows`."""
+    so its bias loads stay in bounds and it stores nothing. `TM`: as in `_tile_rows`."""
     pid_m, pid_n = _tile_ids(tile, num_pid_m, tl.cdiv(N, BN), GROUP_M)
     live, e, row_start, a_rows, c_rows, valid = _tile_rows(
         pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, TM, OFF)
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, TM)
     if IN_LOOP:
         e = tl.where(live != 0, e, 0)
         valid = valid & (live != 0)
@@ -599,7 +590,7 @@ def _expert_gemm_kernel(
     A_FMT: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
     GATED: tl.constexpr, TWO_ACC: tl.constexpr, W_DESC4: tl.constexpr,
-    PERSISTENT: tl.constexpr, HALF_TAIL: tl.constexpr, DYNAMIC: tl.constexpr, QUARTERS: tl.constexpr,
+    PERSISTENT: tl.constexpr, HALF_TAIL: tl.constexpr, DYNAMIC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """`N` counts output columns (activation columns with `ACT` >= 0), `W_ROWS` the weight's rows
@@ -616,9 +607,6 @@ def _expert_gemm_kernel(
 
     DYNAMIC (with PERSISTENT): `GemmConfig.dynamic`, each program's next tile from the zeroed int32
     counter `tile_ctr_ptr` (tiles start in order; each program still takes as many as its walk).
-
-    QUARTERS: `GemmConfig.quarters` (the main loop covers the tile's BM/4-row quarters up to its last
-    valid row: `_expert_gemm_pieces` for three or four; A read through pointers).
     """
     if PERSISTENT:
         tiles, live_m = _walk(N, num_pid_m, npad_ptr, off_ptr, R_a, num_local, LAYOUT, BLOCK_MB, SUB, L_POW2, BM,
@@ -631,14 +619,14 @@ def _expert_gemm_kernel(
                 npad_ptr, off_ptr, cnt_ptr, N, K, R_a, num_local, mk, T_max, stride_am, stride_we, stride_wn, stride_wk,
                 stride_se, stride_sn, stride_be, stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda, LAYOUT,
                 W_MXFP4, HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, A_DESC, W_DESC, MX_NATIVE, SWAP_AB,
-                A_FMT, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, TWO_ACC, W_DESC4, HALF_TAIL, QUARTERS, BM, BN,
+                A_FMT, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, TWO_ACC, W_DESC4, HALF_TAIL, BM, BN,
                 BN_OUT, BK, GROUP_M, True)
     else:
         _expert_gemm_tile(tl.program_id(0), num_pid_m, a_ptr, a_half_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, ids_ptr,
             blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, N, K, R_a, num_local, mk, T_max, stride_am, stride_we, stride_wn,
             stride_wk, stride_se, stride_sn, stride_be, stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda,
             LAYOUT, W_MXFP4, HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, A_DESC, W_DESC, MX_NATIVE, SWAP_AB,
-            A_FMT, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, TWO_ACC, W_DESC4, HALF_TAIL, QUARTERS, BM, BN, BN_OUT, BK,
+            A_FMT, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, TWO_ACC, W_DESC4, HALF_TAIL, BM, BN, BN_OUT, BK,
             GROUP_M, False)
 
 
@@ -657,46 +645,16 @@ def _expert_gemm_tile(
     A_FMT: tl.constexpr,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
     GATED: tl.constexpr, TWO_ACC: tl.constexpr, W_DESC4: tl.constexpr, HALF_TAIL: tl.constexpr,
-    QUARTERS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     IN_LOOP: tl.constexpr,
 ):
     """One tile of `_expert_gemm_kernel` (`tile` < the m-tiles `num_pid_m` times the n-tiles)."""
     live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid = _program_tile(
         tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, BM, 0)
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, BM)
     if not IN_LOOP:
         if live == 0:
             return
-    if QUARTERS:  # bodies of one to four BM/4-row quarters (A through pointers)
-        used = _quarters_used(valid, BM)
-        if used <= 1:
-            _expert_gemm_head(tile, num_pid_m, live, e64, n0, rn, n_ok, a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, ids_ptr,
-                blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, N, K, R_a, num_local, mk, T_max, stride_am, stride_we, stride_wn,
-                stride_wk, stride_se, stride_sn, stride_be, stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda,
-                LAYOUT, W_MXFP4, HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, False, W_DESC, MX_NATIVE,
-                SWAP_AB, A_FMT, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, TWO_ACC, W_DESC4, BM, BM // 4, BN, BN_OUT, BK,
-                GROUP_M, IN_LOOP)
-        elif used == 2:
-            _expert_gemm_head(tile, num_pid_m, live, e64, n0, rn, n_ok, a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, ids_ptr,
-                blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, N, K, R_a, num_local, mk, T_max, stride_am, stride_we, stride_wn,
-                stride_wk, stride_se, stride_sn, stride_be, stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda,
-                LAYOUT, W_MXFP4, HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, False, W_DESC, MX_NATIVE,
-                SWAP_AB, A_FMT, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, TWO_ACC, W_DESC4, BM, BM // 2, BN, BN_OUT, BK,
-                GROUP_M, IN_LOOP)
-        elif used == 3:  # a BM/2 and a BM/4 piece
-            _expert_gemm_pieces(tile, num_pid_m, live, e64, n0, rn, n_ok, a_ptr, w_ptr, bias_ptr, c_ptr, ids_ptr,
-                blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, N, K, R_a, num_local, mk, T_max, stride_am, stride_we,
-                stride_wn, stride_wk, stride_be, stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda,
-                LAYOUT, HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, W_DESC, ACT, HAS_LIMIT,
-                HAS_LAMBDA, FAST, GATED, W_DESC4, BM, BM // 2, BM // 4, BN, BN_OUT, BK, GROUP_M, IN_LOOP)
-        else:  # two BM/2 pieces
-            _expert_gemm_pieces(tile, num_pid_m, live, e64, n0, rn, n_ok, a_ptr, w_ptr, bias_ptr, c_ptr, ids_ptr,
-                blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, N, K, R_a, num_local, mk, T_max, stride_am, stride_we,
-                stride_wn, stride_wk, stride_be, stride_cm, W_ROWS, limit, alpha, beta, situ_beta, situ_lambda,
-                LAYOUT, HAS_BIAS, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, FP32_DOT, W_DESC, ACT, HAS_LIMIT,
-                HAS_LAMBDA, FAST, GATED, W_DESC4, BM, BM // 2, BM // 2, BN, BN_OUT, BK, GROUP_M, IN_LOOP)
-        return
     half: tl.constexpr = False  # without HALF_TAIL only the full-tile body is compiled
     if HALF_TAIL:
         half = _in_first_half(valid, BM)
@@ -732,11 +690,10 @@ def _expert_gemm_head(
     GROUP_M: tl.constexpr, IN_LOOP: tl.constexpr,
 ):
     """The first `TM` rows of a BM-row tile run as a TM-row tile (`_expert_gemm_rows`): the half
-    tile of `GemmConfig.half_tail`, the one- and two-quarter tiles of `GemmConfig.quarters`
-    (`a_ptr`: a descriptor of TM-row blocks when A_DESC)."""
+    tile of `GemmConfig.half_tail` (`a_ptr`: a descriptor of TM-row blocks when A_DESC)."""
     _, _, _, _, _, row_start, a_rows, c_rows, valid = _program_tile(
         tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, TM, 0)
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, TM)
     _expert_gemm_rows(live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid, a_ptr, w_ptr, s_ptr, bias_ptr,
         c_ptr, N, K, stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_cm,
         W_ROWS, limit, alpha, beta, situ_beta, situ_lambda, W_MXFP4, HAS_BIAS, FP32_DOT, A_DESC, W_DESC,
@@ -749,13 +706,6 @@ def _in_first_half(valid, BM: tl.constexpr):
     """Whether a tile's valid rows (`valid [BM]`) all lie in its first BM/2 (e.g. an expert's last
     tile holding its few remaining rows): `GemmConfig.half_tail` runs such a tile as BM/2 rows."""
     return tl.max(((tl.arange(0, BM) >= BM // 2) & valid).to(tl.int32), 0) == 0
-
-
-@triton.jit
-def _quarters_used(valid, BM: tl.constexpr):
-    """How many of a tile's BM/4-row quarters `GemmConfig.quarters` computes: up to the last quarter
-    holding a valid row of `valid [BM]` (0 for a tile without one)."""
-    return tl.max(tl.where(valid, tl.arange(0, BM) // (BM // 4) + 1, 0), 0)
 
 
 @triton.jit
@@ -891,55 +841,6 @@ def _tile_epilogue(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, 
                         alpha, beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST)
     else:
         _store_tile(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, HAS_BIAS)
-
-
-@triton.jit
-def _expert_gemm_pieces(
-    tile, num_pid_m, live, e64, n0, rn, n_ok,
-    a_ptr, w_ptr, bias_ptr, c_ptr, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr,
-    N, K, R_a, num_local, mk, T_max,
-    stride_am, stride_we, stride_wn, stride_wk, stride_be, stride_cm, W_ROWS,
-    limit, alpha, beta, situ_beta, situ_lambda,
-    LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, A_DIV: tl.constexpr,
-    BLOCK_MB: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, L_POW2: tl.constexpr,
-    FP32_DOT: tl.constexpr, W_DESC: tl.constexpr,
-    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_LAMBDA: tl.constexpr, FAST: tl.constexpr,
-    GATED: tl.constexpr, W_DESC4: tl.constexpr,
-    BM: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, BN: tl.constexpr, BN_OUT: tl.constexpr,
-    BK: tl.constexpr, GROUP_M: tl.constexpr, IN_LOOP: tl.constexpr,
-):
-    """`GemmConfig.quarters`' tile of three or four quarters: its first P1 = BM/2 rows and the P2
-    (BM/4 or BM/2) rows after them (powers of two, as `tl.dot` needs) in two accumulators under one
-    read of each weight tile, A rows through pointers; each piece stored as `_expert_gemm_rows`
-    stores a tile. Non-MXFP4 weights only (TWO_ACC's two weight tiles are not supported)."""
-    _, _, _, _, _, _, a_rows, c_rows, valid = _program_tile(
-        tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, P1, 0)
-    _, _, _, _, _, _, a_rows2, c_rows2, valid2 = _program_tile(
-        tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, P2, P1)
-    k_end = K
-    if IN_LOOP:  # a dead tile of a persistent program: no steps
-        k_end = tl.where(live != 0, K, 0)
-    wr, wr_ok = _weight_rows(n0, N, ACT, GATED, False, BN)
-    w_base, w_row0 = _weight_rows_setup(w_ptr, e64, n0, wr, stride_we, stride_wn, W_ROWS, GATED, False, W_DESC)
-    rk = tl.arange(0, BK)
-    a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
-    a_base2 = a_ptr + a_rows2.to(tl.int64)[:, None] * stride_am
-    acc = tl.zeros((P1, BN), dtype=tl.float32)
-    acc2 = tl.zeros((P2, BN), dtype=tl.float32)
-    for k0 in range(0, k_end, BK):
-        k_ok = k0 + rk < K
-        a = tl.load(a_base + (k0 + rk)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        a2 = tl.load(a_base2 + (k0 + rk)[None, :], mask=valid2[:, None] & k_ok[None, :], other=0.0)
-        w = _weight_operand(w_ptr, w_base, w_row0, e64, n0, k0, rk, k_ok, wr_ok, stride_wk, W_DESC, W_DESC4, BN, BK)
-        acc = _dot_fp32_or(a, w, acc, FP32_DOT)
-        acc2 = _dot_fp32_or(a2, w, acc2, FP32_DOT)
-    _tile_epilogue(acc, bias_ptr, e64, stride_be, c_ptr, c_rows, stride_cm, rn, n_ok, valid, N, limit, alpha, beta,
-                   situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, W_DESC4, P1, BN_OUT)
-    _tile_epilogue(acc2, bias_ptr, e64, stride_be, c_ptr, c_rows2, stride_cm, rn, n_ok, valid2, N, limit, alpha,
-                   beta, situ_beta, situ_lambda, HAS_BIAS, ACT, HAS_LIMIT, HAS_LAMBDA, FAST, GATED, W_DESC4, P2,
-                   BN_OUT)
 
 
 @triton.jit
@@ -1281,7 +1182,7 @@ def _expert_gemm_mx_hopper_tile(
     """One tile of `_expert_gemm_mx_hopper_kernel` (`tile` < the m-tiles `num_pid_m` times the n-tiles)."""
     live, e64, n0, rn, n_ok, row_start, a_rows, c_rows, valid = _program_tile(
         tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, BM, 0)
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, BM)
     if not IN_LOOP:
         if live == 0:
             return
@@ -1291,7 +1192,7 @@ def _expert_gemm_mx_hopper_tile(
     if half:
         _, _, _, _, _, _, h_a_rows, h_c_rows, h_valid = _program_tile(
             tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-            LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, BM // 2, 0)
+            LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, BN_OUT, GROUP_M, IN_LOOP, BM // 2)
         _expert_gemm_mx_hopper_rows(live, e64, n0, rn, n_ok, h_a_rows, h_c_rows, h_valid, a_ptr, w_ptr, s_ptr,
             bias_ptr, c_ptr, N, K, K_PAD, stride_am, stride_we, stride_wn, stride_se, stride_sg, stride_be,
             stride_cm, limit, alpha, beta, situ_beta, situ_lambda, HAS_BIAS, FP32_DOT, K_TAIL, UPCAST_PTX,
@@ -1538,10 +1439,6 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     if num_pid_m == 0:
         return out2
     half_tail = cfg.half_tail and BM >= 32
-    quarters = cfg.quarters and BM >= 64
-    if cfg.quarters and (mx or cfg.half_tail):
-        raise ValueError("config.quarters needs 16/32-bit weights (not MXFP4) and excludes config.half_tail, "
-                         f"got {cfg.short()} on {'MXFP4' if mx else 'these'} weights")
     BK = cfg.BK
     if mx:
         BK = max(32, BK)
@@ -1576,13 +1473,10 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         launch_kernel(_expert_gemm_mx_hopper_kernel, grid, key, args, constexprs, num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages)
         return out2
-    a_desc = cfg.tma and not quarters and layout != codes.INDEXED and _tma_ok(a2, a2.shape[0], BK)
+    a_desc = cfg.tma and layout != codes.INDEXED and _tma_ok(a2, a2.shape[0], BK)
     read = weight_read(cfg, a2, w, gated, gated and epilogue.activation.interleaved)
     w_desc = read != "pointer"
     w_desc4, two_acc = read == "tma_one_tile", read == "tma_two_tiles"
-    if quarters and two_acc:
-        raise ValueError("config.quarters reads gate-first weight rows as one tile: set kernels.gemm.GATE_UP_TMA "
-                         "to 'one_tile' (it is 'two_tiles')")
     a_arg = TensorDescriptor(a2, [a2.shape[0], K], [a2.stride(0), 1], [BM, BK]) if a_desc else a2
     a_half = TensorDescriptor(a2, [a2.shape[0], K], [a2.stride(0), 1], [BM // 2, BK]) if a_desc and half_tail else a_arg
     if w_desc4:
@@ -1608,7 +1502,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         FP32_DOT=a2.dtype == torch.float32 or not a2.is_cuda,
         A_DESC=a_desc, W_DESC=w_desc, MX_NATIVE=mx_native, SWAP_AB=mx_native and cfg.swap_ab,
         A_FMT="fp16" if a2.dtype == torch.float16 else "bf16", **act_flags, TWO_ACC=two_acc, W_DESC4=w_desc4,
-        PERSISTENT=walk, HALF_TAIL=half_tail, DYNAMIC=dynamic, QUARTERS=quarters, BM=BM, BN=cfg.BN, BN_OUT=BN_OUT,
+        PERSISTENT=walk, HALF_TAIL=half_tail, DYNAMIC=dynamic, BM=BM, BN=cfg.BN, BN_OUT=BN_OUT,
         BK=BK, GROUP_M=cfg.GROUP_M)
     # The key: every int and float argument, every pointer's dtype and alignment, and the weight's
     # expert count (a TMA descriptor's shape); constexprs and options are added by `launch`.

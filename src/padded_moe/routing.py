@@ -22,6 +22,10 @@ CUDA and captures in a CUDA graph. The softmax routers (`fused_topk`) and the De
 bits), and as the torch formula on CPU. The order of the k slots within a token is
 descending by the selection score (table order for `hash_topk`); consumers must not rely on it
 (transformers uses `sorted=False` for DeepSeek).
+
+For decode-sized batches the gate projection itself can run here too (`gate_sums`, then
+`gate_softmax_topk` / `gate_biased_topk`): `FusedMoE` uses it so that a decode step is Triton
+launches only and replays as one launch plan.
 """
 
 from __future__ import annotations

@@ -365,17 +365,19 @@ class FusedMoE(nn.Module):
     def route(self, logits: torch.Tensor, token_ids: Optional[torch.Tensor] = None):
         if callable(self.router):
             return self.router(logits, token_ids)
-        k, scale = self.top_k, self.routed_scaling_factor
-        if self.router == "softmax":
-            return routing.softmax_topk(logits, k, False)
-        if self.router == "softmax_renorm":
-            return routing.softmax_topk(logits, k, True)
-        if self.router == "topk_softmax":
-            return routing.softmax_topk(logits, k, False, topk_before_softmax=True)
+        return self._named_route(logits, routing.softmax_topk, routing.biased_grouped_topk)
+
+    def _named_route(self, source, softmax: Callable, biased: Callable):
+        """The named router's call on `source`: logits through `routing.softmax_topk` /
+        `biased_grouped_topk`, or the gate kernel's sums through `gate_softmax_topk` /
+        `gate_biased_topk` (the same arguments)."""
+        if not self.router.startswith("biased_"):
+            return softmax(source, self.top_k, self.router == "softmax_renorm",
+                           topk_before_softmax=self.router == "topk_softmax")
         scoring = "sigmoid" if self.router == "biased_sigmoid" else "sqrtsoftplus"
-        return routing.biased_grouped_topk(logits, self.e_score_correction_bias, k, num_groups=self.num_groups,
-                                           topk_groups=self.topk_groups, scoring=scoring,
-                                           routed_scaling_factor=scale, renormalize=True)
+        return biased(source, self.e_score_correction_bias, self.top_k, num_groups=self.num_groups,
+                      topk_groups=self.topk_groups, scoring=scoring, routed_scaling_factor=self.routed_scaling_factor,
+                      renormalize=True)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None,
                 token_ids: Optional[torch.Tensor] = None,
@@ -412,12 +414,7 @@ class FusedMoE(nn.Module):
         gate = routing.gate_sums(x, self.gate.weight, self.gate.bias)
         if gate is None:
             return None
-        if not self.router.startswith("biased_"):
-            return routing.gate_softmax_topk(gate, self.top_k, self.router == "softmax_renorm",
-                                             topk_before_softmax=self.router == "topk_softmax")
-        scoring = "sigmoid" if self.router == "biased_sigmoid" else "sqrtsoftplus"
-        return routing.gate_biased_topk(gate, self.e_score_correction_bias, self.top_k, self.num_groups,
-                                        self.topk_groups, scoring, self.routed_scaling_factor, True)
+        return self._named_route(gate, routing.gate_softmax_topk, routing.gate_biased_topk)
 
     def _plain_gate(self) -> bool:
         """Whether calling `self.gate` is exactly `F.linear` with its parameters: an `nn.Linear`

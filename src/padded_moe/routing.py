@@ -253,14 +253,15 @@ def gate_softmax_topk(gate: GateSums, k: int, renormalize: bool,
 
 
 def gate_biased_topk(gate: GateSums, bias: Optional[torch.Tensor], k: int, num_groups: int, topk_groups: int,
-                     scoring: str, scale: float, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     scoring: str, routed_scaling_factor: float,
+                     renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`biased_grouped_topk` (float32 steps) on the logits `gate` holds; the group limit must be
     one the kernel serves (`biased_groups_fit`)."""
     if not biased_groups_fit(gate.parts.shape[2], num_groups, topk_groups):
         raise ValueError(f"the router kernel's group limit needs E and num_groups powers of two, got "
                          f"E={gate.parts.shape[2]}, num_groups={num_groups}")
-    return _biased_topk_kernel(gate.parts, bias, k, num_groups, topk_groups, scoring, scale, renormalize,
-                               torch.float32, torch.int32, False, gate)
+    return _biased_topk_kernel(gate.parts, bias, k, num_groups, topk_groups, scoring, routed_scaling_factor,
+                               renormalize, torch.float32, torch.int32, False, gate)
 
 
 def _router_source(logits: torch.Tensor, gate: Optional[GateSums]) -> tuple:

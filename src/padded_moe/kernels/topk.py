@@ -19,7 +19,7 @@ for V3 the group limit (each group scored by the sum of its two best choice scor
 TOPK_GROUPS best groups kept, ties to the lower group), the k best choices, and as weights the
 chosen experts' unbiased scores, renormalised (sum + 1e-20) and scaled.
 
-`_gate_kernel` is the router's gate projection for decode-sized batches (`routing.gate_routes`):
+`_gate_kernel` is the router's gate projection for decode-sized batches (`routing.gate_sums`):
 partial float32 sums of `x @ W.T` for up to 16 rows, each program a block of 16 experts and one
 split of the hidden size (enough programs to stream the gate weight at the device's rate); the
 router kernels then add the splits in order, add the bias and round once to the logits' dtype, as

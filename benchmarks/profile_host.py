@@ -147,17 +147,19 @@ def run_layer(preset: str, T: int, calls: int) -> None:
     layer = FusedMoE.from_preset(preset, device="cuda", dtype=torch.bfloat16)
     layer.randomize(seed=0, std=0.02)
     x = torch.randn(T, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
-    comp = torch.compile(layer, fullgraph=True)
+    comp = torch.compile(layer, fullgraph=True)  # the forward as one op (padded_moe::moe_forward)
+    traced = torch.compile(lambda x: layer._forward(x, None, None, None), fullgraph=True)  # gate, router, experts
     forms = {"eager": lambda: layer(x),  # decode-sized: the layer's launch plan
              "eager, no layer plan": lambda: layer._forward(x, None, None, None),
              "eager, nn.Linear gate": lambda: layer.experts(x, *layer.route(layer.gate(x))),
-             "compiled": lambda: comp(x)}
+             "compiled": lambda: comp(x),
+             "compiled, traced forward": lambda: traced(x)}
     with torch.no_grad():
         for label, fn in forms.items():
             us = eager_us(fn)
             plans = 0 if X._PLANS is None else len(X._PLANS)
             print(f"\n=== layer {preset} T={T} {label}: {us:.1f} us/call (launch plans held: {plans})")
-            if label in ("eager", "compiled"):
+            if label in ("eager", "compiled", "compiled, traced forward"):
                 python_profile(f"layer {preset} T={T} {label}", fn, calls)
                 op_profile(f"layer {preset} T={T} {label}", fn, calls)
         for label in ("eager", "eager, nn.Linear gate"):  # device time of the same work, as graph replays

@@ -40,6 +40,12 @@ for stage in "$@"; do
             step test-routing python3 -m pytest -q -m gpu tests/test_routing_gpu.py ;;
         experts)
             step test-experts python3 -m pytest -q -m gpu tests/test_experts_gpu.py ;;
+        compile-op)  # a FusedMoE forward as one op under torch.compile (padded_moe::moe_forward): compiled equals
+            # eager bit for bit in every mode, the suites around it, no syncs; compiled host time at 1 token
+            step test-compile-op python3 -m pytest -q -m gpu tests/test_compile_gpu.py tests/test_launch_plan_gpu.py \
+                -k "not matches_eager"
+            step profile-compiled python3 benchmarks/profile_host.py --cases --layers gpt-oss-120b:1 qwen3-30b-a3b:1 \
+                dsv4-flash:1 --calls 30 ;;
         layer-plan)  # decode-sized FusedMoE forwards as one launch plan (gate kernel + router + experts): GPU
             # tests of the plan and the gate kernel, the suites that call the layer, memcheck, host time per layer
             step test-layer-plan python3 -m pytest -q -m gpu tests/test_launch_plan_gpu.py tests/test_routing_gpu.py

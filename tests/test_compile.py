@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 
 from padded_moe import FusedMoE, batched_experts, fused_experts
 from padded_moe.expert_map import ExpertMap
+from padded_moe.layer import ep_step
 from padded_moe.mxfp4 import Mxfp4Tensor, quantize_mxfp4
 
 
@@ -190,23 +191,112 @@ def test_layer_never_quantizes_inside_the_graph():
 
 def test_mxfp4_layer_compiled_straight_after_construction_reads_the_prepared_form():
     """Construction prepares the MXFP4 experts (`reset_parameters` ends with `prepare()`), so a
-    layer compiled before any eager forward passes the prepared arrangement to the op, never the
-    canonical bytes (which would run the slower `tl.dot_scaled` GEMM on Hopper for good)."""
+    layer compiled before any eager forward passes the prepared arrangement to its op, never the
+    canonical bytes (which would run the slower `tl.dot_scaled` GEMM on Hopper for good): the
+    one-step op of a forward with the layer's own gate, the experts op of one given logits."""
     layer = FusedMoE(8, 2, 64, 64, router="softmax", weight_format="mxfp4", dtype=torch.float32)
     assert layer._mxfp4 and layer.w13_blocks.numel() == 0
     seen = []
 
-    def backend(gm, example_inputs):  # the traced graph's experts op and its arguments
-        seen.extend(n.args for n in gm.graph.nodes if n.target in (torch.ops.padded_moe.fused_experts,
-                                                                    torch.ops.padded_moe.fused_experts.default))
+    def backend(gm, example_inputs):  # the traced graph's padded_moe ops and their arguments
+        seen.extend((str(n.target), n.args) for n in gm.graph.nodes if "padded_moe" in str(n.target))
         return gm.forward
 
-    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    gen = torch.Generator().manual_seed(2)
+    x, logits = torch.randn(5, 64, generator=gen), torch.randn(5, 8, generator=gen)
     with torch.no_grad():
         got = torch.compile(layer, fullgraph=True, backend=backend)(x)
-    assert len(seen) == 1, seen
-    assert all(a is not None for a in seen[0][20:24]), seen  # the prepared blocks / scales of w13 and w2
-    torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, layer(x), rtol=0, atol=0)
+        (op, args), = seen
+        assert "moe_forward" in op and all(a is not None for a in (args[7], args[8], args[11], args[12])), seen
+        seen.clear()
+        got = torch.compile(layer, fullgraph=True, backend=backend)(x, logits)
+        torch.testing.assert_close(got, layer(x, logits), rtol=1e-5, atol=1e-6)
+    ops = [(op, args) for op, args in seen if "fused_experts" in op]
+    assert len(ops) == 1 and all(a is not None for a in ops[0][1][20:24]), seen  # prepared blocks / scales
+
+
+def _graph_ops(seen: list):
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target).removesuffix(".default") for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+    return backend
+
+
+@pytest.mark.parametrize("router", ["softmax_renorm", "topk_softmax", "biased_sigmoid"])
+def test_layer_compiles_as_one_op_that_runs_the_eager_forward(router):
+    """Without gradients, `torch.compile` sees a layer's forward as one op (`padded_moe::moe_forward`:
+    no gate GEMM, router or experts op of its own in the graph), for every token count in one
+    dynamic graph, with the eager forward's bits; given logits, the traced forward as before."""
+    layer = FusedMoE(16, 4, 64, 32, router=router, dtype=torch.float32, has_bias=router == "topk_softmax")
+    layer.randomize(seed=7)
+    if layer.e_score_correction_bias is not None:
+        layer.e_score_correction_bias.normal_(generator=torch.Generator().manual_seed(9))
+    seen = []
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=_graph_ops(seen))
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for M in (3, 16, 40):
+            x = torch.randn(M, 64, generator=gen)
+            torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
+        assert [t for t in seen if "padded_moe" in t] == ["padded_moe.moe_forward"], seen
+        seen.clear()
+        logits = torch.randn(40, 16, generator=gen)
+        torch.testing.assert_close(compiled(x, logits), layer(x, logits), rtol=0, atol=0)
+    assert "padded_moe.moe_forward" not in seen and "padded_moe.fused_experts" in seen, seen
+
+
+def test_one_step_op_leaves_the_graph_to_the_compiler_where_it_does_not_apply():
+    """A callable router, a gate with a hook, or a gradient to record: the compiler traces the
+    forward (gate, router op, experts op), and the result equals eager. Shared experts (the
+    caller's module) are traced beside the one-step op."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 64, generator=gen)
+
+    def ops_of(layer, grad=False):
+        seen = []
+        with torch.set_grad_enabled(grad):
+            got = torch.compile(layer, fullgraph=True, backend=_graph_ops(seen))(x)
+            torch.testing.assert_close(got, layer(x), rtol=1e-6, atol=1e-6)
+        torch._dynamo.reset()
+        return [t for t in seen if "padded_moe" in t]
+
+    plain = FusedMoE(8, 2, 64, 32, dtype=torch.float32)
+    assert ops_of(plain) == ["padded_moe.moe_forward"]
+    shared = FusedMoE(8, 2, 64, 32, dtype=torch.float32, shared_experts=torch.nn.Linear(64, 64))
+    assert ops_of(shared) == ["padded_moe.moe_forward"]
+    def router(logits, token_ids):
+        weights, ids = torch.topk(logits.softmax(-1), 2)
+        return weights, ids.to(torch.int32)
+
+    routed = FusedMoE(8, 2, 64, 32, dtype=torch.float32, router=router)
+    assert "padded_moe.moe_forward" not in ops_of(routed)
+    hooked = FusedMoE(8, 2, 64, 32, dtype=torch.float32)
+    hooked.gate.register_forward_hook(lambda m, args, out: out * 2)
+    assert "padded_moe.moe_forward" not in ops_of(hooked)
+    assert "padded_moe.moe_forward" not in ops_of(FusedMoE(8, 2, 64, 32, dtype=torch.float32), grad=True)
+
+
+def test_layers_share_one_compiled_graph():
+    """The op takes the layer's tensors and settings, never an id of the layer: one compiled
+    function called with several layers (a model compiled block by block) makes one graph, each
+    layer computing with its own weights."""
+    layers = [FusedMoE.from_preset("tiny", dtype=torch.float32) for _ in range(4)]
+    for i, layer in enumerate(layers):
+        layer.randomize(seed=20 + i)
+
+    def step(layer, x):
+        return layer(x)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        outs = []
+        for layer in layers:
+            x = torch.randn(5, layer.hidden_size, generator=gen)
+            outs.append(compiled(layer, x))
+            torch.testing.assert_close(outs[-1], layer(x), rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
 # ---------------------------------------------------------------------------- expert parallelism
@@ -223,11 +313,13 @@ def _ep_layer(mode, T=8):
 def _by_hand(layer):
     """dispatch → local experts → combine as an engine composing its own layer would write it:
     `ExpertParallel.dispatch` / `combine` called inside the compiled function (the layer's own
-    sequence, `FusedMoE._ep_experts`, not its `ep_experts` op)."""
+    sequence, `layer.ep_step`, not its `ep_experts` op)."""
 
     def step(x):
         weights, ids = layer.route(layer.gate(x))
-        return layer._ep_experts(x, weights, ids)
+        w13, w2 = layer.expert_weights()
+        return ep_step(layer.expert_parallel, x, weights, ids, w13, w2, layer.w13_bias, layer.w2_bias,
+                       layer.activation, layer.activation_config, layer.layout, layer.backend)
 
     return step
 
@@ -272,6 +364,33 @@ def test_layer_with_valid_tokens_compiles(one_rank_group, mode):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
+def test_layers_sharing_an_expert_parallel_share_one_graph(one_rank_group):
+    """The expert-parallel op names the `ExpertParallel` (shared by a model's layers), not the layer,
+    and takes each layer's weights as arguments: one compiled function called with three layers
+    makes one graph, each layer computing with its own weights."""
+    from padded_moe.distributed import ExpertParallel
+
+    E, k, K, N = 8, 2, 32, 16
+    ep = ExpertParallel(None, E, k, K, 8, dtype=torch.float32)
+    layers = [FusedMoE(E, k, K, N, dtype=torch.float32, expert_parallel=ep) for _ in range(3)]
+    for i, layer in enumerate(layers):
+        layer.randomize(seed=30 + i)
+
+    def step(layer, x):
+        return layer(x)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        outs = []
+        for layer in layers:
+            x = torch.randn(5, K, generator=gen)
+            outs.append(compiled(layer, x))
+            torch.testing.assert_close(outs[-1], layer(x), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(outs[0], outs[1])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
 def _ep_compile_worker(rank, world, payload):
     import traceback
 
@@ -308,7 +427,7 @@ def test_combine_without_its_dispatch_is_refused(one_rank_group):
     """The ops pair up through the ExpertParallel: a combine op with no dispatch op before it fails."""
     ep = _ep_layer("flat", T=4).expert_parallel
     with pytest.raises(RuntimeError, match="every combine needs the dispatch before it"):
-        torch.ops.padded_moe.ep_combine(torch.zeros(ep.ep_size * 4, ep.hidden_size), 2, ep._op_id)
+        torch.ops.padded_moe.ep_combine(torch.zeros(ep.ep_size * 4, ep.hidden_size), 2, ep.op_id)
 
 
 @pytest.mark.parametrize("mode", ["flat", "batched"])
@@ -321,9 +440,9 @@ def test_dispatch_and_combine_ops_pass_opcheck(one_rank_group, mode):
     # Not opcheck's value comparisons across calls: the receive rows past the counts are
     # unspecified (stale or never written), so two calls need not agree there.
     torch.library.opcheck(torch.ops.padded_moe.ep_dispatch.default,
-                          (x, ids, w, ep._op_id, mode == "flat", ep.geometry.rows, ep.num_local),
+                          (x, ids, w, ep.op_id, mode == "flat", ep.geometry.rows, ep.num_local),
                           test_utils=("test_schema", "test_faketensor"))
     rb, handle = ep.dispatch(x, ids, w)
     y = torch.randn(rb.x.shape, generator=gen)
     ep._op_handle = handle  # what the dispatch op leaves for the combine op (one real call below)
-    torch.library.opcheck(torch.ops.padded_moe.ep_combine.default, (y, 3, ep._op_id), test_utils=("test_faketensor",))
+    torch.library.opcheck(torch.ops.padded_moe.ep_combine.default, (y, 3, ep.op_id), test_utils=("test_faketensor",))

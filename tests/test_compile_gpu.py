@@ -105,3 +105,26 @@ def test_eager_forward_never_syncs(layers, preset, fmt):
             layer(x, valid_tokens=valid)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("preset,fmt", [("gpt-oss-120b", "mxfp4"), ("qwen3-30b-a3b", "bf16"), ("dsv4-flash", "bf16")])
+def test_compiled_layer_is_one_op_with_the_eager_bits(layers, preset, fmt, mode):
+    """Without logits given (the layer's own gate, under no_grad), the compiled forward is the op
+    `padded_moe::moe_forward` running the eager step: the eager bits at decode sizes (the launch
+    plan inside the graph, or the full path under CUDA-graph capture) and past them."""
+    layer = layers(preset, fmt)
+    if layer.e_score_correction_bias is not None:
+        layer.e_score_correction_bias.normal_(0, 0.1, generator=torch.Generator(device="cuda").manual_seed(3))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, **MODES[mode])
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    with torch.no_grad():
+        for T in (1, 3, 16, 64):
+            for _ in range(4):
+                x = torch.randn(T, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+                got = compiled(x).clone()  # clone: a CUDA-graph output is reused by the next replay
+                assert torch.equal(got, layer(x)), (preset, mode, T)
+    if mode == "dynamic":  # one graph from 2 tokens up, one for a single token (Dynamo specialises 1)
+        assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])

@@ -222,6 +222,7 @@ def _compile_worker(rank, world, payload):
     work makes `destroy_process_group` hang (pytorch/pytorch#115388; docs/compile-and-eager.md)."""
     from padded_moe import FusedMoE
     from padded_moe.distributed import ExpertParallel
+    from padded_moe.layer import ep_step
 
     try:
         dev = torch.device("cuda", rank)
@@ -233,7 +234,9 @@ def _compile_worker(rank, world, payload):
 
         def by_hand(x):  # ExpertParallel.dispatch / combine inside the compiled region (one op each)
             weights, ids = layer.route(layer.gate(x))
-            return layer._ep_experts(x, weights, ids)
+            w13, w2 = layer.expert_weights()
+            return ep_step(layer.expert_parallel, x, weights, ids, w13, w2, layer.w13_bias, layer.w2_bias,
+                           layer.activation, layer.activation_config, layer.layout, layer.backend)
 
         compiled = torch.compile(layer if payload["entry"] == "layer" else by_hand, fullgraph=True,
                                  mode="reduce-overhead")

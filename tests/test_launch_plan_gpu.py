@@ -173,10 +173,11 @@ LAYER_CASES = {
 @pytest.mark.parametrize("case", sorted(LAYER_CASES))
 def test_layer_forward_replays_its_plan_bitwise(case, M, monkeypatch):
     """An eager decode-sized `FusedMoE.forward` (gate kernel, router kernel, experts) becomes one
-    launch plan: once planned, a call runs no host code of the layer's own (`_forward` is not
-    entered), and gives the bits of the full forward on fresh hidden states, with and without a
-    count whose padded rows hold NaN; the result equals the float64 reference on the layer's own
-    routes."""
+    launch plan: once planned, a call runs no host code of the step's own (`moe_step` is entered
+    while recording, never in a replay), and gives the bits of the full forward on fresh hidden
+    states, with and without a count whose padded rows hold NaN; the result equals the float64
+    reference on the layer's own routes."""
+    from padded_moe import layer as L
     from padded_moe.layer import FusedMoE
 
     c = dict(LAYER_CASES[case])
@@ -185,13 +186,15 @@ def test_layer_forward_replays_its_plan_bitwise(case, M, monkeypatch):
     layer.randomize(seed=zlib.crc32(case.encode()), std=0.05)
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{case}-{M}".encode()))
     entered = []
-    full = FusedMoE._forward
-    monkeypatch.setattr(FusedMoE, "_forward", lambda self, *a: entered.append(1) or full(self, *a))
+    step = L.moe_step
+    monkeypatch.setattr(L, "moe_step", lambda *a: entered.append(1) or step(*a))
+    full = FusedMoE._forward  # the general path (gate kernel and router, then the experts)
     with torch.no_grad():
         for valid in (None, max(M - 1, 0)):
             count = None if valid is None else torch.tensor([valid], device="cuda", dtype=torch.int32)
             for _ in range(3):  # plain, then two agreeing recordings
                 layer(torch.randn(M, K, device="cuda", generator=gen).bfloat16(), valid_tokens=count)
+            assert entered, "the forward did not run the step"
             entered.clear()
             for _ in range(3):
                 x = torch.randn(M, K, device="cuda", generator=gen).bfloat16()
@@ -210,6 +213,33 @@ def test_layer_forward_replays_its_plan_bitwise(case, M, monkeypatch):
                                     activation_kwargs=dict(limit=layer.activation_config.clamp_limit),
                                     w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
                 assert rel_err(out[:n], ref) <= 2e-2
+
+
+def test_layer_with_shared_experts_replays_its_routed_part(monkeypatch):
+    """Shared experts (the caller's module) run beside the plan: the routed part of a decode-sized
+    forward replays its plan, and the sum equals the full forward bit for bit."""
+    from padded_moe import layer as L
+    from padded_moe.layer import FusedMoE
+
+    K = 256
+    shared = torch.nn.Linear(K, K, device="cuda", dtype=torch.bfloat16)
+    layer = FusedMoE(64, 6, K, 128, device="cuda", dtype=torch.bfloat16, router="biased_sigmoid",
+                     routed_scaling_factor=2.5, shared_experts=shared)
+    layer.randomize(seed=3, std=0.05)
+    entered = []
+    step = L.moe_step
+    monkeypatch.setattr(L, "moe_step", lambda *a: entered.append(1) or step(*a))
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    with torch.no_grad():
+        for _ in range(3):
+            layer(torch.randn(5, K, device="cuda", generator=gen).bfloat16())
+        assert entered
+        entered.clear()
+        for _ in range(3):
+            x = torch.randn(5, K, device="cuda", generator=gen).bfloat16()
+            out = layer(x)
+            assert entered == [], "the routed part did not replay its plan"
+            assert torch.equal(out, layer._forward(x, None, None, None))
 
 
 def test_layer_plan_follows_new_weights_and_settings():

@@ -155,8 +155,11 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
     must then be None.
     """
     if scratch is None and output_transform is None and expert_map is None:
+        # Inside `eager_cache_off` (a custom op's implementation) the call allocates its buffers,
+        # and so does its plan: the key says which.
         key = _plan_key(hidden_states, topk_weights, topk_ids, valid_tokens, (w13, w2, w13_bias, w2_bias),
-                        plan_options(activation, activation_config, layout, backend))
+                        plan_options(activation, activation_config, layout, backend),
+                        eager_cache=not eager_cache_is_off())
         return planned_call(key, (hidden_states, topk_weights, topk_ids, valid_tokens), lambda: _fused_experts(
             hidden_states, w13, w2, topk_weights, topk_ids, activation, activation_config, None, layout,
             w13_bias, w2_bias, valid_tokens, backend, None, None))
@@ -202,8 +205,8 @@ def _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, a
                                num_local, table, w13_bias, w2_bias, valid_tokens, backend, scratch)
     decode = _auto_layout(layout) and decode_allowed(hidden_states, w13, w2, backend)
     if torch.compiler.is_compiling():
-        w13_t, w13_s, *w13_h = _weight_parts(w13)
-        w2_t, w2_s, *w2_h = _weight_parts(w2)
+        w13_t, w13_s, *w13_h = op_weight_parts(w13)
+        w2_t, w2_s, *w2_h = op_weight_parts(w2)
         return torch.ops.padded_moe.fused_experts(
             hidden_states, w13_t, w13_s, w2_t, w2_s, topk_weights, topk_ids, table, num_experts,
             act.value, cfg.clamp_limit, cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta, chosen.value,
@@ -275,7 +278,7 @@ def plan_key_head(x, valid_tokens, weights: tuple, options: Optional[tuple], *, 
     from padded_moe.kernels import _launch
 
     if not _launch.fast_path() or torch.cuda.is_current_stream_capturing() \
-            or (eager_cache and getattr(_no_cache, "on", False)):
+            or (eager_cache and eager_cache_is_off()):
         return None
     weight_keys = tuple(_weight_key(w) for w in weights)
     if False in weight_keys:
@@ -335,7 +338,7 @@ def _experts_table(expert_map: Optional[ExpertMap], num_local: int,
     return expert_map.num_experts, expert_map.map_for(device)
 
 
-def _weight_parts(w) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+def op_weight_parts(w) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """A weight as tensors a custom op can take: `(float weight, None, None, None)`, `(blocks,
     scales, prepared blocks, prepared scales)` (the last two None for an unprepared Mxfp4Tensor),
     or for an Mxfp4Tensor that holds only its prepared form `(prepared blocks, None, prepared
@@ -348,7 +351,7 @@ def _weight_parts(w) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[tor
     return w.blocks, w.scales, None if h is None else h.blocks, None if h is None else h.scales
 
 
-def _weight_from_parts(t: torch.Tensor, scales: Optional[torch.Tensor], h_blocks: Optional[torch.Tensor] = None,
+def op_weight_from_parts(t: torch.Tensor, scales: Optional[torch.Tensor], h_blocks: Optional[torch.Tensor] = None,
                        h_scales: Optional[torch.Tensor] = None):
     if scales is None:
         if h_blocks is None:
@@ -453,6 +456,11 @@ class eager_cache_off:
         _no_cache.on = self._prev
 
 
+def eager_cache_is_off() -> bool:
+    """Whether this thread is inside an `eager_cache_off` block."""
+    return getattr(_no_cache, "on", False)
+
+
 def _eager_scratch(topk_ids: torch.Tensor, num_experts: int, num_local: int) -> Optional[PermuteScratch]:
     """Buffers this thread's eager calls on the current CUDA stream reuse: calls on one stream run in
     order, so the next call's kernels start only after the previous call's finished reading them.
@@ -460,7 +468,7 @@ def _eager_scratch(topk_ids: torch.Tensor, num_experts: int, num_local: int) -> 
     device = topk_ids.device
     M, k = topk_ids.shape
     if device.type != "cuda" or M * k > EAGER_CACHE_SLOTS or torch.compiler.is_compiling() \
-            or getattr(_no_cache, "on", False) or torch.cuda.is_current_stream_capturing():
+            or eager_cache_is_off() or torch.cuda.is_current_stream_capturing():
         return None
     key = (device, torch.cuda.current_stream(device).cuda_stream, threading.get_ident(), k, num_experts, num_local)
     tokens, buffers = _eager_buffers.get(key, (0, None))
@@ -494,8 +502,8 @@ def _fused_experts_op(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: Optio
                       w2_hopper_scales: Optional[torch.Tensor] = None, decode: bool = False) -> torch.Tensor:
     def call() -> torch.Tensor:
         cfg = ApplyMoEActivationConfig(clamp_limit, alpha, beta, situ_beta, situ_linear_beta)
-        w13w = _weight_from_parts(w13, w13_scales, w13_hopper_blocks, w13_hopper_scales)
-        w2w = _weight_from_parts(w2, w2_scales, w2_hopper_blocks, w2_hopper_scales)
+        w13w = op_weight_from_parts(w13, w13_scales, w13_hopper_blocks, w13_hopper_scales)
+        w2w = op_weight_from_parts(w2, w2_scales, w2_hopper_blocks, w2_hopper_scales)
         return _pipeline(hidden, w13w, w2w, topk_weights, topk_ids, _Step(MoEActivation(activation)), cfg, layout,
                          num_experts, w13.shape[0], expert_table, w13_bias, w2_bias, valid_tokens, backend, None,
                          # A compiled graph's memory (CUDA-graph pools included) must not leak into a
@@ -557,8 +565,8 @@ def batched_experts(x: torch.Tensor, counts: torch.Tensor, w13, w2, *, activatio
             or out.device != x.device or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of x's shape {tuple(x.shape)} on {x.device}")
     if torch.compiler.is_compiling():
-        w13_t, w13_s, *w13_h = _weight_parts(w13)
-        w2_t, w2_s, *w2_h = _weight_parts(w2)
+        w13_t, w13_s, *w13_h = op_weight_parts(w13)
+        w2_t, w2_s, *w2_h = op_weight_parts(w2)
         torch.ops.padded_moe.batched_experts(x, counts, w13_t, w13_s, w2_t, w2_s, act.value, cfg.clamp_limit,
                                              cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta,
                                              backend, out, *w13_h, *w2_h)
@@ -589,8 +597,8 @@ def _batched_experts_op(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor
                         w2_hopper_blocks: Optional[torch.Tensor] = None,
                         w2_hopper_scales: Optional[torch.Tensor] = None) -> None:
     cfg = ApplyMoEActivationConfig(clamp_limit, alpha, beta, situ_beta, situ_linear_beta)
-    _batched_pipeline(x, counts, _weight_from_parts(w13, w13_scales, w13_hopper_blocks, w13_hopper_scales),
-                      _weight_from_parts(w2, w2_scales, w2_hopper_blocks, w2_hopper_scales),
+    _batched_pipeline(x, counts, op_weight_from_parts(w13, w13_scales, w13_hopper_blocks, w13_hopper_scales),
+                      op_weight_from_parts(w2, w2_scales, w2_hopper_blocks, w2_hopper_scales),
                       MoEActivation(activation), cfg, backend, out)
 
 

@@ -4,27 +4,36 @@ The router turns logits into `(topk_weights, topk_ids)` with the functions of
 `padded_moe.routing`; the experts run through `padded_moe.experts.fused_experts`, or through an
 `ExpertParallel` dispatch → local experts → combine when `expert_parallel` is given.
 
-An eager decode-sized forward (up to `routing.GATE_KERNEL_MAX_TOKENS` tokens, no shared experts,
-no expert parallelism, a named router) is Triton launches only: the gate projection's kernel and
-the router kernel that finishes its logits (`routing.gate_sums`), then `fused_experts`' kernels.
-Such a forward replays as one launch plan (`padded_moe.launch_plan`), keyed on everything its host
-code reads, so the layer's host time is one key lookup and the launches.
+The routed part of an eager decode-sized forward (up to `routing.GATE_KERNEL_MAX_TOKENS` tokens,
+no expert parallelism, a named router, a plain `nn.Linear` gate) is Triton launches only: the gate
+projection's kernel and the router kernel that finishes its logits (`routing.gate_sums`), then
+`fused_experts`' kernels. It replays as one launch plan (`padded_moe.launch_plan`), keyed on
+everything its host code reads, so its host time is one key lookup and the launches; shared experts
+run beside it as the caller's module. Under `torch.compile` the same routed part
+(`FusedMoE._one_step`, any token count) is one custom op, `moe_forward`, that runs this eager step;
+with expert parallelism the experts are the op `ep_experts`. Both take the layer's tensors and
+settings as arguments, so every layer of a model shares one compiled graph.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from padded_moe import routing
-from padded_moe._ops import OpObjects, custom_op, register_fake
+from padded_moe._ops import custom_op, register_fake
 from padded_moe._validation import FLOAT_DTYPES, require_int, require_real, require_tensor
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
+from padded_moe.ep.engine import expert_parallel_of_op
 from padded_moe.expert_map import check_valid_tokens, drop_rows_past
-from padded_moe.experts import batched_experts, eager_cache_off, fused_experts, plan_key_head, plan_options, planned_call
+from padded_moe.experts import (batched_experts, eager_cache_off, fused_experts, op_weight_from_parts, op_weight_parts,
+                                plan_key_head, plan_options, planned_call)
+from padded_moe.layouts import GemmLayout
 from padded_moe.mxfp4 import GROUP, HopperMxfp4, Mxfp4Tensor, canonical_kept, quantize_mxfp4
 from padded_moe.presets import MoEPreset, get_preset
 
@@ -95,8 +104,6 @@ class FusedMoE(nn.Module):
         self.router, self.routed_scaling_factor = router, routed_scaling_factor
         self.weight_format, self.layout, self.backend = weight_format, layout, backend
         self.expert_parallel = expert_parallel
-        if expert_parallel is not None:
-            self._ep_id = _EP_LAYERS.add(self)
         self.shared_experts = shared_experts
         self.num_local = expert_parallel.expert_map.num_local if expert_parallel is not None else num_experts
         factory = dict(dtype=dtype, device=device)
@@ -365,19 +372,12 @@ class FusedMoE(nn.Module):
     def route(self, logits: torch.Tensor, token_ids: Optional[torch.Tensor] = None):
         if callable(self.router):
             return self.router(logits, token_ids)
-        return self._named_route(logits, routing.softmax_topk, routing.biased_grouped_topk)
+        return self._named_router().route(logits, self.e_score_correction_bias, routing.softmax_topk,
+                                          routing.biased_grouped_topk)
 
-    def _named_route(self, source, softmax: Callable, biased: Callable):
-        """The named router's call on `source`: logits through `routing.softmax_topk` /
-        `biased_grouped_topk`, or the gate kernel's sums through `gate_softmax_topk` /
-        `gate_biased_topk` (the same arguments)."""
-        if not self.router.startswith("biased_"):
-            return softmax(source, self.top_k, self.router == "softmax_renorm",
-                           topk_before_softmax=self.router == "topk_softmax")
-        scoring = "sigmoid" if self.router == "biased_sigmoid" else "sqrtsoftplus"
-        return biased(source, self.e_score_correction_bias, self.top_k, num_groups=self.num_groups,
-                      topk_groups=self.topk_groups, scoring=scoring, routed_scaling_factor=self.routed_scaling_factor,
-                      renormalize=True)
+    def _named_router(self) -> "NamedRouter":
+        return NamedRouter(self.router, self.top_k, float(self.routed_scaling_factor), self.num_groups,
+                           self.topk_groups)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None,
                 token_ids: Optional[torch.Tensor] = None,
@@ -386,11 +386,22 @@ class FusedMoE(nn.Module):
         check_valid_tokens(valid_tokens, hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
-        if router_logits is None and token_ids is None:
-            key = self._plan_key(x, valid_tokens)
-            if key is not None:
-                return planned_call(key, (x, valid_tokens), lambda: self._forward(x, None, None, valid_tokens)).view(shape)
+        if router_logits is None and token_ids is None and self._one_step(x):
+            out = self._routed_step(x, valid_tokens)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(x)
+            return out.view(shape)
         return self._forward(x, router_logits, token_ids, valid_tokens).view(shape)
+
+    def _routed_step(self, x: torch.Tensor, valid_tokens: Optional[torch.Tensor]) -> torch.Tensor:
+        """Gate, router and routed experts of a `_one_step` forward: one op under `torch.compile`,
+        else `moe_step` on the layer's tensors, a decode-sized one by its launch plan."""
+        if torch.compiler.is_compiling():
+            return self._one_step_op(x, valid_tokens)
+        return planned_call(self._plan_key(x, valid_tokens), (x, valid_tokens), lambda: moe_step(
+            x, valid_tokens, self.gate.weight, self.gate.bias, self.e_score_correction_bias, *self.expert_weights(),
+            self.w13_bias, self.w2_bias, self._named_router(), self.activation, self.activation_config, self.layout,
+            self.backend))
 
     def _forward(self, x: torch.Tensor, router_logits: Optional[torch.Tensor], token_ids: Optional[torch.Tensor],
                  valid_tokens: Optional[torch.Tensor]) -> torch.Tensor:
@@ -407,14 +418,9 @@ class FusedMoE(nn.Module):
     def _gate_routes(self, x: torch.Tensor) -> Optional[tuple]:
         """`route(gate(x))` for a decode-sized batch by the gate kernel and the router kernel
         (`routing.gate_sums`), or None where those do not serve it."""
-        if not isinstance(self.router, str) or not self._plain_gate() or (
-                self.router.startswith("biased_")
-                and not routing.biased_groups_fit(self.num_experts, self.num_groups, self.topk_groups)):
+        if not isinstance(self.router, str) or not self._plain_gate():
             return None
-        gate = routing.gate_sums(x, self.gate.weight, self.gate.bias)
-        if gate is None:
-            return None
-        return self._named_route(gate, routing.gate_softmax_topk, routing.gate_biased_topk)
+        return self._named_router().gate_routes(x, self.gate.weight, self.gate.bias, self.e_score_correction_bias)
 
     def _plain_gate(self) -> bool:
         """Whether calling `self.gate` is exactly `F.linear` with its parameters: an `nn.Linear`
@@ -425,78 +431,216 @@ class FusedMoE(nn.Module):
                                                or nn.modules.module._global_forward_hooks
                                                or nn.modules.module._global_forward_pre_hooks)
 
-    def _plan_key(self, x: torch.Tensor, valid_tokens: Optional[torch.Tensor]) -> Optional[tuple]:
-        """The launch-plan key of a forward that runs Triton launches only (see the module
-        docstring), or None: every value the forward's host code reads that may change between
-        calls — the weights' and biases' identities, the router's and experts' settings, the
-        hidden states' signature, the environment (`experts.plan_key_head`)."""
-        if torch.compiler.is_compiling() or self.shared_experts is not None or self.expert_parallel is not None \
-                or not isinstance(self.router, str) or not 0 < x.shape[0] <= routing.GATE_KERNEL_MAX_TOKENS \
-                or not self._plain_gate():
-            return None
+    def _one_step(self, x: torch.Tensor) -> bool:
+        """Whether this forward (no logits or token ids given) is `moe_step` on the layer's tensors
+        and settings (plus any shared experts, a module of the caller's, run beside it): a named
+        router, a plain `nn.Linear` gate, no expert parallelism (its own exchange) and no gradient
+        to record (the gate kernel and the ops have no backward). Its routed part replays a launch
+        plan when eager and decode-sized, and is one op under `torch.compile`
+        (`padded_moe::moe_forward`)."""
+        if self.expert_parallel is not None or not isinstance(self.router, str) or not self._plain_gate() \
+                or plan_options(self.activation, self.activation_config, self.layout, self.backend) is None:
+            return False
         gate = self.gate
-        grad = torch.is_grad_enabled()
-        if grad and (x.requires_grad or gate.weight.requires_grad or (gate.bias is not None and gate.bias.requires_grad)):
-            return None  # autograd records the torch formulas
-        experts = plan_options(self.activation, self.activation_config, self.layout, self.backend)
-        if experts is None:
-            return None
+        return not (torch.is_grad_enabled() and (x.requires_grad or gate.weight.requires_grad
+                                                 or (gate.bias is not None and gate.bias.requires_grad)))
+
+    def _plan_key(self, x: torch.Tensor, valid_tokens: Optional[torch.Tensor]) -> Optional[tuple]:
+        """The launch-plan key of a `_one_step` forward's routed part (see the module docstring), or None."""
         w13, w2 = self.expert_weights()
-        options = experts + (self.router, self.top_k, self.routed_scaling_factor, self.num_groups, self.topk_groups,
-                             grad)
-        head = plan_key_head(x, valid_tokens, (w13, w2, self.w13_bias, self.w2_bias, gate.weight, gate.bias,
-                                               self.e_score_correction_bias), options)
-        return None if head is None else head + ("FusedMoE.forward",)
+        return moe_step_plan_key(x, valid_tokens, (w13, w2, self.w13_bias, self.w2_bias, self.gate.weight,
+                                                   self.gate.bias, self.e_score_correction_bias),
+                                 plan_options(self.activation, self.activation_config, self.layout, self.backend),
+                                 self._named_router(), eager_cache=True)
+
+    def _one_step_op(self, x: torch.Tensor, valid_tokens: Optional[torch.Tensor]) -> torch.Tensor:
+        """The compiled form of a `_one_step` forward: every tensor and setting the step reads is an
+        argument of the op (none names this layer), so the layers of a model share one graph."""
+        w13, w2 = self.expert_weights()
+        cfg, r = self.activation_config, self._named_router()
+        return torch.ops.padded_moe.moe_forward(
+            x, valid_tokens, self.gate.weight, self.gate.bias, self.e_score_correction_bias,
+            *op_weight_parts(w13), *op_weight_parts(w2), self.w13_bias, self.w2_bias,
+            r.name, r.top_k, r.routed_scaling_factor, r.num_groups, r.topk_groups,
+            self.activation.value, cfg.clamp_limit, cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta,
+            _layout_name(self.layout), self.backend)
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 valid_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Routed experts only (no router, no shared experts) on `x [M, K]`; `valid_tokens` as in
         `forward`."""
+        w13, w2 = self.expert_weights()
         if self.expert_parallel is not None:
             # Dispatch moves whole rows; padded ones are dropped at the source by the id guard.
             topk_ids = drop_rows_past(topk_ids, check_valid_tokens(valid_tokens, topk_ids))
             if torch.compiler.is_compiling():
                 # One opaque op for dispatch → local experts → combine: the compiler never traces
                 # the exchange (persistent buffers viewed with other dtypes, collectives, flags).
-                return torch.ops.padded_moe.ep_experts(x, topk_weights, topk_ids, self._ep_id)
-            return self._ep_experts(x, topk_weights, topk_ids)
-        w13, w2 = self.expert_weights()
+                # It names the ExpertParallel, not the layer: layers sharing one share a graph.
+                cfg = self.activation_config
+                return torch.ops.padded_moe.ep_experts(
+                    x, topk_weights, topk_ids, self.expert_parallel.op_id, *op_weight_parts(w13),
+                    *op_weight_parts(w2), self.w13_bias, self.w2_bias, self.activation.value, cfg.clamp_limit,
+                    cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta, _layout_name(self.layout),
+                    self.backend)
+            return ep_step(self.expert_parallel, x, topk_weights, topk_ids, w13, w2, self.w13_bias, self.w2_bias,
+                           self.activation, self.activation_config, self.layout, self.backend)
         return fused_experts(x, w13, w2, topk_weights, topk_ids, layout=self.layout, w13_bias=self.w13_bias,
                              w2_bias=self.w2_bias, activation=self.activation,
                              activation_config=self.activation_config, valid_tokens=valid_tokens,
                              backend=self.backend)
 
-    def _ep_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        w13, w2 = self.expert_weights()
-        common = dict(activation=self.activation, activation_config=self.activation_config, backend=self.backend)
-        ep = self.expert_parallel
-        rb, handle = ep.dispatch(x, topk_ids, topk_weights)
-        if ep.mode == "flat":
-            y = fused_experts(rb.x, w13, w2, rb.topk_weights, rb.topk_ids, expert_map=ep.expert_map,
-                              valid_tokens=rb.valid_tokens, layout=self.layout,
-                              w13_bias=self.w13_bias, w2_bias=self.w2_bias, **common)
-        else:
-            if self.w13_bias is not None:
-                raise NotImplementedError("expert biases are not supported in batched expert-parallel mode; use mode='flat'")
-            y = batched_experts(rb.x, rb.counts, w13, w2, **common)
-        return ep.combine(y, handle)
+
+@dataclass(frozen=True)
+class NamedRouter:
+    """A named router (`ROUTERS`) with its settings: what routing reads besides its input."""
+
+    name: str
+    top_k: int
+    routed_scaling_factor: float
+    num_groups: int
+    topk_groups: int
+
+    def route(self, source, correction_bias: Optional[torch.Tensor], softmax: Callable, biased: Callable):
+        """The routing call on `source`: logits through `routing.softmax_topk` /
+        `biased_grouped_topk`, or the gate kernel's sums through `gate_softmax_topk` /
+        `gate_biased_topk` (the same arguments)."""
+        if not self.name.startswith("biased_"):
+            return softmax(source, self.top_k, self.name == "softmax_renorm",
+                           topk_before_softmax=self.name == "topk_softmax")
+        scoring = "sigmoid" if self.name == "biased_sigmoid" else "sqrtsoftplus"
+        return biased(source, correction_bias, self.top_k, num_groups=self.num_groups, topk_groups=self.topk_groups,
+                      scoring=scoring, routed_scaling_factor=self.routed_scaling_factor, renormalize=True)
+
+    def gate_routes(self, x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: Optional[torch.Tensor],
+                    correction_bias: Optional[torch.Tensor]) -> Optional[tuple]:
+        """`route(F.linear(x, gate_weight, gate_bias))` by the gate kernel and the router kernel
+        (`routing.gate_sums`), or None where those do not serve it."""
+        if self.name.startswith("biased_") and not routing.biased_groups_fit(gate_weight.shape[0], self.num_groups,
+                                                                             self.topk_groups):
+            return None
+        sums = routing.gate_sums(x, gate_weight, gate_bias)
+        if sums is None:
+            return None
+        return self.route(sums, correction_bias, routing.gate_softmax_topk, routing.gate_biased_topk)
 
 
-# Layers with expert parallelism by id, for the custom op below.
-_EP_LAYERS = OpObjects("FusedMoE with expert parallelism")
+def moe_step(x: torch.Tensor, valid_tokens: Optional[torch.Tensor], gate_weight: torch.Tensor,
+             gate_bias: Optional[torch.Tensor], correction_bias: Optional[torch.Tensor], w13, w2,
+             w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor], router: NamedRouter,
+             activation, activation_config: Optional[ApplyMoEActivationConfig], layout, backend: str) -> torch.Tensor:
+    """One `FusedMoE` forward with a plain `nn.Linear` gate and a named router, from its tensors
+    and settings: the gate projection and routing (the gate kernel where it serves, else
+    `F.linear` and the router), then `fused_experts`."""
+    routes = router.gate_routes(x, gate_weight, gate_bias, correction_bias)
+    if routes is None:
+        routes = router.route(F.linear(x, gate_weight, gate_bias), correction_bias, routing.softmax_topk,
+                              routing.biased_grouped_topk)
+    topk_weights, topk_ids = routes
+    return fused_experts(x, w13, w2, topk_weights, topk_ids, layout=layout, w13_bias=w13_bias, w2_bias=w2_bias,
+                         activation=activation, activation_config=activation_config, valid_tokens=valid_tokens,
+                         backend=backend)
+
+
+def moe_step_plan_key(x: torch.Tensor, valid_tokens: Optional[torch.Tensor], tensors: tuple,
+                      experts_options: Optional[tuple], router: NamedRouter, *, eager_cache: bool) -> Optional[tuple]:
+    """The launch-plan key of `moe_step` (decode-sized: the gate kernel serves it, so the step is
+    Triton launches only), or None: every value the step's host code reads that may change
+    between calls (`experts.plan_key_head`): the long-lived `tensors`' identities (weights,
+    biases, gate), the settings, the hidden states' signature, the environment."""
+    if torch.compiler.is_compiling() or experts_options is None \
+            or not 0 < x.shape[0] <= routing.GATE_KERNEL_MAX_TOKENS:
+        return None
+    head = plan_key_head(x, valid_tokens, tensors, experts_options + (router,), eager_cache=eager_cache)
+    return None if head is None else head + ("moe_step",)
+
+
+def ep_step(ep, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13, w2,
+            w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor], activation,
+            activation_config: Optional[ApplyMoEActivationConfig], layout, backend: str) -> torch.Tensor:
+    """Routed experts with expert parallelism: `ep.dispatch` → this rank's experts → `ep.combine`."""
+    common = dict(activation=activation, activation_config=activation_config, backend=backend)
+    rb, handle = ep.dispatch(x, topk_ids, topk_weights)
+    if ep.mode == "flat":
+        y = fused_experts(rb.x, w13, w2, rb.topk_weights, rb.topk_ids, expert_map=ep.expert_map,
+                          valid_tokens=rb.valid_tokens, layout=layout, w13_bias=w13_bias, w2_bias=w2_bias, **common)
+    else:
+        if w13_bias is not None:
+            raise NotImplementedError("expert biases are not supported in batched expert-parallel mode; use mode='flat'")
+        y = batched_experts(rb.x, rb.counts, w13, w2, **common)
+    return ep.combine(y, handle)
+
+
+def _layout_name(layout) -> Optional[str]:
+    """A layout setting as a custom op's argument (`plan_options` has checked its type)."""
+    return layout.value if isinstance(layout, GemmLayout) else layout
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops: what torch.compile sees of a forward. Each takes the step's tensors and settings,
+# never an object that names a layer: Dynamo specializes on such an id, so every layer instance
+# would compile a graph of its own (and a model past the recompile limit would fall back).
+
+
+@custom_op("padded_moe::moe_forward", mutates_args=())
+def _moe_forward_op(x: torch.Tensor, valid_tokens: Optional[torch.Tensor], gate_weight: torch.Tensor,
+                    gate_bias: Optional[torch.Tensor], correction_bias: Optional[torch.Tensor],
+                    w13: torch.Tensor, w13_scales: Optional[torch.Tensor], w13_hopper_blocks: Optional[torch.Tensor],
+                    w13_hopper_scales: Optional[torch.Tensor], w2: torch.Tensor, w2_scales: Optional[torch.Tensor],
+                    w2_hopper_blocks: Optional[torch.Tensor], w2_hopper_scales: Optional[torch.Tensor],
+                    w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor], router: str, top_k: int,
+                    routed_scaling_factor: float, num_groups: int, topk_groups: int, activation: str,
+                    clamp_limit: Optional[float], alpha: Optional[float], beta: Optional[float],
+                    situ_beta: Optional[float], situ_linear_beta: Optional[float], layout: Optional[str],
+                    backend: str) -> torch.Tensor:
+    """`FusedMoE.forward(x [M, K], valid_tokens=)` of a `_one_step` layer as the compiler sees it:
+    `moe_step`, a decode-sized one by its launch plan, with a fresh `[M, K]` output. The buffer
+    cache stays off: a graph's warm-up may allocate from a CUDA-graph pool that a cache must
+    never keep (plans made here allocate per call)."""
+    r = NamedRouter(router, top_k, routed_scaling_factor, num_groups, topk_groups)
+    cfg = ApplyMoEActivationConfig(clamp_limit, alpha, beta, situ_beta, situ_linear_beta)
+    parts13 = (w13, w13_scales, w13_hopper_blocks, w13_hopper_scales)
+    parts2 = (w2, w2_scales, w2_hopper_blocks, w2_hopper_scales)
+
+    def call() -> torch.Tensor:
+        return moe_step(x, valid_tokens, gate_weight, gate_bias, correction_bias, op_weight_from_parts(*parts13),
+                        op_weight_from_parts(*parts2), w13_bias, w2_bias, r, activation, cfg, layout, backend)
+
+    with eager_cache_off():
+        # The key reads the op's arguments as they come: a replay builds no weight or config object.
+        key = moe_step_plan_key(x, valid_tokens, parts13 + parts2 + (w13_bias, w2_bias, gate_weight, gate_bias,
+                                                                     correction_bias),
+                                plan_options(activation, cfg, layout, backend), r, eager_cache=False)
+        return planned_call(key, (x, valid_tokens), call)
+
+
+@register_fake("padded_moe::moe_forward")
+def _(x, *args):
+    return x.new_empty(x.shape)
 
 
 @custom_op("padded_moe::ep_experts", mutates_args=())
-def _ep_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_id: int) -> torch.Tensor:
-    """`FusedMoE.experts` with expert parallelism, as the compiler sees it: dispatch → local experts
-    → combine of layer `layer_id`, with a fresh `[m, K]` output."""
-    layer = _EP_LAYERS.get(layer_id, "ep_experts")
+def _ep_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, ep_id: int,
+                   w13: torch.Tensor, w13_scales: Optional[torch.Tensor], w13_hopper_blocks: Optional[torch.Tensor],
+                   w13_hopper_scales: Optional[torch.Tensor], w2: torch.Tensor, w2_scales: Optional[torch.Tensor],
+                   w2_hopper_blocks: Optional[torch.Tensor], w2_hopper_scales: Optional[torch.Tensor],
+                   w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor], activation: str,
+                   clamp_limit: Optional[float], alpha: Optional[float], beta: Optional[float],
+                   situ_beta: Optional[float], situ_linear_beta: Optional[float], layout: Optional[str],
+                   backend: str) -> torch.Tensor:
+    """`FusedMoE.experts` with expert parallelism as the compiler sees it: `ep_step` on the
+    `ExpertParallel` whose op id is `ep_id`, with a fresh `[m, K]` output."""
+    ep = expert_parallel_of_op("ep_experts", ep_id)
+    cfg = ApplyMoEActivationConfig(clamp_limit, alpha, beta, situ_beta, situ_linear_beta)
     with eager_cache_off():
-        return layer._ep_experts(x, topk_weights, topk_ids)
+        return ep_step(ep, x, topk_weights, topk_ids,
+                       op_weight_from_parts(w13, w13_scales, w13_hopper_blocks, w13_hopper_scales),
+                       op_weight_from_parts(w2, w2_scales, w2_hopper_blocks, w2_hopper_scales), w13_bias, w2_bias,
+                       MoEActivation(activation), cfg, layout, backend)
 
 
 @register_fake("padded_moe::ep_experts")
-def _(x, topk_weights, topk_ids, layer_id):
+def _(x, *args):
     return x.new_empty(x.shape)
 
 

@@ -234,7 +234,7 @@ class ExpertParallel:
         self._map = self.expert_map.map_for(self.device)
         self._keeps_own_chunk = self._own_chunk_rule(keep_own_chunk)
         self._alloc_buffers()
-        self._op_id = _EPS.add(self)  # the compiled dispatch / combine ops name this object
+        self.op_id = _EPS.add(self)  # the compiled dispatch / combine ops name this object
         self._op_handle: Optional[DispatchHandle] = None  # between those two ops
 
     @property
@@ -350,7 +350,7 @@ class ExpertParallel:
         """Send every token to the ranks owning their experts; collective (every rank calls it)."""
         m = self._check_dispatch(hidden, topk_ids, topk_weights)
         if torch.compiler.is_compiling():
-            parts = torch.ops.padded_moe.ep_dispatch(hidden, topk_ids, topk_weights, self._op_id, self.mode == "flat",
+            parts = torch.ops.padded_moe.ep_dispatch(hidden, topk_ids, topk_weights, self.op_id, self.mode == "flat",
                                                      self.geometry.rows, self.num_local)
             handle = DispatchHandle(self, self.mode, m, self._token_rows)
             if self.mode == "flat":
@@ -466,7 +466,7 @@ class ExpertParallel:
         """Return each rank's partial outputs to the token owners and sum them: `[m, K]`."""
         self._check_combine(expert_out, handle)
         if torch.compiler.is_compiling():
-            return torch.ops.padded_moe.ep_combine(expert_out, handle.num_tokens, self._op_id)
+            return torch.ops.padded_moe.ep_combine(expert_out, handle.num_tokens, self.op_id)
         put = self._put["combine"]
         if put is not None:  # the combine kernel writes into the token owners and signals
             if self.mode == "flat":
@@ -532,6 +532,11 @@ class ExpertParallel:
 _EPS = OpObjects("ExpertParallel")
 
 
+def expert_parallel_of_op(op: str, op_id: int) -> "ExpertParallel":
+    """The live `ExpertParallel` whose `op_id` a custom op `padded_moe::<op>` was given."""
+    return _EPS.get(op_id, op)
+
+
 def _receive_views(ep: ExpertParallel) -> list:
     """The receive buffer's tensors as a dispatch returns them, in the dispatch op's output order."""
     if ep.mode == "flat":
@@ -547,7 +552,7 @@ def _ep_dispatch_op(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
                     ep_id: int, flat: bool, rows: int, num_local: int) -> list[torch.Tensor]:
     """`ExpertParallel.dispatch` of object `ep_id`, as the compiler sees it: copies of the receive
     buffer's tensors (flat: x, topk_ids, topk_weights, valid_tokens; batched: x, counts)."""
-    ep = _EPS.get(ep_id, "ep_dispatch")
+    ep = expert_parallel_of_op("ep_dispatch", ep_id)
     _, ep._op_handle = ep.dispatch(hidden, topk_ids, topk_weights)
     return [t.clone() for t in _receive_views(ep)]
 
@@ -564,7 +569,7 @@ def _(hidden, topk_ids, topk_weights, ep_id, flat, rows, num_local):
 @custom_op("padded_moe::ep_combine", mutates_args=())
 def _ep_combine_op(expert_out: torch.Tensor, num_tokens: int, ep_id: int) -> torch.Tensor:
     """`ExpertParallel.combine` of object `ep_id` for the handle of its last dispatch op."""
-    ep = _EPS.get(ep_id, "ep_combine")
+    ep = expert_parallel_of_op("ep_combine", ep_id)
     handle, ep._op_handle = ep._op_handle, None
     if handle is None or handle.num_tokens != num_tokens:
         raise RuntimeError("padded_moe::ep_combine: every combine needs the dispatch before it on the same "

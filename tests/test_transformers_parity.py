@@ -447,15 +447,17 @@ def test_model_compiles_fullgraph_with_dynamic_shapes(name):
     model.set_experts_implementation(plug.IMPLEMENTATION)
     assert plug.prepare_experts(model) == (TINY["layers"] if name == "gpt_oss" else 0)
     ids = prompts(2, 7, SEEDS[name])
-    # A node computing a tensor of an expert weight's shape in our layout would be the per-call conversion.
+    # A node computing a tensor of an expert weight's shape in our layout would be the per-call
+    # conversion; views of the parameters (GPT-OSS's re-laid weights seen in our layout) copy nothing.
     weight_shapes = {tuple(w.shape) for m in experts_modules(model, name) for w in plug.expert_weights(m)[:2]}
+    views = {"transpose", "detach", "view", torch.transpose, torch.Tensor.transpose, torch.Tensor.detach}
     copies = []
 
     def backend(gm, example_inputs):
         for n in gm.graph.nodes:
             value = n.meta.get("example_value")
             static = isinstance(value, torch.Tensor) and all(type(d) is int for d in value.shape)
-            if n.op.startswith("call") and static and tuple(value.shape) in weight_shapes:
+            if n.op.startswith("call") and static and tuple(value.shape) in weight_shapes and n.target not in views:
                 copies.append(n.format_node())
         return gm.forward
 
@@ -464,6 +466,37 @@ def test_model_compiles_fullgraph_with_dynamic_shapes(name):
         got = torch.compile(model, fullgraph=True, dynamic=True, backend=backend)(input_ids=ids).logits
     assert copies == [], copies
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_transposed_weights_are_held_once():
+    """GPT-OSS's transposed parameters are re-laid in place at the first forward: each keeps its
+    object, shape and values and becomes the transposed view of the contiguous `[E, out, in]`
+    storage the GEMMs read (no copy beside it). HF's eager experts then read the same values, the
+    state dict gives them back, and a write into a parameter reaches our layout without a new copy."""
+    model = build("gpt_oss")
+    m = experts_modules(model, "gpt_oss")[0]
+    params = {name: getattr(m, name) for name in ("gate_up_proj", "down_proj")}
+    before = {name: p.detach().clone() for name, p in params.items()}
+    assert not params["gate_up_proj"].transpose(1, 2).is_contiguous()  # HF's layout to begin with
+    ids = prompts(2, 9, 3)
+    ref, out = logits_both(model, ids)  # HF eager, then padded_moe (which re-lays), then back to eager
+    assert max_rel(out, ref) <= 1e-4
+    w13, w2, _, _ = plug.expert_weights(m)
+    for (name, p), ours in zip(params.items(), (w13, w2)):
+        assert getattr(m, name) is p and tuple(p.shape) == tuple(before[name].shape) and torch.equal(p, before[name])
+        assert ours.is_contiguous() and ours.data_ptr() == p.data_ptr()
+        assert torch.equal(ours, before[name].transpose(1, 2))
+    assert not m.__dict__.get("_padded_moe_cache")
+    with torch.no_grad():
+        again = model(input_ids=ids).logits  # HF's eager experts on the strided parameters
+    torch.testing.assert_close(again, ref, rtol=1e-5, atol=1e-6)
+    state = model.state_dict()
+    key = next(k for k, v in state.items() if v is params["gate_up_proj"] or v.data_ptr() == w13.data_ptr())
+    assert torch.equal(state[key], before["gate_up_proj"])
+    with torch.no_grad():
+        params["gate_up_proj"].mul_(2)
+    w13_after = plug.expert_weights(m)[0]
+    assert w13_after.data_ptr() == w13.data_ptr() and torch.equal(w13_after, 2 * before["gate_up_proj"].transpose(1, 2))
 
 
 def test_compile_before_the_weights_are_converted_says_what_to_call():

@@ -261,11 +261,12 @@ def _experts_plan(module: torch.nn.Module) -> ExpertsPlan:
 def _cached(module, slot: str, source: torch.Tensor, convert: Callable[[torch.Tensor], Any]) -> Any:
     """`convert(source)`, recomputed only when `source` changes (storage, in-place version, shape).
 
-    Transposed checkpoints (GPT-OSS) need a contiguous `[E, out, in]` copy; converting on every
-    forward would cost a full weight copy per token step.
+    MXFP4 checkpoint tensors whose inner width is not a multiple of 64 keep a prepared copy here
+    (the others are held once, `hold_mxfp4`); converting on every forward would cost a full weight
+    conversion per token step.
 
     Under `torch.compile` the cached value is read as it is: the compiler can neither compare data
-    pointers nor keep a conversion out of the graph (it would copy the weights on every call), so
+    pointers nor keep a conversion out of the graph (it would convert the weights on every call), so
     the cache must be filled before tracing, by `prepare_experts(model)` or one eager forward.
     """
     if torch.compiler.is_compiling():
@@ -505,10 +506,28 @@ def _weight(module, proj: str, prepared: bool) -> Any:
         return mx
     w = getattr(module, proj)
     if getattr(module, "is_transposed", False):
-        if not prepared:
-            return w.detach().transpose(1, 2)
-        return _cached(module, proj, w, lambda t: t.detach().transpose(1, 2).contiguous())
+        ours = w.detach().transpose(1, 2)
+        if not prepared or ours.is_contiguous():
+            return ours
+        return _relaid(module, proj, w)
     return w
+
+
+def _relaid(module, proj: str, w: torch.Tensor) -> torch.Tensor:
+    """A transposed weight (GPT-OSS's `[E, in, out]`) held once in our layout: its storage is
+    rewritten to a contiguous `[E, out, in]`, and the module's tensor becomes the transposed view of
+    it (same object, shape and values; a strided tensor to HF's own code). Returns our contiguous
+    view. The old storage is freed unless something else holds it; the copy exists only while one
+    weight is re-laid."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"padded_moe: {type(module).__name__}.{proj} needs its weights re-laid before torch.compile traces it "
+            "(a transposed checkpoint): call padded_moe.integrations.transformers.prepare_experts(model) once after "
+            "loading the model (or run one eager forward), then compile")
+    with torch.no_grad():
+        ours = w.detach().transpose(1, 2).contiguous()
+        w.data = ours.transpose(1, 2)
+    return ours
 
 
 def expert_weights(module: torch.nn.Module, prepared: bool = True):
@@ -527,8 +546,8 @@ def expert_weights(module: torch.nn.Module, prepared: bool = True):
 
 def prepare_experts(model: torch.nn.Module) -> int:
     """Convert the weights of every HF experts module of `model` that padded_moe reads in another
-    form (GPT-OSS's transposed bf16 parameters, MXFP4 checkpoint tensors) and cache them on the
-    module, as the first eager forward would. Call it once after loading (and again after changing
+    form (GPT-OSS's transposed bf16 parameters, re-laid in place; MXFP4 checkpoint tensors, held
+    prepared) as the first eager forward would. Call it once after loading (and again after changing
     those weights) before `torch.compile`, which cannot make the conversion itself. Returns how many
     experts modules hold a converted copy; a model with none (packed bf16 weights) needs no call."""
     count = 0

@@ -19,6 +19,9 @@ tokenizer is used. Per model, the speedup (grouped_mm time / padded_moe time) in
 Both implementations run in the same process, interleaved sample by sample (the order flips every
 sample), on the same model: `set_experts_implementation` switches between samples, outside the
 timed region. CUDA events time each sample; the median of N samples after warm-up is reported.
+GPT-OSS's transposed expert parameters are re-laid in place by padded_moe's first call (docs/
+transformers.md), so from then on grouped_mm reads them as it reads the packed models' experts
+(the same values, the other arrangement in memory).
 
 Logits check: on one prompt, per-position differences ‖a_t − b_t‖ / ‖b_t‖ of bf16 logits.
 padded_moe is "within HF's bf16 spread" when its difference from grouped_mm is within 1.5× (+1e-3)

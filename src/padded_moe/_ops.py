@@ -63,9 +63,11 @@ def _library() -> torch.library.Library:
 
 
 class OpObjects:
-    """Objects that an op's implementation needs (a layer, an `ExpertParallel`), by the int id
-    the op takes instead: an op's arguments are tensors and numbers, not Python objects. Weak
-    references: an object that is gone leaves the table, and an op naming it raises."""
+    """Objects that an op's implementation needs (an `ExpertParallel`), by the int id the op takes
+    instead: an op's arguments are tensors and numbers, not Python objects. The compiler
+    specializes a graph on such an id, so only objects a model shares (one per model, not one per
+    layer) are named this way. Weak references: an object that is gone leaves the table, and an op
+    naming it raises."""
 
     def __init__(self, kind: str):
         self._kind = kind

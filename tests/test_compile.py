@@ -313,7 +313,7 @@ def _ep_layer(mode, T=8):
 def _by_hand(layer):
     """dispatch → local experts → combine as an engine composing its own layer would write it:
     `ExpertParallel.dispatch` / `combine` called inside the compiled function (the layer's own
-    sequence, `layer.ep_step`, not its `ep_experts` op)."""
+    sequence, `padded_moe.layer.ep_step`, not its `ep_experts` op)."""
 
     def step(x):
         weights, ids = layer.route(layer.gate(x))
@@ -428,6 +428,44 @@ def test_combine_without_its_dispatch_is_refused(one_rank_group):
     ep = _ep_layer("flat", T=4).expert_parallel
     with pytest.raises(RuntimeError, match="every combine needs the dispatch before it"):
         torch.ops.padded_moe.ep_combine(torch.zeros(ep.ep_size * 4, ep.hidden_size), 2, ep.op_id)
+
+
+def test_moe_forward_op_passes_opcheck():
+    """torch.library.opcheck of `padded_moe::moe_forward` (schema, fake implementation against the
+    real op) on a layer's own arguments, bf16-format and MXFP4 weights with biases."""
+    gen = torch.Generator().manual_seed(12)
+    for fmt in ("bf16", "mxfp4"):
+        layer = FusedMoE(8, 2, 64, 64, router="biased_sigmoid", routed_scaling_factor=2.0, weight_format=fmt,
+                         has_bias=True, dtype=torch.float32)
+        layer.randomize(seed=2)
+        x = torch.randn(5, 64, generator=gen)
+        for valid in (None, torch.tensor([3], dtype=torch.int32)):
+            torch.library.opcheck(torch.ops.padded_moe.moe_forward.default, layer._one_step_args(x, valid),
+                                  test_utils=("test_schema", "test_faketensor"))
+
+
+def test_ep_experts_op_passes_opcheck(one_rank_group):
+    """torch.library.opcheck of `padded_moe::ep_experts` (schema, fake implementation) on an
+    expert-parallel layer's arguments."""
+    layer = _ep_layer("flat", T=4)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(3, layer.hidden_size, generator=gen)
+    with torch.no_grad():
+        w, ids = layer.route(layer.gate(x))
+    torch.library.opcheck(torch.ops.padded_moe.ep_experts.default, layer._ep_op_args(x, w, ids),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiled_layer_with_no_activation_config():
+    """`activation_config = None` set on a layer (accepted eagerly) compiles too: the op gets the
+    defaults."""
+    layer = FusedMoE.from_preset("tiny", dtype=torch.float32)
+    layer.randomize(seed=5)
+    layer.activation_config = None
+    x = torch.randn(4, layer.hidden_size, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(layer, fullgraph=True, backend="aot_eager")(x), layer(x),
+                                   rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("mode", ["flat", "batched"])

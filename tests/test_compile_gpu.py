@@ -109,22 +109,38 @@ def test_eager_forward_never_syncs(layers, preset, fmt):
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("preset,fmt", [("gpt-oss-120b", "mxfp4"), ("qwen3-30b-a3b", "bf16"), ("dsv4-flash", "bf16")])
-def test_compiled_layer_is_one_op_with_the_eager_bits(layers, preset, fmt, mode):
+def test_compiled_layer_is_one_op_with_the_eager_bits(layers, preset, fmt, mode, monkeypatch):
     """Without logits given (the layer's own gate, under no_grad), the compiled forward is the op
-    `padded_moe::moe_forward` running the eager step: the eager bits at decode sizes (the launch
-    plan inside the graph, or the full path under CUDA-graph capture) and past them."""
+    `padded_moe::moe_forward` running the eager step (`moe_step` runs inside compiled calls):
+    the eager bits at decode sizes (a launch plan inside the graph, or the full path under
+    CUDA-graph capture) and past them."""
+    from padded_moe import layer as L
+
     layer = layers(preset, fmt)
-    if layer.e_score_correction_bias is not None:
-        layer.e_score_correction_bias.normal_(0, 0.1, generator=torch.Generator(device="cuda").manual_seed(3))
+    bias = layer.e_score_correction_bias
+    saved = None if bias is None else bias.clone()
+    if bias is not None:  # a bias that moves the choice (the fixture's is zero)
+        bias.normal_(0, 0.1, generator=torch.Generator(device="cuda").manual_seed(3))
+    inside, step = [], L.moe_step
+    monkeypatch.setattr(L, "moe_step", lambda *a: inside.append(1) or step(*a))
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(layer, **MODES[mode])
     gen = torch.Generator(device="cuda").manual_seed(2)
-    with torch.no_grad():
-        for T in (1, 3, 16, 64):
-            for _ in range(4):
-                x = torch.randn(T, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
-                got = compiled(x).clone()  # clone: a CUDA-graph output is reused by the next replay
-                assert torch.equal(got, layer(x)), (preset, mode, T)
-    if mode == "dynamic":  # one graph from 2 tokens up, one for a single token (Dynamo specialises 1)
-        assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    compiled_steps = 0  # moe_step entered by compiled calls (the traced forward never enters it;
+    # a plan's replay and a CUDA-graph replay do not either, so not every call counts)
+    try:
+        with torch.no_grad():
+            for T in (1, 3, 16, 64):
+                for _ in range(4):
+                    x = torch.randn(T, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+                    before = len(inside)
+                    got = compiled(x).clone()  # clone: a CUDA-graph output is reused by the next replay
+                    compiled_steps += len(inside) - before
+                    assert torch.equal(got, layer(x)), (preset, mode, T)
+        assert compiled_steps > 0, "the compiled forward never ran the one-step op"
+        if mode == "dynamic":  # one graph from 2 tokens up, one for a single token (Dynamo specialises 1)
+            assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    finally:
+        if saved is not None:
+            bias.copy_(saved)

@@ -440,8 +440,8 @@ def test_model_compiles_fullgraph_with_dynamic_shapes(name):
     """`torch.compile(model, fullgraph=True, dynamic=True)` of a model on padded_moe equals the eager
     model. dynamic=True makes the experts modules' float attributes (clamp limits, alpha) symbolic,
     which the plan must read without `math.isnan` / `math.isinf`; GPT-OSS's transposed weights are
-    converted before tracing by `prepare_experts` (the graph reads the cached copy, never a copy
-    made per call)."""
+    re-laid before tracing by `prepare_experts` (the graph reads views of the parameters, never a
+    copy made per call)."""
     torch._dynamo.reset()
     model = build(name)
     model.set_experts_implementation(plug.IMPLEMENTATION)
@@ -497,6 +497,20 @@ def test_gpt_oss_transposed_weights_are_held_once():
         params["gate_up_proj"].mul_(2)
     w13_after = plug.expert_weights(m)[0]
     assert w13_after.data_ptr() == w13.data_ptr() and torch.equal(w13_after, 2 * before["gate_up_proj"].transpose(1, 2))
+
+
+def test_gpt_oss_relayout_under_inference_mode_keeps_the_parameters_trainable():
+    """The first forward under `torch.inference_mode()` re-lays GPT-OSS's parameters outside it: they
+    stay ordinary parameters that take gradients afterwards."""
+    model = build("gpt_oss")
+    model.set_experts_implementation(plug.IMPLEMENTATION)
+    m = experts_modules(model, "gpt_oss")[0]
+    with torch.inference_mode():
+        model(input_ids=prompts(1, 5, 2))
+    p = m.gate_up_proj
+    assert p.transpose(1, 2).is_contiguous() and not p.is_inference() and p.requires_grad
+    (p * 1.0).sum().backward()
+    assert p.grad is not None and p.grad.shape == p.shape
 
 
 def test_compile_before_the_weights_are_converted_says_what_to_call():

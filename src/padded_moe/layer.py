@@ -456,14 +456,29 @@ class FusedMoE(nn.Module):
     def _one_step_op(self, x: torch.Tensor, valid_tokens: Optional[torch.Tensor]) -> torch.Tensor:
         """The compiled form of a `_one_step` forward: every tensor and setting the step reads is an
         argument of the op (none names this layer), so the layers of a model share one graph."""
+        return torch.ops.padded_moe.moe_forward(*self._one_step_args(x, valid_tokens))
+
+    def _one_step_args(self, x: torch.Tensor, valid_tokens: Optional[torch.Tensor]) -> tuple:
+        """`padded_moe::moe_forward`'s arguments for this layer."""
         w13, w2 = self.expert_weights()
-        cfg, r = self.activation_config, self._named_router()
-        return torch.ops.padded_moe.moe_forward(
-            x, valid_tokens, self.gate.weight, self.gate.bias, self.e_score_correction_bias,
-            *op_weight_parts(w13), *op_weight_parts(w2), self.w13_bias, self.w2_bias,
-            r.name, r.top_k, r.routed_scaling_factor, r.num_groups, r.topk_groups,
-            self.activation.value, cfg.clamp_limit, cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta,
-            _layout_name(self.layout), self.backend)
+        r = self._named_router()
+        return (x, valid_tokens, self.gate.weight, self.gate.bias, self.e_score_correction_bias,
+                *op_weight_parts(w13), *op_weight_parts(w2), self.w13_bias, self.w2_bias,
+                r.name, r.top_k, r.routed_scaling_factor, r.num_groups, r.topk_groups,
+                *self._experts_settings())
+
+    def _experts_settings(self) -> tuple:
+        """The experts' settings as custom-op arguments: activation, its config's five fields, the
+        layout and the backend (`activation_config=None` means the defaults, as eagerly)."""
+        cfg = self.activation_config or ApplyMoEActivationConfig()
+        return (self.activation.value, cfg.clamp_limit, cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta,
+                _layout_name(self.layout), self.backend)
+
+    def _ep_op_args(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple:
+        """`padded_moe::ep_experts`' arguments for this layer."""
+        w13, w2 = self.expert_weights()
+        return (x, topk_weights, topk_ids, self.expert_parallel.op_id, *op_weight_parts(w13), *op_weight_parts(w2),
+                self.w13_bias, self.w2_bias, *self._experts_settings())
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 valid_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -477,12 +492,7 @@ class FusedMoE(nn.Module):
                 # One opaque op for dispatch → local experts → combine: the compiler never traces
                 # the exchange (persistent buffers viewed with other dtypes, collectives, flags).
                 # It names the ExpertParallel, not the layer: layers sharing one share a graph.
-                cfg = self.activation_config
-                return torch.ops.padded_moe.ep_experts(
-                    x, topk_weights, topk_ids, self.expert_parallel.op_id, *op_weight_parts(w13),
-                    *op_weight_parts(w2), self.w13_bias, self.w2_bias, self.activation.value, cfg.clamp_limit,
-                    cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta, _layout_name(self.layout),
-                    self.backend)
+                return torch.ops.padded_moe.ep_experts(*self._ep_op_args(x, topk_weights, topk_ids))
             return ep_step(self.expert_parallel, x, topk_weights, topk_ids, w13, w2, self.w13_bias, self.w2_bias,
                            self.activation, self.activation_config, self.layout, self.backend)
         return fused_experts(x, w13, w2, topk_weights, topk_ids, layout=self.layout, w13_bias=self.w13_bias,

@@ -509,6 +509,9 @@ def _weight(module, proj: str, prepared: bool) -> Any:
         ours = w.detach().transpose(1, 2)
         if not prepared or ours.is_contiguous():
             return ours
+        if type(w) not in (torch.Tensor, torch.nn.Parameter):
+            # A tensor subclass (DTensor, a sharded parameter) owns its storage: keep a copy beside it.
+            return _cached(module, proj, w, lambda t: t.detach().transpose(1, 2).contiguous())
         return _relaid(module, proj, w)
     return w
 
@@ -518,13 +521,17 @@ def _relaid(module, proj: str, w: torch.Tensor) -> torch.Tensor:
     rewritten to a contiguous `[E, out, in]`, and the module's tensor becomes the transposed view of
     it (same object, shape and values; a strided tensor to HF's own code). Returns our contiguous
     view. The old storage is freed unless something else holds it; the copy exists only while one
-    weight is re-laid."""
-    if torch.compiler.is_compiling():
+    weight is re-laid. Refused while the compiler traces (it would copy on every call) or a CUDA
+    graph captures (the captured copy would read freed memory on every replay)."""
+    if torch.compiler.is_compiling() or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+        what = "torch.compile traces it" if torch.compiler.is_compiling() else "a CUDA graph captures it"
         raise RuntimeError(
-            f"padded_moe: {type(module).__name__}.{proj} needs its weights re-laid before torch.compile traces it "
+            f"padded_moe: {type(module).__name__}.{proj} needs its weights re-laid before {what} "
             "(a transposed checkpoint): call padded_moe.integrations.transformers.prepare_experts(model) once after "
-            "loading the model (or run one eager forward), then compile")
-    with torch.no_grad():
+            "loading the model (or run one eager forward) first")
+    # Outside inference mode: a parameter whose data became an inference tensor could never take a
+    # gradient again.
+    with torch.inference_mode(False), torch.no_grad():
         ours = w.detach().transpose(1, 2).contiguous()
         w.data = ours.transpose(1, 2)
     return ours
@@ -549,7 +556,7 @@ def prepare_experts(model: torch.nn.Module) -> int:
     form (GPT-OSS's transposed bf16 parameters, re-laid in place; MXFP4 checkpoint tensors, held
     prepared) as the first eager forward would. Call it once after loading (and again after changing
     those weights) before `torch.compile`, which cannot make the conversion itself. Returns how many
-    experts modules hold a converted copy; a model with none (packed bf16 weights) needs no call."""
+    experts modules it converted; a model with none (packed bf16 weights) needs no call."""
     count = 0
     with torch.no_grad():
         for module in model.modules():

@@ -46,13 +46,9 @@ for stage in "$@"; do
                 -k "not matches_eager"
             step profile-compiled python3 benchmarks/profile_host.py --cases --layers gpt-oss-120b:1 qwen3-30b-a3b:1 \
                 dsv4-flash:1 --calls 30 ;;
-        owed-39)  # session 39's owed one-GPU runs: the one-op compiled forward (compile-op), HF parity on
-            # GPT-OSS's re-laid bf16 weights, the GPT-OSS-like HF bench (its baseline now reads the re-laid arrangement)
-            step test-compile-op python3 -m pytest -q -m gpu tests/test_compile_gpu.py tests/test_launch_plan_gpu.py \
-                -k "not matches_eager"
+        hf-gpt-oss)  # HF parity on GPT-OSS's re-laid bf16 weights and the GPT-OSS-like HF bench (its grouped_mm
+            # baseline reads the re-laid arrangement); with compile-op, the owed one-GPU runs of session 39
             step test-hf-gpt-oss python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py -k "gpt_oss"
-            step profile-compiled python3 benchmarks/profile_host.py --cases --layers gpt-oss-120b:1 qwen3-30b-a3b:1 \
-                dsv4-flash:1 --calls 30
             step bench-hf-gpt-oss python3 benchmarks/bench_hf.py --models gpt_oss --iters 5 --out "$OUT/bench" ;;
         layer-plan)  # decode-sized FusedMoE forwards as one launch plan (gate kernel + router + experts): GPU
             # tests of the plan and the gate kernel, the suites that call the layer, memcheck, host time per layer

@@ -511,9 +511,14 @@ def _weight(module, proj: str, prepared: bool) -> Any:
             return ours
         if type(w) not in (torch.Tensor, torch.nn.Parameter):
             # A tensor subclass (DTensor, a sharded parameter) owns its storage: keep a copy beside it.
-            return _cached(module, proj, w, lambda t: t.detach().transpose(1, 2).contiguous())
+            return _cached(module, proj, w, _untransposed)
         return _relaid(module, proj, w)
     return w
+
+
+def _untransposed(w: torch.Tensor) -> torch.Tensor:
+    """A transposed weight `[E, in, out]` as a contiguous `[E, out, in]` copy."""
+    return w.detach().transpose(1, 2).contiguous()
 
 
 def _relaid(module, proj: str, w: torch.Tensor) -> torch.Tensor:
@@ -532,7 +537,7 @@ def _relaid(module, proj: str, w: torch.Tensor) -> torch.Tensor:
     # Outside inference mode: a parameter whose data became an inference tensor could never take a
     # gradient again.
     with torch.inference_mode(False), torch.no_grad():
-        ours = w.detach().transpose(1, 2).contiguous()
+        ours = _untransposed(w)
         w.data = ours.transpose(1, 2)
     return ours
 

@@ -16,19 +16,21 @@ from padded_moe.mxfp4 import quantize_mxfp4
 def fresh_loader(monkeypatch, tmp_path):
     """A loader with nothing loaded or remembered, caching under tmp_path."""
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(native, "_library", None)
-    monkeypatch.setattr(native, "_failure", None)
-    monkeypatch.setattr(native, "_launches", {})
+    for lib in (native.DECODE, native.GROUPED):
+        monkeypatch.setattr(lib, "_lib", None)
+        monkeypatch.setattr(lib, "_failure", None)
+        monkeypatch.setattr(lib, "_launches", {})
     return tmp_path
 
 
 def test_library_path_is_in_the_cache_dir_and_named_by_the_source(fresh_loader, monkeypatch, tmp_path):
-    path = native.library_path()
+    path = native.DECODE.path()
     assert path.parent == fresh_loader and path.suffix == ".so"
+    assert native.GROUPED.path() != path
     changed = tmp_path / "changed.cu"
-    changed.write_bytes(native.SOURCE.read_bytes() + b"\n// another build\n")
-    monkeypatch.setattr(native, "SOURCE", changed)
-    assert native.library_path() != path
+    changed.write_bytes(native.DECODE.source.read_bytes() + b"\n// another build\n")
+    monkeypatch.setattr(native.DECODE, "source", changed)
+    assert native.DECODE.path() != path
     monkeypatch.delenv(native.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert native.cache_dir() == tmp_path / "xdg" / "padded_moe"
@@ -49,7 +51,7 @@ def test_a_compiler_error_is_reported(fresh_loader, monkeypatch, tmp_path):
         pytest.skip("no nvcc on this machine")
     broken = tmp_path / "broken.cu"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(native.DECODE, "source", broken)
     with pytest.raises(native.NativeUnavailable, match="nvcc failed"):
         native.library()
     assert not list(fresh_loader.glob("*.so")), "a failed build left a library behind"
@@ -66,13 +68,31 @@ def test_built_library_entry_points(fresh_loader):
     if native.nvcc_path() is None:
         pytest.skip("no nvcc on this machine")
     lib = native.library()
-    assert native.library_path().exists()
+    assert native.DECODE.path().exists()
     assert native.w2_num_configs() == 6
     assert [native.w2_split(c) for c in range(6)] == [1, 2, 1, 2, 4, 4]
     with pytest.raises(ValueError, match="configuration 7"):
         native.w2_split(7)
     assert lib.pmoe_error_string(-3).decode() == "top_k x split warps above 16"
     assert native.entry("pmoe_mx_w2_combine") is native.entry("pmoe_mx_w2_combine")
+
+
+def test_built_grouped_library_entry_points(fresh_loader):
+    """The grouped GEMM's library (sm_90a) builds with this machine's nvcc and its C entry points
+    answer without a GPU; a call with neither or both of offsets and counts is refused before
+    anything is launched."""
+    if native.nvcc_path() is None:
+        pytest.skip("no nvcc on this machine")
+    lib = native.GROUPED.load()
+    assert native.GROUPED.path().exists() and native.GROUPED.path() != native.DECODE.path()
+    from padded_moe.kernels.native import grouped
+
+    assert lib.pmoe_gg_num_configs() == len(grouped.CONFIGS)
+    assert (lib.pmoe_gg_block_n(), lib.pmoe_gg_pass_rows()) == (grouped.BLOCK_N, grouped.CHUNK_ROWS)
+    code = lib.pmoe_grouped_gemm(0, 1, 1, None, None, 0, 0, 1, 1, None, 0, 0, 1, 128, None, None, None, 0, 0, None, 0,
+                                 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0)
+    assert lib.pmoe_error_string(code).decode() == "exactly one of offsets and counts must be given"
+    assert native.GROUPED.entry("pmoe_grouped_gemm") is native.GROUPED.entry("pmoe_grouped_gemm")
 
 
 def _prepared(E=4, rows=64, cols=64):

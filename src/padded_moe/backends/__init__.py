@@ -13,7 +13,7 @@ import torch
 
 from padded_moe.backends.base import GemmBackend
 
-BACKENDS = ("auto", "triton", "torch", "humming")
+BACKENDS = ("auto", "triton", "torch", "humming", "cuda")
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,6 +30,10 @@ def get_backend(name: str) -> GemmBackend:
         from padded_moe.backends.humming_backend import HummingBackend
 
         return HummingBackend()
+    if name == "cuda":
+        from padded_moe.backends.cuda_backend import CudaBackend
+
+        return CudaBackend()
     raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
 
 

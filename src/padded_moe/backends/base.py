@@ -27,7 +27,8 @@ class GemmBackend(ABC):
     # interface for backends added later (and the refusal is tested with one that sets it).
     quantizes_inputs: bool = False
     # Whether `gemm_activation` applies spec 01's activation in GEMM1's epilogue. The pipeline
-    # (`fused_experts`) uses it where offered; other backends run GEMM1, then the activation op.
+    # (`fused_experts`) uses it where offered (`fuses`); other backends run GEMM1, then the
+    # activation op.
     fuses_activation: bool = False
 
     def available(self, device: torch.device) -> Optional[str]:
@@ -44,6 +45,11 @@ class GemmBackend(ABC):
     def gemm(self, a: torch.Tensor, w: Weight, meta: LayoutMeta, *, stage: str,
              bias: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """Fill `out` at the layout's valid rows; leave every other row untouched."""
+
+    def fuses(self, activation) -> bool:
+        """Whether `gemm_activation` takes `activation` (a `MoEActivation`); callers run GEMM1 and
+        the activation op for the others. Every activation, on a backend with `fuses_activation`."""
+        return self.fuses_activation
 
     def gemm_activation(self, a: torch.Tensor, w: Weight, meta: LayoutMeta, *, bias: Optional[torch.Tensor],
                         out: torch.Tensor, epilogue) -> torch.Tensor:

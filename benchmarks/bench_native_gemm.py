@@ -1,0 +1,149 @@
+"""The native grouped GEMM (backend "cuda") against our Triton GEMM on the models' shapes.
+
+For each preset and token count, a bf16 `FusedMoE` layer with random weights routes random tokens
+through its own router; then, in alternating rounds of CUDA-graph replays (so drift hits every
+variant alike):
+
+- GEMM1 and GEMM2 alone on the GROUPED_CONTIGUOUS layout, Triton (the tuned table's tile) vs
+  native; TFLOP/s count the valid rows only;
+- the whole routed-experts call (`fused_experts`): the default (auto layout, Triton), Triton on
+  GROUPED_CONTIGUOUS, and the native kernel on GROUPED_CONTIGUOUS with the activation in GEMM1's
+  epilogue (its default) and as a separate op (`PADDED_MOE_FUSE_ACTIVATION=0`);
+
+with the floors of the call: the experts' weights that received rows over the copy bandwidth,
+and the valid FLOPs over the dense bf16 matmul rate, both measured in the same run. Each native
+output is checked against Triton's (relative L2 difference at most 2e-2; both are checked against
+float64 in the GPU tests).
+
+    python benchmarks/bench_native_gemm.py --presets dsv4-flash,qwen3-30b-a3b,mixtral-8x7b \
+        --tokens 1024,8192 --out bench-out/native-gemm
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import bench_us, captured, copy_bandwidth_gbs, matmul_tflops, print_table, write_report  # noqa: E402
+
+from padded_moe import fused_experts  # noqa: E402
+from padded_moe.gemm import FUSE_ENV, expert_gemm  # noqa: E402
+from padded_moe.layer import FusedMoE  # noqa: E402
+from padded_moe.layouts import build_layout  # noqa: E402
+
+
+def rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    return ((out.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+def alternate(graphs: dict, rounds: int) -> dict:
+    """Median replay time (us) of each graph, the graphs timed in turn, round after round."""
+    times = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            times[name].append(bench_us(graph.replay, warmup_ms=10, rep_ms=100))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def gemm_rows(layer: FusedMoE, meta, x_rows: torch.Tensor, h_rows: torch.Tensor, rounds: int, valid: int) -> list:
+    """GEMM1 and GEMM2 alone: Triton vs native on the same GROUPED_CONTIGUOUS rows."""
+    w13, w2 = layer.expert_weights()
+    rows = []
+    for stage, a, w in (("w13", x_rows, w13), ("w2", h_rows, w2)):
+        outs, graphs = {}, {}
+        for backend in ("triton", "cuda"):
+            out = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
+            graph, _ = captured(lambda: expert_gemm(a, w, meta, stage=stage, out=out, backend=backend))  # noqa: B023
+            graph.replay()
+            graphs[backend], outs[backend] = graph, out
+        torch.cuda.synchronize()
+        diff = rel_diff(outs["cuda"][:valid], outs["triton"][:valid])
+        t = alternate(graphs, rounds)
+        flops = 2.0 * valid * w.shape[1] * w.shape[2]
+        rows.append([stage, round(t["triton"], 1), round(t["cuda"], 1), round(flops / t["triton"] / 1e6, 1),
+                     round(flops / t["cuda"] / 1e6, 1), round(t["triton"] / t["cuda"], 3), f"{diff:.1e}"])
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", default="dsv4-flash,qwen3-30b-a3b,mixtral-8x7b")
+    p.add_argument("--tokens", default="1024,8192", help="comma list of token counts")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default="bench-out/native-gemm")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_native_gemm times CUDA graphs: it needs a GPU")
+    t0 = time.time()
+    copy_gbs, dense_tflops = copy_bandwidth_gbs(), matmul_tflops()
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s, dense bf16 matmul {dense_tflops:.0f} TFLOP/s")
+    gemm_table, call_table = [], []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for preset in (s.strip() for s in args.presets.split(",") if s.strip()):
+        layer = FusedMoE.from_preset(preset, weight_format="bf16", device="cuda", dtype=torch.bfloat16)
+        layer.randomize(seed=0, std=0.02)
+        w13, w2 = layer.expert_weights()
+        E, K, N = layer.num_experts, layer.hidden_size, w2.shape[2]
+        for T in (int(t) for t in args.tokens.split(",")):
+            x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+            tw, ids = layer.route(layer.gate(x), None)
+            meta = build_layout("grouped_contiguous", ids, E)
+            valid = int(meta.offsets[-1])
+            x_rows = torch.randn(ids.numel(), K, device="cuda", dtype=torch.bfloat16, generator=gen)
+            h_rows = torch.randn(ids.numel(), N, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1
+            for row in gemm_rows(layer, meta, x_rows, h_rows, args.rounds, valid):
+                gemm_table.append([preset, T, round(valid / E, 1)] + row)
+
+            hit = int((torch.bincount(ids.flatten().long().clamp(min=0), minlength=E)[:E] > 0).sum())
+            weight_bytes = hit * (w13[0].numel() + w2[0].numel()) * 2
+            flops = 2.0 * valid * (w13.shape[1] * K + K * N)
+            floor_us = max(weight_bytes / (copy_gbs * 1e3), flops / (dense_tflops * 1e6))
+            # (layout, backend, PADDED_MOE_FUSE_ACTIVATION during the capture or None for unset)
+            variants = {"auto (Triton)": (None, "auto", None),
+                        "grouped, Triton": ("grouped_contiguous", "triton", None),
+                        "grouped, cuda": ("grouped_contiguous", "cuda", None),
+                        "grouped, cuda, unfused": ("grouped_contiguous", "cuda", "0")}
+            graphs, outs = {}, {}
+            for name, (lay, backend, fuse) in variants.items():
+                env = {} if fuse is None else {FUSE_ENV: fuse}
+                with mock.patch.dict(os.environ, env):
+                    graph, out = captured(lambda: fused_experts(  # noqa: B023
+                        x, w13, w2, tw, ids, activation=layer.activation, activation_config=layer.activation_config,
+                        layout=lay, backend=backend))  # noqa: B023
+                graph.replay()
+                graphs[name], outs[name] = graph, out
+            torch.cuda.synchronize()
+            t = alternate(graphs, args.rounds)
+            base = t["auto (Triton)"]
+            for name in variants:
+                diff = rel_diff(outs[name], outs["auto (Triton)"])
+                call_table.append([preset, T, name, round(t[name], 1), round(base / t[name], 3),
+                                   round(t[name] / floor_us, 2), f"{diff:.1e}"])
+            del graphs, outs
+            torch.cuda.empty_cache()
+        del layer, w13, w2
+        torch.cuda.empty_cache()
+    gemm_headers = ["preset", "T", "rows/expert", "GEMM", "Triton us", "cuda us", "Triton TFLOP/s", "cuda TFLOP/s",
+                    "Triton/cuda", "rel diff"]
+    call_headers = ["preset", "T", "variant", "us", "auto/this", "this/floor", "rel diff vs auto"]
+    print_table("GEMMs alone (GROUPED_CONTIGUOUS, graph replays, alternating rounds)", gemm_headers, gemm_table)
+    print_table("Whole routed-experts calls (graph replays, alternating rounds)", call_headers, call_table)
+    notes = (f"Copy bandwidth {copy_gbs:.0f} GB/s, dense bf16 matmul {dense_tflops:.0f} TFLOP/s (same run). "
+             "floor = max(weights of the experts hit / copy bandwidth, valid FLOPs / matmul rate).")
+    write_report(args.out, "bench_native_gemm_calls", "Native grouped GEMM: whole calls", notes, call_headers,
+                 call_table, extra={"gemms": {"headers": gemm_headers, "rows": gemm_table},
+                                    "wall_s": time.time() - t0})
+    print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

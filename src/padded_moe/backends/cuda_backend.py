@@ -1,0 +1,55 @@
+"""Our native CUDA grouped GEMM (`padded_moe.kernels.native.grouped`) behind the backend interface.
+
+It runs bf16 weights on the grouped layouts (GROUPED_CONTIGUOUS, GROUPED_MASKED) on sm_90 GPUs:
+one CTA per (expert, 128 output columns) streams the expert's weight tile once per 256 rows
+while four tensor-core warpgroups of 64 rows each skip the rows past the expert's count. It applies
+the silu family of spec 01's activations (silu, swigluoai, swigluoai_uninterleave) in GEMM1's
+epilogue (`fuses`; `fused_experts` uses it unless `PADDED_MOE_FUSE_ACTIVATION=0`); the other
+activations run as GEMM1 then the activation op. INDEXED (rows gathered through `sorted_ids`) and MXFP4 weights
+are not offered (`supports` says False, and `backend="cuda"` on them is a NotImplementedError).
+`backend="auto"` never picks it: it is chosen by name.
+
+Graph-safe: the grid is (cdiv(N, 128), experts) from shapes; the rows are read on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from padded_moe.backends.base import GemmBackend, Weight
+from padded_moe.layouts import GemmLayout
+
+_LAYOUTS = (GemmLayout.GROUPED_CONTIGUOUS, GemmLayout.GROUPED_MASKED)
+
+
+class CudaBackend(GemmBackend):
+    name = "cuda"
+    fuses_activation = True
+
+    def fuses(self, activation) -> bool:
+        from padded_moe.kernels.native.grouped import EPILOGUE_ACTIVATIONS
+
+        return activation.value in EPILOGUE_ACTIVATIONS
+
+    def available(self, device: torch.device) -> Optional[str]:
+        from padded_moe.kernels import native
+
+        why = native.unsupported_device(device)
+        return why if why is not None else native.GROUPED.failure()
+
+    def supports(self, layout: GemmLayout, weight: Weight) -> bool:
+        return layout in _LAYOUTS and isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16
+
+    def gemm(self, a, w, meta, *, stage, bias, out, epilogue=None):
+        from padded_moe.kernels.native import grouped
+
+        if meta.layout is GemmLayout.GROUPED_CONTIGUOUS:
+            grouped.launch(a, w, out, offsets=meta.offsets, bias=bias, epilogue=epilogue)
+        else:
+            grouped.launch(a, w, out, counts=meta.counts, bias=bias, epilogue=epilogue)
+        return out
+
+    def gemm_activation(self, a, w, meta, *, bias, out, epilogue):
+        return self.gemm(a, w, meta, stage="w13", bias=bias, out=out, epilogue=epilogue)

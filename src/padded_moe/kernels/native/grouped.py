@@ -1,0 +1,138 @@
+"""Host side of the native grouped GEMM (`grouped_gemm.cu`): argument checks and the launch.
+
+`launch(a, w, out, offsets=..., counts=..., bias=..., epilogue=...)` computes, for each local
+expert `e`, the rows the layout gives it: GROUPED_CONTIGUOUS (`a [R, K]`, `offsets [L + 1]` int64:
+rows `offsets[e] .. offsets[e+1]`) or GROUPED_MASKED (`a [L, T, K]`, `counts [L]` int32: rows
+`0 .. counts[e]` of slab `e`), `out[row] = a[row] @ w[e].T (+ bias[e])` in bf16, fp32
+accumulation, one rounding. With `epilogue` (an `ActivationEpilogue`, GEMM1; its activation one
+of `EPILOGUE_ACTIVATIONS`) the activation is applied before the store, as the Triton kernel's
+epilogue does: the sum plus bias rounded to bf16 (what the activation op would read from GEMM1's
+buffer), then spec 01's formula in fp32 (the sigmoid through the approximate tanh, as the Triton
+kernels do for 16-bit outputs); `out` then has the activation's width. Other rows of `out` are not
+written.
+
+What the kernel needs, refused with `NotImplementedError` (the caller picked this kernel, so a
+call it cannot run is an unsupported combination, not bad input): bf16 `a`, `w` and `out`; the
+last dimension contiguous everywhere; int64 offsets or int32 counts (what `build_layout` makes);
+strides of `a` and `w` in multiples of 8 elements and their data 16-byte aligned (TMA reads); K a
+multiple of 8; an even number of output columns; a bias of float32 or bf16.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from padded_moe.kernels import native
+from padded_moe.kernels._launch import launch_native
+
+ENTRY = "pmoe_grouped_gemm"
+BLOCK_N = 128  # weight rows of a tile (`grouped_gemm.cu`'s kBN): 128 output columns, or 64 gated
+CHUNK_ROWS = 256  # rows of a tile: four warpgroups of 64 (`kPassRows`)
+# The kernel's configurations, by index (`PMOE_GG_CONFIGS`): (pipeline stages, persistent).
+CONFIGS = ((4, True), (4, False))
+# The configuration `launch` runs unless told otherwise.
+DEFAULT_CONFIG = 0
+# Epilogue modes (`grouped_gemm.cu`): plain, gated with the gate half first, gated with gate and up
+# interleaved (swigluoai).
+PLAIN, GATED_SPLIT, GATED_PAIRS = 0, 1, 2
+# The activations the epilogue computes (the silu family: one formula); the others run as GEMM1
+# then the activation op (the backend's `fuses`).
+EPILOGUE_ACTIVATIONS = frozenset({"silu", "swigluoai", "swigluoai_uninterleave"})
+_MAX_INT32 = 2 ** 31 - 1
+
+
+def _refuse(why: str) -> None:
+    raise NotImplementedError(f"the native grouped GEMM (backend 'cuda') {why}")
+
+
+def check(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """Raise NotImplementedError naming the first thing the kernel cannot take."""
+    for name, t in (("a", a), ("w", w), ("out", out)):
+        if t.dtype != torch.bfloat16:
+            _refuse(f"needs bf16 {name}, got {t.dtype}")
+        if t.stride(-1) != 1:
+            _refuse(f"needs {name} with a contiguous last dimension, got strides {tuple(t.stride())}")
+    for name, t in (("a", a), ("w", w)):
+        if any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            _refuse(f"needs {name}'s strides in multiples of 8 elements and its data 16-byte aligned "
+                    f"(TMA), got strides {tuple(t.stride())}")
+    if out.data_ptr() % 4 or any(s % 2 for s in out.stride()[:-1]):
+        _refuse(f"needs out's strides even and its data 4-byte aligned, got strides {tuple(out.stride())}")
+    K = w.shape[2]
+    if K % 8 or K == 0:
+        _refuse(f"needs K (a's last dimension) a positive multiple of 8, got {K}")
+    if out.shape[-1] % 2:
+        _refuse(f"needs an even number of output columns, got {out.shape[-1]}")
+    if max(a.shape[:-1]) > _MAX_INT32 or w.shape[0] > _MAX_INT32:
+        _refuse("addresses rows with 32-bit coordinates; a has more rows than that")
+    if bias is not None:
+        if bias.dtype not in (torch.float32, torch.bfloat16):
+            _refuse(f"needs a float32 or bf16 bias, got {bias.dtype}")
+        if bias.stride(-1) != 1:
+            _refuse(f"needs bias with a contiguous last dimension, got strides {tuple(bias.stride())}")
+
+
+def _epilogue_args(epilogue, w_rows: int) -> tuple:
+    """(mode, activation id, has_limit, limit, alpha, beta) of the kernel's epilogue."""
+    if epilogue is None:
+        return (PLAIN, -1, 0, 0.0, 1.0, 0.0)
+    act = epilogue.activation
+    if act.value not in EPILOGUE_ACTIVATIONS:
+        _refuse(f"applies only {sorted(EPILOGUE_ACTIVATIONS)} in its epilogue, got {act.value}")
+    if w_rows % 2:
+        raise ValueError(f"w's rows must be even (gate and up) for gated {act.value}, got {w_rows}")
+    (limit, alpha, beta, _, _), flags = epilogue.kernel_args(fast=True)
+    return (GATED_PAIRS if act.interleaved else GATED_SPLIT, flags["ACT"], int(flags["HAS_LIMIT"]), limit, alpha, beta)
+
+
+def launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, offsets: Optional[torch.Tensor] = None,
+           counts: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, epilogue=None,
+           config: Optional[int] = None) -> torch.Tensor:
+    """Fill `out` at the rows of each expert (see the module docstring). Exactly one of `offsets`
+    (`a` 2-D) and `counts` (`a` 3-D) is given; the caller (`expert_gemm`) has checked the shapes."""
+    if (offsets is None) == (counts is None):
+        raise ValueError("exactly one of offsets (GROUPED_CONTIGUOUS) and counts (GROUPED_MASKED) must be given")
+    config = DEFAULT_CONFIG if config is None else config
+    if not (isinstance(config, int) and 0 <= config < len(CONFIGS)):
+        raise ValueError(f"config must be an int in [0, {len(CONFIGS)}), got {config!r}")
+    check(a, w, out, bias)
+    if offsets is not None and (offsets.dtype != torch.int64 or not offsets.is_contiguous()):
+        _refuse(f"reads offsets as contiguous int64 (what build_layout makes), got {offsets.dtype}")
+    if counts is not None and (counts.dtype != torch.int32 or not counts.is_contiguous()):
+        _refuse(f"reads counts as contiguous int32 (what build_layout makes), got {counts.dtype}")
+    L, w_rows, K = w.shape
+    ep = _epilogue_args(epilogue, w_rows)
+    N = out.shape[-1]
+    width = w_rows if ep[0] == PLAIN else w_rows // 2
+    if N != width:
+        raise ValueError(f"out has {N} columns, the weight's {w_rows} rows give {width}")
+    if offsets is not None:
+        rows = min(a.shape[0], out.shape[0])
+        slabs, stride_as, stride_ar = 1, rows * a.stride(0), a.stride(0)
+        stride_os, stride_or = 0, out.stride(0)
+    else:
+        slabs, rows = a.shape[0], a.shape[1]
+        stride_as, stride_ar = a.stride(0), a.stride(1)
+        stride_os, stride_or = out.stride(0), out.stride(1)
+    if L == 0 or N == 0 or rows == 0 or slabs == 0:
+        return out
+    bias_kind = native.DTYPE_CODES[bias.dtype] if bias is not None else 0
+    stride_be = bias.stride(0) if bias is not None else 0
+    # One CTA per tile (expert, 256-row chunk, 128 weight rows); the chunks are counted on the
+    # device, so the grid is their bound from shapes: a flat buffer of R rows holds at most
+    # cdiv(R, 256) + L chunks (each expert's last one partial), a slab of T rows cdiv(T, 256) per
+    # expert. A tile has 128 output columns, 64 when gated.
+    if offsets is not None:
+        chunks = -(-rows // CHUNK_ROWS) + min(L, rows)
+    else:
+        chunks = L * -(-rows // CHUNK_ROWS)
+    tile_cols = BLOCK_N if ep[0] == PLAIN else BLOCK_N // 2
+    grid = (chunks * -(-N // tile_cols),)
+    if grid[0] >= 2 ** 30:  # the kernel's tile ids are 32-bit, its non-persistent step 2^30
+        _refuse(f"numbers its tiles in 30 bits; this call would need {grid[0]}")
+    launch_native(native.GROUPED.entry(ENTRY), grid,
+                  (config, a, stride_as, stride_ar, slabs, rows, w, w.stride(0), w.stride(1), L, w_rows, offsets,
+                   counts, bias, stride_be, bias_kind, out, stride_os, stride_or, K, N, *ep))
+    return out

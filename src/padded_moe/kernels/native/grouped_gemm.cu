@@ -1,0 +1,595 @@
+// Native (CUDA C++, sm_90a) grouped expert GEMM for bf16 weights:
+//
+//   out[slab, row, n] = bf16( sum_k a[slab, row, k] * w[e, n, k] + bias[e, n] )
+//
+// for the rows of each local expert e (GROUPED_CONTIGUOUS: rows offsets[e] .. offsets[e+1] of one
+// flat buffer; GROUPED_MASKED: rows 0 .. counts[e] of slab e). Rows past an expert's count are
+// never stored; padded output rows keep what they held.
+//
+// Why by hand. At prefill sizes (DeepSeek-V4: ~192 rows per expert at 8192 tokens) a Triton tile of
+// 128 rows computes 256 rows for 192 and reads the expert's weight tile once per m-tile, and a
+// 64-row tile doubles the weight reads. Triton cannot give one program several tensor-core
+// consumers that skip their share of the rows. Here a CTA owns a tile of (expert, 256-row chunk,
+// 128 output columns): a producer thread streams the weight tile by TMA together with only the
+// 64-row boxes of A that hold valid rows, and four consumer warpgroups each own 64 rows (wgmma
+// m64n128k16); a warpgroup whose rows lie past the count issues no MMA, so the tensor core's work
+// follows the rows in steps of 64. Tiles are numbered expert by expert, then by column tile, then
+// by chunk (`locate_tile`), so CTAs running together share their weight tiles through L2.
+//
+// Layout of a pipeline stage in shared memory (1024-byte aligned, 128-byte TMA swizzle, which the
+// wgmma descriptors below name): four A boxes of [64 rows][64 k] bf16, then the B box
+// [128 n][64 k]. Each row is 128 bytes, the swizzle's span, so a descriptor for k-step j of the
+// 64-wide k tile starts 32 * j bytes into the box.
+//
+// Synchronisation: full[s] completes when the producer's TMA bytes for stage s have landed
+// (expect_tx); empty[s] completes when each of the four consumer warpgroups has released stage s
+// (an active one after its MMAs on it retired, one step later, so one wgmma group stays in
+// flight; an idle one at once). Both sides walk the same k tiles, so stage and parity follow from
+// the k tile's index.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kConsumers = 4;              // consumer warpgroups
+constexpr int kRowsPerGroup = 64;          // wgmma M
+constexpr int kPassRows = kConsumers * kRowsPerGroup;
+constexpr int kBN = 128;                   // output columns per CTA (wgmma N)
+constexpr int kBK = 64;                    // k per stage: 128 bytes of bf16, the swizzle span
+constexpr int kThreads = (kConsumers + 1) * 128;
+constexpr int kABox = kRowsPerGroup * kBK * 2;  // bytes
+constexpr int kBBox = kBN * kBK * 2;
+constexpr int kStageBytes = kConsumers * kABox + kBBox;
+// Registers per thread after setmaxnreg: 128 x 40 + 512 x 104 <= 640 x 96 (the launch's share); the
+// producer spills below 40, the consumers need about 100 (ptxas, no spills at these values).
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 104;
+static_assert(128 * kProducerRegs + kConsumers * 128 * kConsumerRegs <= kThreads * 96, "register budget");
+
+// Stages, their barriers, the experts' chunk prefix (`chunk_prefix`, kMaxExperts + 1 ints) and
+// the slack for aligning the stages to 1024 bytes.
+template <int STAGES>
+constexpr int smem_bytes();
+
+// ---- PTX wrappers ---------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// `policy`: an L2 cache policy (`l2_policy`). The rows of A are read by every CTA of the expert's
+// column tiles (evict last); a weight tile by the CTAs of the expert's row chunks, which run side
+// by side (evict normal: evict-first could drop it before the last of them reads it).
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
+                                            uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%3, "
+      "%4, %5}], [%2], %6;" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
+      : "memory");
+}
+
+template <bool EVICT_LAST>
+__device__ __forceinline__ uint64_t l2_policy() {
+  uint64_t policy;
+  if (EVICT_LAST)
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  else
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+__device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Shared-memory matrix descriptor of a K-major operand under the 128-byte swizzle: start address,
+// leading offset (unused by this swizzle, 16 bytes by convention), stride 1024 bytes between groups of
+// 8 rows, swizzle mode 1 (128B) in bits 62-63.
+__device__ __forceinline__ uint64_t smem_desc(const void* p) {
+  const uint64_t addr = smem_addr(p);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// D[64 x 128] (+)= A[64 x 16] * B[16 x 128], both K-major in shared memory; `accumulate` = 0
+// overwrites D.
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// Two floats to a bf16 pair, round to nearest even (cvt.rn.bf16x2.f32). A float op, not bit
+// arithmetic on the accumulators: integer uses would make the compiler carry them as integers
+// through the main loop and copy them between the MMAs, which serializes the wgmma pipeline.
+__device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float bf16_float(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
+
+// dtype codes shared with the host (`padded_moe.kernels.native.DTYPE_CODES`).
+enum : int { kF32 = 0, kBF16 = 1 };
+
+// What the epilogue does with the tile's 128 weight rows (`pmoe_grouped_gemm`'s `mode`; the
+// kernel's EPI template parameter).
+enum : int {
+  kPlain = 0,        // out[:, n] = acc (+ bias): 128 output columns per tile
+  kGatedSplit = 1,   // gate rows n, up rows n + up_row0 (gate half first): 64 activation columns
+  kGatedPairs = 2,   // gate rows 2n, up rows 2n + 1 (swigluoai's interleave): 64 activation columns
+};
+
+// Activation ids of the silu family: `padded_moe.kernels.activation.KERNEL_IDS`.
+enum : int { kSilu = 0, kSwigluoai = 3, kSwigluoaiUninterleave = 4 };
+
+struct Args {
+  const int64_t* offsets;  // GROUPED_CONTIGUOUS: [L + 1] row offsets, else null
+  const int32_t* counts;   // GROUPED_MASKED: [L] rows per slab, else null
+  int L;                   // local experts
+  int rows;                // rows of a slab of `a` / `out` (the flat buffer's rows when contiguous)
+  int K, N;                // N: output columns (the activation's width when gated)
+  int act, has_limit, up_row0;
+  float limit, alpha, beta;
+  const void* bias;  // [L, N] or null
+  long long stride_be;
+  int bias_kind;
+  uint16_t* out;  // bf16
+  long long stride_os, stride_or;  // slab, row (elements); columns contiguous
+};
+
+// ---- the activation epilogue: the silu family of spec 01 (silu, swigluoai, swigluoai_uninterleave),
+// as `padded_moe.kernels.activation` computes it for 16-bit outputs (sigmoid through tanh.approx).
+// The other activations run as GEMM1 then the activation op (`grouped.EPILOGUE_ACTIVATIONS`): each
+// one compiled into the fully unrolled epilogue would multiply the kernel's code. ----
+
+__device__ __forceinline__ float sigmoid_fast(float z) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(0.5f * z));
+  return 0.5f * y + 0.5f;
+}
+
+__device__ __forceinline__ float silu_family(const Args& a, float g, float u) {
+  if (a.has_limit) {
+    g = fminf(g, a.limit);
+    u = fminf(fmaxf(u, -a.limit), a.limit);
+  }
+  if (a.act == kSilu) return g * sigmoid_fast(g) * u;
+  return g * sigmoid_fast(a.alpha * g) * (u + a.beta);
+}
+
+// GEMM1's value as the activation op would read it from a bf16 buffer: bias added, rounded.
+__device__ __forceinline__ float as_stored(const Args& a, int e, int w_row, float v) {
+  if (a.bias != nullptr) {
+    const long long at = e * a.stride_be + w_row;
+    v += a.bias_kind == kF32 ? static_cast<const float*>(a.bias)[at] : bf16_float(static_cast<const uint16_t*>(a.bias)[at]);
+  }
+  return __bfloat162float(__float2bfloat16_rn(v));
+}
+
+// Rows [start, start + count) of expert e within its slab; `slab` is the expert for
+// GROUPED_MASKED and 0 for GROUPED_CONTIGUOUS. The count is clamped to the slab.
+__device__ __forceinline__ void expert_rows(const Args& a, int e, int& slab, int& start, int& count) {
+  if (a.offsets != nullptr) {
+    const long long lo = a.offsets[e], hi = a.offsets[e + 1];
+    slab = 0;
+    start = static_cast<int>(lo < 0 ? 0 : (lo > a.rows ? a.rows : lo));
+    const long long end = hi > a.rows ? a.rows : hi;
+    count = end > start ? static_cast<int>(end - start) : 0;
+  } else {
+    const int c = a.counts[e];
+    slab = e;
+    start = 0;
+    count = c < 0 ? 0 : (c > a.rows ? a.rows : c);
+  }
+}
+
+__device__ __forceinline__ int expert_chunks(const Args& a, int e) {
+  int slab, start, count;
+  expert_rows(a, e, slab, start, count);
+  return (count + kPassRows - 1) / kPassRows;
+}
+
+// The experts' chunk counts as a prefix in shared memory (one warp, all lanes): prefix[e] is the
+// first chunk of expert e, prefix[L] the number of chunks. Lane l sums the chunks of experts
+// [l * per, (l + 1) * per); a warp scan gives each lane its first chunk.
+__device__ __forceinline__ void chunk_prefix(const Args& a, int* prefix) {
+  const int lane = threadIdx.x % 32;
+  const int per = (a.L + 31) / 32;
+  const int lo = min(lane * per, a.L), hi = min(lo + per, a.L);
+  int sum = 0;
+  for (int i = lo; i < hi; ++i) sum += expert_chunks(a, i);
+  int incl = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  int at = incl - sum;
+  for (int i = lo; i < hi; ++i) {
+    prefix[i] = at;
+    at += expert_chunks(a, i);
+  }
+  if (lane == 31) prefix[a.L] = incl;
+}
+
+struct Tile {
+  int e, chunk, col_tile;
+};
+
+// Tile `id`: tiles run expert by expert, within an expert column tile by column tile, and within a
+// column tile over the expert's 256-row chunks, so the CTAs running together share a weight tile
+// (read from memory once, the others hit L2) and the rows of a few experts. Expert -1 past the
+// last tile.
+__device__ __forceinline__ Tile locate_tile(const int* prefix, int L, int id, int n_tiles) {
+  if (id >= prefix[L] * n_tiles) return Tile{-1, 0, 0};
+  int lo = 0, hi = L - 1;  // the last expert whose first tile is <= id
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (prefix[mid] * n_tiles <= id) lo = mid; else hi = mid - 1;
+  }
+  const int chunks = prefix[lo + 1] - prefix[lo];  // > 0: an empty expert's first tile is the next one's
+  const int local = id - prefix[lo] * n_tiles;
+  return Tile{lo, local % chunks, local / chunks};
+}
+
+// A step past every tile id (the grid's bound is below 2^30: the host checks).
+constexpr int kNoStep = 1 << 30;
+
+// PERSISTENT: one CTA per SM walks tiles blockIdx.x, + gridDim.x, ...; the producer runs ahead
+// into the next tile while the consumers store the last one. Otherwise one CTA per tile (the grid
+// bounds the tiles; CTAs past the last exit).
+template <int STAGES, bool PERSISTENT, int EPI>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
+                        const Args args) {
+  extern __shared__ uint8_t raw_smem[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * kStageBytes);
+  uint64_t* empty = full + STAGES;
+  int* prefix = reinterpret_cast<int*>(empty + STAGES);  // [L + 1]
+
+  constexpr int tile_cols = EPI == kPlain ? kBN : kBN / 2;  // output columns of a tile
+  const int n_tiles = (args.N + tile_cols - 1) / tile_cols;
+  const int k_tiles = (args.K + kBK - 1) / kBK;
+  if (threadIdx.x < 32) chunk_prefix(args, prefix);
+  if (threadIdx.x == 32) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kConsumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    prefetch_map(&map_a);
+    prefetch_map(&map_w);
+  }
+  __syncthreads();
+
+  // Warp-uniform by construction (a shuffle from lane 0), so ptxas sees the consumers' wgmma
+  // branches as non-divergent and keeps the MMAs asynchronous.
+  const int group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);  // 0: producer
+  if (group == 0) {
+    // The CTA's registers were allocated at launch (kThreads x at most 96); the producer gives
+    // back what the consumers take, and the total stays within that allocation.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    if (threadIdx.x != 0) return;
+    const uint64_t weights_policy = l2_policy<false>(), rows_policy = l2_policy<true>();
+    int it = 0;  // k tiles loaded so far: stage and parity
+    for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
+      const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
+      if (tile.e < 0) break;
+      int slab, start, count;
+      expert_rows(args, tile.e, slab, start, count);
+      const int m0 = tile.chunk * kPassRows, n0 = tile.col_tile * tile_cols;
+      // The two 64-row boxes of the weight tile: w13 rows of the gate, then of the up projection.
+      const int w_row0 = EPI == kGatedPairs ? 2 * n0 : n0;
+      const int w_row1 = EPI == kGatedSplit ? args.up_row0 + n0 : w_row0 + kBN / 2;
+      const int boxes = min(kConsumers, (count - m0 + kRowsPerGroup - 1) / kRowsPerGroup);
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int s = it % STAGES;
+        mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+        uint8_t* stage = smem + s * kStageBytes;
+        mbar_expect_tx(&full[s], kBBox + boxes * kABox);
+        tma_load_3d(stage + kConsumers * kABox, &map_w, &full[s], kt * kBK, w_row0, tile.e, weights_policy);
+        tma_load_3d(stage + kConsumers * kABox + kBBox / 2, &map_w, &full[s], kt * kBK, w_row1, tile.e,
+                    weights_policy);
+        for (int b = 0; b < boxes; ++b)
+          tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, start + m0 + b * kRowsPerGroup, slab,
+                      rows_policy);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+  const int c = group - 1;
+  const int t = threadIdx.x % 128;
+  const int warp = t / 32, lane = t % 32;
+  float acc[64];
+  int it = 0;  // k tiles consumed so far: stage and parity
+  for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
+    const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
+    if (tile.e < 0) break;
+    const int e = tile.e;
+    int slab, start, count;
+    expert_rows(args, e, slab, start, count);
+    const int m0 = tile.chunk * kPassRows, n0 = tile.col_tile * tile_cols;
+    if (m0 + c * kRowsPerGroup >= count) {  // no rows of this warpgroup: release each stage at once
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int s = it % STAGES;
+        mbar_wait(&full[s], (it / STAGES) & 1);
+        if (t == 0) mbar_arrive(&empty[s]);
+      }
+      continue;
+    }
+    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      const int s = it % STAGES;
+      mbar_wait(&full[s], (it / STAGES) & 1);
+      const uint8_t* stage = smem + s * kStageBytes;
+      const uint64_t da = smem_desc(stage + c * kABox);
+      const uint64_t db = smem_desc(stage + kConsumers * kABox);
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < kBK / 16; ++j)
+        wgmma_m64n128k16(acc, da + 2 * j, db + 2 * j, (kt > 0 || j > 0) ? 1 : 0);  // +32 bytes per k16
+      wgmma_commit();
+      // One group stays in flight: the previous stage's MMAs have retired, so release it.
+      wgmma_wait<1>();
+      if (kt > 0 && t == 0) mbar_arrive(&empty[(it + STAGES - 1) % STAGES]);
+    }
+    wgmma_wait<0>();
+    if (t == 0) mbar_arrive(&empty[(it + STAGES - 1) % STAGES]);
+    const int w_row0 = EPI == kGatedPairs ? 2 * n0 : n0;
+    const int w_row1 = EPI == kGatedSplit ? args.up_row0 + n0 : w_row0 + kBN / 2;
+
+    // Accumulator fragment of m64nNk16: thread (warp, lane) holds, for i = 4b + 2h + p, row
+    // 16 warp + lane/4 + 8h and column 8b + 2 (lane%4) + p of the tile's 128 weight rows.
+    const int row0 = m0 + c * kRowsPerGroup + warp * 16 + lane / 4;
+    uint16_t* out_slab = args.out + slab * args.stride_os;
+    const int q = 2 * (lane % 4);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0 + 8 * h;
+      if (r >= count) continue;
+      uint16_t* orow = out_slab + (long long)(start + r) * args.stride_or;
+      if (EPI == kGatedSplit) {  // columns j < 64 gate, j + 64 up: activation column n0 + j
+#pragma unroll
+        for (int b = 0; b < kBN / 16; ++b) {
+          const int col = n0 + 8 * b + q;
+          if (col >= args.N) continue;  // N is even: col + 1 < N as well
+          float y[2];
+#pragma unroll
+          for (int p = 0; p < 2; ++p) {
+            const float g = as_stored(args, e, w_row0 + 8 * b + q + p, acc[4 * b + 2 * h + p]);
+            const float u = as_stored(args, e, w_row1 + 8 * b + q + p, acc[4 * (b + kBN / 16) + 2 * h + p]);
+            y[p] = silu_family(args, g, u);
+          }
+          *reinterpret_cast<uint32_t*>(orow + col) = bf16_pair(y[0], y[1]);
+        }
+      } else if (EPI == kGatedPairs) {  // columns 2j gate, 2j + 1 up: activation column n0 + j
+#pragma unroll
+        for (int b = 0; b < kBN / 8; ++b) {
+          const int col = n0 + 4 * b + q / 2;
+          if (col >= args.N) continue;
+          const int w_row = w_row0 + 8 * b + q;
+          const float g = as_stored(args, e, w_row, acc[4 * b + 2 * h]);
+          const float u = as_stored(args, e, w_row + 1, acc[4 * b + 2 * h + 1]);
+          orow[col] = static_cast<uint16_t>(bf16_pair(silu_family(args, g, u), 0.0f) & 0xffffu);
+        }
+      } else {
+#pragma unroll
+        for (int b = 0; b < kBN / 8; ++b) {
+          const int col = n0 + 8 * b + q;
+          if (col >= args.N) continue;  // N is even: col + 1 < N as well
+          float v0 = acc[4 * b + 2 * h], v1 = acc[4 * b + 2 * h + 1];
+          if (args.bias != nullptr) {
+            const long long at = e * args.stride_be + col;
+            if (args.bias_kind == kF32) {
+              v0 += static_cast<const float*>(args.bias)[at];
+              v1 += static_cast<const float*>(args.bias)[at + 1];
+            } else {
+              v0 += bf16_float(static_cast<const uint16_t*>(args.bias)[at]);
+              v1 += bf16_float(static_cast<const uint16_t*>(args.bias)[at + 1]);
+            }
+          }
+          *reinterpret_cast<uint32_t*>(orow + col) = bf16_pair(v0, v1);
+        }
+      }
+    }
+  }
+}
+
+// ---- host side ------------------------------------------------------------------------------
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  if (fn == nullptr) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) ==
+            cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }
+  return fn;
+}
+
+// A 3-d bf16 tensor map [d2][d1][d0] (d0 contiguous), box [1][box1][64], 128-byte swizzle;
+// out-of-range elements read as zero.
+int encode_3d(CUtensorMap* map, const void* base, long long d0, long long d1, long long d2, long long s1_bytes,
+              long long s2_bytes, int box1) {
+  auto fn = encode_fn();
+  if (fn == nullptr) return -10;
+  const cuuint64_t dims[3] = {cuuint64_t(d0), cuuint64_t(d1), cuuint64_t(d2)};
+  const cuuint64_t strides[2] = {cuuint64_t(s1_bytes), cuuint64_t(s2_bytes)};
+  const cuuint32_t box[3] = {cuuint32_t(kBK), cuuint32_t(box1), 1};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box, elem,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? 0 : -11;
+}
+
+// The local experts whose chunk prefix fits the shared memory left beside the stages.
+constexpr int kMaxExperts = 4096;
+
+template <int STAGES>
+constexpr int smem_bytes() {
+  return STAGES * kStageBytes + 2 * STAGES * 8 + 4 * (kMaxExperts + 1) + 1024;
+}
+static_assert(smem_bytes<4>() <= 227 * 1024, "shared memory of the 4-stage kernel");
+
+template <int STAGES, bool PERSISTENT, int EPI>
+int launch(const CUtensorMap& ma, const CUtensorMap& mw, const Args& args, int grid_x, cudaStream_t stream) {
+  // The shared-memory opt-in is a per-device function attribute: set once per device.
+  static unsigned long long configured = 0;
+  constexpr int bytes = smem_bytes<STAGES>();
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const unsigned long long bit = device < 64 ? (1ull << device) : 0;
+  if (bit == 0 || !(configured & bit)) {
+    err = cudaFuncSetAttribute(grouped_gemm_kernel<STAGES, PERSISTENT, EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               bytes);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    configured |= bit;
+  }
+  int grid = grid_x;
+  if (PERSISTENT) {  // one CTA per SM (the stages leave room for one), at most one per tile
+    int sms = 0;
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    grid = grid_x < sms ? grid_x : sms;
+  }
+  grouped_gemm_kernel<STAGES, PERSISTENT, EPI><<<grid, kThreads, bytes, stream>>>(ma, mw, args);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <int STAGES, bool PERSISTENT>
+int launch_mode(int mode, const CUtensorMap& ma, const CUtensorMap& mw, const Args& args, int grid_x,
+                cudaStream_t stream) {
+  if (mode == kGatedSplit) return launch<STAGES, PERSISTENT, kGatedSplit>(ma, mw, args, grid_x, stream);
+  if (mode == kGatedPairs) return launch<STAGES, PERSISTENT, kGatedPairs>(ma, mw, args, grid_x, stream);
+  return launch<STAGES, PERSISTENT, kPlain>(ma, mw, args, grid_x, stream);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Configurations, by index: (stages, persistent).
+#define PMOE_GG_CONFIGS(X) X(4, true) X(4, false)
+
+int pmoe_gg_num_configs() {
+  int n = 0;
+#define COUNT(S, P) ++n;
+  PMOE_GG_CONFIGS(COUNT)
+#undef COUNT
+  return n;
+}
+
+// A tile: this many output columns of one expert's chunk of this many rows.
+int pmoe_gg_block_n() { return kBN; }
+int pmoe_gg_pass_rows() { return kPassRows; }
+
+// a: bf16 [slabs][rows][K] with row / slab strides in elements (K contiguous); w: bf16
+// [L][w_rows][K] likewise; exactly one of offsets (int64 [L + 1]) and counts (int32 [L]) is set.
+// N: output columns (`mode` kGatedSplit / kGatedPairs: the activation's, w_rows / 2; else
+// w_rows). `act` (with has_limit, limit, alpha, beta): the gated modes' activation, one of the
+// silu family. The grid is one dimension, at least the number of tiles: cdiv(N, 128) (gated:
+// cdiv(N, 64)) x (the experts' 256-row chunks), which the host bounds from shapes (CTAs past the
+// last tile exit). Strides must be multiples of 8 elements and the bases 16-byte aligned (TMA).
+int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const void* a, long long stride_as,
+                      long long stride_ar, int slabs, int rows, const void* w, long long stride_we,
+                      long long stride_wn, int L, int w_rows, const void* offsets, const void* counts,
+                      const void* bias, long long stride_be, int bias_kind, void* out, long long stride_os,
+                      long long stride_or, int K, int N, int mode, int act, int has_limit, float limit,
+                      float alpha, float beta) {
+  if ((offsets == nullptr) == (counts == nullptr)) return -12;
+  if (grid_y != 1 || grid_x < 1 || N % 2 != 0 || L < 1) return -13;
+  if (L > kMaxExperts) return -16;
+  if (mode < kPlain || mode > kGatedPairs) return -14;
+  if (mode != kPlain && act != kSilu && act != kSwigluoai && act != kSwigluoaiUninterleave) return -17;
+  const bool gated_mode = mode == kGatedSplit || mode == kGatedPairs;
+  if ((gated_mode && w_rows != 2 * N) || (!gated_mode && w_rows != N)) return -15;
+  CUtensorMap ma, mw;
+  int err = encode_3d(&ma, a, K, rows, slabs, stride_ar * 2, stride_as * 2, kRowsPerGroup);
+  if (err != 0) return err;
+  err = encode_3d(&mw, w, K, w_rows, L, stride_wn * 2, stride_we * 2, kBN / 2);
+  if (err != 0) return err;
+  const Args args{static_cast<const int64_t*>(offsets), static_cast<const int32_t*>(counts), L, rows, K, N, act,
+                  has_limit, N, limit, alpha, beta, bias, stride_be, bias_kind, static_cast<uint16_t*>(out),
+                  stride_os, stride_or};
+  int i = 0;
+#define RUN(S, P) \
+  if (config == i++) return launch_mode<S, P>(mode, ma, mw, args, grid_x, static_cast<cudaStream_t>(stream));
+  PMOE_GG_CONFIGS(RUN)
+#undef RUN
+  return -1;
+}
+
+const char* pmoe_error_string(int code) {
+  if (code == -1) return "unknown configuration";
+  if (code == -10) return "cuTensorMapEncodeTiled is not available from the driver";
+  if (code == -11) return "cuTensorMapEncodeTiled rejected a tensor (alignment, strides or sizes)";
+  if (code == -12) return "exactly one of offsets and counts must be given";
+  if (code == -13) return "the grid must be one-dimensional, N even and L positive";
+  if (code == -14) return "unknown epilogue mode";
+  if (code == -15) return "w's rows must be 2 N for a gated epilogue, N otherwise";
+  if (code == -16) return "more than 4096 local experts";
+  if (code == -17) return "the epilogue's activation is not of the silu family";
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+}  // extern "C"

@@ -1,0 +1,185 @@
+"""Backend "cuda" (`padded_moe.backends.cuda_backend`) and its kernel's host side
+(`padded_moe.kernels.native.grouped`) on the CPU: what it offers, what it refuses and how, and the
+arguments a launch passes to the kernel for each layout. The kernel runs in
+tests/test_native_grouped_gpu.py."""
+
+import pytest
+import torch
+
+from padded_moe.activation import ApplyMoEActivationConfig
+from padded_moe.backends import BACKENDS, get_backend, resolve_backend
+from padded_moe.gemm import expert_gemm
+from padded_moe.kernels import native
+from padded_moe.kernels.native import grouped
+from padded_moe.layouts import GemmLayout, build_layout
+from padded_moe.mxfp4 import quantize_mxfp4
+
+
+def test_listed_and_never_auto():
+    assert "cuda" in BACKENDS
+    assert get_backend("cuda").name == "cuda"
+    assert resolve_backend("auto", torch.device("cpu"), GemmLayout.GROUPED_CONTIGUOUS,
+                           torch.zeros(1, 2, 8, dtype=torch.bfloat16)).name != "cuda"
+
+
+def test_supports_grouped_layouts_with_bf16_weights_only():
+    b = get_backend("cuda")
+    bf16 = torch.zeros(2, 16, 32, dtype=torch.bfloat16)
+    assert b.supports(GemmLayout.GROUPED_CONTIGUOUS, bf16) and b.supports(GemmLayout.GROUPED_MASKED, bf16)
+    assert not b.supports(GemmLayout.INDEXED, bf16)
+    assert not b.supports(GemmLayout.GROUPED_CONTIGUOUS, bf16.float())
+    assert not b.supports(GemmLayout.GROUPED_CONTIGUOUS, quantize_mxfp4(torch.randn(2, 16, 32)))
+    assert b.fuses_activation
+
+
+def test_refused_on_cpu_naming_why():
+    ids = torch.tensor([[0], [1], [1]], dtype=torch.int32)
+    meta = build_layout("grouped_contiguous", ids, 2)
+    a = torch.randn(3, 32, dtype=torch.bfloat16)
+    w = torch.randn(2, 16, 32, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="backend 'cuda' is not available on cpu: native kernels need a CUDA"):
+        expert_gemm(a, w, meta, backend="cuda")
+
+
+def test_unsupported_combination_is_not_implemented(monkeypatch):
+    """On a device where the kernel could run, INDEXED or MXFP4 weights still fail closed."""
+    b = get_backend("cuda")
+    monkeypatch.setattr(type(b), "available", lambda self, device: None)
+    with pytest.raises(NotImplementedError, match="'cuda' does not support layout indexed with bfloat16"):
+        resolve_backend("cuda", torch.device("cpu"), GemmLayout.INDEXED, torch.zeros(1, 2, 8, dtype=torch.bfloat16))
+
+
+def _tensors(L=3, N=16, K=32, rows=10):
+    a = torch.randn(rows, K, dtype=torch.bfloat16)
+    w = torch.randn(L, N, K, dtype=torch.bfloat16)
+    out = torch.empty(rows, N, dtype=torch.bfloat16)
+    return a, w, out
+
+
+@pytest.mark.parametrize("what,change,message", [
+    ("a dtype", lambda a, w, o, b: (a.float(), w, o, b), "bf16 a"),
+    ("w dtype", lambda a, w, o, b: (a, w.half(), o, b), "bf16 w"),
+    ("out dtype", lambda a, w, o, b: (a, w, o.float(), b), "bf16 out"),
+    ("w transposed", lambda a, w, o, b: (a, w.transpose(1, 2).contiguous().transpose(1, 2), o, b),
+     "w with a contiguous last dimension"),
+    ("a row stride", lambda a, w, o, b: (torch.randn(a.shape[0], 36, dtype=a.dtype)[:, :32], w, o, b),
+     "a's strides in multiples of 8"),
+    ("K", lambda a, w, o, b: (a[:, :12], w[:, :, :12], o, b), "K .* multiple of 8"),
+    ("N odd", lambda a, w, o, b: (a, w[:, :15], o[:, :15], b), "even number of output columns"),
+    ("bias dtype", lambda a, w, o, b: (a, w, o, torch.zeros(3, 16, dtype=torch.float64)), "float32 or bf16 bias"),
+])
+def test_check_refuses_what_the_kernel_cannot_take(what, change, message):
+    a, w, out = _tensors()
+    a, w, out, bias = change(a, w, out, None)
+    with pytest.raises(NotImplementedError, match=message):
+        grouped.check(a, w, out, bias)
+
+
+class _Recorder:
+    def __init__(self, monkeypatch):
+        self.calls = []
+        monkeypatch.setattr(native.GROUPED, "entry", lambda name: ("entry", name))
+        monkeypatch.setattr(grouped, "launch_native", lambda kernel, grid, args: self.calls.append((kernel, grid, args)))
+
+
+def test_contiguous_launch_arguments(monkeypatch):
+    rec = _Recorder(monkeypatch)
+    a, w, out = _tensors(L=3, N=260, K=64, rows=10)
+    offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
+    bias = torch.zeros(3, 260)
+    grouped.launch(a, w, out, offsets=offsets, bias=bias)
+    (kernel, grid, args), = rec.calls
+    assert kernel == ("entry", "pmoe_grouped_gemm") and grid == ((1 + 3) * 3,)  # (cdiv(10, 256) + 3 chunks) x 3
+    (config, a_, s_as, s_ar, slabs, rows, w_, s_we, s_wn, L, w_rows, off, cnt, b_, s_be, bkind, o_, s_os, s_or, K,
+     N, *ep) = args
+    assert (config, slabs, rows, s_ar, s_as) == (0, 1, 10, 64, 640)
+    assert a_ is a and w_ is w and o_ is out and off is offsets and cnt is None and b_ is bias
+    assert (s_we, s_wn, L, w_rows, s_be, bkind, s_or, K, N) == (260 * 64, 64, 3, 260, 260,
+                                                                 native.DTYPE_CODES[torch.float32], 260, 64, 260)
+    assert ep == [grouped.PLAIN, -1, 0, 0.0, 1.0, 0.0]
+
+
+def test_masked_launch_arguments(monkeypatch):
+    rec = _Recorder(monkeypatch)
+    L, T, K, N = 4, 6, 32, 16
+    a = torch.randn(L, T, K, dtype=torch.bfloat16)
+    w = torch.randn(L, N, K, dtype=torch.bfloat16)
+    out = torch.empty(L, T, N, dtype=torch.bfloat16)
+    counts = torch.tensor([1, 0, 6, 3], dtype=torch.int32)
+    grouped.launch(a, w, out, counts=counts, config=1)
+    (_, grid, args), = rec.calls
+    assert grid == (4 * 1 * 1,)  # 4 slabs of one chunk, one column tile
+    config, _, s_as, s_ar, slabs, rows = args[:6]
+    assert (config, s_as, s_ar, slabs, rows) == (1, T * K, K, L, T)
+    assert args[11] is None and args[12] is counts and args[13] is None
+    assert args[17:19] == (T * N, N)
+
+
+def test_launch_refuses_bad_metadata_and_config(monkeypatch):
+    _Recorder(monkeypatch)
+    a, w, out = _tensors()
+    offsets = torch.tensor([0, 4, 4, 9])
+    with pytest.raises(ValueError, match="exactly one of offsets"):
+        grouped.launch(a, w, out)
+    with pytest.raises(ValueError, match="exactly one of offsets"):
+        grouped.launch(a, w, out, offsets=offsets, counts=offsets.int())
+    with pytest.raises(ValueError, match="config must be an int in"):
+        grouped.launch(a, w, out, offsets=offsets, config=2)
+    with pytest.raises(NotImplementedError, match="offsets as contiguous int64"):
+        grouped.launch(a, w, out, offsets=offsets.int())
+    with pytest.raises(NotImplementedError, match="counts as contiguous int32"):
+        grouped.launch(a.view(2, 5, 32), w[:2], out.view(2, 5, 16), counts=offsets[:2])
+
+
+def test_empty_calls_launch_nothing(monkeypatch):
+    rec = _Recorder(monkeypatch)
+    a, w, out = _tensors(rows=0)
+    grouped.launch(a, w, out, offsets=torch.zeros(4, dtype=torch.int64))
+    assert rec.calls == []
+
+
+@pytest.mark.parametrize("activation,config,mode", [
+    ("silu", None, "GATED_SPLIT"),
+    ("swigluoai", None, "GATED_PAIRS"),
+    ("silu", ApplyMoEActivationConfig(clamp_limit=10.0), "GATED_SPLIT"),
+    ("silu", ApplyMoEActivationConfig(alpha=1.702, beta=1.0), "GATED_SPLIT"),
+])
+def test_epilogue_launch_arguments(monkeypatch, activation, config, mode):
+    """The activation's kernel id, limit and parameters reach the kernel, with its mode and the
+    tile count of its output width (64 activation columns per gated tile)."""
+    from padded_moe.activation import ActivationEpilogue
+
+    rec = _Recorder(monkeypatch)
+    ep = ActivationEpilogue.of(activation, config)
+    a, w, _ = _tensors(L=2, N=260, K=32, rows=6)
+    out = torch.empty(6, 130, dtype=torch.bfloat16)
+    grouped.launch(a, w, out, offsets=torch.tensor([0, 2, 6]), epilogue=ep)
+    (_, grid, args), = rec.calls
+    assert grid == ((1 + 2) * 3,)  # (cdiv(6, 256) + 2 chunks) x cdiv(130, 64)
+    (limit, alpha, beta, _, _), flags = ep.kernel_args(fast=True)
+    assert args[20] == 130
+    assert list(args[21:]) == [getattr(grouped, mode), flags["ACT"], int(flags["HAS_LIMIT"]), limit, alpha, beta]
+    assert config is None or config.clamp_limit is None or args[24] == 10.0
+
+
+def test_only_the_silu_family_is_fused():
+    """Other activations are not offered to the epilogue (the pipeline runs them as a second
+    step), and a direct launch with one is refused."""
+    from padded_moe.activation import ActivationEpilogue, MoEActivation
+
+    b = get_backend("cuda")
+    assert [a.value for a in MoEActivation if b.fuses(a)] == sorted(grouped.EPILOGUE_ACTIVATIONS,
+                                                                     key=[m.value for m in MoEActivation].index)
+    a, w, _ = _tensors(L=2, N=16, K=32, rows=6)
+    with pytest.raises(NotImplementedError, match="only .* in its epilogue, got gelu"):
+        grouped.launch(a, w, torch.empty(6, 8, dtype=torch.bfloat16), offsets=torch.tensor([0, 2, 6]),
+                       epilogue=ActivationEpilogue.of("gelu"))
+
+
+def test_epilogue_width_must_match(monkeypatch):
+    from padded_moe.activation import ActivationEpilogue
+
+    _Recorder(monkeypatch)
+    a, w, out = _tensors(L=2, N=16, K=32, rows=6)
+    with pytest.raises(ValueError, match="out has 16 columns, the weight's 16 rows give 8"):
+        grouped.launch(a, w, out, offsets=torch.tensor([0, 2, 6]), epilogue=ActivationEpilogue.of("silu"))

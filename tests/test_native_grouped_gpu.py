@@ -1,0 +1,184 @@
+"""The native grouped GEMM (backend "cuda", `padded_moe.kernels.native.grouped`) on an sm_90 GPU.
+
+References are float64 per expert over the rows the layout must compute (`test_gemm_gpu.check`),
+inputs hold NaN in every row the layout must not compute, and outputs are poisoned: rows past a
+count must stay as they were. Shapes: the models' (DeepSeek-V4, GPT-OSS with its bias, a prefill
+case of ~1000 rows per expert, i.e. several 256-row passes of one CTA) and odd ones (K and N not
+multiples of the kernel's tiles, empty experts, counts on either side of each 64-row step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import SENTINEL
+from test_gemm_gpu import SHAPES, check, inputs_for, out_for, real_shape_case, weight_cache
+
+from padded_moe import fused_experts
+from padded_moe.activation import ApplyMoEActivationConfig, apply_moe_activation
+from padded_moe.gemm import expert_gemm
+from padded_moe.kernels import native
+from padded_moe.layouts import GemmLayout, build_layout
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+GROUPED = [GemmLayout.GROUPED_CONTIGUOUS, GemmLayout.GROUPED_MASKED]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_native():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    why = native.unsupported_device(torch.device(DEV)) or native.GROUPED.failure()
+    if why is not None:
+        pytest.skip(f"the native grouped GEMM cannot run here: {why}")
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return weight_cache()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
+@pytest.mark.parametrize("stage", ["w13", "w2"])
+@pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
+def test_real_shapes(shape, stage, layout, weights):
+    w, meta, a, bias, out = real_shape_case(shape, stage, layout, weights, "bf16")
+    expert_gemm(a, w, meta, stage=stage, bias=bias, out=out, backend="cuda")
+    torch.cuda.synchronize()
+    check(a, w, meta, stage, out, bias)
+
+
+def _counts_case(counts, K, N, layout, bias_dtype, seed):
+    """A layout whose expert e receives exactly counts[e] slots (top-1 routing of shuffled tokens)."""
+    L = len(counts)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    ids = torch.cat([torch.full((c,), e, dtype=torch.int32) for e, c in enumerate(counts)]).to(DEV)
+    ids = ids[torch.randperm(ids.numel(), generator=g, device=DEV)].view(-1, 1)
+    meta = build_layout(layout, ids, L)
+    w = (torch.randn(L, N, K, generator=g, device=DEV) / K ** 0.5).bfloat16()
+    a = inputs_for(layout, meta, "w13", K, ids.shape[0], 1, seed)
+    bias = None if bias_dtype is None else torch.randn(L, N, generator=g, device=DEV).to(bias_dtype)
+    return w, meta, a, bias, out_for(layout, meta, a, N)
+
+
+# Counts around every 64-row step of a pass and past one pass (256 rows), and empty experts.
+ODD_COUNTS = [0, 1, 63, 64, 65, 130, 191, 192, 193, 255, 256, 257, 0, 520]
+
+
+@pytest.mark.parametrize("K,N", [(64, 128), (200, 200), (4096, 136), (72, 2056)])
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
+def test_odd_counts_and_shapes(K, N, bias_dtype, layout):
+    w, meta, a, bias, out = _counts_case(ODD_COUNTS, K, N, layout, bias_dtype, K + N)
+    expert_gemm(a, w, meta, bias=bias, out=out, backend="cuda")
+    torch.cuda.synchronize()
+    check(a, w, meta, "w13", out, bias)
+
+
+@pytest.mark.parametrize("config", range(2), ids=lambda c: "persistent" if c == 0 else "one_cta_per_tile")
+@pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
+def test_every_config(config, layout):
+    from padded_moe.kernels.native import grouped
+
+    assert len(grouped.CONFIGS) == 2 and grouped.CONFIGS[config][1] == (config == 0)
+    w, meta, a, _, out = _counts_case(ODD_COUNTS, 512, 256, layout, None, 5)
+    if layout == GemmLayout.GROUPED_CONTIGUOUS:
+        grouped.launch(a, w, out, offsets=meta.offsets, config=config)
+    else:
+        grouped.launch(a, w, out, counts=meta.counts, config=config)
+    torch.cuda.synchronize()
+    check(a, w, meta, "w13", out)
+
+
+def test_graph_replay_reads_new_rows_and_counts():
+    """A captured call replays on new data in the same buffers, new counts included."""
+    L, K, N, M = 16, 512, 384, 300
+    g = torch.Generator(device=DEV).manual_seed(3)
+    ids = torch.randint(0, L, (M, 2), generator=g, device=DEV, dtype=torch.int32)
+    meta = build_layout(GemmLayout.GROUPED_MASKED, ids, L)
+    w = (torch.randn(L, N, K, generator=g, device=DEV) / K ** 0.5).bfloat16()
+    a = inputs_for(GemmLayout.GROUPED_MASKED, meta, "w13", K, M, 2, 1)
+    out = out_for(GemmLayout.GROUPED_MASKED, meta, a, N)
+    expert_gemm(a, w, meta, out=out, backend="cuda")  # builds and loads the library outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        expert_gemm(a, w, meta, out=out, backend="cuda")
+    new_counts = torch.randint(0, meta.max_tokens_per_expert + 1, (L,), generator=g, device=DEV, dtype=torch.int32)
+    meta.counts.copy_(new_counts)
+    a.copy_(inputs_for(GemmLayout.GROUPED_MASKED, meta, "w13", K, M, 2, 9))
+    out.fill_(SENTINEL)
+    graph.replay()
+    torch.cuda.synchronize()
+    check(a, w, meta, "w13", out)
+
+
+@pytest.mark.parametrize("preset", ["dsv4-flash", "qwen3-30b-a3b"])
+def test_fused_experts_on_the_cuda_backend(preset):
+    """The whole pipeline with both GEMMs on the native kernel equals the Triton backend's within
+    bf16 rounding (different summation orders; each side is checked against float64 above)."""
+    from padded_moe.presets import get_preset
+
+    p = get_preset(preset)
+    g = torch.Generator(device=DEV).manual_seed(11)
+    M, E = 512, p.num_experts
+    x = torch.randn(M, p.hidden_size, generator=g, device=DEV).bfloat16()
+    w13 = (torch.randn(E, p.w13_rows, p.hidden_size, generator=g, device=DEV) / p.hidden_size ** 0.5).bfloat16()
+    w2 = (torch.randn(E, p.hidden_size, p.intermediate_size, generator=g, device=DEV)
+          / p.intermediate_size ** 0.5).bfloat16()
+    logits = torch.randn(M, E, generator=g, device=DEV)
+    tw, ids = torch.topk(logits.softmax(-1), p.top_k, dim=-1)
+    ids = ids.int()
+    ids[::5, 0] = -1  # dropped slots
+    cfg = ApplyMoEActivationConfig(**p.activation_config)
+    outs = {}
+    for backend in ("cuda", "triton"):
+        outs[backend] = fused_experts(x, w13, w2, tw, ids, activation=p.activation, activation_config=cfg,
+                                      layout="grouped_contiguous", backend=backend)
+    torch.cuda.synchronize()
+    ref = outs["triton"].double()
+    err = ((outs["cuda"].double() - ref).norm() / ref.norm()).item()
+    assert torch.isfinite(outs["cuda"]).all() and err < 1e-2, f"relative difference {err:.3g}"
+
+
+# Every activation the epilogue computes, with the settings that change its formula, and two that
+# it leaves to the activation op (`expert_gemm` then runs the two steps on this backend).
+EPILOGUES = [("silu", None), ("silu", ApplyMoEActivationConfig(clamp_limit=10.0)),
+             ("silu", ApplyMoEActivationConfig(alpha=1.702, beta=1.0)), ("swigluoai", None),
+             ("swigluoai_uninterleave", None), ("gelu", None), ("relu2_no_mul", None)]
+
+
+@pytest.mark.parametrize("activation,config", EPILOGUES, ids=lambda v: str(v))
+@pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
+def test_activation_epilogue_equals_two_steps(activation, config, layout):
+    """GEMM1 with the activation in its epilogue equals GEMM1 into a bf16 buffer (same kernel) and
+    then the activation op, on the valid rows; rows past the counts stay poisoned."""
+    from padded_moe.activation import MoEActivation
+
+    gated = MoEActivation(activation).is_gated
+    w, meta, a, bias, h = _counts_case(ODD_COUNTS[:10], 256, 392, layout, torch.float32, 21)
+    w = w * 4  # pre-activation values of a few units: every branch of the formulas is taken
+    expert_gemm(a, w, meta, bias=bias, out=h, backend="cuda")
+    width = 392 // 2 if gated else 392
+    ref = torch.full(h.shape[:-1] + (width,), SENTINEL, dtype=torch.bfloat16, device=DEV)
+    apply_moe_activation(activation, ref, h, activation_config=config, valid_token_counts=meta.activation_counts)
+    out = torch.full_like(ref, SENTINEL)
+    expert_gemm(a, w, meta, bias=bias, out=out, backend="cuda", activation=activation, activation_config=config)
+    torch.cuda.synchronize()
+    flat_ref, flat_out = ref.reshape(-1, width), out.reshape(-1, width)
+    written = (flat_ref != SENTINEL).any(-1)
+    assert ((flat_out == SENTINEL).all(-1) == ~written).all(), "the epilogue wrote other rows than the op"
+    diff = (flat_out[written].double() - flat_ref[written].double()).abs()
+    scale = flat_ref[written].double().abs().clamp(min=1e-2)
+    assert torch.isfinite(flat_out[written]).all()
+    assert (diff / scale).max().item() <= 2 ** -7, "more than one bf16 rounding apart"
+
+
+def test_sanitizer_small():
+    """A small call of each layout for `compute-sanitizer --tool memcheck` (gpu_check.sh)."""
+    for layout in GROUPED:
+        w, meta, a, bias, out = _counts_case([5, 0, 70, 257], 136, 264, layout, torch.float32, 2)
+        expert_gemm(a, w, meta, bias=bias, out=out, backend="cuda")
+        torch.cuda.synchronize()
+        check(a, w, meta, "w13", out, bias)

@@ -1,7 +1,8 @@
 """The native grouped GEMM (backend "cuda") against our Triton GEMM on the models' shapes.
 
-For each preset and token count, a bf16 `FusedMoE` layer with random weights routes random tokens
-through its own router; then, in alternating rounds of CUDA-graph replays (so drift hits every
+For each preset (`name` or `name:mxfp4` for MXFP4 weights, kept with their canonical bytes, which
+the native kernel reads) and token count, a `FusedMoE` layer with random weights routes random
+tokens through its own router; then, in alternating rounds of CUDA-graph replays (so drift hits every
 variant alike):
 
 - GEMM1 and GEMM2 alone on the GROUPED_CONTIGUOUS layout, Triton (the tuned table's tile) vs
@@ -15,7 +16,7 @@ and the valid FLOPs over the dense bf16 matmul rate, both measured in the same r
 output is checked against Triton's (relative L2 difference at most 2e-2; both are checked against
 float64 in the GPU tests).
 
-    python benchmarks/bench_native_gemm.py --presets dsv4-flash,qwen3-30b-a3b,mixtral-8x7b \
+    python benchmarks/bench_native_gemm.py --presets dsv4-flash,qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b:mxfp4 \
         --tokens 1024,8192 --out bench-out/native-gemm
 """
 
@@ -58,11 +59,12 @@ def gemm_rows(layer: FusedMoE, meta, x_rows: torch.Tensor, h_rows: torch.Tensor,
     """GEMM1 and GEMM2 alone: Triton vs native on the same GROUPED_CONTIGUOUS rows."""
     w13, w2 = layer.expert_weights()
     rows = []
-    for stage, a, w in (("w13", x_rows, w13), ("w2", h_rows, w2)):
+    for stage, a, w, bias in (("w13", x_rows, w13, layer.w13_bias), ("w2", h_rows, w2, layer.w2_bias)):
         outs, graphs = {}, {}
         for backend in ("triton", "cuda"):
             out = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
-            graph, _ = captured(lambda: expert_gemm(a, w, meta, stage=stage, out=out, backend=backend))  # noqa: B023
+            graph, _ = captured(lambda: expert_gemm(a, w, meta, stage=stage, bias=bias, out=out,  # noqa: B023
+                                                    backend=backend))  # noqa: B023
             graph.replay()
             graphs[backend], outs[backend] = graph, out
         torch.cuda.synchronize()
@@ -76,7 +78,7 @@ def gemm_rows(layer: FusedMoE, meta, x_rows: torch.Tensor, h_rows: torch.Tensor,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", default="dsv4-flash,qwen3-30b-a3b,mixtral-8x7b")
+    p.add_argument("--presets", default="dsv4-flash,qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b:mxfp4,dsv4-flash:mxfp4")
     p.add_argument("--tokens", default="1024,8192", help="comma list of token counts")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="bench-out/native-gemm")
@@ -88,11 +90,18 @@ def main() -> None:
     print(f"copy bandwidth {copy_gbs:.0f} GB/s, dense bf16 matmul {dense_tflops:.0f} TFLOP/s")
     gemm_table, call_table = [], []
     gen = torch.Generator(device="cuda").manual_seed(1)
-    for preset in (s.strip() for s in args.presets.split(",") if s.strip()):
-        layer = FusedMoE.from_preset(preset, weight_format="bf16", device="cuda", dtype=torch.bfloat16)
+    for item in (s.strip() for s in args.presets.split(",") if s.strip()):
+        preset, _, fmt = item.partition(":")
+        fmt = fmt or "bf16"
+        layer = FusedMoE.from_preset(preset, weight_format=fmt, device="cuda", dtype=torch.bfloat16,
+                                     keep_canonical=fmt == "mxfp4")
         layer.randomize(seed=0, std=0.02)
         w13, w2 = layer.expert_weights()
         E, K, N = layer.num_experts, layer.hidden_size, w2.shape[2]
+        if fmt == "mxfp4":
+            expert_bytes = sum(t.blocks[0].numel() + t.scales[0].numel() for t in (w13, w2))
+        else:
+            expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
         for T in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, generator=gen)
             tw, ids = layer.route(layer.gate(x), None)
@@ -101,13 +110,14 @@ def main() -> None:
             x_rows = torch.randn(ids.numel(), K, device="cuda", dtype=torch.bfloat16, generator=gen)
             h_rows = torch.randn(ids.numel(), N, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1
             for row in gemm_rows(layer, meta, x_rows, h_rows, args.rounds, valid):
-                gemm_table.append([preset, T, round(valid / E, 1)] + row)
+                gemm_table.append([item, T, round(valid / E, 1)] + row)
 
             hit = int((torch.bincount(ids.flatten().long().clamp(min=0), minlength=E)[:E] > 0).sum())
-            weight_bytes = hit * (w13[0].numel() + w2[0].numel()) * 2
+            weight_bytes = hit * expert_bytes
             flops = 2.0 * valid * (w13.shape[1] * K + K * N)
             floor_us = max(weight_bytes / (copy_gbs * 1e3), flops / (dense_tflops * 1e6))
             # (layout, backend, PADDED_MOE_FUSE_ACTIVATION during the capture or None for unset)
+            bias = dict(w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
             variants = {"auto (Triton)": (None, "auto", None),
                         "grouped, Triton": ("grouped_contiguous", "triton", None),
                         "grouped, cuda": ("grouped_contiguous", "cuda", None),
@@ -118,7 +128,7 @@ def main() -> None:
                 with mock.patch.dict(os.environ, env):
                     graph, out = captured(lambda: fused_experts(  # noqa: B023
                         x, w13, w2, tw, ids, activation=layer.activation, activation_config=layer.activation_config,
-                        layout=lay, backend=backend))  # noqa: B023
+                        layout=lay, backend=backend, **bias))  # noqa: B023
                 graph.replay()
                 graphs[name], outs[name] = graph, out
             torch.cuda.synchronize()
@@ -126,7 +136,7 @@ def main() -> None:
             base = t["auto (Triton)"]
             for name in variants:
                 diff = rel_diff(outs[name], outs["auto (Triton)"])
-                call_table.append([preset, T, name, round(t[name], 1), round(base / t[name], 3),
+                call_table.append([item, T, name, round(t[name], 1), round(base / t[name], 3),
                                    round(t[name] / floor_us, 2), f"{diff:.1e}"])
             del graphs, outs
             torch.cuda.empty_cache()

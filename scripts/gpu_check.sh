@@ -50,16 +50,17 @@ for stage in "$@"; do
             # baseline reads the re-laid arrangement); with compile-op, the owed one-GPU runs of session 39
             step test-hf-gpt-oss python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py -k "gpt_oss"
             step bench-hf-gpt-oss python3 benchmarks/bench_hf.py --models gpt_oss --iters 5 --out "$OUT/bench" ;;
-        native-gemm)  # the native grouped GEMM (backend "cuda"): exact-integer probe first (a hang or a wrong
-            # mapping stops the stage there), GPU tests vs float64, memcheck, then the bench vs Triton
+        native-gemm)  # the native grouped GEMM (backend "cuda"): exact-integer probes first (a hang or a wrong
+            # mapping stops the stage there), GPU tests vs float64, memcheck; `native-bench` times it
             STEP_TIMEOUT=120 step probe-native-gemm python3 scripts/native_gemm_probe.py
             if grep -q "probe-native-gemm rc=0" "$summary"; then
                 step test-native-grouped python3 -m pytest -q tests/test_native.py tests/test_cuda_backend.py \
                     tests/test_native_grouped_gpu.py
                 step sanitizer-native-grouped compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
                     -m gpu tests/test_native_grouped_gpu.py -k sanitizer
-                STEP_TIMEOUT=420 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench"
             fi ;;
+        native-bench)  # the native grouped GEMM vs the Triton GEMM: GEMMs alone and whole calls, five model cases
+            STEP_TIMEOUT=540 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" ;;
         layer-plan)  # decode-sized FusedMoE forwards as one launch plan (gate kernel + router + experts): GPU
             # tests of the plan and the gate kernel, the suites that call the layer, memcheck, host time per layer
             step test-layer-plan python3 -m pytest -q -m gpu tests/test_launch_plan_gpu.py tests/test_routing_gpu.py

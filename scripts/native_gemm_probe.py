@@ -8,7 +8,11 @@ the first few (row, column, expected, got).
 - k: a[r, r % K] = 1, w[n, k] = k % 256: out[r, n] = r % K % 256 (the k order: swizzle, k steps, stages)
 
 each for counts that use one, four and several 64-row warpgroups and 256-row chunks, in every
-configuration of the kernel (persistent, one CTA per tile). Exit status 1 if any is wrong.
+configuration of the kernel (persistent, one CTA per tile); and for MXFP4 weights (random codes,
+scales near 1):
+- mx: a[r, r % K] = 1: out[r, n] = the dequantized w[n, r % K], exactly (the upcast, the swizzled
+  stores of the producer warps, the scale groups).
+Exit status 1 if any is wrong.
 
     PYTHONPATH=src python scripts/native_gemm_probe.py
 """
@@ -20,18 +24,41 @@ import sys
 import torch
 
 from padded_moe.kernels.native import grouped
+from padded_moe.mxfp4 import Mxfp4Tensor, dequantize_mxfp4
 
 DEV = "cuda"
 SENTINEL = -7.0
 
 
-def probe(kind: str, counts: list, K: int, N: int, config: int) -> int:
-    L = len(counts)
+def rows_of(counts: list) -> tuple:
+    """(offsets [L + 1] int64, each row's expert, each row's index within its expert)."""
     offsets = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int64, device=DEV)
-    R = int(offsets[-1])
+    expert = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)]).to(DEV)
+    local = torch.cat([torch.arange(c) for c in counts]).to(DEV)
+    return offsets, expert, local
+
+
+def run_and_report(label: str, a: torch.Tensor, w, offsets, expected: torch.Tensor, expert, local,
+                   config: int) -> int:
+    """Launch on `a` (float, made bf16 here), count the outputs unequal to `expected`, print the first."""
+    R, N = expected.shape
+    out = torch.full((R, N), SENTINEL, device=DEV, dtype=torch.bfloat16)
+    grouped.launch(a.bfloat16(), w, out, offsets=offsets, config=config)
+    torch.cuda.synchronize()
+    got = out.float()
+    bad = (got != expected).nonzero()
+    print(f"config {config} {label}: {bad.shape[0]} of {R * N} wrong")
+    for r, n in bad[:6].tolist():
+        print(f"    row {r} (expert {int(expert[r])} row {int(local[r])}), col {n}: expected "
+              f"{expected[r, n].item():g}, got {got[r, n].item():g}")
+    return int(bad.shape[0])
+
+
+def probe(kind: str, counts: list, K: int, N: int, config: int) -> int:
+    offsets, expert, local = rows_of(counts)
+    R = local.numel()
     a = torch.zeros(R, K, device=DEV)
-    w = torch.zeros(L, N, K, device=DEV)
-    local = torch.cat([torch.arange(c) for c in counts]).to(DEV)  # row within its expert
+    w = torch.zeros(len(counts), N, K, device=DEV)
     rows = torch.arange(R, device=DEV)
     if kind == "rows":
         a[:, 0] = (local % 256).float()
@@ -45,16 +72,20 @@ def probe(kind: str, counts: list, K: int, N: int, config: int) -> int:
         a[rows, local % K] = 1
         w[:] = (torch.arange(K, device=DEV) % 256).float()[None, None, :]
         expected = (local % K % 256).float()[:, None].expand(R, N)
-    out = torch.full((R, N), SENTINEL, device=DEV, dtype=torch.bfloat16)
-    grouped.launch(a.bfloat16(), w.bfloat16(), out, offsets=offsets, config=config)
-    torch.cuda.synchronize()
-    got = out.float()
-    bad = (got != expected).nonzero()
-    print(f"config {config} {kind:5s} counts={counts} K={K} N={N}: {bad.shape[0]} of {R * N} wrong")
-    for r, n in bad[:6].tolist():
-        print(f"    row {r} (expert row {int(local[r])}), col {n}: expected {expected[r, n].item():g}, "
-              f"got {got[r, n].item():g}")
-    return int(bad.shape[0])
+    return run_and_report(f"{kind:5s} counts={counts} K={K} N={N}", a, w.bfloat16(), offsets, expected, expert,
+                          local, config)
+
+
+def probe_mx(counts: list, K: int, N: int, config: int) -> int:
+    g = torch.Generator(device=DEV).manual_seed(K + N)
+    blocks = torch.randint(0, 256, (len(counts), N, K // 2), generator=g, device=DEV, dtype=torch.uint8)
+    scales = torch.randint(124, 131, (len(counts), N, K // 32), generator=g, device=DEV, dtype=torch.uint8)
+    q = Mxfp4Tensor(blocks, scales)
+    offsets, expert, local = rows_of(counts)
+    a = torch.zeros(local.numel(), K, device=DEV)
+    a[torch.arange(local.numel(), device=DEV), local % K] = 1
+    expected = dequantize_mxfp4(q, torch.float32)[expert, :, local % K]  # [R, N]
+    return run_and_report(f"mx    counts={counts} K={K} N={N}", a, q, offsets, expected, expert, local, config)
 
 
 def main() -> int:
@@ -65,6 +96,8 @@ def main() -> int:
         for kind in ("rows", "cols", "k"):
             for counts, K, N in (([64], 64, 128), ([256], 64, 128), ([37, 0, 300], 256, 256), ([520], 512, 136)):
                 wrong += probe(kind, counts, K, N, config)
+        for counts, K, N in (([64], 64, 128), ([37, 0, 300], 256, 256), ([520], 96, 136)):
+            wrong += probe_mx(counts, K, N, config)
     print("all exact" if wrong == 0 else f"{wrong} wrong outputs in all")
     return 1 if wrong else 0
 

@@ -28,7 +28,9 @@ def test_supports_grouped_layouts_with_bf16_weights_only():
     assert b.supports(GemmLayout.GROUPED_CONTIGUOUS, bf16) and b.supports(GemmLayout.GROUPED_MASKED, bf16)
     assert not b.supports(GemmLayout.INDEXED, bf16)
     assert not b.supports(GemmLayout.GROUPED_CONTIGUOUS, bf16.float())
-    assert not b.supports(GemmLayout.GROUPED_CONTIGUOUS, quantize_mxfp4(torch.randn(2, 16, 32)))
+    q = quantize_mxfp4(torch.randn(2, 16, 64))
+    assert b.supports(GemmLayout.GROUPED_MASKED, q) and not b.supports(GemmLayout.INDEXED, q)
+    assert not b.supports(GemmLayout.GROUPED_CONTIGUOUS, q.prepare_for(keep_canonical=False))
     assert b.fuses_activation
 
 
@@ -91,12 +93,14 @@ def test_contiguous_launch_arguments(monkeypatch):
     (kernel, grid, args), = rec.calls
     assert kernel == ("entry", "pmoe_grouped_gemm") and grid == ((1 + 3) * 3,)  # (cdiv(10, 256) + 3 chunks) x 3
     (config, a_, s_as, s_ar, slabs, rows, w_, s_we, s_wn, L, w_rows, off, cnt, b_, s_be, bkind, o_, s_os, s_or, K,
-     N, *ep) = args
+     N, *rest) = args
+    ep, mx = rest[:6], rest[6:]
     assert (config, slabs, rows, s_ar, s_as) == (0, 1, 10, 64, 640)
     assert a_ is a and w_ is w and o_ is out and off is offsets and cnt is None and b_ is bias
     assert (s_we, s_wn, L, w_rows, s_be, bkind, s_or, K, N) == (260 * 64, 64, 3, 260, 260,
                                                                  native.DTYPE_CODES[torch.float32], 260, 64, 260)
     assert ep == [grouped.PLAIN, -1, 0, 0.0, 1.0, 0.0]
+    assert mx == [0, None, None, 0, 0, 0, 0]
 
 
 def test_masked_launch_arguments(monkeypatch):
@@ -158,7 +162,7 @@ def test_epilogue_launch_arguments(monkeypatch, activation, config, mode):
     assert grid == ((1 + 2) * 3,)  # (cdiv(6, 256) + 2 chunks) x cdiv(130, 64)
     (limit, alpha, beta, _, _), flags = ep.kernel_args(fast=True)
     assert args[20] == 130
-    assert list(args[21:]) == [getattr(grouped, mode), flags["ACT"], int(flags["HAS_LIMIT"]), limit, alpha, beta]
+    assert list(args[21:27]) == [getattr(grouped, mode), flags["ACT"], int(flags["HAS_LIMIT"]), limit, alpha, beta]
     assert config is None or config.clamp_limit is None or args[24] == 10.0
 
 
@@ -183,3 +187,27 @@ def test_epilogue_width_must_match(monkeypatch):
     a, w, out = _tensors(L=2, N=16, K=32, rows=6)
     with pytest.raises(ValueError, match="out has 16 columns, the weight's 16 rows give 8"):
         grouped.launch(a, w, out, offsets=torch.tensor([0, 2, 6]), epilogue=ActivationEpilogue.of("silu"))
+
+
+def test_mxfp4_launch_arguments(monkeypatch):
+    """MXFP4 weights reach the kernel as their canonical codes and scales with byte strides; no
+    bf16 weight pointer."""
+    from padded_moe.activation import ActivationEpilogue
+
+    rec = _Recorder(monkeypatch)
+    q = quantize_mxfp4(torch.randn(3, 16, 64))
+    a = torch.randn(10, 64, dtype=torch.bfloat16)
+    out = torch.empty(10, 8, dtype=torch.bfloat16)
+    grouped.launch(a, q, out, offsets=torch.tensor([0, 4, 4, 9]), epilogue=ActivationEpilogue.of("swigluoai"))
+    (_, grid, args), = rec.calls
+    assert args[6:11] == (None, 0, 0, 3, 16) and (args[19], args[20]) == (64, 8)
+    assert args[21] == grouped.GATED_PAIRS
+    assert args[27:] == (1, q.blocks, q.scales, 16 * 32, 32, 16 * 2, 2)
+
+
+def test_mxfp4_needs_its_canonical_bytes(monkeypatch):
+    _Recorder(monkeypatch)
+    q = quantize_mxfp4(torch.randn(3, 16, 64)).prepare_for(keep_canonical=False)
+    with pytest.raises(NotImplementedError, match="canonical bytes"):
+        grouped.launch(torch.randn(10, 64, dtype=torch.bfloat16), q, torch.empty(10, 16, dtype=torch.bfloat16),
+                       offsets=torch.tensor([0, 4, 4, 9]))

@@ -3,6 +3,8 @@ CPU: where the library is built and cached, what happens without nvcc, the C ent
 real build (where this machine has nvcc), and that a native launch is recorded for launch plans.
 The kernel itself runs in tests/test_decode_gpu.py."""
 
+import ctypes
+
 import pytest
 import torch
 
@@ -90,8 +92,12 @@ def test_built_grouped_library_entry_points(fresh_loader):
     assert lib.pmoe_gg_num_configs() == len(grouped.CONFIGS)
     assert (lib.pmoe_gg_block_n(), lib.pmoe_gg_pass_rows()) == (grouped.BLOCK_N, grouped.CHUNK_ROWS)
     code = lib.pmoe_grouped_gemm(0, 1, 1, None, None, 0, 0, 1, 1, None, 0, 0, 1, 128, None, None, None, 0, 0, None, 0,
-                                 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0)
+                                 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 0, None, None, 0, 0, 0, 0)
     assert lib.pmoe_error_string(code).decode() == "exactly one of offsets and counts must be given"
+    offsets = ctypes.c_void_p(8)  # never read: the arguments are refused first
+    code = lib.pmoe_grouped_gemm(0, 1, 1, None, None, 0, 0, 1, 1, None, 0, 0, 1, 128, offsets, None, None, 0, 0, None,
+                                 0, 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 1, None, None, 0, 0, 0, 0)
+    assert lib.pmoe_error_string(code).decode() == "MXFP4 weights need their codes and scales and K a multiple of 32"
     assert native.GROUPED.entry("pmoe_grouped_gemm") is native.GROUPED.entry("pmoe_grouped_gemm")
 
 

@@ -41,10 +41,11 @@ def weights():
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
+@pytest.mark.parametrize("wdtype", ["bf16", "mxfp4"])
 @pytest.mark.parametrize("stage", ["w13", "w2"])
 @pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
-def test_real_shapes(shape, stage, layout, weights):
-    w, meta, a, bias, out = real_shape_case(shape, stage, layout, weights, "bf16")
+def test_real_shapes(shape, wdtype, stage, layout, weights):
+    w, meta, a, bias, out = real_shape_case(shape, stage, layout, weights, wdtype)
     expert_gemm(a, w, meta, stage=stage, bias=bias, out=out, backend="cuda")
     torch.cuda.synchronize()
     check(a, w, meta, stage, out, bias)
@@ -75,6 +76,19 @@ def test_odd_counts_and_shapes(K, N, bias_dtype, layout):
     expert_gemm(a, w, meta, bias=bias, out=out, backend="cuda")
     torch.cuda.synchronize()
     check(a, w, meta, "w13", out, bias)
+
+
+@pytest.mark.parametrize("K,N", [(96, 200), (2880, 136)])
+@pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
+def test_odd_counts_mxfp4(K, N, layout):
+    """MXFP4 weights: a k tile with one scale group (K % 64 == 32), N past the last column tile."""
+    from padded_moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    w, meta, a, bias, out = _counts_case(ODD_COUNTS, K, N, layout, torch.bfloat16, K + N + 1)
+    q = quantize_mxfp4(w.float())
+    expert_gemm(a, q, meta, bias=bias, out=out, backend="cuda")
+    torch.cuda.synchronize()
+    check(a, dequantize_mxfp4(q), meta, "w13", out, bias)
 
 
 @pytest.mark.parametrize("config", range(2), ids=lambda c: "persistent" if c == 0 else "one_cta_per_tile")
@@ -112,6 +126,27 @@ def test_graph_replay_reads_new_rows_and_counts():
     graph.replay()
     torch.cuda.synchronize()
     check(a, w, meta, "w13", out)
+
+
+def test_fused_experts_mxfp4_gpt_oss():
+    """GPT-OSS's MXFP4 experts (swigluoai interleaved in the epilogue, biases) through the whole
+    pipeline, cuda vs triton."""
+    from padded_moe.mxfp4 import quantize_mxfp4
+
+    g = torch.Generator(device=DEV).manual_seed(12)
+    E, K, N, M, k = 32, 2880, 2880, 256, 4
+    x = torch.randn(M, K, generator=g, device=DEV).bfloat16()
+    w13 = quantize_mxfp4(torch.randn(E, 2 * N, K, generator=g, device=DEV) / K ** 0.5)
+    w2 = quantize_mxfp4(torch.randn(E, K, N, generator=g, device=DEV) / N ** 0.5)
+    b13 = torch.randn(E, 2 * N, generator=g, device=DEV).bfloat16() * 0.1
+    b2 = torch.randn(E, K, generator=g, device=DEV).bfloat16() * 0.1
+    tw, ids = torch.topk(torch.randn(M, E, generator=g, device=DEV).softmax(-1), k, dim=-1)
+    outs = {b: fused_experts(x, w13, w2, tw, ids.int(), activation="swigluoai", w13_bias=b13, w2_bias=b2,
+                             layout="grouped_contiguous", backend=b) for b in ("cuda", "triton")}
+    torch.cuda.synchronize()
+    ref = outs["triton"].double()
+    err = ((outs["cuda"].double() - ref).norm() / ref.norm()).item()
+    assert torch.isfinite(outs["cuda"]).all() and err < 1e-2, f"relative difference {err:.3g}"
 
 
 @pytest.mark.parametrize("preset", ["dsv4-flash", "qwen3-30b-a3b"])
@@ -176,9 +211,17 @@ def test_activation_epilogue_equals_two_steps(activation, config, layout):
 
 
 def test_sanitizer_small():
-    """A small call of each layout for `compute-sanitizer --tool memcheck` (gpu_check.sh)."""
+    """A small call of each layout, bf16 and MXFP4, for `compute-sanitizer --tool memcheck`
+    (gpu_check.sh)."""
+    from padded_moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
     for layout in GROUPED:
-        w, meta, a, bias, out = _counts_case([5, 0, 70, 257], 136, 264, layout, torch.float32, 2)
+        w, meta, a, bias, out = _counts_case([5, 0, 70, 257], 128, 264, layout, torch.float32, 2)
         expert_gemm(a, w, meta, bias=bias, out=out, backend="cuda")
         torch.cuda.synchronize()
         check(a, w, meta, "w13", out, bias)
+        q = quantize_mxfp4(w.float())
+        out.fill_(SENTINEL)
+        expert_gemm(a, q, meta, bias=bias, out=out, backend="cuda")
+        torch.cuda.synchronize()
+        check(a, dequantize_mxfp4(q), meta, "w13", out, bias)

@@ -1,12 +1,14 @@
 """Our native CUDA grouped GEMM (`padded_moe.kernels.native.grouped`) behind the backend interface.
 
-It runs bf16 weights on the grouped layouts (GROUPED_CONTIGUOUS, GROUPED_MASKED) on sm_90 GPUs:
+It runs bf16 weights, and MXFP4 weights that hold their canonical bytes (upcast to bf16 in shared
+memory by the producer warps), on the grouped layouts (GROUPED_CONTIGUOUS, GROUPED_MASKED) on sm_90 GPUs:
 one CTA per (expert, 128 output columns) streams the expert's weight tile once per 256 rows
 while four tensor-core warpgroups of 64 rows each skip the rows past the expert's count. It applies
 the silu family of spec 01's activations (silu, swigluoai, swigluoai_uninterleave) in GEMM1's
 epilogue (`fuses`; `fused_experts` uses it unless `PADDED_MOE_FUSE_ACTIVATION=0`); the other
 activations run as GEMM1 then the activation op. INDEXED (rows gathered through `sorted_ids`) and MXFP4 weights
-are not offered (`supports` says False, and `backend="cuda"` on them is a NotImplementedError).
+without their canonical bytes are not offered (`supports` says False, and `backend="cuda"` on them
+is a NotImplementedError).
 `backend="auto"` never picks it: it is chosen by name.
 
 Graph-safe: the grid is (cdiv(N, 128), experts) from shapes; the rows are read on the device.
@@ -20,6 +22,7 @@ import torch
 
 from padded_moe.backends.base import GemmBackend, Weight
 from padded_moe.layouts import GemmLayout
+from padded_moe.mxfp4 import Mxfp4Tensor
 
 _LAYOUTS = (GemmLayout.GROUPED_CONTIGUOUS, GemmLayout.GROUPED_MASKED)
 
@@ -40,7 +43,11 @@ class CudaBackend(GemmBackend):
         return why if why is not None else native.GROUPED.failure()
 
     def supports(self, layout: GemmLayout, weight: Weight) -> bool:
-        return layout in _LAYOUTS and isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16
+        if layout not in _LAYOUTS:
+            return False
+        if isinstance(weight, Mxfp4Tensor):
+            return weight.holds_canonical
+        return isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16
 
     def gemm(self, a, w, meta, *, stage, bias, out, epilogue=None):
         from padded_moe.kernels.native import grouped

@@ -227,6 +227,8 @@ def _declare_grouped(lib: ctypes.CDLL) -> None:
         I, I,  # K, N (output columns)
         I, I, I,  # epilogue mode, activation id, has limit
         F, F, F,  # limit, alpha, beta
+        I, P, P,  # weight kind (0 bf16, 1 MXFP4), MXFP4 codes, scales
+        LL, LL, LL, LL,  # codes' expert / row strides, scales' expert / row strides (bytes)
     ]
 
 
@@ -235,8 +237,8 @@ _HERE = Path(__file__).parent
 DECODE = NativeLibrary("mx_decode", _HERE / "mx_decode.cu", (_HERE / "mx_words.cuh",),
                        ("-gencode=arch=compute_90,code=sm_90",), _declare_decode)
 # The warp-specialized grouped GEMM (see `grouped_gemm.cu`): wgmma and setmaxnreg need sm_90a.
-GROUPED = NativeLibrary("grouped_gemm", _HERE / "grouped_gemm.cu", (), ("-gencode=arch=compute_90a,code=sm_90a",),
-                        _declare_grouped)
+GROUPED = NativeLibrary("grouped_gemm", _HERE / "grouped_gemm.cu", (_HERE / "mx_words.cuh",),
+                        ("-gencode=arch=compute_90a,code=sm_90a",), _declare_grouped)
 
 
 def library() -> ctypes.CDLL:

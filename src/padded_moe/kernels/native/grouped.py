@@ -4,7 +4,9 @@
 expert `e`, the rows the layout gives it: GROUPED_CONTIGUOUS (`a [R, K]`, `offsets [L + 1]` int64:
 rows `offsets[e] .. offsets[e+1]`) or GROUPED_MASKED (`a [L, T, K]`, `counts [L]` int32: rows
 `0 .. counts[e]` of slab `e`), `out[row] = a[row] @ w[e].T (+ bias[e])` in bf16, fp32
-accumulation, one rounding. With `epilogue` (an `ActivationEpilogue`, GEMM1; its activation one
+accumulation, one rounding. `w` is bf16 `[L, N, K]`, or an `Mxfp4Tensor` holding its canonical
+bytes, which the kernel upcasts to bf16 in shared memory (exact: an e2m1 value times a power of
+two), so the result is that of the dequantized bf16 weight. With `epilogue` (an `ActivationEpilogue`, GEMM1; its activation one
 of `EPILOGUE_ACTIVATIONS`) the activation is applied before the store, as the Triton kernel's
 epilogue does: the sum plus bias rounded to bf16 (what the activation op would read from GEMM1's
 buffer), then spec 01's formula in fp32 (the sigmoid through the approximate tanh, as the Triton
@@ -12,8 +14,8 @@ kernels do for 16-bit outputs); `out` then has the activation's width. Other row
 written.
 
 What the kernel needs, refused with `NotImplementedError` (the caller picked this kernel, so a
-call it cannot run is an unsupported combination, not bad input): bf16 `a`, `w` and `out`; the
-last dimension contiguous everywhere; int64 offsets or int32 counts (what `build_layout` makes);
+call it cannot run is an unsupported combination, not bad input): bf16 `a`, `w` and `out` (or
+MXFP4 `w` with its canonical bytes, rows 16-byte aligned); the last dimension contiguous everywhere; int64 offsets or int32 counts (what `build_layout` makes);
 strides of `a` and `w` in multiples of 8 elements and their data 16-byte aligned (TMA reads); K a
 multiple of 8; an even number of output columns; a bias of float32 or bf16.
 """
@@ -26,6 +28,7 @@ import torch
 
 from padded_moe.kernels import native
 from padded_moe.kernels._launch import launch_native
+from padded_moe.mxfp4 import Mxfp4Tensor
 
 ENTRY = "pmoe_grouped_gemm"
 BLOCK_N = 128  # weight rows of a tile (`grouped_gemm.cu`'s kBN): 128 output columns, or 64 gated
@@ -47,17 +50,26 @@ def _refuse(why: str) -> None:
     raise NotImplementedError(f"the native grouped GEMM (backend 'cuda') {why}")
 
 
-def check(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-    """Raise NotImplementedError naming the first thing the kernel cannot take."""
-    for name, t in (("a", a), ("w", w), ("out", out)):
+def check(a: torch.Tensor, w, out: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """Raise NotImplementedError naming the first thing the kernel cannot take (`w` a bf16 tensor
+    or an Mxfp4Tensor)."""
+    mx = isinstance(w, Mxfp4Tensor)
+    if mx and not w.holds_canonical:
+        _refuse("reads MXFP4 weights' canonical bytes, which this weight does not hold "
+                "(prepare_for(keep_canonical=False)); pass its canonical() form")
+    dense = () if mx else (("w", w),)
+    for name, t in (("a", a), *dense, ("out", out)):
         if t.dtype != torch.bfloat16:
             _refuse(f"needs bf16 {name}, got {t.dtype}")
         if t.stride(-1) != 1:
             _refuse(f"needs {name} with a contiguous last dimension, got strides {tuple(t.stride())}")
-    for name, t in (("a", a), ("w", w)):
+    for name, t in (("a", a), *dense):
         if any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
             _refuse(f"needs {name}'s strides in multiples of 8 elements and its data 16-byte aligned "
                     f"(TMA), got strides {tuple(t.stride())}")
+    if mx and (any(s % 16 for s in w.blocks.stride()[:-1]) or w.blocks.data_ptr() % 16):
+        _refuse(f"reads MXFP4 codes in 16-byte rows: their strides must be multiples of 16 bytes and their data "
+                f"16-byte aligned, got strides {tuple(w.blocks.stride())}")
     if out.data_ptr() % 4 or any(s % 2 for s in out.stride()[:-1]):
         _refuse(f"needs out's strides even and its data 4-byte aligned, got strides {tuple(out.stride())}")
     K = w.shape[2]
@@ -87,7 +99,7 @@ def _epilogue_args(epilogue, w_rows: int) -> tuple:
     return (GATED_PAIRS if act.interleaved else GATED_SPLIT, flags["ACT"], int(flags["HAS_LIMIT"]), limit, alpha, beta)
 
 
-def launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, offsets: Optional[torch.Tensor] = None,
+def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Tensor] = None,
            counts: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, epilogue=None,
            config: Optional[int] = None) -> torch.Tensor:
     """Fill `out` at the rows of each expert (see the module docstring). Exactly one of `offsets`
@@ -132,7 +144,14 @@ def launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, offsets: Opti
     grid = (chunks * -(-N // tile_cols),)
     if grid[0] >= 2 ** 30:  # the kernel's tile ids are 32-bit, its non-persistent step 2^30
         _refuse(f"numbers its tiles in 30 bits; this call would need {grid[0]}")
+    if isinstance(w, Mxfp4Tensor):
+        q, qs = w.blocks, w.scales
+        dense = (None, 0, 0)
+        mx = (1, q, qs, q.stride(0), q.stride(1), qs.stride(0), qs.stride(1))
+    else:
+        dense = (w, w.stride(0), w.stride(1))
+        mx = (0, None, None, 0, 0, 0, 0)
     launch_native(native.GROUPED.entry(ENTRY), grid,
-                  (config, a, stride_as, stride_ar, slabs, rows, w, w.stride(0), w.stride(1), L, w_rows, offsets,
-                   counts, bias, stride_be, bias_kind, out, stride_os, stride_or, K, N, *ep))
+                  (config, a, stride_as, stride_ar, slabs, rows, *dense, L, w_rows, offsets, counts, bias, stride_be,
+                   bias_kind, out, stride_os, stride_or, K, N, *ep, *mx))
     return out

@@ -1,7 +1,8 @@
-// Native (CUDA C++, sm_90a) grouped expert GEMM for bf16 weights:
+// Native (CUDA C++, sm_90a) grouped expert GEMM for bf16 and MXFP4 weights:
 //
 //   out[slab, row, n] = bf16( sum_k a[slab, row, k] * w[e, n, k] + bias[e, n] )
 //
+// (or, in GEMM1's epilogue, an activation of the silu family over gate and up columns).
 // for the rows of each local expert e (GROUPED_CONTIGUOUS: rows offsets[e] .. offsets[e+1] of one
 // flat buffer; GROUPED_MASKED: rows 0 .. counts[e] of slab e). Rows past an expert's count are
 // never stored; padded output rows keep what they held.
@@ -15,6 +16,11 @@
 // m64n128k16); a warpgroup whose rows lie past the count issues no MMA, so the tensor core's work
 // follows the rows in steps of 64. Tiles are numbered expert by expert, then by column tile, then
 // by chunk (`locate_tile`), so CTAs running together share their weight tiles through L2.
+//
+// MXFP4 weights (the MX kernels): the producer warpgroup, one weight row per thread, reads the
+// canonical e2m1 bytes and E8M0 scales two k tiles ahead and writes the bf16 values (exact: a code's
+// value times a power of two) into the stage in the layout TMA gives bf16 weights, so the consumers
+// are the same code.
 //
 // Layout of a pipeline stage in shared memory (1024-byte aligned, 128-byte TMA swizzle, which the
 // wgmma descriptors below name): four A boxes of [64 rows][64 k] bf16, then the B box
@@ -31,6 +37,9 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 #include <stdint.h>
+#include <string.h>
+
+#include "mx_words.cuh"
 
 namespace {
 
@@ -43,14 +52,20 @@ constexpr int kThreads = (kConsumers + 1) * 128;
 constexpr int kABox = kRowsPerGroup * kBK * 2;  // bytes
 constexpr int kBBox = kBN * kBK * 2;
 constexpr int kStageBytes = kConsumers * kABox + kBBox;
-// Registers per thread after setmaxnreg: 128 x 40 + 512 x 104 <= 640 x 96 (the launch's share); the
-// producer spills below 40, the consumers need about 100 (ptxas, no spills at these values).
-constexpr int kProducerRegs = 40;
+// Registers per thread after setmaxnreg: producer x 128 + 104 x 512 <= 640 x 96 (the launch's share).
+// The TMA producer spills below 40; the MXFP4 producer holds two k tiles of raw weights in flight;
+// the consumers need about 100 (ptxas, no spills at these values).
+constexpr int kProducerRegs = 48;
+constexpr int kMxProducerRegs = 64;
 constexpr int kConsumerRegs = 104;
-static_assert(128 * kProducerRegs + kConsumers * 128 * kConsumerRegs <= kThreads * 96, "register budget");
+static_assert(128 * kMxProducerRegs + kConsumers * 128 * kConsumerRegs <= kThreads * 96, "register budget");
+static_assert(kProducerRegs <= kMxProducerRegs, "register budget");
 
-// Stages, their barriers, the experts' chunk prefix (`chunk_prefix`, kMaxExperts + 1 ints) and
-// the slack for aligning the stages to 1024 bytes.
+// The local experts whose chunk prefix fits the shared memory left beside the stages.
+constexpr int kMaxExperts = 4096;
+
+// Stages, their barriers, the experts' chunk prefix (`chunk_prefix`, kMaxExperts + 1 ints), the
+// MXFP4 byte table (256 words) and the slack for aligning the stages to 1024 bytes.
 template <int STAGES>
 constexpr int smem_bytes();
 
@@ -105,6 +120,75 @@ __device__ __forceinline__ uint64_t l2_policy() {
   else
     asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
   return policy;
+}
+
+// ---- MXFP4 weights: the producer warpgroup turns each k tile of the weight tile into bf16 in the
+// wgmma B layout (what TMA would have written for bf16 weights), one weight row per thread ----
+
+// Two k tiles' worth of one row's raw weights: 32 bytes of e2m1 codes and two E8M0 scales.
+struct MxRaw {
+  uint4 lo, hi;  // codes of k 0..31 and 32..63 of the k tile
+  uint32_t scales;  // the two groups' scale bytes (low byte: k 0..31)
+};
+
+// k tile `kt` of a row (`row` null: a row past the weight's, all zero). K is a multiple of 32, so
+// a k tile holds zero, one or two whole scale groups; a missing group reads as zero codes.
+__device__ __forceinline__ MxRaw mx_load(const uint8_t* codes, const uint8_t* scales, int kt, int K) {
+  MxRaw r{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), 0x7f7fu};
+  if (codes == nullptr) return r;
+  const int k0 = kt * kBK;
+  if (k0 < K) {
+    r.lo = load_stream(codes + k0 / 2);
+    r.scales = scales[k0 / 32];
+  }
+  if (k0 + 32 < K) {
+    r.hi = load_stream(codes + k0 / 2 + 16);
+    r.scales |= uint32_t(scales[k0 / 32 + 1]) << 8;
+  } else {
+    r.scales |= 0x7f00u;
+  }
+  return r;
+}
+
+// bf16 bits of 2^(s - 127) for an E8M0 byte s, twice (a bf16x2 factor): s = 0 is the subnormal
+// 2^-127, s = 255 NaN.
+__device__ __forceinline__ uint32_t scale_pair(uint32_t s) {
+  const uint32_t b = s == 255u ? 0x7fc0u : (s == 0u ? 0x0040u : s << 7);
+  return b | (b << 16);
+}
+
+// Eight codes (one 32-bit word: k 8j..8j+7) to eight bf16 (16 bytes) through the byte table:
+// lut[byte] holds the bf16 pair of its low and high nibble's values; times the group's factor
+// (exact: a power of two, short of underflow).
+__device__ __forceinline__ uint4 mx_upcast8(uint32_t word, uint32_t factor, const uint32_t* lut) {
+  uint4 v;
+  v.x = mul_bf16x2(lut[word & 0xffu], factor);
+  v.y = mul_bf16x2(lut[(word >> 8) & 0xffu], factor);
+  v.z = mul_bf16x2(lut[(word >> 16) & 0xffu], factor);
+  v.w = mul_bf16x2(lut[word >> 24], factor);
+  return v;
+}
+
+// Row r (0..127) of the stage's B tile: 8 chunks of 16 bytes, chunk j at 16 (j ^ (r % 8)) of the
+// row's 128 bytes, the 128-byte swizzle TMA applies (the tile is 1024-byte aligned).
+__device__ __forceinline__ void mx_store_row(uint8_t* b_tile, int r, const MxRaw& raw, const uint32_t* lut) {
+  uint8_t* row = b_tile + r * 128;
+  const uint32_t f0 = scale_pair(raw.scales & 0xffu), f1 = scale_pair(raw.scales >> 8);
+  const uint32_t words[8] = {raw.lo.x, raw.lo.y, raw.lo.z, raw.lo.w, raw.hi.x, raw.hi.y, raw.hi.z, raw.hi.w};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint4 v = mx_upcast8(words[j], j < 4 ? f0 : f1, lut);
+    *reinterpret_cast<uint4*>(row + ((j ^ (r & 7)) << 4)) = v;
+  }
+}
+
+// E2M1 code values as bf16 bits: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (2^(e - 1) (1 + m / 2) for exponent
+// bits e >= 1), then their negatives.
+__device__ __forceinline__ uint32_t e2m1_bf16(uint32_t code) {
+  const uint32_t m = code & 7u, sign = (code & 8u) << 12;
+  if (m == 0u) return sign;
+  if (m == 1u) return sign | 0x3f00u;
+  return sign | ((126u + (m >> 1)) << 7) | ((m & 1u) << 6);
 }
 
 __device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
@@ -188,6 +272,12 @@ struct Args {
   int bias_kind;
   uint16_t* out;  // bf16
   long long stride_os, stride_or;  // slab, row (elements); columns contiguous
+  // MXFP4 weights (the MX kernels): canonical e2m1 bytes [L][w_rows][K / 2] (even k in the low
+  // nibble) and E8M0 scales [L][w_rows][K / 32], strides in bytes; rows past w_rows read as zero.
+  const uint8_t* q_blocks;
+  const uint8_t* q_scales;
+  long long stride_qe, stride_qn, stride_se, stride_sn;
+  int w_rows;
 };
 
 // ---- the activation epilogue: the silu family of spec 01 (silu, swigluoai, swigluoai_uninterleave),
@@ -285,13 +375,79 @@ __device__ __forceinline__ Tile locate_tile(const int* prefix, int L, int id, in
   return Tile{lo, local % chunks, local / chunks};
 }
 
+// Where a tile's work lies: its expert's rows (`expert_rows`), the tile's first row and output
+// column, the w rows of its two 64-row weight boxes (gate, then up), and how many 64-row boxes of A
+// hold rows.
+struct TileGeom {
+  int e, slab, start, count, m0, n0, w_row0, w_row1, boxes;
+};
+
+template <int EPI>
+__device__ __forceinline__ TileGeom tile_geometry(const Args& args, const Tile& tile) {
+  TileGeom g;
+  g.e = tile.e;
+  expert_rows(args, tile.e, g.slab, g.start, g.count);
+  g.m0 = tile.chunk * kPassRows;
+  g.n0 = tile.col_tile * (EPI == kPlain ? kBN : kBN / 2);
+  g.w_row0 = EPI == kGatedPairs ? 2 * g.n0 : g.n0;
+  g.w_row1 = EPI == kGatedSplit ? args.up_row0 + g.n0 : g.w_row0 + kBN / 2;
+  g.boxes = min(kConsumers, (g.count - g.m0 + kRowsPerGroup - 1) / kRowsPerGroup);
+  return g;
+}
+
 // A step past every tile id (the grid's bound is below 2^30: the host checks).
 constexpr int kNoStep = 1 << 30;
+
+// The MXFP4 producer warpgroup: thread r owns row r of every weight tile (rows 0..63 the first box,
+// 64..127 the second), keeps the next two k tiles of its raw weights in flight in registers, and
+// per k tile waits for the stage, upcasts its row into the B tile, and (thread 0) loads the A
+// boxes by TMA. Its warps arrive on the stage's full barrier once their rows are stored, after a
+// proxy fence that makes the stores visible to wgmma.
+template <int STAGES, bool PERSISTENT, int EPI>
+__device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap& map_a, uint8_t* smem,
+                                            uint64_t* full, uint64_t* empty, const int* prefix,
+                                            const uint32_t* lut, int n_tiles, int k_tiles) {
+  const int r = threadIdx.x, lane = r % 32;
+  const uint64_t rows_policy = l2_policy<true>();
+  int it = 0;
+  for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
+    const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
+    if (tile.e < 0) break;
+    const TileGeom g = tile_geometry<EPI>(args, tile);
+    const int w_row = r < 64 ? g.w_row0 + r : g.w_row1 + (r - 64);
+    const uint8_t* codes = nullptr;
+    const uint8_t* scales = nullptr;
+    if (w_row < args.w_rows) {
+      codes = args.q_blocks + g.e * args.stride_qe + w_row * args.stride_qn;
+      scales = args.q_scales + g.e * args.stride_se + w_row * args.stride_sn;
+    }
+    MxRaw cur = mx_load(codes, scales, 0, args.K), nxt = mx_load(codes, scales, 1, args.K);
+    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      const MxRaw far = mx_load(codes, scales, kt + 2, args.K);
+      const int s = it % STAGES;
+      if (lane == 0) mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+      __syncwarp();
+      uint8_t* stage = smem + s * kStageBytes;
+      if (r == 0) {
+        mbar_expect_tx(&full[s], g.boxes * kABox);
+        for (int b = 0; b < g.boxes; ++b)
+          tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, g.start + g.m0 + b * kRowsPerGroup, g.slab,
+                      rows_policy);
+      }
+      mx_store_row(stage + kConsumers * kABox, r, cur, lut);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&full[s]);
+      cur = nxt;
+      nxt = far;
+    }
+  }
+}
 
 // PERSISTENT: one CTA per SM walks tiles blockIdx.x, + gridDim.x, ...; the producer runs ahead
 // into the next tile while the consumers store the last one. Otherwise one CTA per tile (the grid
 // bounds the tiles; CTAs past the last exit).
-template <int STAGES, bool PERSISTENT, int EPI>
+template <int STAGES, bool PERSISTENT, int EPI, bool MX>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
                         const Args args) {
@@ -300,6 +456,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * kStageBytes);
   uint64_t* empty = full + STAGES;
   int* prefix = reinterpret_cast<int*>(empty + STAGES);  // [L + 1]
+  uint32_t* lut = reinterpret_cast<uint32_t*>(prefix + kMaxExperts + 1);  // MX: byte -> bf16 pair
 
   constexpr int tile_cols = EPI == kPlain ? kBN : kBN / 2;  // output columns of a tile
   const int n_tiles = (args.N + tile_cols - 1) / tile_cols;
@@ -307,12 +464,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < 32) chunk_prefix(args, prefix);
   if (threadIdx.x == 32) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 1);
+      // MX: the TMA bytes of A with their expect_tx arrival, and one arrival per producer warp
+      // once its rows of B are stored.
+      mbar_init(&full[s], MX ? 5 : 1);
       mbar_init(&empty[s], kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     prefetch_map(&map_a);
-    prefetch_map(&map_w);
+    if (!MX) prefetch_map(&map_w);
+  }
+  if (MX && threadIdx.x >= 128 && threadIdx.x < 128 + 256) {
+    const uint32_t byte = threadIdx.x - 128;
+    lut[byte] = e2m1_bf16(byte & 15u) | (e2m1_bf16(byte >> 4) << 16);
   }
   __syncthreads();
 
@@ -322,31 +485,30 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (group == 0) {
     // The CTA's registers were allocated at launch (kThreads x at most 96); the producer gives
     // back what the consumers take, and the total stays within that allocation.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    if (threadIdx.x != 0) return;
-    const uint64_t weights_policy = l2_policy<false>(), rows_policy = l2_policy<true>();
-    int it = 0;  // k tiles loaded so far: stage and parity
-    for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
-      const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
-      if (tile.e < 0) break;
-      int slab, start, count;
-      expert_rows(args, tile.e, slab, start, count);
-      const int m0 = tile.chunk * kPassRows, n0 = tile.col_tile * tile_cols;
-      // The two 64-row boxes of the weight tile: w13 rows of the gate, then of the up projection.
-      const int w_row0 = EPI == kGatedPairs ? 2 * n0 : n0;
-      const int w_row1 = EPI == kGatedSplit ? args.up_row0 + n0 : w_row0 + kBN / 2;
-      const int boxes = min(kConsumers, (count - m0 + kRowsPerGroup - 1) / kRowsPerGroup);
-      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-        const int s = it % STAGES;
-        mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
-        uint8_t* stage = smem + s * kStageBytes;
-        mbar_expect_tx(&full[s], kBBox + boxes * kABox);
-        tma_load_3d(stage + kConsumers * kABox, &map_w, &full[s], kt * kBK, w_row0, tile.e, weights_policy);
-        tma_load_3d(stage + kConsumers * kABox + kBBox / 2, &map_w, &full[s], kt * kBK, w_row1, tile.e,
-                    weights_policy);
-        for (int b = 0; b < boxes; ++b)
-          tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, start + m0 + b * kRowsPerGroup, slab,
-                      rows_policy);
+    if constexpr (MX) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kMxProducerRegs));
+      mx_producer<STAGES, PERSISTENT, EPI>(args, map_a, smem, full, empty, prefix, lut, n_tiles, k_tiles);
+    } else {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+      if (threadIdx.x != 0) return;
+      const uint64_t weights_policy = l2_policy<false>(), rows_policy = l2_policy<true>();
+      int it = 0;  // k tiles loaded so far: stage and parity
+      for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
+        const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
+        if (tile.e < 0) break;
+        const TileGeom g = tile_geometry<EPI>(args, tile);
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+          const int s = it % STAGES;
+          mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+          uint8_t* stage = smem + s * kStageBytes;
+          mbar_expect_tx(&full[s], kBBox + g.boxes * kABox);
+          tma_load_3d(stage + kConsumers * kABox, &map_w, &full[s], kt * kBK, g.w_row0, g.e, weights_policy);
+          tma_load_3d(stage + kConsumers * kABox + kBBox / 2, &map_w, &full[s], kt * kBK, g.w_row1, g.e,
+                      weights_policy);
+          for (int b = 0; b < g.boxes; ++b)
+            tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, g.start + g.m0 + b * kRowsPerGroup, g.slab,
+                        rows_policy);
+        }
       }
     }
     return;
@@ -361,10 +523,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
     const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
     if (tile.e < 0) break;
-    const int e = tile.e;
-    int slab, start, count;
-    expert_rows(args, e, slab, start, count);
-    const int m0 = tile.chunk * kPassRows, n0 = tile.col_tile * tile_cols;
+    const TileGeom g = tile_geometry<EPI>(args, tile);
+    const int e = g.e, slab = g.slab, start = g.start, count = g.count, m0 = g.m0, n0 = g.n0;
     if (m0 + c * kRowsPerGroup >= count) {  // no rows of this warpgroup: release each stage at once
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const int s = it % STAGES;
@@ -390,8 +550,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     wgmma_wait<0>();
     if (t == 0) mbar_arrive(&empty[(it + STAGES - 1) % STAGES]);
-    const int w_row0 = EPI == kGatedPairs ? 2 * n0 : n0;
-    const int w_row1 = EPI == kGatedSplit ? args.up_row0 + n0 : w_row0 + kBN / 2;
+    const int w_row0 = g.w_row0, w_row1 = g.w_row1;
 
     // Accumulator fragment of m64nNk16: thread (warp, lane) holds, for i = 4b + 2h + p, row
     // 16 warp + lane/4 + 8h and column 8b + 2 (lane%4) + p of the tile's 128 weight rows.
@@ -481,16 +640,14 @@ int encode_3d(CUtensorMap* map, const void* base, long long d0, long long d1, lo
   return r == CUDA_SUCCESS ? 0 : -11;
 }
 
-// The local experts whose chunk prefix fits the shared memory left beside the stages.
-constexpr int kMaxExperts = 4096;
 
 template <int STAGES>
 constexpr int smem_bytes() {
-  return STAGES * kStageBytes + 2 * STAGES * 8 + 4 * (kMaxExperts + 1) + 1024;
+  return STAGES * kStageBytes + 2 * STAGES * 8 + 4 * (kMaxExperts + 1) + 4 * 256 + 1024;
 }
 static_assert(smem_bytes<4>() <= 227 * 1024, "shared memory of the 4-stage kernel");
 
-template <int STAGES, bool PERSISTENT, int EPI>
+template <int STAGES, bool PERSISTENT, int EPI, bool MX>
 int launch(const CUtensorMap& ma, const CUtensorMap& mw, const Args& args, int grid_x, cudaStream_t stream) {
   // The shared-memory opt-in is a per-device function attribute: set once per device.
   static unsigned long long configured = 0;
@@ -500,7 +657,7 @@ int launch(const CUtensorMap& ma, const CUtensorMap& mw, const Args& args, int g
   if (err != cudaSuccess) return static_cast<int>(err);
   const unsigned long long bit = device < 64 ? (1ull << device) : 0;
   if (bit == 0 || !(configured & bit)) {
-    err = cudaFuncSetAttribute(grouped_gemm_kernel<STAGES, PERSISTENT, EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    err = cudaFuncSetAttribute(grouped_gemm_kernel<STAGES, PERSISTENT, EPI, MX>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                bytes);
     if (err != cudaSuccess) return static_cast<int>(err);
     configured |= bit;
@@ -512,16 +669,16 @@ int launch(const CUtensorMap& ma, const CUtensorMap& mw, const Args& args, int g
     if (err != cudaSuccess) return static_cast<int>(err);
     grid = grid_x < sms ? grid_x : sms;
   }
-  grouped_gemm_kernel<STAGES, PERSISTENT, EPI><<<grid, kThreads, bytes, stream>>>(ma, mw, args);
+  grouped_gemm_kernel<STAGES, PERSISTENT, EPI, MX><<<grid, kThreads, bytes, stream>>>(ma, mw, args);
   return static_cast<int>(cudaGetLastError());
 }
 
-template <int STAGES, bool PERSISTENT>
+template <int STAGES, bool PERSISTENT, bool MX>
 int launch_mode(int mode, const CUtensorMap& ma, const CUtensorMap& mw, const Args& args, int grid_x,
                 cudaStream_t stream) {
-  if (mode == kGatedSplit) return launch<STAGES, PERSISTENT, kGatedSplit>(ma, mw, args, grid_x, stream);
-  if (mode == kGatedPairs) return launch<STAGES, PERSISTENT, kGatedPairs>(ma, mw, args, grid_x, stream);
-  return launch<STAGES, PERSISTENT, kPlain>(ma, mw, args, grid_x, stream);
+  if (mode == kGatedSplit) return launch<STAGES, PERSISTENT, kGatedSplit, MX>(ma, mw, args, grid_x, stream);
+  if (mode == kGatedPairs) return launch<STAGES, PERSISTENT, kGatedPairs, MX>(ma, mw, args, grid_x, stream);
+  return launch<STAGES, PERSISTENT, kPlain, MX>(ma, mw, args, grid_x, stream);
 }
 
 }  // namespace
@@ -543,19 +700,23 @@ int pmoe_gg_num_configs() {
 int pmoe_gg_block_n() { return kBN; }
 int pmoe_gg_pass_rows() { return kPassRows; }
 
-// a: bf16 [slabs][rows][K] with row / slab strides in elements (K contiguous); w: bf16
-// [L][w_rows][K] likewise; exactly one of offsets (int64 [L + 1]) and counts (int32 [L]) is set.
-// N: output columns (`mode` kGatedSplit / kGatedPairs: the activation's, w_rows / 2; else
-// w_rows). `act` (with has_limit, limit, alpha, beta): the gated modes' activation, one of the
-// silu family. The grid is one dimension, at least the number of tiles: cdiv(N, 128) (gated:
-// cdiv(N, 64)) x (the experts' 256-row chunks), which the host bounds from shapes (CTAs past the
-// last tile exit). Strides must be multiples of 8 elements and the bases 16-byte aligned (TMA).
+// a: bf16 [slabs][rows][K] with row / slab strides in elements (K contiguous); the weight, by
+// `w_kind`: 0, bf16 `w` [L][w_rows][K] with strides in elements; 1, MXFP4 `q_blocks` (e2m1 bytes
+// [L][w_rows][K / 2]) and `q_scales` (E8M0 [L][w_rows][K / 32]) with strides in bytes (K a multiple
+// of 32). Exactly one of offsets (int64 [L + 1]) and counts (int32 [L]) is set. N: output columns
+// (`mode` kGatedSplit / kGatedPairs: the activation's, w_rows / 2; else w_rows). `act` (with
+// has_limit, limit, alpha, beta): the gated modes' activation, one of the silu family. The grid is
+// one dimension, at least the number of tiles: cdiv(N, 128) (gated: cdiv(N, 64)) x (the experts'
+// 256-row chunks), which the host bounds from shapes (CTAs past the last tile exit). Strides of a
+// and w must be multiples of 8 elements and the bases 16-byte aligned (TMA), the MXFP4 row strides
+// multiples of 16 bytes.
 int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const void* a, long long stride_as,
                       long long stride_ar, int slabs, int rows, const void* w, long long stride_we,
                       long long stride_wn, int L, int w_rows, const void* offsets, const void* counts,
                       const void* bias, long long stride_be, int bias_kind, void* out, long long stride_os,
                       long long stride_or, int K, int N, int mode, int act, int has_limit, float limit,
-                      float alpha, float beta) {
+                      float alpha, float beta, int w_kind, const void* q_blocks, const void* q_scales,
+                      long long stride_qe, long long stride_qn, long long stride_se, long long stride_sn) {
   if ((offsets == nullptr) == (counts == nullptr)) return -12;
   if (grid_y != 1 || grid_x < 1 || N % 2 != 0 || L < 1) return -13;
   if (L > kMaxExperts) return -16;
@@ -563,17 +724,26 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
   if (mode != kPlain && act != kSilu && act != kSwigluoai && act != kSwigluoaiUninterleave) return -17;
   const bool gated_mode = mode == kGatedSplit || mode == kGatedPairs;
   if ((gated_mode && w_rows != 2 * N) || (!gated_mode && w_rows != N)) return -15;
+  if (w_kind != 0 && (w_kind != 1 || q_blocks == nullptr || q_scales == nullptr || K % 32 != 0)) return -18;
   CUtensorMap ma, mw;
   int err = encode_3d(&ma, a, K, rows, slabs, stride_ar * 2, stride_as * 2, kRowsPerGroup);
   if (err != 0) return err;
-  err = encode_3d(&mw, w, K, w_rows, L, stride_wn * 2, stride_we * 2, kBN / 2);
-  if (err != 0) return err;
+  if (w_kind == 0) {
+    err = encode_3d(&mw, w, K, w_rows, L, stride_wn * 2, stride_we * 2, kBN / 2);
+    if (err != 0) return err;
+  } else {
+    memset(&mw, 0, sizeof(mw));  // not read by the MXFP4 kernels
+  }
   const Args args{static_cast<const int64_t*>(offsets), static_cast<const int32_t*>(counts), L, rows, K, N, act,
                   has_limit, N, limit, alpha, beta, bias, stride_be, bias_kind, static_cast<uint16_t*>(out),
-                  stride_os, stride_or};
+                  stride_os, stride_or, static_cast<const uint8_t*>(q_blocks), static_cast<const uint8_t*>(q_scales),
+                  stride_qe, stride_qn, stride_se, stride_sn, w_rows};
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
   int i = 0;
-#define RUN(S, P) \
-  if (config == i++) return launch_mode<S, P>(mode, ma, mw, args, grid_x, static_cast<cudaStream_t>(stream));
+#define RUN(S, P)                                                                                \
+  if (config == i++)                                                                             \
+    return w_kind == 1 ? launch_mode<S, P, true>(mode, ma, mw, args, grid_x, st)                 \
+                       : launch_mode<S, P, false>(mode, ma, mw, args, grid_x, st);
   PMOE_GG_CONFIGS(RUN)
 #undef RUN
   return -1;
@@ -589,6 +759,7 @@ const char* pmoe_error_string(int code) {
   if (code == -15) return "w's rows must be 2 N for a gated epilogue, N otherwise";
   if (code == -16) return "more than 4096 local experts";
   if (code == -17) return "the epilogue's activation is not of the silu family";
+  if (code == -18) return "MXFP4 weights need their codes and scales and K a multiple of 32";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 

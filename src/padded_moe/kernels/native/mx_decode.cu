@@ -31,14 +31,6 @@ constexpr int kMaxTopK = 16;
 constexpr int kRows = 16;  // output rows per program (the MMA's M)
 constexpr int kMaxWarps = 16;  // per program: top_k x KS (at most 128 registers per thread)
 
-__device__ __forceinline__ uint4 load_stream(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ float bf16_to_float(uint16_t v) { return __uint_as_float((uint32_t)v << 16); }
 
 // Round to nearest even (inputs are finite or NaN; NaN stays NaN).

@@ -1,8 +1,18 @@
-// The prepared MXFP4 words as mma.sync operands (sm_90): the upcast of a 4-plane word into the
-// bf16 pairs of the MMA's register operand, and the MMA. Shared by the native kernels and the probe
-// in scripts/mx_decode_cuda.
+// MXFP4 weights in the native kernels (sm_90): the streaming 16-byte load they read weights with,
+// the bf16x2 multiply that applies a scale, the upcast of a prepared 4-plane word into the bf16
+// pairs of mma.sync's register operand, and the MMA. Shared by the native kernels and the probe in
+// scripts/mx_decode_cuda.
 #pragma once
 #include <stdint.h>
+
+// Weights are read once: 16 bytes, no L1 allocation.
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
 
 __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t d;

@@ -52,7 +52,7 @@ for stage in "$@"; do
             step bench-hf-gpt-oss python3 benchmarks/bench_hf.py --models gpt_oss --iters 5 --out "$OUT/bench" ;;
         native-gemm)  # the native grouped GEMM (backend "cuda"): exact-integer probes first (a hang or a wrong
             # mapping stops the stage there), GPU tests vs float64, memcheck; `native-bench` times it
-            STEP_TIMEOUT=120 step probe-native-gemm python3 scripts/native_gemm_probe.py
+            STEP_TIMEOUT=150 step probe-native-gemm python3 scripts/native_gemm_probe.py
             if grep -q "probe-native-gemm rc=0" "$summary"; then
                 step test-native-grouped python3 -m pytest -q tests/test_native.py tests/test_cuda_backend.py \
                     tests/test_native_grouped_gpu.py

@@ -12,13 +12,15 @@ configuration of the kernel (persistent, one CTA per tile); and for MXFP4 weight
 scales near 1):
 - mx: a[r, r % K] = 1: out[r, n] = the dequantized w[n, r % K], exactly (the upcast, the swizzled
   stores of the producer warps, the scale groups).
-Exit status 1 if any is wrong.
+Exit status 1 if any is wrong or a configuration hangs (each runs in a child process under a
+timeout).
 
     PYTHONPATH=src python scripts/native_gemm_probe.py
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import torch
@@ -28,6 +30,7 @@ from padded_moe.mxfp4 import Mxfp4Tensor, dequantize_mxfp4
 
 DEV = "cuda"
 SENTINEL = -7.0
+CONFIG_TIMEOUT_S = 50  # a configuration's probes take a few seconds
 
 
 def rows_of(counts: list) -> tuple:
@@ -47,7 +50,7 @@ def run_and_report(label: str, a: torch.Tensor, w, offsets, expected: torch.Tens
     torch.cuda.synchronize()
     got = out.float()
     bad = (got != expected).nonzero()
-    print(f"config {config} {label}: {bad.shape[0]} of {R * N} wrong")
+    print(f"config {config} {label}: {bad.shape[0]} of {R * N} wrong", flush=True)
     for r, n in bad[:6].tolist():
         print(f"    row {r} (expert {int(expert[r])} row {int(local[r])}), col {n}: expected "
               f"{expected[r, n].item():g}, got {got[r, n].item():g}")
@@ -88,18 +91,36 @@ def probe_mx(counts: list, K: int, N: int, config: int) -> int:
     return run_and_report(f"mx    counts={counts} K={K} N={N}", a, q, offsets, expected, expert, local, config)
 
 
+def run_config(config: int) -> int:
+    wrong = 0
+    for kind in ("rows", "cols", "k"):
+        for counts, K, N in (([64], 64, 128), ([256], 64, 128), ([37, 0, 300], 256, 256), ([520], 512, 136)):
+            wrong += probe(kind, counts, K, N, config)
+    for counts, K, N in (([64], 64, 128), ([37, 0, 300], 256, 256), ([520], 96, 136)):
+        wrong += probe_mx(counts, K, N, config)
+    return wrong
+
+
 def main() -> int:
+    """Each configuration in a child process under a timeout, so a kernel that hangs (a barrier
+    never completing) is reported with the last probe it finished, and the other configuration
+    still runs."""
+    if len(sys.argv) == 3 and sys.argv[1] == "--config":
+        wrong = run_config(int(sys.argv[2]))
+        print(f"config {sys.argv[2]}: " + ("all exact" if wrong == 0 else f"{wrong} wrong outputs"), flush=True)
+        return 1 if wrong else 0
     if not torch.cuda.is_available():
         raise SystemExit("the probe runs the kernel: it needs a GPU")
-    wrong = 0
+    failed = 0
     for config in range(len(grouped.CONFIGS)):
-        for kind in ("rows", "cols", "k"):
-            for counts, K, N in (([64], 64, 128), ([256], 64, 128), ([37, 0, 300], 256, 256), ([520], 512, 136)):
-                wrong += probe(kind, counts, K, N, config)
-        for counts, K, N in (([64], 64, 128), ([37, 0, 300], 256, 256), ([520], 96, 136)):
-            wrong += probe_mx(counts, K, N, config)
-    print("all exact" if wrong == 0 else f"{wrong} wrong outputs in all")
-    return 1 if wrong else 0
+        try:
+            done = subprocess.run([sys.executable, __file__, "--config", str(config)], timeout=CONFIG_TIMEOUT_S)
+            failed += done.returncode != 0
+        except subprocess.TimeoutExpired:
+            print(f"config {config}: HUNG (no result within {CONFIG_TIMEOUT_S} s; the line above is the last probe "
+                  "it finished)", flush=True)
+            failed += 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

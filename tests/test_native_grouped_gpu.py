@@ -78,6 +78,20 @@ def test_odd_counts_and_shapes(K, N, bias_dtype, layout):
     check(a, w, meta, "w13", out, bias)
 
 
+@pytest.mark.parametrize("wdtype", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
+def test_tiny_shapes(wdtype, layout):
+    """TMA boxes larger than the tensors they read (K 32 < 64, a handful of rows and slabs of a few
+    rows < 64, 16 output columns < 128): the out-of-range parts read as zero."""
+    from padded_moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    w, meta, a, bias, out = _counts_case([3, 0, 1], 32, 16, layout, torch.float32, 4)
+    q = quantize_mxfp4(w.float()) if wdtype == "mxfp4" else w
+    expert_gemm(a, q, meta, bias=bias, out=out, backend="cuda")
+    torch.cuda.synchronize()
+    check(a, dequantize_mxfp4(q) if wdtype == "mxfp4" else w, meta, "w13", out, bias)
+
+
 @pytest.mark.parametrize("K,N", [(96, 200), (2880, 136)])
 @pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
 def test_odd_counts_mxfp4(K, N, layout):

@@ -210,6 +210,13 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
+// Pins the accumulators at this point of the program: the compiler may not move their other uses
+// across it (the epilogue's reads above the wait that makes them valid).
+__device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
 // D[64 x 128] (+)= A[64 x 16] * B[16 x 128], both K-major in shared memory; `accumulate` = 0
 // overwrites D.
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
@@ -549,6 +556,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (kt > 0 && t == 0) mbar_arrive(&empty[(it + STAGES - 1) % STAGES]);
     }
     wgmma_wait<0>();
+    fence_accumulators(acc);
     if (t == 0) mbar_arrive(&empty[(it + STAGES - 1) % STAGES]);
     const int w_row0 = g.w_row0, w_row1 = g.w_row1;
 

@@ -61,6 +61,11 @@ for stage in "$@"; do
             fi ;;
         native-bench)  # the native grouped GEMM vs the Triton GEMM: GEMMs alone and whole calls, five model cases
             STEP_TIMEOUT=540 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" ;;
+        native-peers)  # the peers harness (.peers carried) with ours on the native kernel: GROUPED_CONTIGUOUS +
+            # backend cuda through the environment, all five cases (the decode path is off for it)
+            STEP_TIMEOUT=560 step peers-native env PADDED_MOE_GEMM_LAYOUT=grouped_contiguous PADDED_MOE_GEMM_BACKEND=cuda \
+                BUDGET_S=440 TIMEOUT_S=540 bash .peers/run.sh --tokens 1,16,128,1024,8192 \
+                --cases gptoss,dsv4mx,dsv4,qwen3,mixtral ;;
         layer-plan)  # decode-sized FusedMoE forwards as one launch plan (gate kernel + router + experts): GPU
             # tests of the plan and the gate kernel, the suites that call the layer, memcheck, host time per layer
             step test-layer-plan python3 -m pytest -q -m gpu tests/test_launch_plan_gpu.py tests/test_routing_gpu.py

@@ -211,3 +211,43 @@ def test_mxfp4_needs_its_canonical_bytes(monkeypatch):
     with pytest.raises(NotImplementedError, match="canonical bytes"):
         grouped.launch(torch.randn(10, 64, dtype=torch.bfloat16), q, torch.empty(10, 16, dtype=torch.bfloat16),
                        offsets=torch.tensor([0, 4, 4, 9]))
+
+
+def test_backend_env_turns_auto_into_the_named_backend(monkeypatch):
+    """PADDED_MOE_GEMM_BACKEND: "auto" calls take the named backend (and its refusals); explicit
+    names are untouched; an unknown value names the variable."""
+    from padded_moe.backends import BACKEND_ENV, effective_backend
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert effective_backend("auto") == "auto"
+    for value, expected in (("cuda", "cuda"), (" Torch ", "torch"), ("auto", "auto"), ("", "auto")):
+        monkeypatch.setenv(BACKEND_ENV, value)
+        assert effective_backend("auto") == expected and effective_backend("triton") == "triton"
+    monkeypatch.setenv(BACKEND_ENV, "fast")
+    with pytest.raises(ValueError, match="PADDED_MOE_GEMM_BACKEND must be one of"):
+        effective_backend("auto")
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    w = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="backend 'cuda' is not available on cpu"):
+        resolve_backend("auto", torch.device("cpu"), GemmLayout.GROUPED_CONTIGUOUS, w)
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    assert resolve_backend("auto", torch.device("cpu"), GemmLayout.INDEXED, w).name == "torch"
+
+
+def test_backend_env_keeps_auto_calls_off_the_decode_path(monkeypatch):
+    """The decode path runs Triton kernels: an "auto" call that the variable sends to another
+    backend does not take it."""
+    from padded_moe import _platform
+    from padded_moe import decode as dec
+    from padded_moe.backends import BACKEND_ENV
+
+    monkeypatch.setattr(_platform, "use_triton", lambda device: True)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    w13 = torch.randn(4, 32, 64, dtype=torch.bfloat16)
+    w2 = torch.randn(4, 64, 16, dtype=torch.bfloat16)
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert dec.decode_allowed(x, w13, w2, "auto")
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    assert not dec.decode_allowed(x, w13, w2, "auto")
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    assert dec.decode_allowed(x, w13, w2, "auto")

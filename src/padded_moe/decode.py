@@ -85,7 +85,9 @@ def decode_allowed(hidden: torch.Tensor, w13, w2, backend: str) -> bool:
     """Whether a call `fused_experts` already checked (auto layout, spec 01 activation, no output
     transform) may take the decode path: the rest of the decision, `fits_decode`, is the slot count
     (made where the count is a plain int, also under the compiler's dynamic shapes)."""
-    if not (decode_enabled() and backend in ("auto", "triton") and hidden.stride(1) == 1
+    from padded_moe.backends import effective_backend
+
+    if not (decode_enabled() and effective_backend(backend) in ("auto", "triton") and hidden.stride(1) == 1
             and _platform.use_triton(hidden.device)):
         return False
     if type(w13) is Mxfp4Tensor and type(w2) is Mxfp4Tensor:

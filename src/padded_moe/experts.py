@@ -37,7 +37,7 @@ from padded_moe.activation import (
 )
 from padded_moe.decode import DECODE_ENV, decode_allowed, decode_experts, fits_decode
 from padded_moe.expert_map import ExpertMap, check_topk_ids, check_valid_tokens
-from padded_moe.backends import resolve_backend
+from padded_moe.backends import BACKEND_ENV, resolve_backend
 from padded_moe.gemm import FUSE_ENV, expert_gemm, fuse_activation_mode
 from padded_moe.layouts import (
     LAYOUT_ENV,
@@ -285,7 +285,7 @@ def plan_key_head(x, valid_tokens, weights: tuple, options: Optional[tuple], *, 
         return None
     device = torch.cuda.current_device()
     return (device, _launch.current_stream(device), threading.get_ident(), os.environ.get(LAYOUT_ENV),
-            os.environ.get(DECODE_ENV), os.environ.get(FUSE_ENV), eager_cache,
+            os.environ.get(DECODE_ENV), os.environ.get(FUSE_ENV), os.environ.get(BACKEND_ENV), eager_cache,
             options, weight_keys, _input_key(x), None if valid_tokens is None else _input_key(valid_tokens))
 
 

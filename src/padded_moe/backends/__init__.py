@@ -2,18 +2,35 @@
 
 `get_backend(name)` returns a backend instance; `resolve_backend(name, device, layout, weight)`
 implements `backend="auto"` (triton wherever `use_triton(device)`, torch otherwise) and refuses an
-explicitly requested backend that cannot run here, naming it and why.
+explicitly requested backend that cannot run here, naming it and why. The environment variable
+`PADDED_MOE_GEMM_BACKEND` (read at every call, `effective_backend`) turns `"auto"` into the backend it
+names, for runs that cannot pass `backend=` (a benchmark harness, a serving engine's config).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from padded_moe.backends.base import GemmBackend
 
 BACKENDS = ("auto", "triton", "torch", "humming", "cuda")
+BACKEND_ENV = "PADDED_MOE_GEMM_BACKEND"
+
+
+def effective_backend(name: str) -> str:
+    """`name`, except that "auto" becomes the backend `PADDED_MOE_GEMM_BACKEND` names (unset, empty or
+    "auto": "auto"); any other value of the variable is a ValueError naming it and the choices."""
+    if name != "auto":
+        return name
+    env = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if env in ("", "auto"):
+        return "auto"
+    if env not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV} must be one of {', '.join(BACKENDS)} (or unset), got {env!r}")
+    return env
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,6 +57,7 @@ def get_backend(name: str) -> GemmBackend:
 def resolve_backend(name: str, device: torch.device, layout, weight) -> GemmBackend:
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str, one of {BACKENDS}, got {type(name).__name__}")
+    name = effective_backend(name)
     if name == "auto":
         triton = get_backend("triton")
         if triton.available(device) is None and triton.supports(layout, weight):
@@ -58,4 +76,4 @@ def resolve_backend(name: str, device: torch.device, layout, weight) -> GemmBack
     return backend
 
 
-__all__ = ["BACKENDS", "GemmBackend", "get_backend", "resolve_backend"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "GemmBackend", "effective_backend", "get_backend", "resolve_backend"]

@@ -157,29 +157,40 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t s) {
   return b | (b << 16);
 }
 
-// Eight codes (one 32-bit word: k 8j..8j+7) to eight bf16 (16 bytes) through the byte table:
-// lut[byte] holds the bf16 pair of its low and high nibble's values; times the group's factor
-// (exact: a power of two, short of underflow).
-__device__ __forceinline__ uint4 mx_upcast8(uint32_t word, uint32_t factor, const uint32_t* lut) {
-  uint4 v;
-  v.x = mul_bf16x2(lut[word & 0xffu], factor);
-  v.y = mul_bf16x2(lut[(word >> 8) & 0xffu], factor);
-  v.z = mul_bf16x2(lut[(word >> 16) & 0xffu], factor);
-  v.w = mul_bf16x2(lut[word >> 24], factor);
+// Shared memory through 32-bit shared addresses (a generic pointer would cost 64-bit address
+// arithmetic and generic loads and stores).
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
   return v;
 }
 
-// Row r (0..127) of the stage's B tile: 8 chunks of 16 bytes, chunk j at 16 (j ^ (r % 8)) of the
-// row's 128 bytes, the 128-byte swizzle TMA applies (the tile is 1024-byte aligned).
-__device__ __forceinline__ void mx_store_row(uint8_t* b_tile, int r, const MxRaw& raw, const uint32_t* lut) {
-  uint8_t* row = b_tile + r * 128;
+__device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// Eight codes (one 32-bit word: k 8j..8j+7) to eight bf16 (16 bytes) through the byte table at
+// shared address `lut`: entry b holds the bf16 pair of byte b's low and high nibble's values; times
+// the group's factor (exact: a power of two, short of underflow).
+__device__ __forceinline__ uint4 mx_upcast8(uint32_t word, uint32_t factor, uint32_t lut) {
+  uint4 v;
+  v.x = mul_bf16x2(lds32(lut + ((word & 0xffu) << 2)), factor);
+  v.y = mul_bf16x2(lds32(lut + (((word >> 8) & 0xffu) << 2)), factor);
+  v.z = mul_bf16x2(lds32(lut + (((word >> 16) & 0xffu) << 2)), factor);
+  v.w = mul_bf16x2(lds32(lut + ((word >> 24) << 2)), factor);
+  return v;
+}
+
+// Row r (0..127) of the stage's B tile at shared address `b_tile`: 8 chunks of 16 bytes, chunk j at
+// 16 (j ^ (r % 8)) of the row's 128 bytes, the 128-byte swizzle TMA applies (the tile is 1024-byte
+// aligned).
+__device__ __forceinline__ void mx_store_row(uint32_t b_tile, int r, const MxRaw& raw, uint32_t lut) {
+  const uint32_t row = b_tile + r * 128;
   const uint32_t f0 = scale_pair(raw.scales & 0xffu), f1 = scale_pair(raw.scales >> 8);
   const uint32_t words[8] = {raw.lo.x, raw.lo.y, raw.lo.z, raw.lo.w, raw.hi.x, raw.hi.y, raw.hi.z, raw.hi.w};
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const uint4 v = mx_upcast8(words[j], j < 4 ? f0 : f1, lut);
-    *reinterpret_cast<uint4*>(row + ((j ^ (r & 7)) << 4)) = v;
-  }
+  for (int j = 0; j < 8; ++j) sts128(row + ((j ^ (r & 7)) << 4), mx_upcast8(words[j], j < 4 ? f0 : f1, lut));
 }
 
 // E2M1 code values as bf16 bits: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (2^(e - 1) (1 + m / 2) for exponent
@@ -416,6 +427,7 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
                                             const uint32_t* lut, int n_tiles, int k_tiles) {
   const int r = threadIdx.x, lane = r % 32;
   const uint64_t rows_policy = l2_policy<true>();
+  const uint32_t lut_addr = smem_addr(lut);
   int it = 0;
   for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
     const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
@@ -441,7 +453,7 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
           tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, g.start + g.m0 + b * kRowsPerGroup, g.slab,
                       rows_policy);
       }
-      mx_store_row(stage + kConsumers * kABox, r, cur, lut);
+      mx_store_row(smem_addr(stage + kConsumers * kABox), r, cur, lut_addr);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       __syncwarp();
       if (lane == 0) mbar_arrive(&full[s]);

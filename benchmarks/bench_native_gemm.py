@@ -6,7 +6,8 @@ tokens through its own router; then, in alternating rounds of CUDA-graph replays
 variant alike):
 
 - GEMM1 and GEMM2 alone on the GROUPED_CONTIGUOUS layout, Triton (the tuned table's tile) vs
-  native; TFLOP/s count the valid rows only;
+  native in each of its configurations (persistent, one CTA per tile); TFLOP/s count the valid
+  rows only;
 - the whole routed-experts call (`fused_experts`): the default (auto layout, Triton), Triton on
   GROUPED_CONTIGUOUS, and the native kernel on GROUPED_CONTIGUOUS with the activation in GEMM1's
   epilogue (its default) and as a separate op (`PADDED_MOE_FUSE_ACTIVATION=0`);
@@ -37,6 +38,7 @@ from _common import bench_us, captured, copy_bandwidth_gbs, matmul_tflops, print
 
 from padded_moe import fused_experts  # noqa: E402
 from padded_moe.gemm import FUSE_ENV, expert_gemm  # noqa: E402
+from padded_moe.kernels.native import grouped  # noqa: E402
 from padded_moe.layer import FusedMoE  # noqa: E402
 from padded_moe.layouts import build_layout  # noqa: E402
 
@@ -56,23 +58,31 @@ def alternate(graphs: dict, rounds: int) -> dict:
 
 
 def gemm_rows(layer: FusedMoE, meta, x_rows: torch.Tensor, h_rows: torch.Tensor, rounds: int, valid: int) -> list:
-    """GEMM1 and GEMM2 alone: Triton vs native on the same GROUPED_CONTIGUOUS rows."""
+    """GEMM1 and GEMM2 alone on the same GROUPED_CONTIGUOUS rows: Triton, and the native kernel in
+    each configuration (`grouped.CONFIGS`: persistent, one CTA per tile)."""
     w13, w2 = layer.expert_weights()
+    variants = [("triton", None)] + [("cuda", c) for c in range(len(grouped.CONFIGS))]
     rows = []
     for stage, a, w, bias in (("w13", x_rows, w13, layer.w13_bias), ("w2", h_rows, w2, layer.w2_bias)):
         outs, graphs = {}, {}
-        for backend in ("triton", "cuda"):
+        for backend, config in variants:
+            name = backend if config is None else f"cuda c{config}"
             out = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
-            graph, _ = captured(lambda: expert_gemm(a, w, meta, stage=stage, bias=bias, out=out,  # noqa: B023
-                                                    backend=backend))  # noqa: B023
+            # The configuration is read at launch, so the captured graph keeps it.
+            with mock.patch.object(grouped, "DEFAULT_CONFIG", 0 if config is None else config):
+                graph, _ = captured(lambda: expert_gemm(a, w, meta, stage=stage, bias=bias, out=out,  # noqa: B023
+                                                        backend=backend))  # noqa: B023
             graph.replay()
-            graphs[backend], outs[backend] = graph, out
+            graphs[name], outs[name] = graph, out
         torch.cuda.synchronize()
-        diff = rel_diff(outs["cuda"][:valid], outs["triton"][:valid])
         t = alternate(graphs, rounds)
         flops = 2.0 * valid * w.shape[1] * w.shape[2]
-        rows.append([stage, round(t["triton"], 1), round(t["cuda"], 1), round(flops / t["triton"] / 1e6, 1),
-                     round(flops / t["cuda"] / 1e6, 1), round(t["triton"] / t["cuda"], 3), f"{diff:.1e}"])
+        for name in graphs:
+            if name == "triton":
+                continue
+            diff = rel_diff(outs[name][:valid], outs["triton"][:valid])
+            rows.append([stage, name, round(t["triton"], 1), round(t[name], 1), round(flops / t["triton"] / 1e6, 1),
+                         round(flops / t[name] / 1e6, 1), round(t["triton"] / t[name], 3), f"{diff:.1e}"])
     return rows
 
 
@@ -142,8 +152,8 @@ def main() -> None:
             torch.cuda.empty_cache()
         del layer, w13, w2
         torch.cuda.empty_cache()
-    gemm_headers = ["preset", "T", "rows/expert", "GEMM", "Triton us", "cuda us", "Triton TFLOP/s", "cuda TFLOP/s",
-                    "Triton/cuda", "rel diff"]
+    gemm_headers = ["preset", "T", "rows/expert", "GEMM", "native config", "Triton us", "native us", "Triton TFLOP/s",
+                    "native TFLOP/s", "Triton/native", "rel diff"]
     call_headers = ["preset", "T", "variant", "us", "auto/this", "this/floor", "rel diff vs auto"]
     print_table("GEMMs alone (GROUPED_CONTIGUOUS, graph replays, alternating rounds)", gemm_headers, gemm_table)
     print_table("Whole routed-experts calls (graph replays, alternating rounds)", call_headers, call_table)

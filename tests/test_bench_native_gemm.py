@@ -1,0 +1,33 @@
+"""benchmarks/bench_native_gemm.py on the CPU: its helpers, and that it refuses to run without a GPU
+(the timing itself needs one)."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_native_gemm  # noqa: E402
+
+
+def test_rel_diff():
+    ref = torch.randn(16, 8)
+    assert bench_native_gemm.rel_diff(ref.clone(), ref) == 0.0
+    assert abs(bench_native_gemm.rel_diff(ref * 1.01, ref) - 0.01) < 1e-6
+
+
+def test_alternate_takes_each_graphs_median(monkeypatch):
+    times = iter([3.0, 10.0, 1.0, 30.0, 2.0, 20.0])
+    monkeypatch.setattr(bench_native_gemm, "bench_us", lambda fn, **kw: next(times))
+    graphs = {"a": type("G", (), {"replay": None})(), "b": type("G", (), {"replay": None})()}
+    assert bench_native_gemm.alternate(graphs, rounds=3) == {"a": 2.0, "b": 20.0}
+
+
+def test_needs_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["bench_native_gemm.py"])
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        bench_native_gemm.main()

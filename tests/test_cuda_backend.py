@@ -69,6 +69,7 @@ def _tensors(L=3, N=16, K=32, rows=10):
     ("K", lambda a, w, o, b: (a[:, :12], w[:, :, :12], o, b), "K .* multiple of 8"),
     ("N odd", lambda a, w, o, b: (a, w[:, :15], o[:, :15], b), "even number of output columns"),
     ("bias dtype", lambda a, w, o, b: (a, w, o, torch.zeros(3, 16, dtype=torch.float64)), "float32 or bf16 bias"),
+    ("experts", lambda a, w, o, b: (a, w[:1].expand(1025, -1, -1), o, b), "at most 1024 local experts"),
 ])
 def test_check_refuses_what_the_kernel_cannot_take(what, change, message):
     a, w, out = _tensors()

@@ -216,6 +216,7 @@ def _declare_grouped(lib: ctypes.CDLL) -> None:
     lib.pmoe_gg_num_configs.restype = I
     lib.pmoe_gg_block_n.restype = I
     lib.pmoe_gg_pass_rows.restype = I
+    lib.pmoe_gg_max_experts.restype = I
     lib.pmoe_grouped_gemm.restype = I
     lib.pmoe_grouped_gemm.argtypes = [
         I, I, I, P,  # config, grid x, grid y, stream

@@ -16,8 +16,8 @@ written.
 What the kernel needs, refused with `NotImplementedError` (the caller picked this kernel, so a
 call it cannot run is an unsupported combination, not bad input): bf16 `a`, `w` and `out` (or
 MXFP4 `w` with its canonical bytes, rows 16-byte aligned); the last dimension contiguous everywhere; int64 offsets or int32 counts (what `build_layout` makes);
-strides of `a` and `w` in multiples of 8 elements and their data 16-byte aligned (TMA reads); K a
-multiple of 8; an even number of output columns; a bias of float32 or bf16.
+strides of `a` and `w` in multiples of 8 elements and their data 16-byte aligned (TMA reads); at
+most 1024 local experts; K a multiple of 8; an even number of output columns; a bias of float32 or bf16.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from padded_moe.mxfp4 import Mxfp4Tensor
 ENTRY = "pmoe_grouped_gemm"
 BLOCK_N = 128  # weight rows of a tile (`grouped_gemm.cu`'s kBN): 128 output columns, or 64 gated
 CHUNK_ROWS = 256  # rows of a tile: four warpgroups of 64 (`kPassRows`)
+MAX_LOCAL_EXPERTS = 1024  # the experts' chunk prefix lives in shared memory (`kMaxExperts`)
 # The kernel's configurations, by index (`PMOE_GG_CONFIGS`): (pipeline stages, persistent).
 CONFIGS = ((4, True), (4, False))
 # The configuration `launch` runs unless told otherwise.
@@ -77,8 +78,10 @@ def check(a: torch.Tensor, w, out: torch.Tensor, bias: Optional[torch.Tensor]) -
         _refuse(f"needs K (a's last dimension) a positive multiple of 8, got {K}")
     if out.shape[-1] % 2:
         _refuse(f"needs an even number of output columns, got {out.shape[-1]}")
-    if max(a.shape[:-1]) > _MAX_INT32 or w.shape[0] > _MAX_INT32:
+    if max(a.shape[:-1]) > _MAX_INT32:
         _refuse("addresses rows with 32-bit coordinates; a has more rows than that")
+    if w.shape[0] > MAX_LOCAL_EXPERTS:
+        _refuse(f"takes at most {MAX_LOCAL_EXPERTS} local experts, got {w.shape[0]}")
     if bias is not None:
         if bias.dtype not in (torch.float32, torch.bfloat16):
             _refuse(f"needs a float32 or bf16 bias, got {bias.dtype}")

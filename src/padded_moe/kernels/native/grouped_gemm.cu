@@ -62,10 +62,11 @@ static_assert(128 * kMxProducerRegs + kConsumers * 128 * kConsumerRegs <= kThrea
 static_assert(kProducerRegs <= kMxProducerRegs, "register budget");
 
 // The local experts whose chunk prefix fits the shared memory left beside the stages.
-constexpr int kMaxExperts = 4096;
+constexpr int kMaxExperts = 1024;
 
 // Stages, their barriers, the experts' chunk prefix (`chunk_prefix`, kMaxExperts + 1 ints), the
-// MXFP4 byte table (256 words) and the slack for aligning the stages to 1024 bytes.
+// MXFP4 byte table (256 words), the MXFP4 staging ring (with 16 bytes to align it) and the slack
+// for aligning the stages to 1024 bytes.
 template <int STAGES>
 constexpr int smem_bytes();
 
@@ -125,29 +126,42 @@ __device__ __forceinline__ uint64_t l2_policy() {
 // ---- MXFP4 weights: the producer warpgroup turns each k tile of the weight tile into bf16 in the
 // wgmma B layout (what TMA would have written for bf16 weights), one weight row per thread ----
 
-// Two k tiles' worth of one row's raw weights: 32 bytes of e2m1 codes and two E8M0 scales.
-struct MxRaw {
-  uint4 lo, hi;  // codes of k 0..31 and 32..63 of the k tile
-  uint32_t scales;  // the two groups' scale bytes (low byte: k 0..31)
-};
+// k tiles of raw codes in flight per producer thread: a ring of kMxDepth slots of 32 bytes per row in
+// shared memory, filled by cp.async (no registers held while the bytes travel); the scales (one
+// byte per 32 codes) are read two k tiles ahead through the L1 cache, where a row's next 16 k tiles
+// of scales arrive with the first.
+constexpr int kMxDepth = 4;
+constexpr int kMxSlotBytes = 128 * 32;
 
-// k tile `kt` of a row (`row` null: a row past the weight's, all zero). K is a multiple of 32, so
-// a k tile holds zero, one or two whole scale groups; a missing group reads as zero codes.
-__device__ __forceinline__ MxRaw mx_load(const uint8_t* codes, const uint8_t* scales, int kt, int K) {
-  MxRaw r{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), 0x7f7fu};
-  if (codes == nullptr) return r;
+// Copy 16 bytes global -> shared, or write 16 zero bytes when `valid` is false (src-size 0: nothing
+// is read, `src` only has to be a valid address).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Codes of k tile `kt` of a row into its 32-byte slot (`codes` null: a row past the weight's; zero
+// past K, which is a multiple of 32, so a k tile holds zero, one or two whole groups); always one
+// commit group, so the thread's groups count k tiles.
+__device__ __forceinline__ void mx_fetch(uint32_t slot, const uint8_t* codes, const uint8_t* any, int kt, int K) {
   const int k0 = kt * kBK;
-  if (k0 < K) {
-    r.lo = load_stream(codes + k0 / 2);
-    r.scales = scales[k0 / 32];
-  }
-  if (k0 + 32 < K) {
-    r.hi = load_stream(codes + k0 / 2 + 16);
-    r.scales |= uint32_t(scales[k0 / 32 + 1]) << 8;
-  } else {
-    r.scales |= 0x7f00u;
-  }
-  return r;
+  const bool row = codes != nullptr;
+  cp_async16(slot, row && k0 < K ? codes + k0 / 2 : any, row && k0 < K);
+  cp_async16(slot + 16, row && k0 + 32 < K ? codes + k0 / 2 + 16 : any, row && k0 + 32 < K);
+  cp_async_commit();
+}
+
+// The two scale bytes of k tile `kt` (low byte: k 0..31); 127 (a factor of 1) where there is no group.
+__device__ __forceinline__ uint32_t mx_scales(const uint8_t* scales, int kt, int K) {
+  const int k0 = kt * kBK;
+  if (scales == nullptr || k0 >= K) return 0x7f7fu;
+  const uint32_t lo = __ldg(scales + k0 / 32);
+  return lo | ((k0 + 32 < K ? uint32_t(__ldg(scales + k0 / 32 + 1)) : 0x7fu) << 8);
 }
 
 // bf16 bits of 2^(s - 127) for an E8M0 byte s, twice (a bf16x2 factor): s = 0 is the subnormal
@@ -182,13 +196,18 @@ __device__ __forceinline__ uint4 mx_upcast8(uint32_t word, uint32_t factor, uint
   return v;
 }
 
-// Row r (0..127) of the stage's B tile at shared address `b_tile`: 8 chunks of 16 bytes, chunk j at
-// 16 (j ^ (r % 8)) of the row's 128 bytes, the 128-byte swizzle TMA applies (the tile is 1024-byte
-// aligned).
-__device__ __forceinline__ void mx_store_row(uint32_t b_tile, int r, const MxRaw& raw, uint32_t lut) {
+// Row r (0..127) of the stage's B tile at shared address `b_tile`, from the row's 32 bytes of codes
+// at `slot` and its two scale bytes: 8 chunks of 16 bytes, chunk j at 16 (j ^ (r % 8)) of the row's
+// 128 bytes, the 128-byte swizzle TMA applies (the tile is 1024-byte aligned).
+__device__ __forceinline__ void mx_store_row(uint32_t b_tile, int r, uint32_t slot, uint32_t scales, uint32_t lut) {
   const uint32_t row = b_tile + r * 128;
-  const uint32_t f0 = scale_pair(raw.scales & 0xffu), f1 = scale_pair(raw.scales >> 8);
-  const uint32_t words[8] = {raw.lo.x, raw.lo.y, raw.lo.z, raw.lo.w, raw.hi.x, raw.hi.y, raw.hi.z, raw.hi.w};
+  const uint32_t f0 = scale_pair(scales & 0xffu), f1 = scale_pair(scales >> 8);
+  uint4 lo, hi;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(lo.x), "=r"(lo.y), "=r"(lo.z), "=r"(lo.w) : "r"(slot));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(hi.x), "=r"(hi.y), "=r"(hi.z), "=r"(hi.w)
+               : "r"(slot + 16));
+  const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
   for (int j = 0; j < 8; ++j) sts128(row + ((j ^ (r & 7)) << 4), mx_upcast8(words[j], j < 4 ? f0 : f1, lut));
 }
@@ -417,17 +436,19 @@ __device__ __forceinline__ TileGeom tile_geometry(const Args& args, const Tile& 
 constexpr int kNoStep = 1 << 30;
 
 // The MXFP4 producer warpgroup: thread r owns row r of every weight tile (rows 0..63 the first box,
-// 64..127 the second), keeps the next two k tiles of its raw weights in flight in registers, and
-// per k tile waits for the stage, upcasts its row into the B tile, and (thread 0) loads the A
-// boxes by TMA. Its warps arrive on the stage's full barrier once their rows are stored, after a
-// proxy fence that makes the stores visible to wgmma.
+// 64..127 the second), keeps kMxDepth k tiles of its codes in flight (`mx_fetch`) and the scales
+// two ahead, and per k tile waits for the stage, upcasts its row into the B tile, and (thread 0)
+// loads the A boxes by TMA. Its warps arrive on the stage's full barrier once their rows are
+// stored, after a proxy fence that makes the stores visible to wgmma. A thread reads back only
+// the bytes it copied, so its own cp.async.wait_group orders them.
 template <int STAGES, bool PERSISTENT, int EPI>
 __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap& map_a, uint8_t* smem,
                                             uint64_t* full, uint64_t* empty, const int* prefix,
-                                            const uint32_t* lut, int n_tiles, int k_tiles) {
+                                            const uint32_t* lut, const uint8_t* staging, int n_tiles,
+                                            int k_tiles) {
   const int r = threadIdx.x, lane = r % 32;
   const uint64_t rows_policy = l2_policy<true>();
-  const uint32_t lut_addr = smem_addr(lut);
+  const uint32_t lut_addr = smem_addr(lut), ring = smem_addr(staging) + r * 32;
   int it = 0;
   for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
     const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
@@ -440,9 +461,11 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
       codes = args.q_blocks + g.e * args.stride_qe + w_row * args.stride_qn;
       scales = args.q_scales + g.e * args.stride_se + w_row * args.stride_sn;
     }
-    MxRaw cur = mx_load(codes, scales, 0, args.K), nxt = mx_load(codes, scales, 1, args.K);
+#pragma unroll
+    for (int d = 0; d < kMxDepth; ++d) mx_fetch(ring + d * kMxSlotBytes, codes, args.q_blocks, d, args.K);
+    uint32_t sc = mx_scales(scales, 0, args.K), sc_next = mx_scales(scales, 1, args.K);
     for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-      const MxRaw far = mx_load(codes, scales, kt + 2, args.K);
+      const uint32_t sc_far = mx_scales(scales, kt + 2, args.K);
       const int s = it % STAGES;
       if (lane == 0) mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
       __syncwarp();
@@ -453,14 +476,20 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
           tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, g.start + g.m0 + b * kRowsPerGroup, g.slab,
                       rows_policy);
       }
-      mx_store_row(smem_addr(stage + kConsumers * kABox), r, cur, lut_addr);
+      const uint32_t slot = ring + (kt % kMxDepth) * kMxSlotBytes;
+      cp_async_wait<kMxDepth - 1>();  // k tile kt's group (of the kMxDepth in flight) has landed
+      mx_store_row(smem_addr(stage + kConsumers * kABox), r, slot, sc, lut_addr);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       __syncwarp();
       if (lane == 0) mbar_arrive(&full[s]);
-      cur = nxt;
-      nxt = far;
+      // The slot's bytes were read into registers above (the upcast's stores consumed them), so it
+      // takes k tile kt + kMxDepth now.
+      mx_fetch(slot, codes, args.q_blocks, kt + kMxDepth, args.K);
+      sc = sc_next;
+      sc_next = sc_far;
     }
   }
+  cp_async_wait<0>();  // nothing in flight when the thread exits
 }
 
 // PERSISTENT: one CTA per SM walks tiles blockIdx.x, + gridDim.x, ...; the producer runs ahead
@@ -476,6 +505,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* empty = full + STAGES;
   int* prefix = reinterpret_cast<int*>(empty + STAGES);  // [L + 1]
   uint32_t* lut = reinterpret_cast<uint32_t*>(prefix + kMaxExperts + 1);  // MX: byte -> bf16 pair
+  uint8_t* staging =  // MX: kMxDepth slots of raw codes, 16-byte aligned for cp.async
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(lut + 256) + 15) & ~uintptr_t(15));
 
   constexpr int tile_cols = EPI == kPlain ? kBN : kBN / 2;  // output columns of a tile
   const int n_tiles = (args.N + tile_cols - 1) / tile_cols;
@@ -506,7 +537,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // back what the consumers take, and the total stays within that allocation.
     if constexpr (MX) {
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kMxProducerRegs));
-      mx_producer<STAGES, PERSISTENT, EPI>(args, map_a, smem, full, empty, prefix, lut, n_tiles, k_tiles);
+      mx_producer<STAGES, PERSISTENT, EPI>(args, map_a, smem, full, empty, prefix, lut, staging, n_tiles, k_tiles);
     } else {
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
       if (threadIdx.x != 0) return;
@@ -663,7 +694,8 @@ int encode_3d(CUtensorMap* map, const void* base, long long d0, long long d1, lo
 
 template <int STAGES>
 constexpr int smem_bytes() {
-  return STAGES * kStageBytes + 2 * STAGES * 8 + 4 * (kMaxExperts + 1) + 4 * 256 + 1024;
+  return STAGES * kStageBytes + 2 * STAGES * 8 + 4 * (kMaxExperts + 1) + 4 * 256 + kMxDepth * kMxSlotBytes + 16 +
+         1024;
 }
 static_assert(smem_bytes<4>() <= 227 * 1024, "shared memory of the 4-stage kernel");
 
@@ -719,6 +751,7 @@ int pmoe_gg_num_configs() {
 // A tile: this many output columns of one expert's chunk of this many rows.
 int pmoe_gg_block_n() { return kBN; }
 int pmoe_gg_pass_rows() { return kPassRows; }
+int pmoe_gg_max_experts() { return kMaxExperts; }
 
 // a: bf16 [slabs][rows][K] with row / slab strides in elements (K contiguous); the weight, by
 // `w_kind`: 0, bf16 `w` [L][w_rows][K] with strides in elements; 1, MXFP4 `q_blocks` (e2m1 bytes
@@ -777,7 +810,7 @@ const char* pmoe_error_string(int code) {
   if (code == -13) return "the grid must be one-dimensional, N even and L positive";
   if (code == -14) return "unknown epilogue mode";
   if (code == -15) return "w's rows must be 2 N for a gated epilogue, N otherwise";
-  if (code == -16) return "more than 4096 local experts";
+  if (code == -16) return "more than 1024 local experts";
   if (code == -17) return "the epilogue's activation is not of the silu family";
   if (code == -18) return "MXFP4 weights need their codes and scales and K a multiple of 32";
   return cudaGetErrorString(static_cast<cudaError_t>(code));

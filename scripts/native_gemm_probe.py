@@ -91,12 +91,19 @@ def probe_mx(counts: list, K: int, N: int, config: int) -> int:
     return run_and_report(f"mx    counts={counts} K={K} N={N}", a, q, offsets, expected, expert, local, config)
 
 
+# (counts, K, N): one warpgroup, four, two chunks with an empty expert between, three chunks with K
+# past 8 k tiles and N not a multiple of 128, and 300 small experts (600 tiles: each persistent CTA
+# walks several, so its pipeline and, for MXFP4, its cp.async ring carry over from tile to tile).
+CASES = (([64], 64, 128), ([256], 64, 128), ([37, 0, 300], 256, 256), ([520], 512, 136), ([3] * 300, 128, 256))
+MX_CASES = (([64], 64, 128), ([37, 0, 300], 256, 256), ([520], 96, 136), ([3] * 300, 128, 256))
+
+
 def run_config(config: int) -> int:
     wrong = 0
     for kind in ("rows", "cols", "k"):
-        for counts, K, N in (([64], 64, 128), ([256], 64, 128), ([37, 0, 300], 256, 256), ([520], 512, 136)):
+        for counts, K, N in CASES:
             wrong += probe(kind, counts, K, N, config)
-    for counts, K, N in (([64], 64, 128), ([37, 0, 300], 256, 256), ([520], 96, 136)):
+    for counts, K, N in MX_CASES:
         wrong += probe_mx(counts, K, N, config)
     return wrong
 

@@ -145,14 +145,17 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Codes of k tile `kt` of a row into its 32-byte slot (`codes` null: a row past the weight's; zero
-// past K, which is a multiple of 32, so a k tile holds zero, one or two whole groups); always one
-// commit group, so the thread's groups count k tiles.
+// Codes of k tile `kt` of a row into its 32-byte slot (`codes` null: a row past the weight's, zeros;
+// K is a multiple of 32, so a k tile holds one or two whole groups, and a missing one is zeros);
+// always one commit group, so the thread's groups count k tiles. Past the last k tile the group is
+// empty: the slot may take the next weight tile's codes, and a late zero fill must not land on them.
 __device__ __forceinline__ void mx_fetch(uint32_t slot, const uint8_t* codes, const uint8_t* any, int kt, int K) {
   const int k0 = kt * kBK;
-  const bool row = codes != nullptr;
-  cp_async16(slot, row && k0 < K ? codes + k0 / 2 : any, row && k0 < K);
-  cp_async16(slot + 16, row && k0 + 32 < K ? codes + k0 / 2 + 16 : any, row && k0 + 32 < K);
+  if (k0 < K) {
+    const bool row = codes != nullptr;
+    cp_async16(slot, row ? codes + k0 / 2 : any, row);
+    cp_async16(slot + 16, row && k0 + 32 < K ? codes + k0 / 2 + 16 : any, row && k0 + 32 < K);
+  }
   cp_async_commit();
 }
 

@@ -46,15 +46,15 @@ namespace {
 constexpr int kConsumers = 4;              // consumer warpgroups
 constexpr int kRowsPerGroup = 64;          // wgmma M
 constexpr int kPassRows = kConsumers * kRowsPerGroup;
-constexpr int kBN = 128;                   // output columns per CTA (wgmma N)
+constexpr int kBN = 128;                   // weight rows of a tile (wgmma N): 128 outputs, 64 gated
 constexpr int kBK = 64;                    // k per stage: 128 bytes of bf16, the swizzle span
 constexpr int kThreads = (kConsumers + 1) * 128;
 constexpr int kABox = kRowsPerGroup * kBK * 2;  // bytes
 constexpr int kBBox = kBN * kBK * 2;
 constexpr int kStageBytes = kConsumers * kABox + kBBox;
 // Registers per thread after setmaxnreg: producer x 128 + 104 x 512 <= 640 x 96 (the launch's share).
-// The TMA producer spills below 40; the MXFP4 producer holds two k tiles of raw weights in flight;
-// the consumers need about 100 (ptxas, no spills at these values).
+// The TMA producer spilled at 40 (its tile walk), the MXFP4 producer below 64 when it held its k
+// tiles in registers; the consumers need about 100. ptxas reports no spills at these values.
 constexpr int kProducerRegs = 48;
 constexpr int kMxProducerRegs = 64;
 constexpr int kConsumerRegs = 104;

@@ -55,6 +55,7 @@ def main(cuda: bool) -> None:
             raise SystemExit(f"rank {rank}, step {step}: the expert-parallel layer differs from the whole layer")
     print(f"rank {rank} of {ranks} ({ep.transport_name} transport, {layer.num_local} local experts): "
           f"matches the whole layer")
+    dist.barrier()  # no rank tears its connections down while another is still in a collective
     dist.destroy_process_group()
 
 

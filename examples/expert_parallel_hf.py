@@ -103,6 +103,7 @@ def main() -> int:
         shutil.rmtree(path[0], ignore_errors=True)
     flag = torch.tensor(int(ok))
     dist.broadcast(flag, src=0)
+    dist.barrier()  # no rank tears its connections down while another is still in a collective
     dist.destroy_process_group()
     return 0 if int(flag) else 1
 

@@ -6,8 +6,8 @@ tokens through its own router; then, in alternating rounds of CUDA-graph replays
 variant alike):
 
 - GEMM1 and GEMM2 alone on the GROUPED_CONTIGUOUS layout, Triton (the tuned table's tile) vs
-  native in each of its configurations (persistent, one CTA per tile); TFLOP/s count the valid
-  rows only;
+  native in each of its configurations (persistent, one CTA per tile, persistent with 64-row
+  tiles for bf16); TFLOP/s count the valid rows only;
 - the whole routed-experts call (`fused_experts`): the default (auto layout, Triton), Triton on
   GROUPED_CONTIGUOUS, and the native kernel on GROUPED_CONTIGUOUS with the activation in GEMM1's
   epilogue (its default) and as a separate op (`PADDED_MOE_FUSE_ACTIVATION=0`);
@@ -59,9 +59,12 @@ def alternate(graphs: dict, rounds: int) -> dict:
 
 def gemm_rows(layer: FusedMoE, meta, x_rows: torch.Tensor, h_rows: torch.Tensor, rounds: int, valid: int) -> list:
     """GEMM1 and GEMM2 alone on the same GROUPED_CONTIGUOUS rows: Triton, and the native kernel in
-    each configuration (`grouped.CONFIGS`: persistent, one CTA per tile)."""
+    each configuration (`grouped.CONFIGS`: persistent, one CTA per tile, persistent with 64-row
+    tiles (bf16 only))."""
     w13, w2 = layer.expert_weights()
-    variants = [("triton", None)] + [("cuda", c) for c in range(len(grouped.CONFIGS))]
+    mx = not isinstance(w13, torch.Tensor)
+    variants = [("triton", None)] + [("cuda", c) for c, (_, _, block_n) in enumerate(grouped.CONFIGS)
+                                     if block_n == 128 or not mx]
     rows = []
     for stage, a, w, bias in (("w13", x_rows, w13, layer.w13_bias), ("w2", h_rows, w2, layer.w2_bias)):
         outs, graphs = {}, {}

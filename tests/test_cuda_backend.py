@@ -129,7 +129,7 @@ def test_launch_refuses_bad_metadata_and_config(monkeypatch):
     with pytest.raises(ValueError, match="exactly one of offsets"):
         grouped.launch(a, w, out, offsets=offsets, counts=offsets.int())
     with pytest.raises(ValueError, match="config must be an int in"):
-        grouped.launch(a, w, out, offsets=offsets, config=2)
+        grouped.launch(a, w, out, offsets=offsets, config=len(grouped.CONFIGS))
     with pytest.raises(NotImplementedError, match="offsets as contiguous int64"):
         grouped.launch(a, w, out, offsets=offsets.int())
     with pytest.raises(NotImplementedError, match="counts as contiguous int32"):
@@ -252,3 +252,17 @@ def test_backend_env_keeps_auto_calls_off_the_decode_path(monkeypatch):
     assert not dec.decode_allowed(x, w13, w2, "auto")
     monkeypatch.setenv(BACKEND_ENV, "triton")
     assert dec.decode_allowed(x, w13, w2, "auto")
+
+
+def test_the_64_row_configuration(monkeypatch):
+    """Configuration 2 tiles 64 weight rows: twice the column tiles of the default; MXFP4 weights
+    are refused there (their producer fills 128-row tiles)."""
+    rec = _Recorder(monkeypatch)
+    assert grouped.CONFIGS[2] == (5, True, 64)
+    a, w, out = _tensors(L=3, N=260, K=64, rows=10)
+    offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
+    grouped.launch(a, w, out, offsets=offsets, config=2)
+    assert rec.calls[0][1] == ((1 + 3) * 5,) and rec.calls[0][2][0] == 2  # cdiv(260, 64) column tiles
+    q = quantize_mxfp4(torch.randn(3, 16, 64))
+    with pytest.raises(NotImplementedError, match="MXFP4 weights in 128-row tiles only"):
+        grouped.launch(a, q, torch.empty(10, 16, dtype=torch.bfloat16), offsets=offsets, config=2)

@@ -90,8 +90,9 @@ def test_built_grouped_library_entry_points(fresh_loader):
     from padded_moe.kernels.native import grouped
 
     assert lib.pmoe_gg_num_configs() == len(grouped.CONFIGS)
-    assert (lib.pmoe_gg_block_n(), lib.pmoe_gg_pass_rows(), lib.pmoe_gg_max_experts()) == (
-        grouped.BLOCK_N, grouped.CHUNK_ROWS, grouped.MAX_LOCAL_EXPERTS)
+    assert [lib.pmoe_gg_block_n(c) for c in range(len(grouped.CONFIGS))] == [c[2] for c in grouped.CONFIGS]
+    assert lib.pmoe_gg_block_n(len(grouped.CONFIGS)) == 0
+    assert (lib.pmoe_gg_pass_rows(), lib.pmoe_gg_max_experts()) == (grouped.CHUNK_ROWS, grouped.MAX_LOCAL_EXPERTS)
     code = lib.pmoe_grouped_gemm(0, 1, 1, None, None, 0, 0, 1, 1, None, 0, 0, 1, 128, None, None, None, 0, 0, None, 0,
                                  0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 0, None, None, 0, 0, 0, 0)
     assert lib.pmoe_error_string(code).decode() == "exactly one of offsets and counts must be given"

@@ -105,19 +105,31 @@ def test_odd_counts_mxfp4(K, N, layout):
     check(a, dequantize_mxfp4(q), meta, "w13", out, bias)
 
 
-@pytest.mark.parametrize("config", range(2), ids=lambda c: "persistent" if c == 0 else "one_cta_per_tile")
+@pytest.mark.parametrize("config", range(3), ids=["persistent", "one_cta_per_tile", "persistent_64_rows"])
+@pytest.mark.parametrize("epilogue", [None, "silu", "swigluoai"], ids=str)
 @pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
-def test_every_config(config, layout):
+def test_every_config(config, epilogue, layout):
+    """Each configuration, plain and with either gated epilogue, against float64 (and, gated, the
+    two steps of the same configuration)."""
+    from padded_moe.activation import ActivationEpilogue
     from padded_moe.kernels.native import grouped
 
-    assert len(grouped.CONFIGS) == 2 and grouped.CONFIGS[config][1] == (config == 0)
-    w, meta, a, _, out = _counts_case(ODD_COUNTS, 512, 256, layout, None, 5)
-    if layout == GemmLayout.GROUPED_CONTIGUOUS:
-        grouped.launch(a, w, out, offsets=meta.offsets, config=config)
-    else:
-        grouped.launch(a, w, out, counts=meta.counts, config=config)
+    assert len(grouped.CONFIGS) == 3
+    w, meta, a, bias, out = _counts_case(ODD_COUNTS, 512, 392, layout, torch.float32, 5)
+    where = dict(offsets=meta.offsets) if layout == GemmLayout.GROUPED_CONTIGUOUS else dict(counts=meta.counts)
+    grouped.launch(a, w, out, bias=bias, config=config, **where)
     torch.cuda.synchronize()
-    check(a, w, meta, "w13", out)
+    check(a, w, meta, "w13", out, bias)
+    if epilogue is not None:
+        act = torch.full(out.shape[:-1] + (196,), SENTINEL, dtype=torch.bfloat16, device=DEV)
+        grouped.launch(a, w, act, bias=bias, config=config, epilogue=ActivationEpilogue.of(epilogue), **where)
+        ref = torch.full_like(act, SENTINEL)
+        apply_moe_activation(epilogue, ref, out, valid_token_counts=meta.activation_counts)
+        torch.cuda.synchronize()
+        written = (ref != SENTINEL).any(-1)
+        assert ((act == SENTINEL).all(-1) == ~written).all()
+        diff = (act[written].double() - ref[written].double()).abs()
+        assert (diff / ref[written].double().abs().clamp(min=1e-2)).max().item() <= 2 ** -7
 
 
 def test_graph_replay_reads_new_rows_and_counts():

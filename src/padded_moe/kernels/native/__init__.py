@@ -214,6 +214,7 @@ def _declare_decode(lib: ctypes.CDLL) -> None:
 def _declare_grouped(lib: ctypes.CDLL) -> None:
     _declare_common(lib)
     lib.pmoe_gg_num_configs.restype = I
+    lib.pmoe_gg_block_n.argtypes = [I]
     lib.pmoe_gg_block_n.restype = I
     lib.pmoe_gg_pass_rows.restype = I
     lib.pmoe_gg_max_experts.restype = I

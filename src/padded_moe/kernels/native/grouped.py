@@ -31,11 +31,12 @@ from padded_moe.kernels._launch import launch_native
 from padded_moe.mxfp4 import Mxfp4Tensor
 
 ENTRY = "pmoe_grouped_gemm"
-BLOCK_N = 128  # weight rows of a tile (`grouped_gemm.cu`'s kBN): 128 output columns, or 64 gated
 CHUNK_ROWS = 256  # rows of a tile: four warpgroups of 64 (`kPassRows`)
 MAX_LOCAL_EXPERTS = 1024  # the experts' chunk prefix lives in shared memory (`kMaxExperts`)
-# The kernel's configurations, by index (`PMOE_GG_CONFIGS`): (pipeline stages, persistent).
-CONFIGS = ((4, True), (4, False))
+# The kernel's configurations, by index (`PMOE_GG_CONFIGS`): (pipeline stages, persistent, weight
+# rows per tile). A tile has that many output columns, half as many with a gated epilogue; the
+# 64-row tiles take bf16 weights only.
+CONFIGS = ((4, True, 128), (4, False, 128), (5, True, 64))
 # The configuration `launch` runs unless told otherwise.
 DEFAULT_CONFIG = 0
 # Epilogue modes (`grouped_gemm.cu`): plain, gated with the gate half first, gated with gate and up
@@ -113,6 +114,9 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
     if not (isinstance(config, int) and 0 <= config < len(CONFIGS)):
         raise ValueError(f"config must be an int in [0, {len(CONFIGS)}), got {config!r}")
     check(a, w, out, bias)
+    block_n = CONFIGS[config][2]
+    if isinstance(w, Mxfp4Tensor) and block_n != 128:
+        _refuse(f"runs MXFP4 weights in 128-row tiles only; configuration {config} has {block_n}")
     if offsets is not None and (offsets.dtype != torch.int64 or not offsets.is_contiguous()):
         _refuse(f"reads offsets as contiguous int64 (what build_layout makes), got {offsets.dtype}")
     if counts is not None and (counts.dtype != torch.int32 or not counts.is_contiguous()):
@@ -135,15 +139,15 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
         return out
     bias_kind = native.DTYPE_CODES[bias.dtype] if bias is not None else 0
     stride_be = bias.stride(0) if bias is not None else 0
-    # One CTA per tile (expert, 256-row chunk, 128 weight rows); the chunks are counted on the
+    # One CTA per tile (expert, 256-row chunk, block_n weight rows); the chunks are counted on the
     # device, so the grid is their bound from shapes: a flat buffer of R rows holds at most
     # cdiv(R, 256) + L chunks (each expert's last one partial), a slab of T rows cdiv(T, 256) per
-    # expert. A tile has 128 output columns, 64 when gated.
+    # expert. A tile has block_n output columns, half as many when gated.
     if offsets is not None:
         chunks = -(-rows // CHUNK_ROWS) + min(L, rows)
     else:
         chunks = L * -(-rows // CHUNK_ROWS)
-    tile_cols = BLOCK_N if ep[0] == PLAIN else BLOCK_N // 2
+    tile_cols = block_n if ep[0] == PLAIN else block_n // 2
     grid = (chunks * -(-N // tile_cols),)
     if grid[0] >= 2 ** 30:  # the kernel's tile ids are 32-bit, its non-persistent step 2^30
         _refuse(f"numbers its tiles in 30 bits; this call would need {grid[0]}")

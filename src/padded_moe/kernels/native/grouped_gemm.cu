@@ -46,12 +46,15 @@ namespace {
 constexpr int kConsumers = 4;              // consumer warpgroups
 constexpr int kRowsPerGroup = 64;          // wgmma M
 constexpr int kPassRows = kConsumers * kRowsPerGroup;
-constexpr int kBN = 128;                   // weight rows of a tile (wgmma N): 128 outputs, 64 gated
+constexpr int kBN = 128;                   // weight rows of a tile (wgmma N) at most; the BN of a config
 constexpr int kBK = 64;                    // k per stage: 128 bytes of bf16, the swizzle span
 constexpr int kThreads = (kConsumers + 1) * 128;
 constexpr int kABox = kRowsPerGroup * kBK * 2;  // bytes
-constexpr int kBBox = kBN * kBK * 2;
-constexpr int kStageBytes = kConsumers * kABox + kBBox;
+// A stage: four A boxes, then the weight tile of BN rows (two boxes of BN / 2 rows).
+template <int BN>
+__host__ __device__ constexpr int stage_bytes() {
+  return kConsumers * kABox + BN * kBK * 2;
+}
 // Registers per thread after setmaxnreg: producer x 128 + 104 x 512 <= 640 x 96 (the launch's share).
 // The TMA producer spilled at 40 (its tile walk), the MXFP4 producer below 64 when it held its k
 // tiles in registers; the consumers need about 100. ptxas reports no spills at these values.
@@ -67,8 +70,8 @@ constexpr int kMaxExperts = 1024;
 // Stages, their barriers, the experts' chunk prefix (`chunk_prefix`, kMaxExperts + 1 ints), the
 // MXFP4 byte table (256 words), the MXFP4 staging ring (with 16 bytes to align it) and the slack
 // for aligning the stages to 1024 bytes.
-template <int STAGES>
-constexpr int smem_bytes();
+template <int STAGES, int BN>
+__host__ __device__ constexpr int smem_bytes();
 
 // ---- PTX wrappers ---------------------------------------------------------------------------
 
@@ -245,9 +248,10 @@ __device__ __forceinline__ void wgmma_wait() {
 
 // Pins the accumulators at this point of the program: the compiler may not move their other uses
 // across it (the epilogue's reads above the wait that makes them valid).
-__device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
+template <int N>
+__device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // D[64 x 128] (+)= A[64 x 16] * B[16 x 128], both K-major in shared memory; `accumulate` = 0
@@ -273,6 +277,31 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, ui
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// D[64 x 64] (+)= A[64 x 16] * B[16 x 64]: the 64-row weight tiles of decode-sized calls.
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_tile(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+  wgmma_m64n128k16(d, da, db, accumulate);
+}
+__device__ __forceinline__ void wgmma_tile(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
+  wgmma_m64n64k16(d, da, db, accumulate);
 }
 
 // Two floats to a bf16 pair, round to nearest even (cvt.rn.bf16x2.f32). A float op, not bit
@@ -422,15 +451,15 @@ struct TileGeom {
   int e, slab, start, count, m0, n0, w_row0, w_row1, boxes;
 };
 
-template <int EPI>
+template <int EPI, int BN>
 __device__ __forceinline__ TileGeom tile_geometry(const Args& args, const Tile& tile) {
   TileGeom g;
   g.e = tile.e;
   expert_rows(args, tile.e, g.slab, g.start, g.count);
   g.m0 = tile.chunk * kPassRows;
-  g.n0 = tile.col_tile * (EPI == kPlain ? kBN : kBN / 2);
+  g.n0 = tile.col_tile * (EPI == kPlain ? BN : BN / 2);
   g.w_row0 = EPI == kGatedPairs ? 2 * g.n0 : g.n0;
-  g.w_row1 = EPI == kGatedSplit ? args.up_row0 + g.n0 : g.w_row0 + kBN / 2;
+  g.w_row1 = EPI == kGatedSplit ? args.up_row0 + g.n0 : g.w_row0 + BN / 2;
   g.boxes = min(kConsumers, (g.count - g.m0 + kRowsPerGroup - 1) / kRowsPerGroup);
   return g;
 }
@@ -456,7 +485,7 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
   for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
     const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
     if (tile.e < 0) break;
-    const TileGeom g = tile_geometry<EPI>(args, tile);
+    const TileGeom g = tile_geometry<EPI, kBN>(args, tile);
     const int w_row = r < 64 ? g.w_row0 + r : g.w_row1 + (r - 64);
     const uint8_t* codes = nullptr;
     const uint8_t* scales = nullptr;
@@ -472,7 +501,7 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
       const int s = it % STAGES;
       if (lane == 0) mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
       __syncwarp();
-      uint8_t* stage = smem + s * kStageBytes;
+      uint8_t* stage = smem + s * stage_bytes<kBN>();
       if (r == 0) {
         mbar_expect_tx(&full[s], g.boxes * kABox);
         for (int b = 0; b < g.boxes; ++b)
@@ -498,12 +527,15 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
 // PERSISTENT: one CTA per SM walks tiles blockIdx.x, + gridDim.x, ...; the producer runs ahead
 // into the next tile while the consumers store the last one. Otherwise one CTA per tile (the grid
 // bounds the tiles; CTAs past the last exit).
-template <int STAGES, bool PERSISTENT, int EPI, bool MX>
+template <int STAGES, bool PERSISTENT, int EPI, bool MX, int BN>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
                         const Args args) {
   extern __shared__ uint8_t raw_smem[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+  static_assert(!MX || BN == kBN, "the MXFP4 producer fills 128-row weight tiles (a row per thread)");
+  constexpr int kStageBytes = stage_bytes<BN>();
+  constexpr int kBBox = BN * kBK * 2;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * kStageBytes);
   uint64_t* empty = full + STAGES;
   int* prefix = reinterpret_cast<int*>(empty + STAGES);  // [L + 1]
@@ -511,7 +543,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* staging =  // MX: kMxDepth slots of raw codes, 16-byte aligned for cp.async
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(lut + 256) + 15) & ~uintptr_t(15));
 
-  constexpr int tile_cols = EPI == kPlain ? kBN : kBN / 2;  // output columns of a tile
+  constexpr int tile_cols = EPI == kPlain ? BN : BN / 2;  // output columns of a tile
   const int n_tiles = (args.N + tile_cols - 1) / tile_cols;
   const int k_tiles = (args.K + kBK - 1) / kBK;
   if (threadIdx.x < 32) chunk_prefix(args, prefix);
@@ -549,7 +581,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
         const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
         if (tile.e < 0) break;
-        const TileGeom g = tile_geometry<EPI>(args, tile);
+        const TileGeom g = tile_geometry<EPI, BN>(args, tile);
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int s = it % STAGES;
           mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
@@ -571,12 +603,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int c = group - 1;
   const int t = threadIdx.x % 128;
   const int warp = t / 32, lane = t % 32;
-  float acc[64];
+  float acc[BN / 2];
   int it = 0;  // k tiles consumed so far: stage and parity
   for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
     const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
     if (tile.e < 0) break;
-    const TileGeom g = tile_geometry<EPI>(args, tile);
+    const TileGeom g = tile_geometry<EPI, BN>(args, tile);
     const int e = g.e, slab = g.slab, start = g.start, count = g.count, m0 = g.m0, n0 = g.n0;
     if (m0 + c * kRowsPerGroup >= count) {  // no rows of this warpgroup: release each stage at once
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
@@ -595,7 +627,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int j = 0; j < kBK / 16; ++j)
-        wgmma_m64n128k16(acc, da + 2 * j, db + 2 * j, (kt > 0 || j > 0) ? 1 : 0);  // +32 bytes per k16
+        wgmma_tile(acc, da + 2 * j, db + 2 * j, (kt > 0 || j > 0) ? 1 : 0);  // +32 bytes per k16
       wgmma_commit();
       // One group stays in flight: the previous stage's MMAs have retired, so release it.
       wgmma_wait<1>();
@@ -618,21 +650,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint16_t* orow = out_slab + (long long)(start + r) * args.stride_or;
       if (EPI == kGatedSplit) {  // columns j < 64 gate, j + 64 up: activation column n0 + j
 #pragma unroll
-        for (int b = 0; b < kBN / 16; ++b) {
+        for (int b = 0; b < BN / 16; ++b) {
           const int col = n0 + 8 * b + q;
           if (col >= args.N) continue;  // N is even: col + 1 < N as well
           float y[2];
 #pragma unroll
           for (int p = 0; p < 2; ++p) {
             const float g = as_stored(args, e, w_row0 + 8 * b + q + p, acc[4 * b + 2 * h + p]);
-            const float u = as_stored(args, e, w_row1 + 8 * b + q + p, acc[4 * (b + kBN / 16) + 2 * h + p]);
+            const float u = as_stored(args, e, w_row1 + 8 * b + q + p, acc[4 * (b + BN / 16) + 2 * h + p]);
             y[p] = silu_family(args, g, u);
           }
           *reinterpret_cast<uint32_t*>(orow + col) = bf16_pair(y[0], y[1]);
         }
       } else if (EPI == kGatedPairs) {  // columns 2j gate, 2j + 1 up: activation column n0 + j
 #pragma unroll
-        for (int b = 0; b < kBN / 8; ++b) {
+        for (int b = 0; b < BN / 8; ++b) {
           const int col = n0 + 4 * b + q / 2;
           if (col >= args.N) continue;
           const int w_row = w_row0 + 8 * b + q;
@@ -642,7 +674,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       } else {
 #pragma unroll
-        for (int b = 0; b < kBN / 8; ++b) {
+        for (int b = 0; b < BN / 8; ++b) {
           const int col = n0 + 8 * b + q;
           if (col >= args.N) continue;  // N is even: col + 1 < N as well
           float v0 = acc[4 * b + 2 * h], v1 = acc[4 * b + 2 * h + 1];
@@ -695,25 +727,25 @@ int encode_3d(CUtensorMap* map, const void* base, long long d0, long long d1, lo
 }
 
 
-template <int STAGES>
-constexpr int smem_bytes() {
-  return STAGES * kStageBytes + 2 * STAGES * 8 + 4 * (kMaxExperts + 1) + 4 * 256 + kMxDepth * kMxSlotBytes + 16 +
+template <int STAGES, int BN>
+__host__ __device__ constexpr int smem_bytes() {
+  return STAGES * stage_bytes<BN>() + 2 * STAGES * 8 + 4 * (kMaxExperts + 1) + 4 * 256 + kMxDepth * kMxSlotBytes + 16 +
          1024;
 }
-static_assert(smem_bytes<4>() <= 227 * 1024, "shared memory of the 4-stage kernel");
+static_assert(smem_bytes<4, 128>() <= 227 * 1024 && smem_bytes<5, 64>() <= 227 * 1024, "shared memory");
 
-template <int STAGES, bool PERSISTENT, int EPI, bool MX>
+template <int STAGES, bool PERSISTENT, int EPI, bool MX, int BN>
 int launch(const CUtensorMap& ma, const CUtensorMap& mw, const Args& args, int grid_x, cudaStream_t stream) {
   // The shared-memory opt-in is a per-device function attribute: set once per device.
   static unsigned long long configured = 0;
-  constexpr int bytes = smem_bytes<STAGES>();
+  constexpr int bytes = smem_bytes<STAGES, BN>();
+  const auto kernel = grouped_gemm_kernel<STAGES, PERSISTENT, EPI, MX, BN>;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return static_cast<int>(err);
   const unsigned long long bit = device < 64 ? (1ull << device) : 0;
   if (bit == 0 || !(configured & bit)) {
-    err = cudaFuncSetAttribute(grouped_gemm_kernel<STAGES, PERSISTENT, EPI, MX>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               bytes);
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err != cudaSuccess) return static_cast<int>(err);
     configured |= bit;
   }
@@ -724,35 +756,64 @@ int launch(const CUtensorMap& ma, const CUtensorMap& mw, const Args& args, int g
     if (err != cudaSuccess) return static_cast<int>(err);
     grid = grid_x < sms ? grid_x : sms;
   }
-  grouped_gemm_kernel<STAGES, PERSISTENT, EPI, MX><<<grid, kThreads, bytes, stream>>>(ma, mw, args);
+  kernel<<<grid, kThreads, bytes, stream>>>(ma, mw, args);
   return static_cast<int>(cudaGetLastError());
 }
 
-template <int STAGES, bool PERSISTENT, bool MX>
+template <int STAGES, bool PERSISTENT, bool MX, int BN>
 int launch_mode(int mode, const CUtensorMap& ma, const CUtensorMap& mw, const Args& args, int grid_x,
                 cudaStream_t stream) {
-  if (mode == kGatedSplit) return launch<STAGES, PERSISTENT, kGatedSplit, MX>(ma, mw, args, grid_x, stream);
-  if (mode == kGatedPairs) return launch<STAGES, PERSISTENT, kGatedPairs, MX>(ma, mw, args, grid_x, stream);
-  return launch<STAGES, PERSISTENT, kPlain, MX>(ma, mw, args, grid_x, stream);
+  if (mode == kGatedSplit) return launch<STAGES, PERSISTENT, kGatedSplit, MX, BN>(ma, mw, args, grid_x, stream);
+  if (mode == kGatedPairs) return launch<STAGES, PERSISTENT, kGatedPairs, MX, BN>(ma, mw, args, grid_x, stream);
+  return launch<STAGES, PERSISTENT, kPlain, MX, BN>(ma, mw, args, grid_x, stream);
+}
+
+// One configuration: the weight's tensor map (boxes of BN / 2 rows; none for MXFP4, whose
+// producer reads the codes itself and fills 128-row tiles only), then the kernel of `mode`.
+template <int STAGES, bool PERSISTENT, int BN>
+int launch_config(int w_kind, int mode, const CUtensorMap& ma, const void* w, long long stride_we,
+                  long long stride_wn, const Args& args, int grid_x, cudaStream_t stream) {
+  CUtensorMap mw;
+  if (w_kind == 1) {
+    if constexpr (BN != kBN) {
+      return -19;
+    } else {
+      memset(&mw, 0, sizeof(mw));  // not read by the MXFP4 kernels
+      return launch_mode<STAGES, PERSISTENT, true, BN>(mode, ma, mw, args, grid_x, stream);
+    }
+  }
+  const int err = encode_3d(&mw, w, args.K, args.w_rows, args.L, stride_wn * 2, stride_we * 2, BN / 2);
+  if (err != 0) return err;
+  return launch_mode<STAGES, PERSISTENT, false, BN>(mode, ma, mw, args, grid_x, stream);
 }
 
 }  // namespace
 
 extern "C" {
 
-// Configurations, by index: (stages, persistent).
-#define PMOE_GG_CONFIGS(X) X(4, true) X(4, false)
+// Configurations, by index: (stages, persistent, weight rows per tile). The 64-row tiles are for
+// calls with few rows per expert, where the weights are the work: twice the tiles to spread over the
+// SMs, and a fifth stage in the room the smaller tiles leave (bf16 weights only).
+#define PMOE_GG_CONFIGS(X) X(4, true, 128) X(4, false, 128) X(5, true, 64)
 
 int pmoe_gg_num_configs() {
   int n = 0;
-#define COUNT(S, P) ++n;
+#define COUNT(S, P, B) ++n;
   PMOE_GG_CONFIGS(COUNT)
 #undef COUNT
   return n;
 }
 
-// A tile: this many output columns of one expert's chunk of this many rows.
-int pmoe_gg_block_n() { return kBN; }
+// A tile: this many weight rows (output columns; half as many gated) of one expert's chunk of
+// pmoe_gg_pass_rows rows, by configuration (0 for an unknown one).
+int pmoe_gg_block_n(int config) {
+  int i = 0;
+#define BLOCK(S, P, B) \
+  if (config == i++) return B;
+  PMOE_GG_CONFIGS(BLOCK)
+#undef BLOCK
+  return 0;
+}
 int pmoe_gg_pass_rows() { return kPassRows; }
 int pmoe_gg_max_experts() { return kMaxExperts; }
 
@@ -762,7 +823,7 @@ int pmoe_gg_max_experts() { return kMaxExperts; }
 // of 32). Exactly one of offsets (int64 [L + 1]) and counts (int32 [L]) is set. N: output columns
 // (`mode` kGatedSplit / kGatedPairs: the activation's, w_rows / 2; else w_rows). `act` (with
 // has_limit, limit, alpha, beta): the gated modes' activation, one of the silu family. The grid is
-// one dimension, at least the number of tiles: cdiv(N, 128) (gated: cdiv(N, 64)) x (the experts'
+// one dimension, at least the number of tiles: cdiv(N, BN) (gated: cdiv(N, BN / 2)) x (the experts'
 // 256-row chunks), which the host bounds from shapes (CTAs past the last tile exit). Strides of a
 // and w must be multiples of 8 elements and the bases 16-byte aligned (TMA), the MXFP4 row strides
 // multiples of 16 bytes.
@@ -781,25 +842,17 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
   const bool gated_mode = mode == kGatedSplit || mode == kGatedPairs;
   if ((gated_mode && w_rows != 2 * N) || (!gated_mode && w_rows != N)) return -15;
   if (w_kind != 0 && (w_kind != 1 || q_blocks == nullptr || q_scales == nullptr || K % 32 != 0)) return -18;
-  CUtensorMap ma, mw;
-  int err = encode_3d(&ma, a, K, rows, slabs, stride_ar * 2, stride_as * 2, kRowsPerGroup);
+  CUtensorMap ma;
+  const int err = encode_3d(&ma, a, K, rows, slabs, stride_ar * 2, stride_as * 2, kRowsPerGroup);
   if (err != 0) return err;
-  if (w_kind == 0) {
-    err = encode_3d(&mw, w, K, w_rows, L, stride_wn * 2, stride_we * 2, kBN / 2);
-    if (err != 0) return err;
-  } else {
-    memset(&mw, 0, sizeof(mw));  // not read by the MXFP4 kernels
-  }
   const Args args{static_cast<const int64_t*>(offsets), static_cast<const int32_t*>(counts), L, rows, K, N, act,
                   has_limit, N, limit, alpha, beta, bias, stride_be, bias_kind, static_cast<uint16_t*>(out),
                   stride_os, stride_or, static_cast<const uint8_t*>(q_blocks), static_cast<const uint8_t*>(q_scales),
                   stride_qe, stride_qn, stride_se, stride_sn, w_rows};
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   int i = 0;
-#define RUN(S, P)                                                                                \
-  if (config == i++)                                                                             \
-    return w_kind == 1 ? launch_mode<S, P, true>(mode, ma, mw, args, grid_x, st)                 \
-                       : launch_mode<S, P, false>(mode, ma, mw, args, grid_x, st);
+#define RUN(S, P, B) \
+  if (config == i++) return launch_config<S, P, B>(w_kind, mode, ma, w, stride_we, stride_wn, args, grid_x, st);
   PMOE_GG_CONFIGS(RUN)
 #undef RUN
   return -1;
@@ -816,6 +869,7 @@ const char* pmoe_error_string(int code) {
   if (code == -16) return "more than 1024 local experts";
   if (code == -17) return "the epilogue's activation is not of the silu family";
   if (code == -18) return "MXFP4 weights need their codes and scales and K a multiple of 32";
+  if (code == -19) return "MXFP4 weights run in the 128-row configurations only";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 

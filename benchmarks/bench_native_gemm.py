@@ -18,7 +18,7 @@ output is checked against Triton's (relative L2 difference at most 2e-2; both ar
 float64 in the GPU tests).
 
     python benchmarks/bench_native_gemm.py --presets dsv4-flash,qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b:mxfp4 \
-        --tokens 1024,8192 --out bench-out/native-gemm
+        --tokens 16,128,1024,8192 --out bench-out/native-gemm
 """
 
 from __future__ import annotations
@@ -89,10 +89,27 @@ def gemm_rows(layer: FusedMoE, meta, x_rows: torch.Tensor, h_rows: torch.Tensor,
     return rows
 
 
+GEMM_HEADERS = ["preset", "T", "rows/expert", "GEMM", "native config", "Triton us", "native us", "Triton TFLOP/s",
+                "native TFLOP/s", "Triton/native", "rel diff"]
+CALL_HEADERS = ["preset", "T", "variant", "us", "auto/this", "this/floor", "rel diff vs auto"]
+
+
+def report(out_dir: str, gemm_table: list, call_table: list, copy_gbs: float, dense_tflops: float, t0: float) -> None:
+    """Print and write the tables so far (called after every case, so a run cut short keeps them)."""
+    print_table("GEMMs alone (GROUPED_CONTIGUOUS, graph replays, alternating rounds)", GEMM_HEADERS, gemm_table)
+    print_table("Whole routed-experts calls (graph replays, alternating rounds)", CALL_HEADERS, call_table)
+    notes = (f"Copy bandwidth {copy_gbs:.0f} GB/s, dense bf16 matmul {dense_tflops:.0f} TFLOP/s (same run). "
+             "floor = max(weights of the experts hit / copy bandwidth, valid FLOPs / matmul rate).")
+    write_report(out_dir, "bench_native_gemm_calls", "Native grouped GEMM: whole calls", notes, CALL_HEADERS,
+                 call_table, extra={"gemms": {"headers": GEMM_HEADERS, "rows": gemm_table},
+                                    "wall_s": time.time() - t0})
+    print(f"wrote {out_dir} ({time.time() - t0:.0f} s)", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", default="dsv4-flash,qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b:mxfp4,dsv4-flash:mxfp4")
-    p.add_argument("--tokens", default="1024,8192", help="comma list of token counts")
+    p.add_argument("--tokens", default="16,128,1024,8192", help="comma list of token counts")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="bench-out/native-gemm")
     args = p.parse_args()
@@ -155,17 +172,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         del layer, w13, w2
         torch.cuda.empty_cache()
-    gemm_headers = ["preset", "T", "rows/expert", "GEMM", "native config", "Triton us", "native us", "Triton TFLOP/s",
-                    "native TFLOP/s", "Triton/native", "rel diff"]
-    call_headers = ["preset", "T", "variant", "us", "auto/this", "this/floor", "rel diff vs auto"]
-    print_table("GEMMs alone (GROUPED_CONTIGUOUS, graph replays, alternating rounds)", gemm_headers, gemm_table)
-    print_table("Whole routed-experts calls (graph replays, alternating rounds)", call_headers, call_table)
-    notes = (f"Copy bandwidth {copy_gbs:.0f} GB/s, dense bf16 matmul {dense_tflops:.0f} TFLOP/s (same run). "
-             "floor = max(weights of the experts hit / copy bandwidth, valid FLOPs / matmul rate).")
-    write_report(args.out, "bench_native_gemm_calls", "Native grouped GEMM: whole calls", notes, call_headers,
-                 call_table, extra={"gemms": {"headers": gemm_headers, "rows": gemm_table},
-                                    "wall_s": time.time() - t0})
-    print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
+        report(args.out, gemm_table, call_table, copy_gbs, dense_tflops, t0)
 
 
 if __name__ == "__main__":

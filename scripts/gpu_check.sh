@@ -60,7 +60,7 @@ for stage in "$@"; do
                     -m gpu tests/test_native_grouped_gpu.py -k sanitizer
             fi ;;
         native-bench)  # the native grouped GEMM vs the Triton GEMM: GEMMs alone and whole calls, five model cases
-            STEP_TIMEOUT=540 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" ;;
+            STEP_TIMEOUT=560 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" ;;
         native-peers)  # the peers harness (.peers carried) with ours on the native kernel: GROUPED_CONTIGUOUS +
             # backend cuda through the environment, all five cases (the decode path is off for it)
             STEP_TIMEOUT=560 step peers-native env PADDED_MOE_GEMM_LAYOUT=grouped_contiguous PADDED_MOE_GEMM_BACKEND=cuda \

@@ -82,7 +82,8 @@ class _Recorder:
     def __init__(self, monkeypatch):
         self.calls = []
         monkeypatch.setattr(native.GROUPED, "entry", lambda name: ("entry", name))
-        monkeypatch.setattr(grouped, "launch_native", lambda kernel, grid, args: self.calls.append((kernel, grid, args)))
+        monkeypatch.setattr(grouped, "launch_native",
+                            lambda kernel, grid, args: self.calls.append((kernel, grid, args)))
 
 
 def test_contiguous_launch_arguments(monkeypatch):

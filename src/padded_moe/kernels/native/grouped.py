@@ -6,18 +6,19 @@ rows `offsets[e] .. offsets[e+1]`) or GROUPED_MASKED (`a [L, T, K]`, `counts [L]
 `0 .. counts[e]` of slab `e`), `out[row] = a[row] @ w[e].T (+ bias[e])` in bf16, fp32
 accumulation, one rounding. `w` is bf16 `[L, N, K]`, or an `Mxfp4Tensor` holding its canonical
 bytes, which the kernel upcasts to bf16 in shared memory (exact: an e2m1 value times a power of
-two), so the result is that of the dequantized bf16 weight. With `epilogue` (an `ActivationEpilogue`, GEMM1; its activation one
-of `EPILOGUE_ACTIVATIONS`) the activation is applied before the store, as the Triton kernel's
-epilogue does: the sum plus bias rounded to bf16 (what the activation op would read from GEMM1's
-buffer), then spec 01's formula in fp32 (the sigmoid through the approximate tanh, as the Triton
-kernels do for 16-bit outputs); `out` then has the activation's width. Other rows of `out` are not
-written.
+two), so the result is that of the dequantized bf16 weight. With `epilogue` (an
+`ActivationEpilogue`, GEMM1; its activation one of `EPILOGUE_ACTIVATIONS`) the activation is
+applied before the store, as the Triton kernel's epilogue does: the sum plus bias rounded to bf16
+(what the activation op would read from GEMM1's buffer), then spec 01's formula in fp32 (the
+sigmoid through the approximate tanh, as the Triton kernels do for 16-bit outputs); `out` then has
+the activation's width. Other rows of `out` are not written.
 
 What the kernel needs, refused with `NotImplementedError` (the caller picked this kernel, so a
 call it cannot run is an unsupported combination, not bad input): bf16 `a`, `w` and `out` (or
-MXFP4 `w` with its canonical bytes, rows 16-byte aligned); the last dimension contiguous everywhere; int64 offsets or int32 counts (what `build_layout` makes);
-strides of `a` and `w` in multiples of 8 elements and their data 16-byte aligned (TMA reads); at
-most 1024 local experts; K a multiple of 8; an even number of output columns; a bias of float32 or bf16.
+MXFP4 `w` with its canonical bytes, rows 16-byte aligned, in the 128-row configurations); the last
+dimension contiguous everywhere; int64 offsets or int32 counts (what `build_layout` makes); strides
+of `a` and `w` in multiples of 8 elements and their data 16-byte aligned (TMA reads); at most 1024
+local experts; K a multiple of 8; an even number of output columns; a bias of float32 or bf16.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def check(a: torch.Tensor, w, out: torch.Tensor, bias: Optional[torch.Tensor]) -
             _refuse(f"needs {name}'s strides in multiples of 8 elements and its data 16-byte aligned "
                     f"(TMA), got strides {tuple(t.stride())}")
     if mx and (any(s % 16 for s in w.blocks.stride()[:-1]) or w.blocks.data_ptr() % 16):
-        _refuse(f"reads MXFP4 codes in 16-byte rows: their strides must be multiples of 16 bytes and their data "
-                f"16-byte aligned, got strides {tuple(w.blocks.stride())}")
+        _refuse(f"reads MXFP4 codes in 16-byte rows: their strides must be multiples of 16 bytes and their "
+                f"data 16-byte aligned, got strides {tuple(w.blocks.stride())}")
     if out.data_ptr() % 4 or any(s % 2 for s in out.stride()[:-1]):
         _refuse(f"needs out's strides even and its data 4-byte aligned, got strides {tuple(out.stride())}")
     K = w.shape[2]
@@ -100,7 +101,8 @@ def _epilogue_args(epilogue, w_rows: int) -> tuple:
     if w_rows % 2:
         raise ValueError(f"w's rows must be even (gate and up) for gated {act.value}, got {w_rows}")
     (limit, alpha, beta, _, _), flags = epilogue.kernel_args(fast=True)
-    return (GATED_PAIRS if act.interleaved else GATED_SPLIT, flags["ACT"], int(flags["HAS_LIMIT"]), limit, alpha, beta)
+    mode = GATED_PAIRS if act.interleaved else GATED_SPLIT
+    return (mode, flags["ACT"], int(flags["HAS_LIMIT"]), limit, alpha, beta)
 
 
 def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Tensor] = None,

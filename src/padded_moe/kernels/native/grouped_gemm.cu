@@ -373,7 +373,8 @@ __device__ __forceinline__ float silu_family(const Args& a, float g, float u) {
 __device__ __forceinline__ float as_stored(const Args& a, int e, int w_row, float v) {
   if (a.bias != nullptr) {
     const long long at = e * a.stride_be + w_row;
-    v += a.bias_kind == kF32 ? static_cast<const float*>(a.bias)[at] : bf16_float(static_cast<const uint16_t*>(a.bias)[at]);
+    v += a.bias_kind == kF32 ? static_cast<const float*>(a.bias)[at]
+                             : bf16_float(static_cast<const uint16_t*>(a.bias)[at]);
   }
   return __bfloat162float(__float2bfloat16_rn(v));
 }

@@ -11,20 +11,21 @@
 // 128 rows computes 256 rows for 192 and reads the expert's weight tile once per m-tile, and a
 // 64-row tile doubles the weight reads. Triton cannot give one program several tensor-core
 // consumers that skip their share of the rows. Here a CTA owns a tile of (expert, 256-row chunk,
-// 128 output columns): a producer thread streams the weight tile by TMA together with only the
-// 64-row boxes of A that hold valid rows, and four consumer warpgroups each own 64 rows (wgmma
-// m64n128k16); a warpgroup whose rows lie past the count issues no MMA, so the tensor core's work
-// follows the rows in steps of 64. Tiles are numbered expert by expert, then by column tile, then
-// by chunk (`locate_tile`), so CTAs running together share their weight tiles through L2.
+// BN = 128 weight rows, or 64 in a configuration for few rows per expert): a producer thread
+// streams the weight tile by TMA together with only the 64-row boxes of A that hold valid rows,
+// and four consumer warpgroups each own 64 rows (wgmma m64nBNk16); a warpgroup whose rows lie past
+// the count issues no MMA, so the tensor core's work follows the rows in steps of 64. Tiles are
+// numbered expert by expert, then by column tile, then by chunk (`locate_tile`), so CTAs running
+// together share their weight tiles through L2.
 //
-// MXFP4 weights (the MX kernels): the producer warpgroup, one weight row per thread, reads the
-// canonical e2m1 bytes and E8M0 scales two k tiles ahead and writes the bf16 values (exact: a code's
-// value times a power of two) into the stage in the layout TMA gives bf16 weights, so the consumers
-// are the same code.
+// MXFP4 weights (the MX kernels, BN = 128): the producer warpgroup, one weight row per thread, reads
+// the canonical e2m1 bytes four k tiles ahead (cp.async into a ring in shared memory) and the E8M0
+// scales two ahead, and writes the bf16 values (exact: a code's value times a power of two) into
+// the stage in the layout TMA gives bf16 weights, so the consumers are the same code.
 //
 // Layout of a pipeline stage in shared memory (1024-byte aligned, 128-byte TMA swizzle, which the
-// wgmma descriptors below name): four A boxes of [64 rows][64 k] bf16, then the B box
-// [128 n][64 k]. Each row is 128 bytes, the swizzle's span, so a descriptor for k-step j of the
+// wgmma descriptors below name): four A boxes of [64 rows][64 k] bf16, then the B tile
+// [BN n][64 k] (two TMA boxes of BN / 2 rows). Each row is 128 bytes, the swizzle's span, so a descriptor for k-step j of the
 // 64-wide k tile starts 32 * j bytes into the box.
 //
 // Synchronisation: full[s] completes when the producer's TMA bytes for stage s have landed
@@ -640,7 +641,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int w_row0 = g.w_row0, w_row1 = g.w_row1;
 
     // Accumulator fragment of m64nNk16: thread (warp, lane) holds, for i = 4b + 2h + p, row
-    // 16 warp + lane/4 + 8h and column 8b + 2 (lane%4) + p of the tile's 128 weight rows.
+    // 16 warp + lane/4 + 8h and column 8b + 2 (lane%4) + p of the tile's BN weight rows.
     const int row0 = m0 + c * kRowsPerGroup + warp * 16 + lane / 4;
     uint16_t* out_slab = args.out + slab * args.stride_os;
     const int q = 2 * (lane % 4);
@@ -740,6 +741,7 @@ int launch(const CUtensorMap& ma, const CUtensorMap& mw, const Args& args, int g
   // The shared-memory opt-in is a per-device function attribute: set once per device.
   static unsigned long long configured = 0;
   constexpr int bytes = smem_bytes<STAGES, BN>();
+  static_assert(bytes <= 227 * 1024, "a configuration's shared memory exceeds the opt-in limit");
   const auto kernel = grouped_gemm_kernel<STAGES, PERSISTENT, EPI, MX, BN>;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);

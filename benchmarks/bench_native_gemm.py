@@ -160,7 +160,8 @@ def main() -> None:
                         x, w13, w2, tw, ids, activation=layer.activation, activation_config=layer.activation_config,
                         layout=lay, backend=backend, **bias))  # noqa: B023
                 graph.replay()
-                graphs[name], outs[name] = graph, out
+                # A copy: calls of one shape may share their output buffer (the eager cache).
+                graphs[name], outs[name] = graph, out.clone()
             torch.cuda.synchronize()
             t = alternate(graphs, args.rounds)
             base = t["auto (Triton)"]

@@ -1,17 +1,20 @@
 """Our native CUDA grouped GEMM (`padded_moe.kernels.native.grouped`) behind the backend interface.
 
 It runs bf16 weights, and MXFP4 weights that hold their canonical bytes (upcast to bf16 in shared
-memory by the producer warps), on the grouped layouts (GROUPED_CONTIGUOUS, GROUPED_MASKED) on sm_90 GPUs:
-one CTA per (expert, 128 output columns) streams the expert's weight tile once per 256 rows
-while four tensor-core warpgroups of 64 rows each skip the rows past the expert's count. It applies
-the silu family of spec 01's activations (silu, swigluoai, swigluoai_uninterleave) in GEMM1's
-epilogue (`fuses`; `fused_experts` uses it unless `PADDED_MOE_FUSE_ACTIVATION=0`); the other
-activations run as GEMM1 then the activation op. INDEXED (rows gathered through `sorted_ids`) and MXFP4 weights
-without their canonical bytes are not offered (`supports` says False, and `backend="cuda"` on them
-is a NotImplementedError).
-`backend="auto"` never picks it: it is chosen by name.
+memory by the producer warps), on the grouped layouts (GROUPED_CONTIGUOUS, GROUPED_MASKED) on
+sm_90 GPUs: a CTA takes a tile of (expert, 256-row chunk, 128 weight rows), streams the weight
+tile once, and four tensor-core warpgroups of 64 rows each skip the rows past the expert's count.
+It applies the silu family of spec 01's activations (silu, swigluoai, swigluoai_uninterleave) in
+GEMM1's epilogue (`fuses`; `fused_experts` uses it unless `PADDED_MOE_FUSE_ACTIVATION=0`); the
+other activations run as GEMM1 then the activation op. INDEXED (rows gathered through
+`sorted_ids`) and MXFP4 weights without their canonical bytes are not offered (`supports` says
+False, and `backend="cuda"` on them is a NotImplementedError).
 
-Graph-safe: the grid is (cdiv(N, 128), experts) from shapes; the rows are read on the device.
+`backend="auto"` never picks it: on an H100 it was faster than the Triton kernel only where
+experts' row counts are not multiples of 128 (docs/benchmarks.md). It is chosen by name or by
+`PADDED_MOE_GEMM_BACKEND=cuda`.
+
+Graph-safe: the grid is bounded from shapes and the rows are read on the device.
 """
 
 from __future__ import annotations

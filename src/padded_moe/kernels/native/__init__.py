@@ -1,12 +1,13 @@
 """Native (CUDA C++) kernels: built with nvcc at first use, loaded through ctypes.
 
-A kernel lives here only where a Triton kernel cannot reach the speed the hardware allows, each
-source its own library (`NativeLibrary`): `DECODE`, the MXFP4 decode GEMM2 (`mx_decode.cu`), and
-`GROUPED`, the warp-specialized bf16 grouped GEMM (`grouped_gemm.cu`); each header says why. Every
-native kernel has a Triton twin that stays the default wherever the native one is unavailable.
+A kernel lives here where Triton cannot express what it does, each source its own library
+(`NativeLibrary`): `DECODE`, the MXFP4 decode GEMM2 (`mx_decode.cu`), and `GROUPED`, the
+warp-specialized grouped GEMM of backend "cuda" (`grouped_gemm.cu`); each header says why. Every
+native kernel has a Triton twin that stays the default wherever the native one is unavailable or
+was not measured faster.
 
 Building. The first call that wants a library's kernel compiles its source (with its headers)
-for sm_90 (`GROUPED`: sm_90a, for wgmma) with nvcc (a few seconds) into a shared library under the
+for sm_90 (`GROUPED`: sm_90a, for wgmma; ~15 s) with nvcc into a shared library under the
 cache directory and loads it; later processes load the cached library (named by a hash of the
 sources and the flags) without nvcc. nvcc is
 `PADDED_MOE_NVCC` if set, else `bin/nvcc` under PyTorch's CUDA home (`CUDA_HOME`), else the one on

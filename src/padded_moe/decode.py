@@ -28,6 +28,7 @@ import torch
 from padded_moe import _platform
 from padded_moe._util import cdiv, next_pow2
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, _resolve, kernel_args
+from padded_moe.backends import effective_backend
 from padded_moe.gemm import check_bias, check_weight
 from padded_moe.mxfp4 import HOPPER_KB, Mxfp4Tensor
 
@@ -85,8 +86,6 @@ def decode_allowed(hidden: torch.Tensor, w13, w2, backend: str) -> bool:
     """Whether a call `fused_experts` already checked (auto layout, spec 01 activation, no output
     transform) may take the decode path: the rest of the decision, `fits_decode`, is the slot count
     (made where the count is a plain int, also under the compiler's dynamic shapes)."""
-    from padded_moe.backends import effective_backend
-
     if not (decode_enabled() and effective_backend(backend) in ("auto", "triton") and hidden.stride(1) == 1
             and _platform.use_triton(hidden.device)):
         return False

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from padded_moe._util import cdiv
 from padded_moe.kernels import native
 from padded_moe.kernels._launch import launch_native
 from padded_moe.mxfp4 import Mxfp4Tensor
@@ -146,11 +147,11 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
     # cdiv(R, 256) + L chunks (each expert's last one partial), a slab of T rows cdiv(T, 256) per
     # expert. A tile has block_n output columns, half as many when gated.
     if offsets is not None:
-        chunks = -(-rows // CHUNK_ROWS) + min(L, rows)
+        chunks = cdiv(rows, CHUNK_ROWS) + min(L, rows)
     else:
-        chunks = L * -(-rows // CHUNK_ROWS)
+        chunks = L * cdiv(rows, CHUNK_ROWS)
     tile_cols = block_n if ep[0] == PLAIN else block_n // 2
-    grid = (chunks * -(-N // tile_cols),)
+    grid = (chunks * cdiv(N, tile_cols),)
     if grid[0] >= 2 ** 30:  # the kernel's tile ids are 32-bit, its non-persistent step 2^30
         _refuse(f"numbers its tiles in 30 bits; this call would need {grid[0]}")
     if isinstance(w, Mxfp4Tensor):

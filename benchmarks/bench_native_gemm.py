@@ -6,11 +6,13 @@ tokens through its own router; then, in alternating rounds of CUDA-graph replays
 variant alike):
 
 - GEMM1 and GEMM2 alone on the GROUPED_CONTIGUOUS layout, Triton (the tuned table's tile) vs
-  native in each of its configurations (persistent, one CTA per tile, persistent with 64-row
-  tiles for bf16); TFLOP/s count the valid rows only;
-- the whole routed-experts call (`fused_experts`): the default (auto layout, Triton), Triton on
+  native in each of its configurations (persistent, one CTA per tile, and for bf16 persistent with
+  64-row tiles and with 256-row tiles of two consumers); TFLOP/s count the valid rows only;
+- the whole routed-experts call (`fused_experts`): Triton on INDEXED (the ratios' base), the
+  library's own choice (`auto`: the native kernel where `backends.auto_native` says so), Triton on
   GROUPED_CONTIGUOUS, and the native kernel on GROUPED_CONTIGUOUS with the activation in GEMM1's
-  epilogue (its default) and as a separate op (`PADDED_MOE_FUSE_ACTIVATION=0`);
+  epilogue (its default), as a separate op (`PADDED_MOE_FUSE_ACTIVATION=0`), and in configurations
+  0 and 3 (bf16) instead of its own choice by shape;
 
 with the floors of the call: the experts' weights that received rows over the copy bandwidth,
 and the valid FLOPs over the dense bf16 matmul rate, both measured in the same run. Each native
@@ -57,13 +59,20 @@ def alternate(graphs: dict, rounds: int) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def forced_config(config):
+    """A context in which the native GEMM runs configuration `config` (None: its own choice)."""
+    if config is None:
+        return mock.patch.dict(os.environ, {})
+    return mock.patch.object(grouped, "default_config", lambda *_: config)
+
+
 def gemm_rows(layer: FusedMoE, meta, x_rows: torch.Tensor, h_rows: torch.Tensor, rounds: int, valid: int) -> list:
     """GEMM1 and GEMM2 alone on the same GROUPED_CONTIGUOUS rows: Triton, and the native kernel in
     each configuration (`grouped.CONFIGS`: persistent, one CTA per tile, persistent with 64-row
-    tiles (bf16 only))."""
+    tiles, persistent with 256-row tiles of two consumers; the last two bf16 only)."""
     w13, w2 = layer.expert_weights()
     mx = not isinstance(w13, torch.Tensor)
-    variants = [("triton", None)] + [("cuda", c) for c, (_, _, block_n) in enumerate(grouped.CONFIGS)
+    variants = [("triton", None)] + [("cuda", c) for c, (_, _, block_n, _) in enumerate(grouped.CONFIGS)
                                      if block_n == 128 or not mx]
     rows = []
     for stage, a, w, bias in (("w13", x_rows, w13, layer.w13_bias), ("w2", h_rows, w2, layer.w2_bias)):
@@ -71,8 +80,8 @@ def gemm_rows(layer: FusedMoE, meta, x_rows: torch.Tensor, h_rows: torch.Tensor,
         for backend, config in variants:
             name = backend if config is None else f"cuda c{config}"
             out = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
-            # The configuration is read at launch, so the captured graph keeps it.
-            with mock.patch.object(grouped, "DEFAULT_CONFIG", 0 if config is None else config):
+            # The configuration is chosen at launch, so the captured graph keeps it.
+            with forced_config(config):
                 graph, _ = captured(lambda: expert_gemm(a, w, meta, stage=stage, bias=bias, out=out,  # noqa: B023
                                                         backend=backend))  # noqa: B023
             graph.replay()
@@ -91,7 +100,7 @@ def gemm_rows(layer: FusedMoE, meta, x_rows: torch.Tensor, h_rows: torch.Tensor,
 
 GEMM_HEADERS = ["preset", "T", "rows/expert", "GEMM", "native config", "Triton us", "native us", "Triton TFLOP/s",
                 "native TFLOP/s", "Triton/native", "rel diff"]
-CALL_HEADERS = ["preset", "T", "variant", "us", "auto/this", "this/floor", "rel diff vs auto"]
+CALL_HEADERS = ["preset", "T", "variant", "us", "indexed Triton/this", "this/floor", "rel diff vs indexed Triton"]
 
 
 def report(out_dir: str, gemm_table: list, call_table: list, copy_gbs: float, dense_tflops: float, t0: float) -> None:
@@ -146,16 +155,21 @@ def main() -> None:
             weight_bytes = hit * expert_bytes
             flops = 2.0 * valid * (w13.shape[1] * K + K * N)
             floor_us = max(weight_bytes / (copy_gbs * 1e3), flops / (dense_tflops * 1e6))
-            # (layout, backend, PADDED_MOE_FUSE_ACTIVATION during the capture or None for unset)
+            # (layout, backend, PADDED_MOE_FUSE_ACTIVATION during the capture or None for unset,
+            # native configuration or None for its own choice by shape)
             bias = dict(w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
-            variants = {"auto (Triton)": (None, "auto", None),
-                        "grouped, Triton": ("grouped_contiguous", "triton", None),
-                        "grouped, cuda": ("grouped_contiguous", "cuda", None),
-                        "grouped, cuda, unfused": ("grouped_contiguous", "cuda", "0")}
+            variants = {"indexed, Triton": ("indexed", "triton", None, None),
+                        "auto": (None, "auto", None, None),
+                        "grouped, Triton": ("grouped_contiguous", "triton", None, None),
+                        "grouped, cuda": ("grouped_contiguous", "cuda", None, None),
+                        "grouped, cuda, unfused": ("grouped_contiguous", "cuda", "0", None),
+                        "grouped, cuda c0": ("grouped_contiguous", "cuda", None, 0)}
+            if fmt != "mxfp4":
+                variants["grouped, cuda c3"] = ("grouped_contiguous", "cuda", None, 3)
             graphs, outs = {}, {}
-            for name, (lay, backend, fuse) in variants.items():
+            for name, (lay, backend, fuse, config) in variants.items():
                 env = {} if fuse is None else {FUSE_ENV: fuse}
-                with mock.patch.dict(os.environ, env):
+                with mock.patch.dict(os.environ, env), forced_config(config):
                     graph, out = captured(lambda: fused_experts(  # noqa: B023
                         x, w13, w2, tw, ids, activation=layer.activation, activation_config=layer.activation_config,
                         layout=lay, backend=backend, **bias))  # noqa: B023
@@ -164,9 +178,9 @@ def main() -> None:
                 graphs[name], outs[name] = graph, out.clone()
             torch.cuda.synchronize()
             t = alternate(graphs, args.rounds)
-            base = t["auto (Triton)"]
+            base = t["indexed, Triton"]
             for name in variants:
-                diff = rel_diff(outs[name], outs["auto (Triton)"])
+                diff = rel_diff(outs[name], outs["indexed, Triton"])
                 call_table.append([item, T, name, round(t[name], 1), round(base / t[name], 3),
                                    round(t[name] / floor_us, 2), f"{diff:.1e}"])
             del graphs, outs

@@ -61,6 +61,24 @@ for stage in "$@"; do
             fi ;;
         native-bench)  # the native grouped GEMM vs the Triton GEMM: GEMMs alone and whole calls, five model cases
             STEP_TIMEOUT=560 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" ;;
+        native-bench-bf16)  # the same on the three bf16 presets (every configuration incl. the 256-row tiles)
+            STEP_TIMEOUT=560 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" \
+                --presets dsv4-flash,qwen3-30b-a3b,mixtral-8x7b ;;
+        wide-tiles)  # the 256-row tiles of two consumers in one short run: probes, GPU tests, memcheck, then the
+            # bf16 GEMMs and whole calls at 1024 / 8192 tokens, then the decode GEMM2 and docs tests
+            STEP_TIMEOUT=150 step probe-native-gemm python3 scripts/native_gemm_probe.py
+            if grep -q "probe-native-gemm rc=0" "$summary"; then
+                STEP_TIMEOUT=150 step test-native-grouped python3 -m pytest -q -x tests/test_native.py \
+                    tests/test_cuda_backend.py tests/test_native_grouped_gpu.py
+                STEP_TIMEOUT=150 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" \
+                    --presets dsv4-flash,mixtral-8x7b,qwen3-30b-a3b --tokens ${WIDE_TOKENS:-8192,1024} --rounds 2
+                STEP_TIMEOUT=80 step sanitizer-native-grouped compute-sanitizer --tool memcheck --error-exitcode 9 \
+                    python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k sanitizer
+            fi ;;
+        decode-native)  # the decode GEMM2 through NativeLibrary (the MXFP4 decode tests), the docs' examples
+            # (incl. backend "cuda")
+            step test-decode-native python3 -m pytest -q -m gpu tests/test_decode_gpu.py -k "native or mxfp4"
+            STEP_TIMEOUT=150 step test-docs python3 -m pytest -q tests/test_docs_examples.py ;;
         native-peers)  # the peers harness (.peers carried) with ours on the native kernel: GROUPED_CONTIGUOUS +
             # backend cuda through the environment, all five cases (the decode path is off for it)
             STEP_TIMEOUT=560 step peers-native env PADDED_MOE_GEMM_LAYOUT=grouped_contiguous PADDED_MOE_GEMM_BACKEND=cuda \

@@ -6,7 +6,7 @@ tests/test_native_grouped_gpu.py."""
 import pytest
 import torch
 
-from padded_moe.activation import ApplyMoEActivationConfig
+from padded_moe.activation import ActivationEpilogue, ApplyMoEActivationConfig
 from padded_moe.backends import BACKENDS, get_backend, resolve_backend
 from padded_moe.gemm import expert_gemm
 from padded_moe.kernels import native
@@ -15,11 +15,73 @@ from padded_moe.layouts import GemmLayout, build_layout
 from padded_moe.mxfp4 import quantize_mxfp4
 
 
-def test_listed_and_never_auto():
+def test_listed_and_not_what_resolve_backend_makes_of_auto():
     assert "cuda" in BACKENDS
     assert get_backend("cuda").name == "cuda"
     assert resolve_backend("auto", torch.device("cpu"), GemmLayout.GROUPED_CONTIGUOUS,
                            torch.zeros(1, 2, 8, dtype=torch.bfloat16)).name != "cuda"
+
+
+def test_auto_native_decides_from_shapes_weights_and_activation(monkeypatch):
+    """`auto_native`: bf16 weights, an activation of the epilogue, a device the kernel is built for
+    and at least AUTO_NATIVE_MIN_ROWS rows per local expert; anything else keeps the Triton path."""
+    from padded_moe import backends
+    from padded_moe.activation import MoEActivation
+
+    monkeypatch.setattr(backends, "AUTO_NATIVE_MIN_ROWS", 128)
+    gpu, rows = torch.device("cuda"), backends.AUTO_NATIVE_MIN_ROWS
+    w13 = torch.zeros(4, 64, 32, dtype=torch.bfloat16)
+    w2 = torch.zeros(4, 32, 32, dtype=torch.bfloat16)
+    silu = MoEActivation("silu")
+    b = get_backend("cuda")
+    monkeypatch.setattr(type(b), "available", lambda self, device: None)
+    assert backends.auto_native(gpu, w13, w2, silu, rows * 4, 4)
+    assert not backends.auto_native(gpu, w13, w2, silu, rows * 4 - 1, 4)  # fewer rows per expert
+    assert not backends.auto_native(torch.device("cpu"), w13, w2, silu, rows * 4, 4)
+    assert not backends.auto_native(gpu, w13, w2, MoEActivation("gelu"), rows * 4, 4)  # not in the epilogue
+    assert not backends.auto_native(gpu, w13, w2, None, rows * 4, 4)  # a callable activation
+    assert not backends.auto_native(gpu, w13.float(), w2.float(), silu, rows * 4, 4)
+    q = quantize_mxfp4(torch.randn(4, 64, 32))
+    assert not backends.auto_native(gpu, q, w2, silu, rows * 4, 4)
+    monkeypatch.setattr(backends, "AUTO_NATIVE_MIN_ROWS", None)
+    assert not backends.auto_native(gpu, w13, w2, silu, rows * 4, 4)
+    monkeypatch.setattr(backends, "AUTO_NATIVE_MIN_ROWS", rows)
+    monkeypatch.setattr(type(b), "available", lambda self, device: "no nvcc")
+    assert not backends.auto_native(gpu, w13, w2, silu, rows * 4, 4)
+
+
+def test_fused_experts_takes_the_native_path_only_when_both_choices_are_its_own(monkeypatch):
+    """Where `auto_native` says so, a call without a layout or backend runs GROUPED_CONTIGUOUS on
+    backend "cuda"; an explicit layout, backend or environment variable keeps what was asked."""
+    from padded_moe import backends, experts
+    from padded_moe.layouts import LAYOUT_ENV
+
+    seen = []
+    monkeypatch.setattr(backends, "auto_native", lambda *args: True)
+    monkeypatch.setattr(experts, "_pipeline", lambda *args, **kw: seen.append((args[7], args[14], kw)) or args[0])
+    monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
+    x = torch.randn(4, 32)
+    w13, w2 = torch.randn(2, 64, 32), torch.randn(2, 32, 32)
+    ids = torch.tensor([[0], [1], [1], [0]], dtype=torch.int32)
+    tw = torch.ones(4, 1)
+
+    def call(**kw):
+        experts._fused_experts(x, w13, w2, tw, ids, "silu", None, kw.pop("expert_map", None), kw.pop("layout", None),
+                               None, None, None, kw.pop("backend", "auto"), None, None)
+        return seen[-1][:2]
+
+    assert call() == (GemmLayout.GROUPED_CONTIGUOUS, "cuda") and seen[-1][2]["decode"] is False
+    assert call(layout="indexed") == (GemmLayout.INDEXED, "auto")
+    assert call(backend="triton") == (GemmLayout.INDEXED, "triton")
+    monkeypatch.setenv(backends.BACKEND_ENV, "triton")
+    assert call() == (GemmLayout.INDEXED, "auto")
+    monkeypatch.delenv(backends.BACKEND_ENV)
+    monkeypatch.setenv(LAYOUT_ENV, "indexed")
+    assert call() == (GemmLayout.INDEXED, "auto")
+    monkeypatch.delenv(LAYOUT_ENV)
+    monkeypatch.setattr(backends, "auto_native", lambda *args: False)
+    assert call() == (GemmLayout.INDEXED, "auto")
 
 
 def test_supports_grouped_layouts_with_bf16_weights_only():
@@ -255,11 +317,42 @@ def test_backend_env_keeps_auto_calls_off_the_decode_path(monkeypatch):
     assert dec.decode_allowed(x, w13, w2, "auto")
 
 
+def test_the_wide_configuration_is_chosen_by_rows_per_expert(monkeypatch):
+    """Configuration 3 (256 weight rows, two consumers over 128-row chunks) where a call's buffer
+    holds at least 128 rows per expert on average and the weights are bf16, configuration 0
+    otherwise; an explicit config wins."""
+    rec = _Recorder(monkeypatch)
+    monkeypatch.setattr(grouped, "WIDE_TILE_ROWS", 128)
+    assert grouped.CONFIGS[3] == (4, True, 256, 2) and grouped.chunk_rows(3) == 128
+    a, w, out = _tensors(L=3, N=260, K=64, rows=10)
+    offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
+    grouped.launch(a, w, out, offsets=offsets)
+    assert rec.calls[-1][2][0] == 0
+    a, w, out = _tensors(L=3, N=260, K=64, rows=384)
+    offsets = torch.tensor([0, 200, 200, 384], dtype=torch.int64)
+    grouped.launch(a, w, out, offsets=offsets)
+    # (cdiv(384, 128) + 3 chunks) x cdiv(260, 256) column tiles
+    assert rec.calls[-1][2][0] == 3 and rec.calls[-1][1] == ((3 + 3) * 2,)
+    grouped.launch(a, w, out, offsets=offsets, config=1)
+    assert rec.calls[-1][2][0] == 1
+    q = quantize_mxfp4(torch.randn(3, 260, 64))
+    grouped.launch(a, q, out, offsets=offsets)
+    assert rec.calls[-1][2][0] == 0  # MXFP4: the 128-row tiles
+    with pytest.raises(NotImplementedError, match="MXFP4 weights in 128-row tiles only"):
+        grouped.launch(a, q, out, offsets=offsets, config=3)
+    counts = torch.tensor([128, 0, 5], dtype=torch.int32)
+    a3 = torch.randn(3, 128, 64, dtype=torch.bfloat16)
+    out3 = torch.empty(3, 128, 130, dtype=torch.bfloat16)
+    grouped.launch(a3, w[:, :260], out3, counts=counts, epilogue=ActivationEpilogue.of("silu"))
+    # slabs of 128 rows: 3 x 1 chunk, x cdiv(130, 128) gated column tiles
+    assert rec.calls[-1][2][0] == 3 and rec.calls[-1][1] == (3 * 2,)
+
+
 def test_the_64_row_configuration(monkeypatch):
     """Configuration 2 tiles 64 weight rows: twice the column tiles of the default; MXFP4 weights
     are refused there (their producer fills 128-row tiles)."""
     rec = _Recorder(monkeypatch)
-    assert grouped.CONFIGS[2] == (5, True, 64)
+    assert grouped.CONFIGS[2] == (5, True, 64, 4)
     a, w, out = _tensors(L=3, N=260, K=64, rows=10)
     offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
     grouped.launch(a, w, out, offsets=offsets, config=2)

@@ -92,7 +92,9 @@ def test_built_grouped_library_entry_points(fresh_loader):
     assert lib.pmoe_gg_num_configs() == len(grouped.CONFIGS)
     assert [lib.pmoe_gg_block_n(c) for c in range(len(grouped.CONFIGS))] == [c[2] for c in grouped.CONFIGS]
     assert lib.pmoe_gg_block_n(len(grouped.CONFIGS)) == 0
-    assert (lib.pmoe_gg_pass_rows(), lib.pmoe_gg_max_experts()) == (grouped.CHUNK_ROWS, grouped.MAX_LOCAL_EXPERTS)
+    configs = range(len(grouped.CONFIGS) + 1)  # and one past the last: 0
+    assert [lib.pmoe_gg_pass_rows(c) for c in configs] == [grouped.chunk_rows(c) for c in configs[:-1]] + [0]
+    assert lib.pmoe_gg_max_experts() == grouped.MAX_LOCAL_EXPERTS
     code = lib.pmoe_grouped_gemm(0, 1, 1, None, None, 0, 0, 1, 1, None, 0, 0, 1, 128, None, None, None, 0, 0, None, 0,
                                  0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 0, None, None, 0, 0, 0, 0)
     assert lib.pmoe_error_string(code).decode() == "exactly one of offsets and counts must be given"

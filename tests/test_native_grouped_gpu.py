@@ -64,14 +64,20 @@ def _counts_case(counts, K, N, layout, bias_dtype, seed):
     return w, meta, a, bias, out_for(layout, meta, a, N)
 
 
-# Counts around every 64-row step of a pass and past one pass (256 rows), and empty experts.
-ODD_COUNTS = [0, 1, 63, 64, 65, 130, 191, 192, 193, 255, 256, 257, 0, 520]
+# Counts around every 64-row step of a chunk and past one chunk (128 or 256 rows), and empty experts.
+ODD_COUNTS = [0, 1, 63, 64, 65, 127, 128, 130, 191, 192, 193, 255, 256, 257, 0, 520]
+CONFIG_IDS = ["persistent", "one_cta_per_tile", "persistent_64_rows", "persistent_256_rows_two_consumers"]
 
 
+@pytest.mark.parametrize("config", [0, 3], ids=lambda c: CONFIG_IDS[c])
 @pytest.mark.parametrize("K,N", [(64, 128), (200, 200), (4096, 136), (72, 2056)])
 @pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
-def test_odd_counts_and_shapes(K, N, bias_dtype, layout):
+def test_odd_counts_and_shapes(K, N, bias_dtype, layout, config, monkeypatch):
+    """Through `expert_gemm`, in the 128-row and the 256-row tiles (the choice by shape forced)."""
+    from padded_moe.kernels.native import grouped
+
+    monkeypatch.setattr(grouped, "default_config", lambda *_: config)
     w, meta, a, bias, out = _counts_case(ODD_COUNTS, K, N, layout, bias_dtype, K + N)
     expert_gemm(a, w, meta, bias=bias, out=out, backend="cuda")
     torch.cuda.synchronize()
@@ -105,7 +111,7 @@ def test_odd_counts_mxfp4(K, N, layout):
     check(a, dequantize_mxfp4(q), meta, "w13", out, bias)
 
 
-@pytest.mark.parametrize("config", range(3), ids=["persistent", "one_cta_per_tile", "persistent_64_rows"])
+@pytest.mark.parametrize("config", range(len(CONFIG_IDS)), ids=CONFIG_IDS)
 @pytest.mark.parametrize("epilogue", [None, "silu", "swigluoai"], ids=str)
 @pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
 def test_every_config(config, epilogue, layout):
@@ -114,7 +120,7 @@ def test_every_config(config, epilogue, layout):
     from padded_moe.activation import ActivationEpilogue
     from padded_moe.kernels.native import grouped
 
-    assert len(grouped.CONFIGS) == 3
+    assert len(grouped.CONFIGS) == len(CONFIG_IDS)
     w, meta, a, bias, out = _counts_case(ODD_COUNTS, 512, 392, layout, torch.float32, 5)
     where = dict(offsets=meta.offsets) if layout == GemmLayout.GROUPED_CONTIGUOUS else dict(counts=meta.counts)
     grouped.launch(a, w, out, bias=bias, config=config, **where)
@@ -241,9 +247,16 @@ def test_sanitizer_small():
     (gpu_check.sh)."""
     from padded_moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
+    from padded_moe.kernels.native import grouped
+
     for layout in GROUPED:
         w, meta, a, bias, out = _counts_case([5, 0, 70, 257], 128, 264, layout, torch.float32, 2)
         expert_gemm(a, w, meta, bias=bias, out=out, backend="cuda")
+        torch.cuda.synchronize()
+        check(a, w, meta, "w13", out, bias)
+        out.fill_(SENTINEL)  # the 256-row tiles of two consumers
+        where = dict(offsets=meta.offsets) if layout == GemmLayout.GROUPED_CONTIGUOUS else dict(counts=meta.counts)
+        grouped.launch(a, w, out, bias=bias, config=3, **where)
         torch.cuda.synchronize()
         check(a, w, meta, "w13", out, bias)
         q = quantize_mxfp4(w.float())

@@ -37,7 +37,8 @@ from padded_moe.activation import (
 )
 from padded_moe.decode import DECODE_ENV, decode_allowed, decode_experts, fits_decode
 from padded_moe.expert_map import ExpertMap, check_topk_ids, check_valid_tokens
-from padded_moe.backends import BACKEND_ENV, resolve_backend
+from padded_moe import backends
+from padded_moe.backends import BACKEND_ENV, effective_backend, resolve_backend
 from padded_moe.gemm import FUSE_ENV, expert_gemm, fuse_activation_mode
 from padded_moe.layouts import (
     LAYOUT_ENV,
@@ -204,6 +205,13 @@ def _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, a
         return _eager_pipeline(hidden_states, w13, w2, topk_weights, topk_ids, step, cfg, chosen, num_experts,
                                num_local, table, w13_bias, w2_bias, valid_tokens, backend, scratch)
     decode = _auto_layout(layout) and decode_allowed(hidden_states, w13, w2, backend)
+    # Prefill with many rows per expert runs the native kernel, whose tiles skip rows in steps of 64
+    # (at that many slots the decode path never applies). Eager calls only: the compiler would
+    # have to trace the library's loading and guard on the slot count.
+    if (expert_map is None and not torch.compiler.is_compiling() and _auto_layout(layout)
+            and effective_backend(backend) == "auto"
+            and backends.auto_native(hidden_states.device, w13, w2, act, topk_ids.numel(), num_local)):
+        chosen, backend, decode = GemmLayout.GROUPED_CONTIGUOUS, "cuda", False
     if torch.compiler.is_compiling():
         w13_t, w13_s, *w13_h = op_weight_parts(w13)
         w2_t, w2_s, *w2_h = op_weight_parts(w2)

@@ -2,7 +2,10 @@
 
 `get_backend(name)` returns a backend instance; `resolve_backend(name, device, layout, weight)`
 implements `backend="auto"` (triton wherever `use_triton(device)`, torch otherwise) and refuses an
-explicitly requested backend that cannot run here, naming it and why. The environment variable
+explicitly requested backend that cannot run here, naming it and why. `auto_native` is the one
+place where "auto" leaves the Triton kernels: `fused_experts`, given neither a layout nor a backend,
+runs the native grouped GEMM (GROUPED_CONTIGUOUS, backend "cuda") where it measured faster on whole
+calls. The environment variable
 `PADDED_MOE_GEMM_BACKEND` (read at every call, `effective_backend`) turns `"auto"` into the backend it
 names, for runs that cannot pass `backend=` (a benchmark harness, a serving engine's config).
 """
@@ -18,6 +21,10 @@ from padded_moe.backends.base import GemmBackend
 
 BACKENDS = ("auto", "triton", "torch", "humming", "cuda")
 BACKEND_ENV = "PADDED_MOE_GEMM_BACKEND"
+# `auto_native`: the rows per local expert (tokens x k over the local experts, from shapes) from
+# which the native grouped GEMM measured faster than the Triton path on whole bf16 calls
+# (benchmarks/bench_native_gemm.py); None: never.
+AUTO_NATIVE_MIN_ROWS = None  # not yet measured with the 256-row tiles: "auto" keeps Triton
 
 
 def effective_backend(name: str) -> str:
@@ -54,6 +61,22 @@ def get_backend(name: str) -> GemmBackend:
     raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
 
 
+def auto_native(device: torch.device, w13, w2, activation, num_slots: int, num_local: int) -> bool:
+    """Whether `fused_experts` with its layout and backend left to it runs the native grouped GEMM:
+    bf16 weights on a GPU the native kernel is built for (its library built, or buildable, here),
+    an activation its epilogue applies, and at least `AUTO_NATIVE_MIN_ROWS` rows per local expert
+    (`num_slots` = tokens x k). Shapes only, so a captured graph or a compiled graph keeps the choice."""
+    if AUTO_NATIVE_MIN_ROWS is None or num_local < 1 or num_slots < AUTO_NATIVE_MIN_ROWS * num_local:
+        return False
+    if device.type != "cuda" or activation is None:
+        return False
+    for w in (w13, w2):
+        if type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dtype != torch.bfloat16:
+            return False
+    native = get_backend("cuda")
+    return native.fuses(activation) and native.available(device) is None
+
+
 def resolve_backend(name: str, device: torch.device, layout, weight) -> GemmBackend:
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str, one of {BACKENDS}, got {type(name).__name__}")
@@ -76,4 +99,5 @@ def resolve_backend(name: str, device: torch.device, layout, weight) -> GemmBack
     return backend
 
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "GemmBackend", "effective_backend", "get_backend", "resolve_backend"]
+__all__ = ["AUTO_NATIVE_MIN_ROWS", "BACKENDS", "BACKEND_ENV", "GemmBackend", "auto_native", "effective_backend",
+           "get_backend", "resolve_backend"]

@@ -3,16 +3,19 @@
 It runs bf16 weights, and MXFP4 weights that hold their canonical bytes (upcast to bf16 in shared
 memory by the producer warps), on the grouped layouts (GROUPED_CONTIGUOUS, GROUPED_MASKED) on
 sm_90 GPUs: a CTA takes a tile of (expert, 256-row chunk, 128 weight rows), streams the weight
-tile once, and four tensor-core warpgroups of 64 rows each skip the rows past the expert's count.
+tile once, and four tensor-core warpgroups of 64 rows each skip the rows past the expert's count
+(or, in a configuration `grouped.default_config` picks by rows per expert once measured, tiles
+of (expert, 128-row chunk, 256 weight rows) over two warpgroups).
 It applies the silu family of spec 01's activations (silu, swigluoai, swigluoai_uninterleave) in
 GEMM1's epilogue (`fuses`; `fused_experts` uses it unless `PADDED_MOE_FUSE_ACTIVATION=0`); the
 other activations run as GEMM1 then the activation op. INDEXED (rows gathered through
 `sorted_ids`) and MXFP4 weights without their canonical bytes are not offered (`supports` says
 False, and `backend="cuda"` on them is a NotImplementedError).
 
-`backend="auto"` never picks it: on an H100 it was faster than the Triton kernel only where
-experts' row counts are not multiples of 128 (docs/benchmarks.md). It is chosen by name or by
-`PADDED_MOE_GEMM_BACKEND=cuda`.
+`resolve_backend("auto", ...)` never returns it; `fused_experts` picks it for "auto" only where
+`backends.auto_native` says so (unset until measured: on an H100 the 128-row tiles were faster
+than the Triton kernel only where experts' row counts are not multiples of 128,
+docs/benchmarks.md). It is chosen by name or by `PADDED_MOE_GEMM_BACKEND=cuda`.
 
 Graph-safe: the grid is bounded from shapes and the rows are read on the device.
 """

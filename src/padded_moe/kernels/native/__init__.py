@@ -217,6 +217,7 @@ def _declare_grouped(lib: ctypes.CDLL) -> None:
     lib.pmoe_gg_num_configs.restype = I
     lib.pmoe_gg_block_n.argtypes = [I]
     lib.pmoe_gg_block_n.restype = I
+    lib.pmoe_gg_pass_rows.argtypes = [I]
     lib.pmoe_gg_pass_rows.restype = I
     lib.pmoe_gg_max_experts.restype = I
     lib.pmoe_grouped_gemm.restype = I

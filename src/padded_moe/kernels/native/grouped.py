@@ -33,14 +33,18 @@ from padded_moe.kernels._launch import launch_native
 from padded_moe.mxfp4 import Mxfp4Tensor
 
 ENTRY = "pmoe_grouped_gemm"
-CHUNK_ROWS = 256  # rows of a tile: four warpgroups of 64 (`kPassRows`)
 MAX_LOCAL_EXPERTS = 1024  # the experts' chunk prefix lives in shared memory (`kMaxExperts`)
 # The kernel's configurations, by index (`PMOE_GG_CONFIGS`): (pipeline stages, persistent, weight
-# rows per tile). A tile has that many output columns, half as many with a gated epilogue; the
-# 64-row tiles take bf16 weights only.
-CONFIGS = ((4, True, 128), (4, False, 128), (5, True, 64))
-# The configuration `launch` runs unless told otherwise.
+# rows per tile, consumer warpgroups). A tile has that many output columns (half as many with a
+# gated epilogue) over a chunk of 64 rows per consumer warpgroup; MXFP4 weights run in the 128-row
+# tiles only.
+CONFIGS = ((4, True, 128, 4), (4, False, 128, 4), (5, True, 64, 4), (4, True, 256, 2))
+# The configuration `launch` runs unless told otherwise, by the rows a call may hold per expert
+# (`default_config`): 128-row tiles below WIDE_TILE_ROWS rows per expert (None: always), or for
+# MXFP4 weights; the 256-row tiles of two consumer warpgroups from there.
 DEFAULT_CONFIG = 0
+WIDE_CONFIG = 3
+WIDE_TILE_ROWS = None  # not yet measured on a GPU: the 256-row tiles run only when asked for
 # Epilogue modes (`grouped_gemm.cu`): plain, gated with the gate half first, gated with gate and up
 # interleaved (swigluoai).
 PLAIN, GATED_SPLIT, GATED_PAIRS = 0, 1, 2
@@ -48,6 +52,20 @@ PLAIN, GATED_SPLIT, GATED_PAIRS = 0, 1, 2
 # then the activation op (the backend's `fuses`).
 EPILOGUE_ACTIVATIONS = frozenset({"silu", "swigluoai", "swigluoai_uninterleave"})
 _MAX_INT32 = 2 ** 31 - 1
+GROUP_ROWS = 64  # rows of one consumer warpgroup (wgmma M)
+
+
+def chunk_rows(config: int) -> int:
+    """Rows of a tile's chunk in configuration `config` (`pmoe_gg_pass_rows`)."""
+    return GROUP_ROWS * CONFIGS[config][3]
+
+
+def default_config(rows_per_expert: float, mxfp4: bool) -> int:
+    """The configuration for a call whose buffer holds `rows_per_expert` rows per local expert on
+    average (its shape: the counts live on the device). Graph-safe: shapes only."""
+    if not mxfp4 and WIDE_TILE_ROWS is not None and rows_per_expert >= WIDE_TILE_ROWS:
+        return WIDE_CONFIG
+    return DEFAULT_CONFIG
 
 
 def _refuse(why: str) -> None:
@@ -113,10 +131,12 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
     (`a` 2-D) and `counts` (`a` 3-D) is given; the caller (`expert_gemm`) has checked the shapes."""
     if (offsets is None) == (counts is None):
         raise ValueError("exactly one of offsets (GROUPED_CONTIGUOUS) and counts (GROUPED_MASKED) must be given")
-    config = DEFAULT_CONFIG if config is None else config
-    if not (isinstance(config, int) and 0 <= config < len(CONFIGS)):
+    if config is not None and not (isinstance(config, int) and 0 <= config < len(CONFIGS)):
         raise ValueError(f"config must be an int in [0, {len(CONFIGS)}), got {config!r}")
     check(a, w, out, bias)
+    if config is None:
+        per_expert = a.shape[0] / max(w.shape[0], 1) if offsets is not None else a.shape[1]
+        config = default_config(per_expert, isinstance(w, Mxfp4Tensor))
     block_n = CONFIGS[config][2]
     if isinstance(w, Mxfp4Tensor) and block_n != 128:
         _refuse(f"runs MXFP4 weights in 128-row tiles only; configuration {config} has {block_n}")
@@ -142,14 +162,15 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
         return out
     bias_kind = native.DTYPE_CODES[bias.dtype] if bias is not None else 0
     stride_be = bias.stride(0) if bias is not None else 0
-    # One CTA per tile (expert, 256-row chunk, block_n weight rows); the chunks are counted on the
-    # device, so the grid is their bound from shapes: a flat buffer of R rows holds at most
-    # cdiv(R, 256) + L chunks (each expert's last one partial), a slab of T rows cdiv(T, 256) per
+    # One CTA per tile (expert, chunk of `chunk` rows, block_n weight rows); the chunks are counted
+    # on the device, so the grid is their bound from shapes: a flat buffer of R rows holds at most
+    # cdiv(R, chunk) + L chunks (each expert's last one partial), a slab of T rows cdiv(T, chunk) per
     # expert. A tile has block_n output columns, half as many when gated.
+    chunk = chunk_rows(config)
     if offsets is not None:
-        chunks = cdiv(rows, CHUNK_ROWS) + min(L, rows)
+        chunks = cdiv(rows, chunk) + min(L, rows)
     else:
-        chunks = L * cdiv(rows, CHUNK_ROWS)
+        chunks = L * cdiv(rows, chunk)
     tile_cols = block_n if ep[0] == PLAIN else block_n // 2
     grid = (chunks * cdiv(N, tile_cols),)
     if grid[0] >= 2 ** 30:  # the kernel's tile ids are 32-bit, its non-persistent step 2^30

@@ -10,13 +10,14 @@
 // Why by hand. At prefill sizes (DeepSeek-V4: ~192 rows per expert at 8192 tokens) a Triton tile of
 // 128 rows computes 256 rows for 192 and reads the expert's weight tile once per m-tile, and a
 // 64-row tile doubles the weight reads. Triton cannot give one program several tensor-core
-// consumers that skip their share of the rows. Here a CTA owns a tile of (expert, 256-row chunk,
-// BN = 128 weight rows, or 64 in a configuration for few rows per expert): a producer thread
-// streams the weight tile by TMA together with only the 64-row boxes of A that hold valid rows,
-// and four consumer warpgroups each own 64 rows (wgmma m64nBNk16); a warpgroup whose rows lie past
-// the count issues no MMA, so the tensor core's work follows the rows in steps of 64. Tiles are
-// numbered expert by expert, then by column tile, then by chunk (`locate_tile`), so CTAs running
-// together share their weight tiles through L2.
+// consumers that skip their share of the rows. Here a CTA owns a tile of (expert, chunk of C x 64
+// rows, BN weight rows): a producer thread streams the weight tile by TMA together with only the
+// 64-row boxes of A that hold valid rows, and C consumer warpgroups each own 64 rows (wgmma
+// m64nBNk16); a warpgroup whose rows lie past the count issues no MMA, so the tensor core's work
+// follows the rows in steps of 64. The configurations (PMOE_GG_CONFIGS) take C = 4 with BN = 128
+// (or 64, for few rows per expert) and C = 2 with BN = 256. Tiles are numbered expert by expert,
+// then by column tile, then by chunk (`locate_tile`), so CTAs running together share their weight
+// tiles through L2.
 //
 // MXFP4 weights (the MX kernels, BN = 128): the producer warpgroup, one weight row per thread, reads
 // the canonical e2m1 bytes four k tiles ahead (cp.async into a ring in shared memory) and the E8M0
@@ -24,12 +25,12 @@
 // the stage in the layout TMA gives bf16 weights, so the consumers are the same code.
 //
 // Layout of a pipeline stage in shared memory (1024-byte aligned, 128-byte TMA swizzle, which the
-// wgmma descriptors below name): four A boxes of [64 rows][64 k] bf16, then the B tile
-// [BN n][64 k] (two TMA boxes of BN / 2 rows). Each row is 128 bytes, the swizzle's span, so a descriptor for k-step j of the
-// 64-wide k tile starts 32 * j bytes into the box.
+// wgmma descriptors below name): C A boxes of [64 rows][64 k] bf16, then the B tile [BN n][64 k]
+// (two TMA boxes of BN / 2 rows). Each row is 128 bytes, the swizzle's span, so a descriptor for
+// k-step j of the 64-wide k tile starts 32 * j bytes into the box.
 //
 // Synchronisation: full[s] completes when the producer's TMA bytes for stage s have landed
-// (expect_tx); empty[s] completes when each of the four consumer warpgroups has released stage s
+// (expect_tx); empty[s] completes when each of the C consumer warpgroups has released stage s
 // (an active one after its MMAs on it retired, one step later, so one wgmma group stays in
 // flight; an idle one at once). Both sides walk the same k tiles, so stage and parity follow from
 // the k tile's index.
@@ -44,26 +45,42 @@
 
 namespace {
 
-constexpr int kConsumers = 4;              // consumer warpgroups
-constexpr int kRowsPerGroup = 64;          // wgmma M
-constexpr int kPassRows = kConsumers * kRowsPerGroup;
-constexpr int kBN = 128;                   // weight rows of a tile (wgmma N) at most; the BN of a config
+constexpr int kRowsPerGroup = 64;          // wgmma M: the rows of one consumer warpgroup
+constexpr int kBN = 128;                   // weight rows of an MXFP4 tile: a row per producer thread
 constexpr int kBK = 64;                    // k per stage: 128 bytes of bf16, the swizzle span
-constexpr int kThreads = (kConsumers + 1) * 128;
 constexpr int kABox = kRowsPerGroup * kBK * 2;  // bytes
-// A stage: four A boxes, then the weight tile of BN rows (two boxes of BN / 2 rows).
-template <int BN>
-__host__ __device__ constexpr int stage_bytes() {
-  return kConsumers * kABox + BN * kBK * 2;
+// C consumer warpgroups (a configuration's): a tile's chunk holds C x 64 rows, the CTA (C + 1) x 128
+// threads.
+template <int C>
+__host__ __device__ constexpr int pass_rows() {
+  return C * kRowsPerGroup;
 }
-// Registers per thread after setmaxnreg: producer x 128 + 104 x 512 <= 640 x 96 (the launch's share).
-// The TMA producer spilled at 40 (its tile walk), the MXFP4 producer below 64 when it held its k
-// tiles in registers; the consumers need about 100. ptxas reports no spills at these values.
-constexpr int kProducerRegs = 48;
-constexpr int kMxProducerRegs = 64;
-constexpr int kConsumerRegs = 104;
-static_assert(128 * kMxProducerRegs + kConsumers * 128 * kConsumerRegs <= kThreads * 96, "register budget");
-static_assert(kProducerRegs <= kMxProducerRegs, "register budget");
+template <int C>
+__host__ __device__ constexpr int threads() {
+  return (C + 1) * 128;
+}
+// A stage: C A boxes, then the weight tile of BN rows (two boxes of BN / 2 rows).
+template <int C, int BN>
+__host__ __device__ constexpr int stage_bytes() {
+  return C * kABox + BN * kBK * 2;
+}
+// Registers per thread after setmaxnreg, by consumer warpgroups: what the launch allocates per
+// thread (65536 over the CTA's threads, in steps of 8) is shared out as producer x 128 + consumer x
+// 128 C. Four consumers of m64n128 (64 accumulators) need about 100; two of m64n256 (128
+// accumulators) about 200. The TMA producer spilled at 40 (its tile walk), the MXFP4 producer below
+// 64 when it held its k tiles in registers. ptxas reports no spills at these values.
+template <int C>
+struct Regs {
+  static constexpr int launch = (65536 / threads<C>()) / 8 * 8;
+  static constexpr int producer = 48;
+  static constexpr int mx_producer = 64;
+  static constexpr int consumer = C == 4 ? 104 : 224;
+  static_assert(producer <= mx_producer, "register budget");
+  // Within what the launch allocated, with the MXFP4 producer's or the TMA producer's share.
+  __host__ __device__ static constexpr bool fits(bool mx) {
+    return 128 * (mx ? mx_producer : producer) + C * 128 * consumer <= threads<C>() * launch;
+  }
+};
 
 // The local experts whose chunk prefix fits the shared memory left beside the stages.
 constexpr int kMaxExperts = 1024;
@@ -71,7 +88,7 @@ constexpr int kMaxExperts = 1024;
 // Stages, their barriers, the experts' chunk prefix (`chunk_prefix`, kMaxExperts + 1 ints), the
 // MXFP4 byte table (256 words), the MXFP4 staging ring (with 16 bytes to align it) and the slack
 // for aligning the stages to 1024 bytes.
-template <int STAGES, int BN>
+template <int STAGES, int C, int BN>
 __host__ __device__ constexpr int smem_bytes();
 
 // ---- PTX wrappers ---------------------------------------------------------------------------
@@ -298,11 +315,50 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t da, uin
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
+// D[64 x 256] (+)= A[64 x 16] * B[16 x 256]: the 256-row weight tiles of two consumer warpgroups.
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
 __device__ __forceinline__ void wgmma_tile(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
   wgmma_m64n128k16(d, da, db, accumulate);
 }
 __device__ __forceinline__ void wgmma_tile(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
   wgmma_m64n64k16(d, da, db, accumulate);
+}
+__device__ __forceinline__ void wgmma_tile(float (&d)[128], uint64_t da, uint64_t db, int accumulate) {
+  wgmma_m64n256k16(d, da, db, accumulate);
 }
 
 // Two floats to a bf16 pair, round to nearest even (cvt.rn.bf16x2.f32). A float op, not bit
@@ -318,12 +374,12 @@ __device__ __forceinline__ float bf16_float(uint16_t v) { return __uint_as_float
 // dtype codes shared with the host (`padded_moe.kernels.native.DTYPE_CODES`).
 enum : int { kF32 = 0, kBF16 = 1 };
 
-// What the epilogue does with the tile's 128 weight rows (`pmoe_grouped_gemm`'s `mode`; the
+// What the epilogue does with the tile's BN weight rows (`pmoe_grouped_gemm`'s `mode`; the
 // kernel's EPI template parameter).
 enum : int {
-  kPlain = 0,        // out[:, n] = acc (+ bias): 128 output columns per tile
-  kGatedSplit = 1,   // gate rows n, up rows n + up_row0 (gate half first): 64 activation columns
-  kGatedPairs = 2,   // gate rows 2n, up rows 2n + 1 (swigluoai's interleave): 64 activation columns
+  kPlain = 0,        // out[:, n] = acc (+ bias): BN output columns per tile
+  kGatedSplit = 1,   // gate rows n, up rows n + up_row0 (gate half first): BN / 2 activation columns
+  kGatedPairs = 2,   // gate rows 2n, up rows 2n + 1 (swigluoai's interleave): BN / 2 activation columns
 };
 
 // Activation ids of the silu family: `padded_moe.kernels.activation.KERNEL_IDS`.
@@ -397,21 +453,23 @@ __device__ __forceinline__ void expert_rows(const Args& a, int e, int& slab, int
   }
 }
 
+template <int C>
 __device__ __forceinline__ int expert_chunks(const Args& a, int e) {
   int slab, start, count;
   expert_rows(a, e, slab, start, count);
-  return (count + kPassRows - 1) / kPassRows;
+  return (count + pass_rows<C>() - 1) / pass_rows<C>();
 }
 
 // The experts' chunk counts as a prefix in shared memory (one warp, all lanes): prefix[e] is the
 // first chunk of expert e, prefix[L] the number of chunks. Lane l sums the chunks of experts
 // [l * per, (l + 1) * per); a warp scan gives each lane its first chunk.
+template <int C>
 __device__ __forceinline__ void chunk_prefix(const Args& a, int* prefix) {
   const int lane = threadIdx.x % 32;
   const int per = (a.L + 31) / 32;
   const int lo = min(lane * per, a.L), hi = min(lo + per, a.L);
   int sum = 0;
-  for (int i = lo; i < hi; ++i) sum += expert_chunks(a, i);
+  for (int i = lo; i < hi; ++i) sum += expert_chunks<C>(a, i);
   int incl = sum;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
@@ -421,7 +479,7 @@ __device__ __forceinline__ void chunk_prefix(const Args& a, int* prefix) {
   int at = incl - sum;
   for (int i = lo; i < hi; ++i) {
     prefix[i] = at;
-    at += expert_chunks(a, i);
+    at += expert_chunks<C>(a, i);
   }
   if (lane == 31) prefix[a.L] = incl;
 }
@@ -431,7 +489,7 @@ struct Tile {
 };
 
 // Tile `id`: tiles run expert by expert, within an expert column tile by column tile, and within a
-// column tile over the expert's 256-row chunks, so the CTAs running together share a weight tile
+// column tile over the expert's chunks (C x 64 rows), so the CTAs running together share a weight tile
 // (read from memory once, the others hit L2) and the rows of a few experts. Expert -1 past the
 // last tile.
 __device__ __forceinline__ Tile locate_tile(const int* prefix, int L, int id, int n_tiles) {
@@ -447,22 +505,22 @@ __device__ __forceinline__ Tile locate_tile(const int* prefix, int L, int id, in
 }
 
 // Where a tile's work lies: its expert's rows (`expert_rows`), the tile's first row and output
-// column, the w rows of its two 64-row weight boxes (gate, then up), and how many 64-row boxes of A
-// hold rows.
+// column, the w rows of its two weight boxes of BN / 2 rows (gate, then up), and how many 64-row
+// boxes of A hold rows.
 struct TileGeom {
   int e, slab, start, count, m0, n0, w_row0, w_row1, boxes;
 };
 
-template <int EPI, int BN>
+template <int EPI, int C, int BN>
 __device__ __forceinline__ TileGeom tile_geometry(const Args& args, const Tile& tile) {
   TileGeom g;
   g.e = tile.e;
   expert_rows(args, tile.e, g.slab, g.start, g.count);
-  g.m0 = tile.chunk * kPassRows;
+  g.m0 = tile.chunk * pass_rows<C>();
   g.n0 = tile.col_tile * (EPI == kPlain ? BN : BN / 2);
   g.w_row0 = EPI == kGatedPairs ? 2 * g.n0 : g.n0;
   g.w_row1 = EPI == kGatedSplit ? args.up_row0 + g.n0 : g.w_row0 + BN / 2;
-  g.boxes = min(kConsumers, (g.count - g.m0 + kRowsPerGroup - 1) / kRowsPerGroup);
+  g.boxes = min(C, (g.count - g.m0 + kRowsPerGroup - 1) / kRowsPerGroup);
   return g;
 }
 
@@ -475,7 +533,7 @@ constexpr int kNoStep = 1 << 30;
 // loads the A boxes by TMA. Its warps arrive on the stage's full barrier once their rows are
 // stored, after a proxy fence that makes the stores visible to wgmma. A thread reads back only
 // the bytes it copied, so its own cp.async.wait_group orders them.
-template <int STAGES, bool PERSISTENT, int EPI>
+template <int STAGES, bool PERSISTENT, int EPI, int C>
 __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap& map_a, uint8_t* smem,
                                             uint64_t* full, uint64_t* empty, const int* prefix,
                                             const uint32_t* lut, const uint8_t* staging, int n_tiles,
@@ -487,7 +545,7 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
   for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
     const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
     if (tile.e < 0) break;
-    const TileGeom g = tile_geometry<EPI, kBN>(args, tile);
+    const TileGeom g = tile_geometry<EPI, C, kBN>(args, tile);
     const int w_row = r < 64 ? g.w_row0 + r : g.w_row1 + (r - 64);
     const uint8_t* codes = nullptr;
     const uint8_t* scales = nullptr;
@@ -503,7 +561,7 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
       const int s = it % STAGES;
       if (lane == 0) mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
       __syncwarp();
-      uint8_t* stage = smem + s * stage_bytes<kBN>();
+      uint8_t* stage = smem + s * stage_bytes<C, kBN>();
       if (r == 0) {
         mbar_expect_tx(&full[s], g.boxes * kABox);
         for (int b = 0; b < g.boxes; ++b)
@@ -512,7 +570,7 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
       }
       const uint32_t slot = ring + (kt % kMxDepth) * kMxSlotBytes;
       cp_async_wait<kMxDepth - 1>();  // k tile kt's group (of the kMxDepth in flight) has landed
-      mx_store_row(smem_addr(stage + kConsumers * kABox), r, slot, sc, lut_addr);
+      mx_store_row(smem_addr(stage + C * kABox), r, slot, sc, lut_addr);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       __syncwarp();
       if (lane == 0) mbar_arrive(&full[s]);
@@ -529,14 +587,16 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
 // PERSISTENT: one CTA per SM walks tiles blockIdx.x, + gridDim.x, ...; the producer runs ahead
 // into the next tile while the consumers store the last one. Otherwise one CTA per tile (the grid
 // bounds the tiles; CTAs past the last exit).
-template <int STAGES, bool PERSISTENT, int EPI, bool MX, int BN>
-__global__ void __launch_bounds__(kThreads, 1)
+template <int STAGES, bool PERSISTENT, int EPI, bool MX, int BN, int C>
+__global__ void __launch_bounds__(threads<C>(), 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
                         const Args args) {
   extern __shared__ uint8_t raw_smem[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
   static_assert(!MX || BN == kBN, "the MXFP4 producer fills 128-row weight tiles (a row per thread)");
-  constexpr int kStageBytes = stage_bytes<BN>();
+  static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma N of a tile: 64, 128 or 256");
+  static_assert(Regs<C>::fits(MX), "register budget");
+  constexpr int kStageBytes = stage_bytes<C, BN>();
   constexpr int kBBox = BN * kBK * 2;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * kStageBytes);
   uint64_t* empty = full + STAGES;
@@ -548,13 +608,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int tile_cols = EPI == kPlain ? BN : BN / 2;  // output columns of a tile
   const int n_tiles = (args.N + tile_cols - 1) / tile_cols;
   const int k_tiles = (args.K + kBK - 1) / kBK;
-  if (threadIdx.x < 32) chunk_prefix(args, prefix);
+  if (threadIdx.x < 32) chunk_prefix<C>(args, prefix);
   if (threadIdx.x == 32) {
     for (int s = 0; s < STAGES; ++s) {
       // MX: the TMA bytes of A with their expect_tx arrival, and one arrival per producer warp
       // once its rows of B are stored.
       mbar_init(&full[s], MX ? 5 : 1);
-      mbar_init(&empty[s], kConsumers);
+      mbar_init(&empty[s], C);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     prefetch_map(&map_a);
@@ -570,27 +630,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   // branches as non-divergent and keeps the MMAs asynchronous.
   const int group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);  // 0: producer
   if (group == 0) {
-    // The CTA's registers were allocated at launch (kThreads x at most 96); the producer gives
+    // The CTA's registers were allocated at launch (Regs<C>::launch per thread); the producer gives
     // back what the consumers take, and the total stays within that allocation.
     if constexpr (MX) {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kMxProducerRegs));
-      mx_producer<STAGES, PERSISTENT, EPI>(args, map_a, smem, full, empty, prefix, lut, staging, n_tiles, k_tiles);
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs<C>::mx_producer));
+      mx_producer<STAGES, PERSISTENT, EPI, C>(args, map_a, smem, full, empty, prefix, lut, staging, n_tiles, k_tiles);
     } else {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs<C>::producer));
       if (threadIdx.x != 0) return;
       const uint64_t weights_policy = l2_policy<false>(), rows_policy = l2_policy<true>();
       int it = 0;  // k tiles loaded so far: stage and parity
       for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
         const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
         if (tile.e < 0) break;
-        const TileGeom g = tile_geometry<EPI, BN>(args, tile);
+        const TileGeom g = tile_geometry<EPI, C, BN>(args, tile);
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int s = it % STAGES;
           mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
           uint8_t* stage = smem + s * kStageBytes;
           mbar_expect_tx(&full[s], kBBox + g.boxes * kABox);
-          tma_load_3d(stage + kConsumers * kABox, &map_w, &full[s], kt * kBK, g.w_row0, g.e, weights_policy);
-          tma_load_3d(stage + kConsumers * kABox + kBBox / 2, &map_w, &full[s], kt * kBK, g.w_row1, g.e,
+          tma_load_3d(stage + C * kABox, &map_w, &full[s], kt * kBK, g.w_row0, g.e, weights_policy);
+          tma_load_3d(stage + C * kABox + kBBox / 2, &map_w, &full[s], kt * kBK, g.w_row1, g.e,
                       weights_policy);
           for (int b = 0; b < g.boxes; ++b)
             tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, g.start + g.m0 + b * kRowsPerGroup, g.slab,
@@ -601,7 +661,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Regs<C>::consumer));
   const int c = group - 1;
   const int t = threadIdx.x % 128;
   const int warp = t / 32, lane = t % 32;
@@ -610,7 +670,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
     const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
     if (tile.e < 0) break;
-    const TileGeom g = tile_geometry<EPI, BN>(args, tile);
+    const TileGeom g = tile_geometry<EPI, C, BN>(args, tile);
     const int e = g.e, slab = g.slab, start = g.start, count = g.count, m0 = g.m0, n0 = g.n0;
     if (m0 + c * kRowsPerGroup >= count) {  // no rows of this warpgroup: release each stage at once
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
@@ -625,7 +685,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_wait(&full[s], (it / STAGES) & 1);
       const uint8_t* stage = smem + s * kStageBytes;
       const uint64_t da = smem_desc(stage + c * kABox);
-      const uint64_t db = smem_desc(stage + kConsumers * kABox);
+      const uint64_t db = smem_desc(stage + C * kABox);
       wgmma_fence();
 #pragma unroll
       for (int j = 0; j < kBK / 16; ++j)
@@ -650,7 +710,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int r = row0 + 8 * h;
       if (r >= count) continue;
       uint16_t* orow = out_slab + (long long)(start + r) * args.stride_or;
-      if (EPI == kGatedSplit) {  // columns j < 64 gate, j + 64 up: activation column n0 + j
+      if (EPI == kGatedSplit) {  // columns j < BN / 2 gate, j + BN / 2 up: activation column n0 + j
 #pragma unroll
         for (int b = 0; b < BN / 16; ++b) {
           const int col = n0 + 8 * b + q;
@@ -729,25 +789,29 @@ int encode_3d(CUtensorMap* map, const void* base, long long d0, long long d1, lo
 }
 
 
-template <int STAGES, int BN>
+template <int STAGES, int C, int BN>
 __host__ __device__ constexpr int smem_bytes() {
-  return STAGES * stage_bytes<BN>() + 2 * STAGES * 8 + 4 * (kMaxExperts + 1) + 4 * 256 + kMxDepth * kMxSlotBytes + 16 +
+  return STAGES * stage_bytes<C, BN>() + 2 * STAGES * 8 + 4 * (kMaxExperts + 1) + 4 * 256 + kMxDepth * kMxSlotBytes + 16 +
          1024;
 }
-static_assert(smem_bytes<4, 128>() <= 227 * 1024 && smem_bytes<5, 64>() <= 227 * 1024, "shared memory");
-
-template <int STAGES, bool PERSISTENT, int EPI, bool MX, int BN>
+template <int STAGES, bool PERSISTENT, int EPI, bool MX, int BN, int C>
 int launch(const CUtensorMap& ma, const CUtensorMap& mw, const Args& args, int grid_x, cudaStream_t stream) {
   // The shared-memory opt-in is a per-device function attribute: set once per device.
   static unsigned long long configured = 0;
-  constexpr int bytes = smem_bytes<STAGES, BN>();
+  constexpr int bytes = smem_bytes<STAGES, C, BN>();
   static_assert(bytes <= 227 * 1024, "a configuration's shared memory exceeds the opt-in limit");
-  const auto kernel = grouped_gemm_kernel<STAGES, PERSISTENT, EPI, MX, BN>;
+  const auto kernel = grouped_gemm_kernel<STAGES, PERSISTENT, EPI, MX, BN, C>;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return static_cast<int>(err);
   const unsigned long long bit = device < 64 ? (1ull << device) : 0;
   if (bit == 0 || !(configured & bit)) {
+    // setmaxnreg shares out the registers the launch allocated (Regs<C>::launch per thread): with
+    // fewer, the consumers' request would wait forever, so refuse instead of hanging.
+    cudaFuncAttributes attr;
+    err = cudaFuncGetAttributes(&attr, kernel);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    if (attr.numRegs < Regs<C>::launch) return -20;
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err != cudaSuccess) return static_cast<int>(err);
     configured |= bit;
@@ -759,21 +823,21 @@ int launch(const CUtensorMap& ma, const CUtensorMap& mw, const Args& args, int g
     if (err != cudaSuccess) return static_cast<int>(err);
     grid = grid_x < sms ? grid_x : sms;
   }
-  kernel<<<grid, kThreads, bytes, stream>>>(ma, mw, args);
+  kernel<<<grid, threads<C>(), bytes, stream>>>(ma, mw, args);
   return static_cast<int>(cudaGetLastError());
 }
 
-template <int STAGES, bool PERSISTENT, bool MX, int BN>
+template <int STAGES, bool PERSISTENT, bool MX, int BN, int C>
 int launch_mode(int mode, const CUtensorMap& ma, const CUtensorMap& mw, const Args& args, int grid_x,
                 cudaStream_t stream) {
-  if (mode == kGatedSplit) return launch<STAGES, PERSISTENT, kGatedSplit, MX, BN>(ma, mw, args, grid_x, stream);
-  if (mode == kGatedPairs) return launch<STAGES, PERSISTENT, kGatedPairs, MX, BN>(ma, mw, args, grid_x, stream);
-  return launch<STAGES, PERSISTENT, kPlain, MX, BN>(ma, mw, args, grid_x, stream);
+  if (mode == kGatedSplit) return launch<STAGES, PERSISTENT, kGatedSplit, MX, BN, C>(ma, mw, args, grid_x, stream);
+  if (mode == kGatedPairs) return launch<STAGES, PERSISTENT, kGatedPairs, MX, BN, C>(ma, mw, args, grid_x, stream);
+  return launch<STAGES, PERSISTENT, kPlain, MX, BN, C>(ma, mw, args, grid_x, stream);
 }
 
 // One configuration: the weight's tensor map (boxes of BN / 2 rows; none for MXFP4, whose
 // producer reads the codes itself and fills 128-row tiles only), then the kernel of `mode`.
-template <int STAGES, bool PERSISTENT, int BN>
+template <int STAGES, bool PERSISTENT, int BN, int C>
 int launch_config(int w_kind, int mode, const CUtensorMap& ma, const void* w, long long stride_we,
                   long long stride_wn, const Args& args, int grid_x, cudaStream_t stream) {
   CUtensorMap mw;
@@ -782,42 +846,54 @@ int launch_config(int w_kind, int mode, const CUtensorMap& ma, const void* w, lo
       return -19;
     } else {
       memset(&mw, 0, sizeof(mw));  // not read by the MXFP4 kernels
-      return launch_mode<STAGES, PERSISTENT, true, BN>(mode, ma, mw, args, grid_x, stream);
+      return launch_mode<STAGES, PERSISTENT, true, BN, C>(mode, ma, mw, args, grid_x, stream);
     }
   }
   const int err = encode_3d(&mw, w, args.K, args.w_rows, args.L, stride_wn * 2, stride_we * 2, BN / 2);
   if (err != 0) return err;
-  return launch_mode<STAGES, PERSISTENT, false, BN>(mode, ma, mw, args, grid_x, stream);
+  return launch_mode<STAGES, PERSISTENT, false, BN, C>(mode, ma, mw, args, grid_x, stream);
 }
 
 }  // namespace
 
 extern "C" {
 
-// Configurations, by index: (stages, persistent, weight rows per tile). The 64-row tiles are for
-// calls with few rows per expert, where the weights are the work: twice the tiles to spread over the
-// SMs, and a fifth stage in the room the smaller tiles leave (bf16 weights only).
-#define PMOE_GG_CONFIGS(X) X(4, true, 128) X(4, false, 128) X(5, true, 64)
+// Configurations, by index: (stages, persistent, weight rows per tile, consumer warpgroups). The
+// 64-row tiles are for calls with few rows per expert, where the weights are the work: twice the
+// tiles to spread over the SMs, and a fifth stage in the room the smaller tiles leave (bf16 weights
+// only). The 256-row tiles with two consumers (chunks of 128 rows, wgmma m64n256k16) are the shape
+// dense GEMMs run best on Hopper: each warpgroup reads the A and B operands of 64 x 256 outputs
+// from shared memory per k step, where four m64n128 warpgroups read the weight tile four times for
+// 256 x 128 (bf16 weights only: the MXFP4 producer fills 128 rows).
+#define PMOE_GG_CONFIGS(X) X(4, true, 128, 4) X(4, false, 128, 4) X(5, true, 64, 4) X(4, true, 256, 2)
 
 int pmoe_gg_num_configs() {
   int n = 0;
-#define COUNT(S, P, B) ++n;
+#define COUNT(S, P, B, C) ++n;
   PMOE_GG_CONFIGS(COUNT)
 #undef COUNT
   return n;
 }
 
 // A tile: this many weight rows (output columns; half as many gated) of one expert's chunk of
-// pmoe_gg_pass_rows rows, by configuration (0 for an unknown one).
+// pmoe_gg_pass_rows(config) rows, by configuration (0 for an unknown one).
 int pmoe_gg_block_n(int config) {
   int i = 0;
-#define BLOCK(S, P, B) \
+#define BLOCK(S, P, B, C) \
   if (config == i++) return B;
   PMOE_GG_CONFIGS(BLOCK)
 #undef BLOCK
   return 0;
 }
-int pmoe_gg_pass_rows() { return kPassRows; }
+// The rows of a tile's chunk (64 per consumer warpgroup), by configuration (0 for an unknown one).
+int pmoe_gg_pass_rows(int config) {
+  int i = 0;
+#define ROWS(S, P, B, C) \
+  if (config == i++) return pass_rows<C>();
+  PMOE_GG_CONFIGS(ROWS)
+#undef ROWS
+  return 0;
+}
 int pmoe_gg_max_experts() { return kMaxExperts; }
 
 // a: bf16 [slabs][rows][K] with row / slab strides in elements (K contiguous); the weight, by
@@ -827,7 +903,7 @@ int pmoe_gg_max_experts() { return kMaxExperts; }
 // (`mode` kGatedSplit / kGatedPairs: the activation's, w_rows / 2; else w_rows). `act` (with
 // has_limit, limit, alpha, beta): the gated modes' activation, one of the silu family. The grid is
 // one dimension, at least the number of tiles: cdiv(N, BN) (gated: cdiv(N, BN / 2)) x (the experts'
-// 256-row chunks), which the host bounds from shapes (CTAs past the last tile exit). Strides of a
+// chunks of pmoe_gg_pass_rows(config) rows), which the host bounds from shapes (CTAs past the last tile exit). Strides of a
 // and w must be multiples of 8 elements and the bases 16-byte aligned (TMA), the MXFP4 row strides
 // multiples of 16 bytes.
 int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const void* a, long long stride_as,
@@ -854,8 +930,8 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
                   stride_qe, stride_qn, stride_se, stride_sn, w_rows};
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   int i = 0;
-#define RUN(S, P, B) \
-  if (config == i++) return launch_config<S, P, B>(w_kind, mode, ma, w, stride_we, stride_wn, args, grid_x, st);
+#define RUN(S, P, B, C) \
+  if (config == i++) return launch_config<S, P, B, C>(w_kind, mode, ma, w, stride_we, stride_wn, args, grid_x, st);
   PMOE_GG_CONFIGS(RUN)
 #undef RUN
   return -1;
@@ -873,6 +949,7 @@ const char* pmoe_error_string(int code) {
   if (code == -17) return "the epilogue's activation is not of the silu family";
   if (code == -18) return "MXFP4 weights need their codes and scales and K a multiple of 32";
   if (code == -19) return "MXFP4 weights run in the 128-row configurations only";
+  if (code == -20) return "the kernel was compiled with fewer registers than its warpgroups share out (setmaxnreg)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 

@@ -64,17 +64,22 @@ for stage in "$@"; do
         native-bench-bf16)  # the same on the three bf16 presets (every configuration incl. the 256-row tiles)
             STEP_TIMEOUT=560 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" \
                 --presets dsv4-flash,qwen3-30b-a3b,mixtral-8x7b ;;
-        wide-tiles)  # the 256-row tiles of two consumers in one short run: probes, GPU tests, memcheck, then the
-            # bf16 GEMMs and whole calls at 1024 / 8192 tokens, then the decode GEMM2 and docs tests
+        wide-tiles)  # the 256-row tiles of two consumers (configuration 3) in one short run, MXFP4 at 8192 beside:
+            # probes, GPU tests, memcheck, the GEMMs and whole calls at 8192 tokens (WIDE_TOKENS)
             STEP_TIMEOUT=150 step probe-native-gemm python3 scripts/native_gemm_probe.py
             if grep -q "probe-native-gemm rc=0" "$summary"; then
                 STEP_TIMEOUT=150 step test-native-grouped python3 -m pytest -q -x tests/test_native.py \
                     tests/test_cuda_backend.py tests/test_native_grouped_gpu.py
-                STEP_TIMEOUT=150 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" \
-                    --presets dsv4-flash,mixtral-8x7b,qwen3-30b-a3b --tokens ${WIDE_TOKENS:-8192,1024} --rounds 2
                 STEP_TIMEOUT=80 step sanitizer-native-grouped compute-sanitizer --tool memcheck --error-exitcode 9 \
                     python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k sanitizer
+                STEP_TIMEOUT=200 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" \
+                    --presets dsv4-flash,gpt-oss-120b:mxfp4,mixtral-8x7b,qwen3-30b-a3b --tokens ${WIDE_TOKENS:-8192} --rounds 2
             fi ;;
+        wide-min)  # wide-tiles' correctness part in under three minutes: probes, then the GPU tests of every
+            # configuration and of MXFP4 weights
+            STEP_TIMEOUT=90 step probe-native-gemm python3 scripts/native_gemm_probe.py
+            STEP_TIMEOUT=80 step test-native-grouped python3 -m pytest -q -x tests/test_native_grouped_gpu.py \
+                -k "every_config or mxfp4 or tiny" ;;
         decode-native)  # the decode GEMM2 through NativeLibrary (the MXFP4 decode tests), the docs' examples
             # (incl. backend "cuda")
             step test-decode-native python3 -m pytest -q -m gpu tests/test_decode_gpu.py -k "native or mxfp4"

@@ -4,8 +4,8 @@
 implements `backend="auto"` (triton wherever `use_triton(device)`, torch otherwise) and refuses an
 explicitly requested backend that cannot run here, naming it and why. `auto_native` is the one
 place where "auto" leaves the Triton kernels: `fused_experts`, given neither a layout nor a backend,
-runs the native grouped GEMM (GROUPED_CONTIGUOUS, backend "cuda") where it measured faster on whole
-calls. The environment variable
+runs the native grouped GEMM (GROUPED_CONTIGUOUS, backend "cuda") from the rows per expert where it
+measured faster on whole calls (`AUTO_NATIVE_MIN_ROWS`; unset, never). The environment variable
 `PADDED_MOE_GEMM_BACKEND` (read at every call, `effective_backend`) turns `"auto"` into the backend it
 names, for runs that cannot pass `backend=` (a benchmark harness, a serving engine's config).
 """

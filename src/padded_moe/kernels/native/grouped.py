@@ -41,7 +41,7 @@ MAX_LOCAL_EXPERTS = 1024  # the experts' chunk prefix lives in shared memory (`k
 CONFIGS = ((4, True, 128, 4), (4, False, 128, 4), (5, True, 64, 4), (4, True, 256, 2))
 # The configuration `launch` runs unless told otherwise, by the rows a call may hold per expert
 # (`default_config`): 128-row tiles below WIDE_TILE_ROWS rows per expert (None: always), or for
-# MXFP4 weights; the 256-row tiles of two consumer warpgroups from there.
+# MXFP4 weights; the tiles of 256 weight rows over two consumer warpgroups from there.
 DEFAULT_CONFIG = 0
 WIDE_CONFIG = 3
 WIDE_TILE_ROWS = None  # not yet measured on a GPU: the 256-row tiles run only when asked for

@@ -26,6 +26,7 @@ float64 in the GPU tests).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -62,7 +63,7 @@ def alternate(graphs: dict, rounds: int) -> dict:
 def forced_config(config):
     """A context in which the native GEMM runs configuration `config` (None: its own choice)."""
     if config is None:
-        return mock.patch.dict(os.environ, {})
+        return contextlib.nullcontext()
     return mock.patch.object(grouped, "default_config", lambda *_: config)
 
 
@@ -72,8 +73,8 @@ def gemm_rows(layer: FusedMoE, meta, x_rows: torch.Tensor, h_rows: torch.Tensor,
     tiles, persistent with 256-row tiles of two consumers; the last two bf16 only)."""
     w13, w2 = layer.expert_weights()
     mx = not isinstance(w13, torch.Tensor)
-    variants = [("triton", None)] + [("cuda", c) for c, (_, _, block_n, _) in enumerate(grouped.CONFIGS)
-                                     if block_n == 128 or not mx]
+    configs = [c for c in range(len(grouped.CONFIGS)) if grouped.runs_mxfp4(c) or not mx]
+    variants = [("triton", None)] + [("cuda", c) for c in configs]
     rows = []
     for stage, a, w, bias in (("w13", x_rows, w13, layer.w13_bias), ("w2", h_rows, w2, layer.w2_bias)):
         outs, graphs = {}, {}

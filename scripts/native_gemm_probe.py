@@ -103,7 +103,7 @@ def run_config(config: int) -> int:
     for kind in ("rows", "cols", "k"):
         for counts, K, N in CASES:
             wrong += probe(kind, counts, K, N, config)
-    if grouped.CONFIGS[config][2] == 128:  # MXFP4 runs in 128-row tiles only
+    if grouped.runs_mxfp4(config):
         for counts, K, N in MX_CASES:
             wrong += probe_mx(counts, K, N, config)
     return wrong

@@ -60,10 +60,17 @@ def chunk_rows(config: int) -> int:
     return GROUP_ROWS * CONFIGS[config][3]
 
 
+def runs_mxfp4(config: int) -> bool:
+    """Whether configuration `config` takes MXFP4 weights: the producer warps upcast a weight row
+    per thread, 128 rows."""
+    return CONFIGS[config][2] == 128
+
+
 def default_config(rows_per_expert: float, mxfp4: bool) -> int:
     """The configuration for a call whose buffer holds `rows_per_expert` rows per local expert on
     average (its shape: the counts live on the device). Graph-safe: shapes only."""
-    if not mxfp4 and WIDE_TILE_ROWS is not None and rows_per_expert >= WIDE_TILE_ROWS:
+    wide = WIDE_TILE_ROWS is not None and rows_per_expert >= WIDE_TILE_ROWS
+    if wide and (runs_mxfp4(WIDE_CONFIG) or not mxfp4):
         return WIDE_CONFIG
     return DEFAULT_CONFIG
 
@@ -138,7 +145,7 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
         per_expert = a.shape[0] / max(w.shape[0], 1) if offsets is not None else a.shape[1]
         config = default_config(per_expert, isinstance(w, Mxfp4Tensor))
     block_n = CONFIGS[config][2]
-    if isinstance(w, Mxfp4Tensor) and block_n != 128:
+    if isinstance(w, Mxfp4Tensor) and not runs_mxfp4(config):
         _refuse(f"runs MXFP4 weights in 128-row tiles only; configuration {config} has {block_n}")
     if offsets is not None and (offsets.dtype != torch.int64 or not offsets.is_contiguous()):
         _refuse(f"reads offsets as contiguous int64 (what build_layout makes), got {offsets.dtype}")

@@ -272,9 +272,10 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// One wgmma per tile width, by the accumulator array it fills (BN / 2 floats per thread).
 // D[64 x 128] (+)= A[64 x 16] * B[16 x 128], both K-major in shared memory; `accumulate` = 0
 // overwrites D.
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+__device__ __forceinline__ void wgmma_tile(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
@@ -298,7 +299,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, ui
 }
 
 // D[64 x 64] (+)= A[64 x 16] * B[16 x 64]: the 64-row weight tiles of decode-sized calls.
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
+__device__ __forceinline__ void wgmma_tile(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
@@ -316,7 +317,7 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t da, uin
 }
 
 // D[64 x 256] (+)= A[64 x 16] * B[16 x 256]: the 256-row weight tiles of two consumer warpgroups.
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db, int accumulate) {
+__device__ __forceinline__ void wgmma_tile(float (&d)[128], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
@@ -351,15 +352,6 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, u
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
-__device__ __forceinline__ void wgmma_tile(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
-  wgmma_m64n128k16(d, da, db, accumulate);
-}
-__device__ __forceinline__ void wgmma_tile(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
-  wgmma_m64n64k16(d, da, db, accumulate);
-}
-__device__ __forceinline__ void wgmma_tile(float (&d)[128], uint64_t da, uint64_t db, int accumulate) {
-  wgmma_m64n256k16(d, da, db, accumulate);
-}
 
 // Two floats to a bf16 pair, round to nearest even (cvt.rn.bf16x2.f32). A float op, not bit
 // arithmetic on the accumulators: integer uses would make the compiler carry them as integers

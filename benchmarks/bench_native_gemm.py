@@ -7,12 +7,13 @@ variant alike):
 
 - GEMM1 and GEMM2 alone on the GROUPED_CONTIGUOUS layout, Triton (the tuned table's tile) vs
   native in each of its configurations (persistent, one CTA per tile, and for bf16 persistent with
-  64-row tiles and with 256-row tiles of two consumers); TFLOP/s count the valid rows only;
+  64-row tiles and with 256-row tiles of two consumers; the persistent ones with bf16 weights also
+  walking their tiles from a counter, "dyn"); TFLOP/s count the valid rows only;
 - the whole routed-experts call (`fused_experts`): Triton on INDEXED (the ratios' base), the
   library's own choice (`auto`: the native kernel where `backends.auto_native` says so), Triton on
   GROUPED_CONTIGUOUS, and the native kernel on GROUPED_CONTIGUOUS with the activation in GEMM1's
   epilogue (its default), as a separate op (`PADDED_MOE_FUSE_ACTIVATION=0`), and in configurations
-  0 and 3 (bf16) instead of its own choice by shape;
+  0 and 3 (bf16, each in both tile walks) instead of its own choice by shape;
 
 with the floors of the call: the experts' weights that received rows over the copy bandwidth,
 and the valid FLOPs over the dense bf16 matmul rate, both measured in the same run. Each native
@@ -60,29 +61,35 @@ def alternate(graphs: dict, rounds: int) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def forced_config(config):
-    """A context in which the native GEMM runs configuration `config` (None: its own choice)."""
-    if config is None:
-        return contextlib.nullcontext()
-    return mock.patch.object(grouped, "default_config", lambda *_: config)
+def forced_config(config, dynamic=None):
+    """A context in which the native GEMM runs configuration `config` (None: its own choice) and,
+    with `dynamic` set, that tile walk (`grouped.DYNAMIC_WALK`)."""
+    stack = contextlib.ExitStack()
+    if config is not None:
+        stack.enter_context(mock.patch.object(grouped, "default_config", lambda *_: config))
+    if dynamic is not None:
+        stack.enter_context(mock.patch.object(grouped, "DYNAMIC_WALK", dynamic))
+    return stack
 
 
 def gemm_rows(layer: FusedMoE, meta, x_rows: torch.Tensor, h_rows: torch.Tensor, rounds: int, valid: int) -> list:
     """GEMM1 and GEMM2 alone on the same GROUPED_CONTIGUOUS rows: Triton, and the native kernel in
     each configuration (`grouped.CONFIGS`: persistent, one CTA per tile, persistent with 64-row
-    tiles, persistent with 256-row tiles of two consumers; the last two bf16 only)."""
+    tiles, persistent with 256-row tiles of two consumers; the last two bf16 only), the persistent
+    ones with bf16 weights in both tile walks ("dyn": from the counter)."""
     w13, w2 = layer.expert_weights()
     mx = not isinstance(w13, torch.Tensor)
     configs = [c for c in range(len(grouped.CONFIGS)) if grouped.runs_mxfp4(c) or not mx]
-    variants = [("triton", None)] + [("cuda", c) for c in configs]
+    variants = [("triton", None, None)] + [("cuda", c, False) for c in configs]
+    variants += [("cuda", c, True) for c in configs if grouped.CONFIGS[c][1] and not mx]
     rows = []
     for stage, a, w, bias in (("w13", x_rows, w13, layer.w13_bias), ("w2", h_rows, w2, layer.w2_bias)):
         outs, graphs = {}, {}
-        for backend, config in variants:
-            name = backend if config is None else f"cuda c{config}"
+        for backend, config, dynamic in variants:
+            name = backend if config is None else f"cuda c{config}{' dyn' if dynamic else ''}"
             out = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
-            # The configuration is chosen at launch, so the captured graph keeps it.
-            with forced_config(config):
+            # The configuration and the walk are chosen at launch, so the captured graph keeps them.
+            with forced_config(config, dynamic):
                 graph, _ = captured(lambda: expert_gemm(a, w, meta, stage=stage, bias=bias, out=out,  # noqa: B023
                                                         backend=backend))  # noqa: B023
             graph.replay()
@@ -157,20 +164,23 @@ def main() -> None:
             flops = 2.0 * valid * (w13.shape[1] * K + K * N)
             floor_us = max(weight_bytes / (copy_gbs * 1e3), flops / (dense_tflops * 1e6))
             # (layout, backend, PADDED_MOE_FUSE_ACTIVATION during the capture or None for unset,
-            # native configuration or None for its own choice by shape)
+            # native configuration or None for its own choice by shape, tile walk or None for the
+            # default)
             bias = dict(w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
-            variants = {"indexed, Triton": ("indexed", "triton", None, None),
-                        "auto": (None, "auto", None, None),
-                        "grouped, Triton": ("grouped_contiguous", "triton", None, None),
-                        "grouped, cuda": ("grouped_contiguous", "cuda", None, None),
-                        "grouped, cuda, unfused": ("grouped_contiguous", "cuda", "0", None),
-                        "grouped, cuda c0": ("grouped_contiguous", "cuda", None, 0)}
+            variants = {"indexed, Triton": ("indexed", "triton", None, None, None),
+                        "auto": (None, "auto", None, None, None),
+                        "grouped, Triton": ("grouped_contiguous", "triton", None, None, None),
+                        "grouped, cuda": ("grouped_contiguous", "cuda", None, None, None),
+                        "grouped, cuda, unfused": ("grouped_contiguous", "cuda", "0", None, None),
+                        "grouped, cuda c0": ("grouped_contiguous", "cuda", None, 0, False)}
             if fmt != "mxfp4":
-                variants["grouped, cuda c3"] = ("grouped_contiguous", "cuda", None, 3)
+                variants["grouped, cuda c0 dyn"] = ("grouped_contiguous", "cuda", None, 0, True)
+                variants["grouped, cuda c3"] = ("grouped_contiguous", "cuda", None, 3, False)
+                variants["grouped, cuda c3 dyn"] = ("grouped_contiguous", "cuda", None, 3, True)
             graphs, outs = {}, {}
-            for name, (lay, backend, fuse, config) in variants.items():
+            for name, (lay, backend, fuse, config, dynamic) in variants.items():
                 env = {} if fuse is None else {FUSE_ENV: fuse}
-                with mock.patch.dict(os.environ, env), forced_config(config):
+                with mock.patch.dict(os.environ, env), forced_config(config, dynamic):
                     graph, out = captured(lambda: fused_experts(  # noqa: B023
                         x, w13, w2, tw, ids, activation=layer.activation, activation_config=layer.activation_config,
                         layout=lay, backend=backend, **bias))  # noqa: B023

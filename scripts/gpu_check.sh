@@ -20,6 +20,17 @@ step() {  # step NAME CMD...: run, log, record status and seconds
     echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$summary"
     tail -n 25 "$OUT/$name.log"
 }
+ncu_native() {  # ncu_native PRESET:TOKENS:STAGE...: Nsight Compute of that GEMM, Triton and native (ncu_small.py native)
+    local ncu_sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+                        --section WarpStateStats --section SchedulerStats
+                        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio")
+    local case preset tokens stage
+    for case in "$@"; do
+        IFS=: read -r preset tokens stage <<< "$case"
+        STEP_TIMEOUT=150 step "ncu-native-$preset-$stage" ncu "${ncu_sections[@]}" \
+            -k "regex:_expert_gemm|grouped_gemm" python3 scripts/ncu_small.py native "$preset" "$tokens" "$stage"
+    done
+}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv,noheader | tee -a "$summary"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$summary"
 for stage in "$@"; do
@@ -74,6 +85,18 @@ for stage in "$@"; do
                     python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k sanitizer
                 STEP_TIMEOUT=200 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" \
                     --presets dsv4-flash,gpt-oss-120b:mxfp4,mixtral-8x7b,qwen3-30b-a3b --tokens ${WIDE_TOKENS:-8192} --rounds 2
+            fi ;;
+        dyn-walk)  # the native GEMM's tiles from a counter: probes (both walks), GPU tests, memcheck, the bf16
+            # GEMMs and whole calls at 8192 tokens (WIDE_TOKENS), then Nsight Compute of Mixtral's GEMM2
+            STEP_TIMEOUT=150 step probe-native-gemm python3 scripts/native_gemm_probe.py
+            if grep -q "probe-native-gemm rc=0" "$summary"; then
+                STEP_TIMEOUT=120 step test-native-grouped python3 -m pytest -q -x tests/test_native.py \
+                    tests/test_cuda_backend.py tests/test_native_grouped_gpu.py
+                STEP_TIMEOUT=80 step sanitizer-native-grouped compute-sanitizer --tool memcheck --error-exitcode 9 \
+                    python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k sanitizer
+                STEP_TIMEOUT=150 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" \
+                    --presets dsv4-flash,mixtral-8x7b,qwen3-30b-a3b --tokens ${WIDE_TOKENS:-8192} --rounds 2
+                ncu_native mixtral-8x7b:8192:w2
             fi ;;
         wide-min)  # wide-tiles' correctness part in under three minutes: probes, then the GPU tests of every
             # configuration and of MXFP4 weights
@@ -331,6 +354,9 @@ for stage in "$@"; do
                 --launch-count 6 python3 scripts/ncu_small.py act
             STEP_TIMEOUT=120 step ncu-unpermute ncu "${ncu_sections[@]}" -k "regex:_unpermute" --launch-count 6 \
                 python3 scripts/ncu_small.py unpermute ;;
+        ncu-native)  # Nsight Compute of one full-tile GEMM each: Triton vs the native kernel's configurations 0
+            # and 3 (where the native kernel loses to Triton: its tensor-pipe share, stalls, shared-memory traffic)
+            ncu_native ${NCU_NATIVE_CASES:-mixtral-8x7b:8192:w2 qwen3-30b-a3b:8192:w13 dsv4-flash:8192:w13} ;;
         ncu-gemm)  # Nsight Compute of the bf16 expert GEMMs at DeepSeek-V4 8192 tokens (third call: GEMM1, GEMM2)
             # and of a dense cuBLAS matmul of GEMM1's rows (the tensor-pipe and DRAM reference)
             ncu_sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis

@@ -8,7 +8,8 @@ the first few (row, column, expected, got).
 - k: a[r, r % K] = 1, w[n, k] = k % 256: out[r, n] = r % K % 256 (the k order: swizzle, k steps, stages)
 
 each for counts that use one, four and several 64-row warpgroups and 256-row chunks, in every
-configuration of the kernel (persistent, one CTA per tile); and for MXFP4 weights (random codes,
+configuration of the kernel (persistent, one CTA per tile; the persistent ones with bf16 weights
+also walking their tiles from a counter, "dyn"); and for MXFP4 weights (random codes,
 scales near 1):
 - mx: a[r, r % K] = 1: out[r, n] = the dequantized w[n, r % K], exactly (the upcast, the swizzled
   stores of the producer warps, the scale groups).
@@ -42,22 +43,22 @@ def rows_of(counts: list) -> tuple:
 
 
 def run_and_report(label: str, a: torch.Tensor, w, offsets, expected: torch.Tensor, expert, local,
-                   config: int) -> int:
+                   config: int, dynamic: bool = False) -> int:
     """Launch on `a` (float, made bf16 here), count the outputs unequal to `expected`, print the first."""
     R, N = expected.shape
     out = torch.full((R, N), SENTINEL, device=DEV, dtype=torch.bfloat16)
-    grouped.launch(a.bfloat16(), w, out, offsets=offsets, config=config)
+    grouped.launch(a.bfloat16(), w, out, offsets=offsets, config=config, dynamic=dynamic)
     torch.cuda.synchronize()
     got = out.float()
     bad = (got != expected).nonzero()
-    print(f"config {config} {label}: {bad.shape[0]} of {R * N} wrong", flush=True)
+    print(f"config {config}{' dyn' if dynamic else ''} {label}: {bad.shape[0]} of {R * N} wrong", flush=True)
     for r, n in bad[:6].tolist():
         print(f"    row {r} (expert {int(expert[r])} row {int(local[r])}), col {n}: expected "
               f"{expected[r, n].item():g}, got {got[r, n].item():g}")
     return int(bad.shape[0])
 
 
-def probe(kind: str, counts: list, K: int, N: int, config: int) -> int:
+def probe(kind: str, counts: list, K: int, N: int, config: int, dynamic: bool = False) -> int:
     offsets, expert, local = rows_of(counts)
     R = local.numel()
     a = torch.zeros(R, K, device=DEV)
@@ -76,7 +77,7 @@ def probe(kind: str, counts: list, K: int, N: int, config: int) -> int:
         w[:] = (torch.arange(K, device=DEV) % 256).float()[None, None, :]
         expected = (local % K % 256).float()[:, None].expand(R, N)
     return run_and_report(f"{kind:5s} counts={counts} K={K} N={N}", a, w.bfloat16(), offsets, expected, expert,
-                          local, config)
+                          local, config, dynamic)
 
 
 def probe_mx(counts: list, K: int, N: int, config: int) -> int:
@@ -100,9 +101,10 @@ MX_CASES = (([64], 64, 128), ([37, 0, 300], 256, 256), ([520], 96, 136), ([3] * 
 
 def run_config(config: int) -> int:
     wrong = 0
-    for kind in ("rows", "cols", "k"):
-        for counts, K, N in CASES:
-            wrong += probe(kind, counts, K, N, config)
+    for dynamic in (False, True) if grouped.CONFIGS[config][1] else (False,):
+        for kind in ("rows", "cols", "k"):
+            for counts, K, N in CASES:
+                wrong += probe(kind, counts, K, N, config, dynamic)
     if grouped.runs_mxfp4(config):
         for counts, K, N in MX_CASES:
             wrong += probe_mx(counts, K, N, config)

@@ -3,6 +3,9 @@
     ncu --kernel-name regex:NAME python3 scripts/ncu_small.py act|unpermute|mx [ROWS]
     ncu --kernel-name regex:_expert_gemm python3 scripts/ncu_small.py layer PRESET TOKENS [CONFIG]
     ncu python3 scripts/ncu_small.py mm M N K   (a dense bf16 matmul: the tensor-pipe reference)
+    ncu -k regex:"_expert_gemm|grouped_gemm" python3 scripts/ncu_small.py native PRESET TOKENS STAGE
+        (one GEMM on GROUPED_CONTIGUOUS: Triton, then the native kernel in configurations 0 and 3,
+        and 3 walking its tiles from the counter)
 """
 import sys
 
@@ -62,6 +65,27 @@ elif case == "layer":  # FusedMoE.experts of a bf16 preset at TOKENS tokens with
     tw, ids = layer.route(layer.gate(x), None)
     for _ in range(3):
         layer.experts(x, tw, ids)
+elif case == "native":  # GEMM STAGE (w13 / w2) of a bf16 preset at TOKENS tokens: Triton, native c0 / c3 / c3 dyn
+    from unittest import mock
+
+    from padded_moe.gemm import expert_gemm
+    from padded_moe.kernels.native import grouped
+    from padded_moe.layer import FusedMoE
+    from padded_moe.layouts import build_layout
+
+    layer = FusedMoE.from_preset(sys.argv[2], weight_format="bf16", device="cuda", dtype=torch.bfloat16)
+    layer.randomize(seed=0, std=0.02)
+    x = torch.randn(int(sys.argv[3]), layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    tw, ids = layer.route(layer.gate(x), None)
+    meta = build_layout("grouped_contiguous", ids, layer.num_experts)
+    w = dict(zip(("w13", "w2"), layer.expert_weights()))[sys.argv[4]]
+    a = torch.randn(ids.numel(), w.shape[2], device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(ids.numel(), w.shape[1], device="cuda", dtype=torch.bfloat16)
+    expert_gemm(a, w, meta, stage=sys.argv[4], out=out, backend="triton")
+    for config, dynamic in ((0, False), (3, False), (3, True)):
+        with mock.patch.object(grouped, "default_config", lambda *_, c=config: c), \
+                mock.patch.object(grouped, "DYNAMIC_WALK", dynamic):
+            expert_gemm(a, w, meta, stage=sys.argv[4], out=out, backend="cuda")
 elif case == "mm":  # a dense [M, K] @ [K, N] bf16 matmul (cuBLAS), 3 calls
     M, N, K = (int(v) for v in sys.argv[2:5])
     a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)

@@ -31,3 +31,14 @@ def test_needs_a_gpu(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_native_gemm.py"])
     with pytest.raises(SystemExit, match="needs a GPU"):
         bench_native_gemm.main()
+
+
+def test_forced_config_sets_the_configuration_and_the_walk():
+    from padded_moe.kernels.native import grouped
+
+    before = grouped.default_config, grouped.DYNAMIC_WALK
+    with bench_native_gemm.forced_config(3, True):
+        assert grouped.default_config(1.0, False) == 3 and grouped.DYNAMIC_WALK is True
+    with bench_native_gemm.forced_config(None, None):
+        assert (grouped.default_config, grouped.DYNAMIC_WALK) == before
+    assert (grouped.default_config, grouped.DYNAMIC_WALK) == before

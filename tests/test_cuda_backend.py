@@ -158,8 +158,9 @@ def test_contiguous_launch_arguments(monkeypatch):
     assert kernel == ("entry", "pmoe_grouped_gemm") and grid == ((1 + 3) * 3,)  # (cdiv(10, 256) + 3 chunks) x 3
     (config, a_, s_as, s_ar, slabs, rows, w_, s_we, s_wn, L, w_rows, off, cnt, b_, s_be, bkind, o_, s_os, s_or, K,
      N, *rest) = args
-    ep, mx = rest[:6], rest[6:]
+    ep, mx, counter = rest[:6], rest[6:13], rest[13:]
     assert (config, slabs, rows, s_ar, s_as) == (0, 1, 10, 64, 640)
+    assert counter == [None]  # the static walk (DYNAMIC_WALK off)
     assert a_ is a and w_ is w and o_ is out and off is offsets and cnt is None and b_ is bias
     assert (s_we, s_wn, L, w_rows, s_be, bkind, s_or, K, N) == (260 * 64, 64, 3, 260, 260,
                                                                  native.DTYPE_CODES[torch.float32], 260, 64, 260)
@@ -266,7 +267,7 @@ def test_mxfp4_launch_arguments(monkeypatch):
     (_, grid, args), = rec.calls
     assert args[6:11] == (None, 0, 0, 3, 16) and (args[19], args[20]) == (64, 8)
     assert args[21] == grouped.GATED_PAIRS
-    assert args[27:] == (1, q.blocks, q.scales, 16 * 32, 32, 16 * 2, 2)
+    assert args[27:] == (1, q.blocks, q.scales, 16 * 32, 32, 16 * 2, 2, None)  # no tile counter
 
 
 def test_mxfp4_needs_its_canonical_bytes(monkeypatch):
@@ -360,3 +361,36 @@ def test_the_64_row_configuration(monkeypatch):
     q = quantize_mxfp4(torch.randn(3, 16, 64))
     with pytest.raises(NotImplementedError, match="MXFP4 weights in 128-row tiles only"):
         grouped.launch(a, q, torch.empty(10, 16, dtype=torch.bfloat16), offsets=offsets, config=2)
+
+
+def test_the_dynamic_walk_passes_a_fresh_zeroed_counter(monkeypatch):
+    """Persistent configurations with bf16 weights walk their tiles from a zeroed int32 counter,
+    one per launch, where `dynamic` (or `DYNAMIC_WALK`) asks; the static walk passes none; one CTA
+    per tile and MXFP4 weights refuse an explicit dynamic walk and ignore `DYNAMIC_WALK`."""
+    rec = _Recorder(monkeypatch)
+    a, w, out = _tensors(L=3, N=260, K=64, rows=10)
+    offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
+    q = quantize_mxfp4(torch.randn(3, 260, 64))
+    monkeypatch.setattr(grouped, "DYNAMIC_WALK", False)
+    grouped.launch(a, w, out, offsets=offsets, config=0)
+    assert rec.calls[-1][2][-1] is None
+    for config in (0, 2, 3):
+        grouped.launch(a, w, out, offsets=offsets, config=config, dynamic=True)
+        counter = rec.calls[-1][2][-1]
+        assert counter.dtype == torch.int32 and counter.shape == (1,) and int(counter) == 0
+    first = rec.calls[-1][2][-1]
+    grouped.launch(a, w, out, offsets=offsets, config=3, dynamic=True)
+    assert rec.calls[-1][2][-1] is not first  # never shared between launches
+    monkeypatch.setattr(grouped, "DYNAMIC_WALK", True)
+    grouped.launch(a, w, out, offsets=offsets)
+    assert rec.calls[-1][2][-1] is not None
+    grouped.launch(a, w, out, offsets=offsets, dynamic=False)
+    assert rec.calls[-1][2][-1] is None
+    grouped.launch(a, w, out, offsets=offsets, config=1)  # one CTA per tile: nothing to walk
+    assert rec.calls[-1][2][-1] is None
+    grouped.launch(a, q, out, offsets=offsets)  # MXFP4: the producer warps walk statically
+    assert rec.calls[-1][2][-1] is None
+    with pytest.raises(NotImplementedError, match="one CTA per tile with bf16"):
+        grouped.launch(a, w, out, offsets=offsets, config=1, dynamic=True)
+    with pytest.raises(NotImplementedError, match="persistent with MXFP4"):
+        grouped.launch(a, q, out, offsets=offsets, config=0, dynamic=True)

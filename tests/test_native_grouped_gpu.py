@@ -111,18 +111,22 @@ def test_odd_counts_mxfp4(K, N, layout):
     check(a, dequantize_mxfp4(q), meta, "w13", out, bias)
 
 
+@pytest.mark.parametrize("walk", ["static", "dynamic"])
 @pytest.mark.parametrize("config", range(len(CONFIG_IDS)), ids=CONFIG_IDS)
 @pytest.mark.parametrize("epilogue", [None, "silu", "swigluoai"], ids=str)
 @pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
-def test_every_config(config, epilogue, layout):
+def test_every_config(config, epilogue, layout, walk):
     """Each configuration, plain and with either gated epilogue, against float64 (and, gated, the
-    two steps of the same configuration)."""
+    two steps of the same configuration); the persistent ones in both tile walks."""
     from padded_moe.activation import ActivationEpilogue
     from padded_moe.kernels.native import grouped
 
     assert len(grouped.CONFIGS) == len(CONFIG_IDS)
+    if walk == "dynamic" and not grouped.CONFIGS[config][1]:
+        pytest.skip("one CTA per tile: no walk")
     w, meta, a, bias, out = _counts_case(ODD_COUNTS, 512, 392, layout, torch.float32, 5)
     where = dict(offsets=meta.offsets) if layout == GemmLayout.GROUPED_CONTIGUOUS else dict(counts=meta.counts)
+    where["dynamic"] = walk == "dynamic"
     grouped.launch(a, w, out, bias=bias, config=config, **where)
     torch.cuda.synchronize()
     check(a, w, meta, "w13", out, bias)
@@ -259,6 +263,11 @@ def test_sanitizer_small():
         grouped.launch(a, w, out, bias=bias, config=3, **where)
         torch.cuda.synchronize()
         check(a, w, meta, "w13", out, bias)
+        for config in (0, 3):  # the tiles handed out by the counter
+            out.fill_(SENTINEL)
+            grouped.launch(a, w, out, bias=bias, config=config, dynamic=True, **where)
+            torch.cuda.synchronize()
+            check(a, w, meta, "w13", out, bias)
         q = quantize_mxfp4(w.float())
         out.fill_(SENTINEL)
         expert_gemm(a, q, meta, bias=bias, out=out, backend="cuda")

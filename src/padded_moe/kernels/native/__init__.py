@@ -233,6 +233,7 @@ def _declare_grouped(lib: ctypes.CDLL) -> None:
         F, F, F,  # limit, alpha, beta
         I, P, P,  # weight kind (0 bf16, 1 MXFP4), MXFP4 codes, scales
         LL, LL, LL, LL,  # codes' expert / row strides, scales' expert / row strides (bytes)
+        P,  # tile counter (the dynamic walk) or null
     ]
 
 

@@ -45,6 +45,11 @@ CONFIGS = ((4, True, 128, 4), (4, False, 128, 4), (5, True, 64, 4), (4, True, 25
 DEFAULT_CONFIG = 0
 WIDE_CONFIG = 3
 WIDE_TILE_ROWS = None  # not yet measured on a GPU: the 256-row tiles run only when asked for
+# How persistent CTAs walk the tiles with bf16 weights (`launch`'s `dynamic`): in order from a
+# counter zeroed before each launch (True), or statically, CTA b taking tiles b, b + grid, ...
+# (False). The static walk lets CTAs drift apart once tile times differ, so the chunks that share
+# a weight tile stop running together and read it from memory again.
+DYNAMIC_WALK = False
 # Epilogue modes (`grouped_gemm.cu`): plain, gated with the gate half first, gated with gate and up
 # interleaved (swigluoai).
 PLAIN, GATED_SPLIT, GATED_PAIRS = 0, 1, 2
@@ -133,9 +138,11 @@ def _epilogue_args(epilogue, w_rows: int) -> tuple:
 
 def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Tensor] = None,
            counts: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, epilogue=None,
-           config: Optional[int] = None) -> torch.Tensor:
+           config: Optional[int] = None, dynamic: Optional[bool] = None) -> torch.Tensor:
     """Fill `out` at the rows of each expert (see the module docstring). Exactly one of `offsets`
-    (`a` 2-D) and `counts` (`a` 3-D) is given; the caller (`expert_gemm`) has checked the shapes."""
+    (`a` 2-D) and `counts` (`a` 3-D) is given; the caller (`expert_gemm`) has checked the shapes.
+    `dynamic`: the tile walk of a persistent configuration with bf16 weights (None: `DYNAMIC_WALK`
+    where it applies); True elsewhere is refused."""
     if (offsets is None) == (counts is None):
         raise ValueError("exactly one of offsets (GROUPED_CONTIGUOUS) and counts (GROUPED_MASKED) must be given")
     if config is not None and not (isinstance(config, int) and 0 <= config < len(CONFIGS)):
@@ -147,6 +154,13 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
     block_n = CONFIGS[config][2]
     if isinstance(w, Mxfp4Tensor) and not runs_mxfp4(config):
         _refuse(f"runs MXFP4 weights in 128-row tiles only; configuration {config} has {block_n}")
+    walks = CONFIGS[config][1] and not isinstance(w, Mxfp4Tensor)  # the walks a counter can drive
+    if dynamic is None:
+        dynamic = DYNAMIC_WALK and walks
+    elif dynamic and not walks:
+        _refuse(f"walks tiles from a counter in persistent configurations with bf16 weights only; configuration "
+                f"{config} is {'persistent' if CONFIGS[config][1] else 'one CTA per tile'} with "
+                f"{'MXFP4' if isinstance(w, Mxfp4Tensor) else 'bf16'} weights")
     if offsets is not None and (offsets.dtype != torch.int64 or not offsets.is_contiguous()):
         _refuse(f"reads offsets as contiguous int64 (what build_layout makes), got {offsets.dtype}")
     if counts is not None and (counts.dtype != torch.int32 or not counts.is_contiguous()):
@@ -189,7 +203,10 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
     else:
         dense = (w, w.stride(0), w.stride(1))
         mx = (0, None, None, 0, 0, 0, 0)
+    # A fresh zeroed counter per launch (a memset, which a CUDA graph captures): launches on other
+    # streams never share one.
+    counter = torch.zeros(1, dtype=torch.int32, device=a.device) if dynamic else None
     launch_native(native.GROUPED.entry(ENTRY), grid,
                   (config, a, stride_as, stride_ar, slabs, rows, *dense, L, w_rows, offsets, counts, bias, stride_be,
-                   bias_kind, out, stride_os, stride_or, K, N, *ep, *mx))
+                   bias_kind, out, stride_os, stride_or, K, N, *ep, *mx, counter))
     return out

@@ -85,7 +85,7 @@ struct Regs {
 // The local experts whose chunk prefix fits the shared memory left beside the stages.
 constexpr int kMaxExperts = 1024;
 
-// Stages, their barriers, the experts' chunk prefix (`chunk_prefix`, kMaxExperts + 1 ints), the
+// Stages, their barriers, the dynamic walk's tile id per stage, the experts' chunk prefix (`chunk_prefix`, kMaxExperts + 1 ints), the
 // MXFP4 byte table (256 words), the MXFP4 staging ring (with 16 bytes to align it) and the slack
 // for aligning the stages to 1024 bytes.
 template <int STAGES, int C, int BN>
@@ -396,6 +396,9 @@ struct Args {
   const uint8_t* q_scales;
   long long stride_qe, stride_qn, stride_se, stride_sn;
   int w_rows;
+  // Persistent bf16 kernels: null, tiles walked statically (CTA b takes b, b + grid, ...); else a
+  // zeroed counter from which the producer takes each next tile id (`next_tile`).
+  int* tile_counter;
 };
 
 // ---- the activation epilogue: the silu family of spec 01 (silu, swigluoai, swigluoai_uninterleave),
@@ -519,6 +522,21 @@ __device__ __forceinline__ TileGeom tile_geometry(const Args& args, const Tile& 
 // A step past every tile id (the grid's bound is below 2^30: the host checks).
 constexpr int kNoStep = 1 << 30;
 
+// The tile walk. Static: CTA b takes tiles b, b + grid, ... (one CTA per tile: b only). Once tile
+// times differ (partial chunks, idle warpgroups) the static walk lets CTAs drift apart, so the
+// chunks that share a weight tile stop running together and read it from memory again; the
+// dynamic walk hands the tiles out in order from a counter (the producer takes them; the
+// consumers read each tile's id from its first stage), so the CTAs running together hold
+// neighbouring tiles.
+__device__ __forceinline__ int first_tile(const Args& args, bool dynamic) {
+  return dynamic ? atomicAdd(args.tile_counter, 1) : static_cast<int>(blockIdx.x);
+}
+template <bool PERSISTENT>
+__device__ __forceinline__ int next_tile(const Args& args, bool dynamic, int id) {
+  if (dynamic) return atomicAdd(args.tile_counter, 1);
+  return id + (PERSISTENT ? static_cast<int>(gridDim.x) : kNoStep);
+}
+
 // The MXFP4 producer warpgroup: thread r owns row r of every weight tile (rows 0..63 the first box,
 // 64..127 the second), keeps kMxDepth k tiles of its codes in flight (`mx_fetch`) and the scales
 // two ahead, and per k tile waits for the stage, upcasts its row into the B tile, and (thread 0)
@@ -592,7 +610,8 @@ __global__ void __launch_bounds__(threads<C>(), 1)
   constexpr int kBBox = BN * kBK * 2;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * kStageBytes);
   uint64_t* empty = full + STAGES;
-  int* prefix = reinterpret_cast<int*>(empty + STAGES);  // [L + 1]
+  int* tile_ids = reinterpret_cast<int*>(empty + STAGES);  // dynamic walk: the tile a stage starts
+  int* prefix = tile_ids + STAGES;  // [L + 1]
   uint32_t* lut = reinterpret_cast<uint32_t*>(prefix + kMaxExperts + 1);  // MX: byte -> bf16 pair
   uint8_t* staging =  // MX: kMxDepth slots of raw codes, 16-byte aligned for cp.async
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(lut + 256) + 15) & ~uintptr_t(15));
@@ -631,14 +650,24 @@ __global__ void __launch_bounds__(threads<C>(), 1)
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs<C>::producer));
       if (threadIdx.x != 0) return;
       const uint64_t weights_policy = l2_policy<false>(), rows_policy = l2_policy<true>();
+      const bool dynamic = PERSISTENT && args.tile_counter != nullptr;
       int it = 0;  // k tiles loaded so far: stage and parity
-      for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
+      for (int id = first_tile(args, dynamic);; id = next_tile<PERSISTENT>(args, dynamic, id)) {
         const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
-        if (tile.e < 0) break;
+        if (tile.e < 0) {
+          if (dynamic) {  // the consumers learn the end from the next stage's tile id
+            const int s = it % STAGES;
+            mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+            tile_ids[s] = id;
+            mbar_arrive(&full[s]);
+          }
+          break;
+        }
         const TileGeom g = tile_geometry<EPI, C, BN>(args, tile);
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int s = it % STAGES;
           mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+          if (dynamic && kt == 0) tile_ids[s] = id;  // published by the expect_tx arrival below
           uint8_t* stage = smem + s * kStageBytes;
           mbar_expect_tx(&full[s], kBBox + g.boxes * kABox);
           tma_load_3d(stage + C * kABox, &map_w, &full[s], kt * kBK, g.w_row0, g.e, weights_policy);
@@ -658,8 +687,14 @@ __global__ void __launch_bounds__(threads<C>(), 1)
   const int t = threadIdx.x % 128;
   const int warp = t / 32, lane = t % 32;
   float acc[BN / 2];
+  const bool dynamic = !MX && PERSISTENT && args.tile_counter != nullptr;
   int it = 0;  // k tiles consumed so far: stage and parity
   for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
+    if (dynamic) {  // the tile's first stage carries its id (or, past the last tile, the end)
+      const int s = it % STAGES;
+      mbar_wait(&full[s], (it / STAGES) & 1);
+      id = tile_ids[s];
+    }
     const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
     if (tile.e < 0) break;
     const TileGeom g = tile_geometry<EPI, C, BN>(args, tile);
@@ -783,7 +818,7 @@ int encode_3d(CUtensorMap* map, const void* base, long long d0, long long d1, lo
 
 template <int STAGES, int C, int BN>
 __host__ __device__ constexpr int smem_bytes() {
-  return STAGES * stage_bytes<C, BN>() + 2 * STAGES * 8 + 4 * (kMaxExperts + 1) + 4 * 256 + kMxDepth * kMxSlotBytes + 16 +
+  return STAGES * stage_bytes<C, BN>() + 2 * STAGES * 8 + 4 * STAGES + 4 * (kMaxExperts + 1) + 4 * 256 + kMxDepth * kMxSlotBytes + 16 +
          1024;
 }
 template <int STAGES, bool PERSISTENT, int EPI, bool MX, int BN, int C>
@@ -832,6 +867,7 @@ int launch_mode(int mode, const CUtensorMap& ma, const CUtensorMap& mw, const Ar
 template <int STAGES, bool PERSISTENT, int BN, int C>
 int launch_config(int w_kind, int mode, const CUtensorMap& ma, const void* w, long long stride_we,
                   long long stride_wn, const Args& args, int grid_x, cudaStream_t stream) {
+  if (args.tile_counter != nullptr && (!PERSISTENT || w_kind != 0)) return -21;
   CUtensorMap mw;
   if (w_kind == 1) {
     if constexpr (BN != kBN) {
@@ -897,14 +933,16 @@ int pmoe_gg_max_experts() { return kMaxExperts; }
 // one dimension, at least the number of tiles: cdiv(N, BN) (gated: cdiv(N, BN / 2)) x (the experts'
 // chunks of pmoe_gg_pass_rows(config) rows), which the host bounds from shapes (CTAs past the last tile exit). Strides of a
 // and w must be multiples of 8 elements and the bases 16-byte aligned (TMA), the MXFP4 row strides
-// multiples of 16 bytes.
+// multiples of 16 bytes. `tile_counter`: null (the static walk), or a zeroed int32 for the
+// dynamic one (persistent configurations, bf16 weights); the kernel leaves it past the tile count.
 int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const void* a, long long stride_as,
                       long long stride_ar, int slabs, int rows, const void* w, long long stride_we,
                       long long stride_wn, int L, int w_rows, const void* offsets, const void* counts,
                       const void* bias, long long stride_be, int bias_kind, void* out, long long stride_os,
                       long long stride_or, int K, int N, int mode, int act, int has_limit, float limit,
                       float alpha, float beta, int w_kind, const void* q_blocks, const void* q_scales,
-                      long long stride_qe, long long stride_qn, long long stride_se, long long stride_sn) {
+                      long long stride_qe, long long stride_qn, long long stride_se, long long stride_sn,
+                      int* tile_counter) {
   if ((offsets == nullptr) == (counts == nullptr)) return -12;
   if (grid_y != 1 || grid_x < 1 || N % 2 != 0 || L < 1) return -13;
   if (L > kMaxExperts) return -16;
@@ -919,7 +957,7 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
   const Args args{static_cast<const int64_t*>(offsets), static_cast<const int32_t*>(counts), L, rows, K, N, act,
                   has_limit, N, limit, alpha, beta, bias, stride_be, bias_kind, static_cast<uint16_t*>(out),
                   stride_os, stride_or, static_cast<const uint8_t*>(q_blocks), static_cast<const uint8_t*>(q_scales),
-                  stride_qe, stride_qn, stride_se, stride_sn, w_rows};
+                  stride_qe, stride_qn, stride_se, stride_sn, w_rows, tile_counter};
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   int i = 0;
 #define RUN(S, P, B, C) \
@@ -941,6 +979,7 @@ const char* pmoe_error_string(int code) {
   if (code == -17) return "the epilogue's activation is not of the silu family";
   if (code == -18) return "MXFP4 weights need their codes and scales and K a multiple of 32";
   if (code == -19) return "MXFP4 weights run in the 128-row configurations only";
+  if (code == -21) return "a tile counter (the dynamic walk) needs a persistent configuration and bf16 weights";
   if (code == -20) return "the kernel was compiled with fewer registers than its warpgroups share out (setmaxnreg)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }

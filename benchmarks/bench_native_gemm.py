@@ -13,7 +13,8 @@ variant alike):
   library's own choice (`auto`: the native kernel where `backends.auto_native` says so), Triton on
   GROUPED_CONTIGUOUS, and the native kernel on GROUPED_CONTIGUOUS with the activation in GEMM1's
   epilogue (its default), as a separate op (`PADDED_MOE_FUSE_ACTIVATION=0`), and in configurations
-  0 and 3 (bf16, each in both tile walks) instead of its own choice by shape;
+  0, 1 and 3 (bf16: 0 and 3 in both tile walks, and walking from the counter with A's rows as
+  normal L2 lines) instead of its own choice by shape;
 
 with the floors of the call: the experts' weights that received rows over the copy bandwidth,
 and the valid FLOPs over the dense bf16 matmul rate, both measured in the same run. Each native
@@ -61,10 +62,13 @@ def alternate(graphs: dict, rounds: int) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def forced_config(config, dynamic=None):
+def forced_config(config, dynamic=None, rows_last=None):
     """A context in which the native GEMM runs configuration `config` (None: its own choice) and,
-    with `dynamic` set, that tile walk (`grouped.DYNAMIC_WALK`)."""
+    with `dynamic` set, that tile walk (`grouped.DYNAMIC_WALK`), with `rows_last` set, that L2
+    policy of A's rows (`grouped.ROWS_EVICT_LAST`)."""
     stack = contextlib.ExitStack()
+    if rows_last is not None:
+        stack.enter_context(mock.patch.object(grouped, "ROWS_EVICT_LAST", rows_last))
     if config is not None:
         stack.enter_context(mock.patch.object(grouped, "default_config", lambda *_: config))
     if dynamic is not None:
@@ -80,16 +84,19 @@ def gemm_rows(layer: FusedMoE, meta, x_rows: torch.Tensor, h_rows: torch.Tensor,
     w13, w2 = layer.expert_weights()
     mx = not isinstance(w13, torch.Tensor)
     configs = [c for c in range(len(grouped.CONFIGS)) if grouped.runs_mxfp4(c) or not mx]
-    variants = [("triton", None, None)] + [("cuda", c, False) for c in configs]
-    variants += [("cuda", c, True) for c in configs if grouped.CONFIGS[c][1] and not mx]
+    variants = [("triton", None, None, None)] + [("cuda", c, False, None) for c in configs]
+    variants += [("cuda", c, True, None) for c in configs if grouped.CONFIGS[c][1] and not mx]
+    # A's rows as normal L2 lines (against evict-last) in one CTA per tile and in the dynamic walk
+    variants += [("cuda", 1, False, False)] + ([] if mx else [("cuda", 3, True, False)])
     rows = []
     for stage, a, w, bias in (("w13", x_rows, w13, layer.w13_bias), ("w2", h_rows, w2, layer.w2_bias)):
         outs, graphs = {}, {}
-        for backend, config, dynamic in variants:
-            name = backend if config is None else f"cuda c{config}{' dyn' if dynamic else ''}"
+        for backend, config, dynamic, rows_last in variants:
+            name = backend if config is None else (f"cuda c{config}{' dyn' if dynamic else ''}"
+                                                   f"{' rows normal' if rows_last is False else ''}")
             out = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
-            # The configuration and the walk are chosen at launch, so the captured graph keeps them.
-            with forced_config(config, dynamic):
+            # The configuration, walk and policy are chosen at launch, so the captured graph keeps them.
+            with forced_config(config, dynamic, rows_last):
                 graph, _ = captured(lambda: expert_gemm(a, w, meta, stage=stage, bias=bias, out=out,  # noqa: B023
                                                         backend=backend))  # noqa: B023
             graph.replay()
@@ -164,23 +171,26 @@ def main() -> None:
             flops = 2.0 * valid * (w13.shape[1] * K + K * N)
             floor_us = max(weight_bytes / (copy_gbs * 1e3), flops / (dense_tflops * 1e6))
             # (layout, backend, PADDED_MOE_FUSE_ACTIVATION during the capture or None for unset,
-            # native configuration or None for its own choice by shape, tile walk or None for the
-            # default)
+            # native configuration or None for its own choice by shape, tile walk and L2 policy of A's
+            # rows or None for the defaults)
             bias = dict(w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
-            variants = {"indexed, Triton": ("indexed", "triton", None, None, None),
-                        "auto": (None, "auto", None, None, None),
-                        "grouped, Triton": ("grouped_contiguous", "triton", None, None, None),
-                        "grouped, cuda": ("grouped_contiguous", "cuda", None, None, None),
-                        "grouped, cuda, unfused": ("grouped_contiguous", "cuda", "0", None, None),
-                        "grouped, cuda c0": ("grouped_contiguous", "cuda", None, 0, False)}
+            variants = {"indexed, Triton": ("indexed", "triton", None, None, None, None),
+                        "auto": (None, "auto", None, None, None, None),
+                        "grouped, Triton": ("grouped_contiguous", "triton", None, None, None, None),
+                        "grouped, cuda": ("grouped_contiguous", "cuda", None, None, None, None),
+                        "grouped, cuda, unfused": ("grouped_contiguous", "cuda", "0", None, None, None),
+                        "grouped, cuda c0": ("grouped_contiguous", "cuda", None, 0, False, None),
+                        "grouped, cuda c1": ("grouped_contiguous", "cuda", None, 1, False, None)}
             if fmt != "mxfp4":
-                variants["grouped, cuda c0 dyn"] = ("grouped_contiguous", "cuda", None, 0, True)
-                variants["grouped, cuda c3"] = ("grouped_contiguous", "cuda", None, 3, False)
-                variants["grouped, cuda c3 dyn"] = ("grouped_contiguous", "cuda", None, 3, True)
+                variants["grouped, cuda c0 dyn"] = ("grouped_contiguous", "cuda", None, 0, True, None)
+                variants["grouped, cuda c0 dyn, rows normal"] = ("grouped_contiguous", "cuda", None, 0, True, False)
+                variants["grouped, cuda c3"] = ("grouped_contiguous", "cuda", None, 3, False, None)
+                variants["grouped, cuda c3 dyn"] = ("grouped_contiguous", "cuda", None, 3, True, None)
+                variants["grouped, cuda c3 dyn, rows normal"] = ("grouped_contiguous", "cuda", None, 3, True, False)
             graphs, outs = {}, {}
-            for name, (lay, backend, fuse, config, dynamic) in variants.items():
+            for name, (lay, backend, fuse, config, dynamic, rows_last) in variants.items():
                 env = {} if fuse is None else {FUSE_ENV: fuse}
-                with mock.patch.dict(os.environ, env), forced_config(config, dynamic):
+                with mock.patch.dict(os.environ, env), forced_config(config, dynamic, rows_last):
                     graph, out = captured(lambda: fused_experts(  # noqa: B023
                         x, w13, w2, tw, ids, activation=layer.activation, activation_config=layer.activation_config,
                         layout=lay, backend=backend, **bias))  # noqa: B023

@@ -87,14 +87,15 @@ for stage in "$@"; do
                     --presets dsv4-flash,gpt-oss-120b:mxfp4,mixtral-8x7b,qwen3-30b-a3b --tokens ${WIDE_TOKENS:-8192} --rounds 2
             fi ;;
         dyn-walk)  # the native GEMM's tiles from a counter: probes (both walks), GPU tests, memcheck, the bf16
-            # GEMMs and whole calls at 8192 tokens (WIDE_TOKENS), then Nsight Compute of Mixtral's GEMM2
+            # GEMMs and whole calls at 8192 tokens (WIDE_TOKENS; incl. A's rows as normal L2 lines), then Nsight
+            # Compute of Mixtral's GEMM2
             STEP_TIMEOUT=150 step probe-native-gemm python3 scripts/native_gemm_probe.py
             if grep -q "probe-native-gemm rc=0" "$summary"; then
                 STEP_TIMEOUT=120 step test-native-grouped python3 -m pytest -q -x tests/test_native.py \
                     tests/test_cuda_backend.py tests/test_native_grouped_gpu.py
                 STEP_TIMEOUT=80 step sanitizer-native-grouped compute-sanitizer --tool memcheck --error-exitcode 9 \
                     python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k sanitizer
-                STEP_TIMEOUT=150 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" \
+                STEP_TIMEOUT=200 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" \
                     --presets dsv4-flash,mixtral-8x7b,qwen3-30b-a3b --tokens ${WIDE_TOKENS:-8192} --rounds 2
                 ncu_native mixtral-8x7b:8192:w2
             fi ;;

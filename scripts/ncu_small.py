@@ -5,7 +5,7 @@
     ncu python3 scripts/ncu_small.py mm M N K   (a dense bf16 matmul: the tensor-pipe reference)
     ncu -k regex:"_expert_gemm|grouped_gemm" python3 scripts/ncu_small.py native PRESET TOKENS STAGE
         (one GEMM on GROUPED_CONTIGUOUS: Triton, then the native kernel in configurations 0 and 3,
-        and 3 walking its tiles from the counter)
+        and 3 walking its tiles from the counter, with A's rows evict-last and normal in L2)
 """
 import sys
 
@@ -82,9 +82,9 @@ elif case == "native":  # GEMM STAGE (w13 / w2) of a bf16 preset at TOKENS token
     a = torch.randn(ids.numel(), w.shape[2], device="cuda", dtype=torch.bfloat16)
     out = torch.empty(ids.numel(), w.shape[1], device="cuda", dtype=torch.bfloat16)
     expert_gemm(a, w, meta, stage=sys.argv[4], out=out, backend="triton")
-    for config, dynamic in ((0, False), (3, False), (3, True)):
+    for config, dynamic, rows_last in ((0, False, True), (3, False, True), (3, True, True), (3, True, False)):
         with mock.patch.object(grouped, "default_config", lambda *_, c=config: c), \
-                mock.patch.object(grouped, "DYNAMIC_WALK", dynamic):
+                mock.patch.object(grouped, "DYNAMIC_WALK", dynamic), mock.patch.object(grouped, "ROWS_EVICT_LAST", rows_last):
             expert_gemm(a, w, meta, stage=sys.argv[4], out=out, backend="cuda")
 elif case == "mm":  # a dense [M, K] @ [K, N] bf16 matmul (cuBLAS), 3 calls
     M, N, K = (int(v) for v in sys.argv[2:5])

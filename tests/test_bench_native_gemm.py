@@ -37,8 +37,10 @@ def test_forced_config_sets_the_configuration_and_the_walk():
     from padded_moe.kernels.native import grouped
 
     before = grouped.default_config, grouped.DYNAMIC_WALK
-    with bench_native_gemm.forced_config(3, True):
+    with bench_native_gemm.forced_config(3, True, False):
         assert grouped.default_config(1.0, False) == 3 and grouped.DYNAMIC_WALK is True
+        assert grouped.ROWS_EVICT_LAST is False
+    assert grouped.ROWS_EVICT_LAST is True
     with bench_native_gemm.forced_config(None, None):
         assert (grouped.default_config, grouped.DYNAMIC_WALK) == before
     assert (grouped.default_config, grouped.DYNAMIC_WALK) == before

@@ -160,7 +160,7 @@ def test_contiguous_launch_arguments(monkeypatch):
      N, *rest) = args
     ep, mx, counter = rest[:6], rest[6:13], rest[13:]
     assert (config, slabs, rows, s_ar, s_as) == (0, 1, 10, 64, 640)
-    assert counter == [None]  # the static walk (DYNAMIC_WALK off)
+    assert counter == [None, 1]  # the static walk (DYNAMIC_WALK off), A's rows evict-last in L2
     assert a_ is a and w_ is w and o_ is out and off is offsets and cnt is None and b_ is bias
     assert (s_we, s_wn, L, w_rows, s_be, bkind, s_or, K, N) == (260 * 64, 64, 3, 260, 260,
                                                                  native.DTYPE_CODES[torch.float32], 260, 64, 260)
@@ -267,7 +267,7 @@ def test_mxfp4_launch_arguments(monkeypatch):
     (_, grid, args), = rec.calls
     assert args[6:11] == (None, 0, 0, 3, 16) and (args[19], args[20]) == (64, 8)
     assert args[21] == grouped.GATED_PAIRS
-    assert args[27:] == (1, q.blocks, q.scales, 16 * 32, 32, 16 * 2, 2, None)  # no tile counter
+    assert args[27:] == (1, q.blocks, q.scales, 16 * 32, 32, 16 * 2, 2, None, 1)  # no tile counter
 
 
 def test_mxfp4_needs_its_canonical_bytes(monkeypatch):
@@ -373,24 +373,35 @@ def test_the_dynamic_walk_passes_a_fresh_zeroed_counter(monkeypatch):
     q = quantize_mxfp4(torch.randn(3, 260, 64))
     monkeypatch.setattr(grouped, "DYNAMIC_WALK", False)
     grouped.launch(a, w, out, offsets=offsets, config=0)
-    assert rec.calls[-1][2][-1] is None
+    assert rec.calls[-1][2][-2] is None
     for config in (0, 2, 3):
         grouped.launch(a, w, out, offsets=offsets, config=config, dynamic=True)
-        counter = rec.calls[-1][2][-1]
+        counter = rec.calls[-1][2][-2]
         assert counter.dtype == torch.int32 and counter.shape == (1,) and int(counter) == 0
-    first = rec.calls[-1][2][-1]
+    first = rec.calls[-1][2][-2]
     grouped.launch(a, w, out, offsets=offsets, config=3, dynamic=True)
-    assert rec.calls[-1][2][-1] is not first  # never shared between launches
+    assert rec.calls[-1][2][-2] is not first  # never shared between launches
     monkeypatch.setattr(grouped, "DYNAMIC_WALK", True)
     grouped.launch(a, w, out, offsets=offsets)
-    assert rec.calls[-1][2][-1] is not None
+    assert rec.calls[-1][2][-2] is not None
     grouped.launch(a, w, out, offsets=offsets, dynamic=False)
-    assert rec.calls[-1][2][-1] is None
+    assert rec.calls[-1][2][-2] is None
     grouped.launch(a, w, out, offsets=offsets, config=1)  # one CTA per tile: nothing to walk
-    assert rec.calls[-1][2][-1] is None
+    assert rec.calls[-1][2][-2] is None
     grouped.launch(a, q, out, offsets=offsets)  # MXFP4: the producer warps walk statically
-    assert rec.calls[-1][2][-1] is None
+    assert rec.calls[-1][2][-2] is None
     with pytest.raises(NotImplementedError, match="one CTA per tile with bf16"):
         grouped.launch(a, w, out, offsets=offsets, config=1, dynamic=True)
     with pytest.raises(NotImplementedError, match="persistent with MXFP4"):
         grouped.launch(a, q, out, offsets=offsets, config=0, dynamic=True)
+
+
+def test_rows_l2_policy_follows_the_setting(monkeypatch):
+    rec = _Recorder(monkeypatch)
+    a, w, out = _tensors(L=3, N=260, K=64, rows=10)
+    offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
+    grouped.launch(a, w, out, offsets=offsets)
+    assert rec.calls[-1][2][-1] == 1
+    monkeypatch.setattr(grouped, "ROWS_EVICT_LAST", False)
+    grouped.launch(a, w, out, offsets=offsets)
+    assert rec.calls[-1][2][-1] == 0

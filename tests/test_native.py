@@ -96,11 +96,11 @@ def test_built_grouped_library_entry_points(fresh_loader):
     assert [lib.pmoe_gg_pass_rows(c) for c in configs] == [grouped.chunk_rows(c) for c in configs[:-1]] + [0]
     assert lib.pmoe_gg_max_experts() == grouped.MAX_LOCAL_EXPERTS
     code = lib.pmoe_grouped_gemm(0, 1, 1, None, None, 0, 0, 1, 1, None, 0, 0, 1, 128, None, None, None, 0, 0, None, 0,
-                                 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 0, None, None, 0, 0, 0, 0, None)
+                                 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 0, None, None, 0, 0, 0, 0, None, 1)
     assert lib.pmoe_error_string(code).decode() == "exactly one of offsets and counts must be given"
     offsets = ctypes.c_void_p(8)  # never read: the arguments are refused first
     code = lib.pmoe_grouped_gemm(0, 1, 1, None, None, 0, 0, 1, 1, None, 0, 0, 1, 128, offsets, None, None, 0, 0, None,
-                                 0, 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 1, None, None, 0, 0, 0, 0, None)
+                                 0, 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 1, None, None, 0, 0, 0, 0, None, 1)
     assert lib.pmoe_error_string(code).decode() == "MXFP4 weights need their codes and scales and K a multiple of 32"
     assert native.GROUPED.entry("pmoe_grouped_gemm") is native.GROUPED.entry("pmoe_grouped_gemm")
 

@@ -50,6 +50,9 @@ WIDE_TILE_ROWS = None  # not yet measured on a GPU: the 256-row tiles run only w
 # (False). The static walk lets CTAs drift apart once tile times differ, so the chunks that share
 # a weight tile stop running together and read it from memory again.
 DYNAMIC_WALK = False
+# A's rows in L2: evict last (True: an expert's rows are read again by the CTAs of its other column
+# tiles) or normal (False: rows that outgrow L2, kept last, would push out the weight tiles).
+ROWS_EVICT_LAST = True
 # Epilogue modes (`grouped_gemm.cu`): plain, gated with the gate half first, gated with gate and up
 # interleaved (swigluoai).
 PLAIN, GATED_SPLIT, GATED_PAIRS = 0, 1, 2
@@ -208,5 +211,5 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
     counter = torch.zeros(1, dtype=torch.int32, device=a.device) if dynamic else None
     launch_native(native.GROUPED.entry(ENTRY), grid,
                   (config, a, stride_as, stride_ar, slabs, rows, *dense, L, w_rows, offsets, counts, bias, stride_be,
-                   bias_kind, out, stride_os, stride_or, K, N, *ep, *mx, counter))
+                   bias_kind, out, stride_os, stride_or, K, N, *ep, *mx, counter, int(ROWS_EVICT_LAST)))
     return out

@@ -399,7 +399,16 @@ struct Args {
   // Persistent bf16 kernels: null, tiles walked statically (CTA b takes b, b + grid, ...); else a
   // zeroed counter from which the producer takes each next tile id (`next_tile`).
   int* tile_counter;
+  // The L2 policy of A's rows: evict last (1) or normal (0); see `rows_l2_policy`.
+  int rows_evict_last;
 };
+
+// A's rows evict last when an expert's rows are what the CTAs of its other column tiles read next
+// (they fit L2 many times over); rows of an expert larger than L2 would, kept last, push out the
+// weight tiles that the CTAs running together share, so the host can ask for normal.
+__device__ __forceinline__ uint64_t rows_l2_policy(const Args& args) {
+  return args.rows_evict_last ? l2_policy<true>() : l2_policy<false>();
+}
 
 // ---- the activation epilogue: the silu family of spec 01 (silu, swigluoai, swigluoai_uninterleave),
 // as `padded_moe.kernels.activation` computes it for 16-bit outputs (sigmoid through tanh.approx).
@@ -549,7 +558,7 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
                                             const uint32_t* lut, const uint8_t* staging, int n_tiles,
                                             int k_tiles) {
   const int r = threadIdx.x, lane = r % 32;
-  const uint64_t rows_policy = l2_policy<true>();
+  const uint64_t rows_policy = rows_l2_policy(args);
   const uint32_t lut_addr = smem_addr(lut), ring = smem_addr(staging) + r * 32;
   int it = 0;
   for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
@@ -649,7 +658,7 @@ __global__ void __launch_bounds__(threads<C>(), 1)
     } else {
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs<C>::producer));
       if (threadIdx.x != 0) return;
-      const uint64_t weights_policy = l2_policy<false>(), rows_policy = l2_policy<true>();
+      const uint64_t weights_policy = l2_policy<false>(), rows_policy = rows_l2_policy(args);
       const bool dynamic = PERSISTENT && args.tile_counter != nullptr;
       int it = 0;  // k tiles loaded so far: stage and parity
       for (int id = first_tile(args, dynamic);; id = next_tile<PERSISTENT>(args, dynamic, id)) {
@@ -935,6 +944,7 @@ int pmoe_gg_max_experts() { return kMaxExperts; }
 // and w must be multiples of 8 elements and the bases 16-byte aligned (TMA), the MXFP4 row strides
 // multiples of 16 bytes. `tile_counter`: null (the static walk), or a zeroed int32 for the
 // dynamic one (persistent configurations, bf16 weights); the kernel leaves it past the tile count.
+// `rows_evict_last`: A's rows with the L2 policy evict-last (1) or normal (0).
 int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const void* a, long long stride_as,
                       long long stride_ar, int slabs, int rows, const void* w, long long stride_we,
                       long long stride_wn, int L, int w_rows, const void* offsets, const void* counts,
@@ -942,7 +952,7 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
                       long long stride_or, int K, int N, int mode, int act, int has_limit, float limit,
                       float alpha, float beta, int w_kind, const void* q_blocks, const void* q_scales,
                       long long stride_qe, long long stride_qn, long long stride_se, long long stride_sn,
-                      int* tile_counter) {
+                      int* tile_counter, int rows_evict_last) {
   if ((offsets == nullptr) == (counts == nullptr)) return -12;
   if (grid_y != 1 || grid_x < 1 || N % 2 != 0 || L < 1) return -13;
   if (L > kMaxExperts) return -16;
@@ -957,7 +967,8 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
   const Args args{static_cast<const int64_t*>(offsets), static_cast<const int32_t*>(counts), L, rows, K, N, act,
                   has_limit, N, limit, alpha, beta, bias, stride_be, bias_kind, static_cast<uint16_t*>(out),
                   stride_os, stride_or, static_cast<const uint8_t*>(q_blocks), static_cast<const uint8_t*>(q_scales),
-                  stride_qe, stride_qn, stride_se, stride_sn, w_rows, tile_counter};
+                  stride_qe, stride_qn, stride_se, stride_sn, w_rows, tile_counter,
+                  rows_evict_last};
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   int i = 0;
 #define RUN(S, P, B, C) \

@@ -24,12 +24,13 @@ def test_listed_and_not_what_resolve_backend_makes_of_auto():
 
 def test_auto_native_decides_from_shapes_weights_and_activation(monkeypatch):
     """`auto_native`: bf16 weights, an activation of the epilogue, a device the kernel is built for
-    and at least AUTO_NATIVE_MIN_ROWS rows per local expert; anything else keeps the Triton path."""
+    and rows per local expert within AUTO_NATIVE_ROWS (low included, high excluded); anything else
+    keeps the Triton path."""
     from padded_moe import backends
     from padded_moe.activation import MoEActivation
 
-    monkeypatch.setattr(backends, "AUTO_NATIVE_MIN_ROWS", 128)
-    gpu, rows = torch.device("cuda"), backends.AUTO_NATIVE_MIN_ROWS
+    monkeypatch.setattr(backends, "AUTO_NATIVE_ROWS", (128, 256))
+    gpu, rows = torch.device("cuda"), 128
     w13 = torch.zeros(4, 64, 32, dtype=torch.bfloat16)
     w2 = torch.zeros(4, 32, 32, dtype=torch.bfloat16)
     silu = MoEActivation("silu")
@@ -37,15 +38,18 @@ def test_auto_native_decides_from_shapes_weights_and_activation(monkeypatch):
     monkeypatch.setattr(type(b), "available", lambda self, device: None)
     assert backends.auto_native(gpu, w13, w2, silu, rows * 4, 4)
     assert not backends.auto_native(gpu, w13, w2, silu, rows * 4 - 1, 4)  # fewer rows per expert
+    assert backends.auto_native(gpu, w13, w2, silu, 256 * 4 - 1, 4)
+    assert not backends.auto_native(gpu, w13, w2, silu, 256 * 4, 4)  # the high bound is excluded
+    assert not backends.auto_native(gpu, w13, w2, silu, 0, 0)  # no local experts
     assert not backends.auto_native(torch.device("cpu"), w13, w2, silu, rows * 4, 4)
     assert not backends.auto_native(gpu, w13, w2, MoEActivation("gelu"), rows * 4, 4)  # not in the epilogue
     assert not backends.auto_native(gpu, w13, w2, None, rows * 4, 4)  # a callable activation
     assert not backends.auto_native(gpu, w13.float(), w2.float(), silu, rows * 4, 4)
     q = quantize_mxfp4(torch.randn(4, 64, 32))
     assert not backends.auto_native(gpu, q, w2, silu, rows * 4, 4)
-    monkeypatch.setattr(backends, "AUTO_NATIVE_MIN_ROWS", None)
+    monkeypatch.setattr(backends, "AUTO_NATIVE_ROWS", None)
     assert not backends.auto_native(gpu, w13, w2, silu, rows * 4, 4)
-    monkeypatch.setattr(backends, "AUTO_NATIVE_MIN_ROWS", rows)
+    monkeypatch.setattr(backends, "AUTO_NATIVE_ROWS", (128, 256))
     monkeypatch.setattr(type(b), "available", lambda self, device: "no nvcc")
     assert not backends.auto_native(gpu, w13, w2, silu, rows * 4, 4)
 
@@ -160,7 +164,7 @@ def test_contiguous_launch_arguments(monkeypatch):
      N, *rest) = args
     ep, mx, counter = rest[:6], rest[6:13], rest[13:]
     assert (config, slabs, rows, s_ar, s_as) == (0, 1, 10, 64, 640)
-    assert counter == [None, 1]  # the static walk (DYNAMIC_WALK off), A's rows evict-last in L2
+    assert counter == [None, 1]  # configuration 0 walks statically; A's rows evict-last in L2
     assert a_ is a and w_ is w and o_ is out and off is offsets and cnt is None and b_ is bias
     assert (s_we, s_wn, L, w_rows, s_be, bkind, s_or, K, N) == (260 * 64, 64, 3, 260, 260,
                                                                  native.DTYPE_CODES[torch.float32], 260, 64, 260)
@@ -371,7 +375,14 @@ def test_the_dynamic_walk_passes_a_fresh_zeroed_counter(monkeypatch):
     a, w, out = _tensors(L=3, N=260, K=64, rows=10)
     offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
     q = quantize_mxfp4(torch.randn(3, 260, 64))
+    assert grouped.DYNAMIC_WALK is None and grouped.DYNAMIC_CONFIGS == (grouped.WIDE_CONFIG,)
+    grouped.launch(a, w, out, offsets=offsets, config=grouped.WIDE_CONFIG)  # by default: from the counter
+    assert rec.calls[-1][2][-2] is not None
+    grouped.launch(a, w, out, offsets=offsets, config=0)
+    assert rec.calls[-1][2][-2] is None
     monkeypatch.setattr(grouped, "DYNAMIC_WALK", False)
+    grouped.launch(a, w, out, offsets=offsets, config=grouped.WIDE_CONFIG)
+    assert rec.calls[-1][2][-2] is None
     grouped.launch(a, w, out, offsets=offsets, config=0)
     assert rec.calls[-1][2][-2] is None
     for config in (0, 2, 3):
@@ -405,3 +416,15 @@ def test_rows_l2_policy_follows_the_setting(monkeypatch):
     monkeypatch.setattr(grouped, "ROWS_EVICT_LAST", False)
     grouped.launch(a, w, out, offsets=offsets)
     assert rec.calls[-1][2][-1] == 0
+
+
+def test_the_measured_defaults():
+    """The wide tiles from 512 rows per expert with bf16 weights (the 128-row tiles below that and for
+    MXFP4); "auto" on the native kernel from 160 to 255 rows per local expert."""
+    from padded_moe import backends
+
+    assert grouped.WIDE_TILE_ROWS == 512 and grouped.ROWS_EVICT_LAST is True
+    assert grouped.default_config(512, False) == grouped.WIDE_CONFIG == 3
+    assert grouped.default_config(511.5, False) == grouped.DEFAULT_CONFIG == 0
+    assert grouped.default_config(4096, True) == 0
+    assert backends.AUTO_NATIVE_ROWS == (160, 256)

@@ -5,7 +5,7 @@ implements `backend="auto"` (triton wherever `use_triton(device)`, torch otherwi
 explicitly requested backend that cannot run here, naming it and why. `auto_native` is the one
 place where "auto" leaves the Triton kernels: `fused_experts`, given neither a layout nor a backend,
 runs the native grouped GEMM (GROUPED_CONTIGUOUS, backend "cuda") from the rows per expert where it
-measured faster on whole calls (`AUTO_NATIVE_MIN_ROWS`; unset, never). The environment variable
+measured faster on whole calls (`AUTO_NATIVE_ROWS`). The environment variable
 `PADDED_MOE_GEMM_BACKEND` (read at every call, `effective_backend`) turns `"auto"` into the backend it
 names, for runs that cannot pass `backend=` (a benchmark harness, a serving engine's config).
 """
@@ -21,10 +21,15 @@ from padded_moe.backends.base import GemmBackend
 
 BACKENDS = ("auto", "triton", "torch", "humming", "cuda")
 BACKEND_ENV = "PADDED_MOE_GEMM_BACKEND"
-# `auto_native`: the rows per local expert (tokens x k over the local experts, from shapes) from
-# which the native grouped GEMM measured faster than the Triton path on whole bf16 calls
-# (benchmarks/bench_native_gemm.py); None: never.
-AUTO_NATIVE_MIN_ROWS = None  # not yet measured with the 256-row tiles: "auto" keeps Triton
+# `auto_native`: the rows per local expert (tokens x k over the local experts, from shapes), low
+# bound included, high excluded, where the native grouped GEMM runs "auto" calls; None: never.
+# Measured on whole bf16 calls at 8192 tokens (benchmarks/bench_native_gemm.py, H100s): faster than
+# the Triton path at 192 rows per expert (DeepSeek-V4: 1.06x, 1.26x and 1.31x in three runs; 128-row
+# Triton tiles compute 256 rows for 192, the native kernel's warpgroups skip in steps of 64), slower
+# at 512 (Qwen3-MoE: 0.76-0.85x) and 2048 (Mixtral: 0.76-0.88x), where the tiles are full and
+# Triton's reach more of the dense rate. The band stays near the one measured win; its edges are
+# not measured.
+AUTO_NATIVE_ROWS = (160, 256)
 
 
 def effective_backend(name: str) -> str:
@@ -64,9 +69,13 @@ def get_backend(name: str) -> GemmBackend:
 def auto_native(device: torch.device, w13, w2, activation, num_slots: int, num_local: int) -> bool:
     """Whether `fused_experts` with its layout and backend left to it runs the native grouped GEMM:
     bf16 weights on a GPU the native kernel is built for (its library built, or buildable, here),
-    an activation its epilogue applies, and at least `AUTO_NATIVE_MIN_ROWS` rows per local expert
-    (`num_slots` = tokens x k). Shapes only, so a captured graph or a compiled graph keeps the choice."""
-    if AUTO_NATIVE_MIN_ROWS is None or num_local < 1 or num_slots < AUTO_NATIVE_MIN_ROWS * num_local:
+    an activation its epilogue applies, and rows per local expert (`num_slots` = tokens x k over
+    `num_local`) within `AUTO_NATIVE_ROWS`. Shapes only, so a captured graph or a compiled graph
+    keeps the choice."""
+    if AUTO_NATIVE_ROWS is None or num_local < 1:
+        return False
+    low, high = AUTO_NATIVE_ROWS
+    if not low * num_local <= num_slots < high * num_local:
         return False
     if device.type != "cuda" or activation is None:
         return False
@@ -99,5 +108,5 @@ def resolve_backend(name: str, device: torch.device, layout, weight) -> GemmBack
     return backend
 
 
-__all__ = ["AUTO_NATIVE_MIN_ROWS", "BACKENDS", "BACKEND_ENV", "GemmBackend", "auto_native", "effective_backend",
+__all__ = ["AUTO_NATIVE_ROWS", "BACKENDS", "BACKEND_ENV", "GemmBackend", "auto_native", "effective_backend",
            "get_backend", "resolve_backend"]

@@ -40,18 +40,27 @@ MAX_LOCAL_EXPERTS = 1024  # the experts' chunk prefix lives in shared memory (`k
 # tiles only.
 CONFIGS = ((4, True, 128, 4), (4, False, 128, 4), (5, True, 64, 4), (4, True, 256, 2))
 # The configuration `launch` runs unless told otherwise, by the rows a call may hold per expert
-# (`default_config`): 128-row tiles below WIDE_TILE_ROWS rows per expert (None: always), or for
-# MXFP4 weights; the tiles of 256 weight rows over two consumer warpgroups from there.
+# (`default_config`): 128-row tiles below WIDE_TILE_ROWS rows per expert, or for MXFP4 weights;
+# the tiles of 256 weight rows over two consumer warpgroups from there. Measured (H100, GEMMs alone
+# at 8192 tokens, bench_native_gemm.py): the wide tiles walking from the counter took less than
+# the default's time at 512 rows per expert (Qwen3-MoE: 0.92-0.94x) and at 2048 (Mixtral: 0.90-0.95x),
+# and 1.09-1.10x at 192 (DeepSeek-V4, whose last 128-row chunk leaves one of two warpgroups idle).
 DEFAULT_CONFIG = 0
 WIDE_CONFIG = 3
-WIDE_TILE_ROWS = None  # not yet measured on a GPU: the 256-row tiles run only when asked for
+WIDE_TILE_ROWS = 512
 # How persistent CTAs walk the tiles with bf16 weights (`launch`'s `dynamic`): in order from a
-# counter zeroed before each launch (True), or statically, CTA b taking tiles b, b + grid, ...
-# (False). The static walk lets CTAs drift apart once tile times differ, so the chunks that share
-# a weight tile stop running together and read it from memory again.
-DYNAMIC_WALK = False
+# counter zeroed before each launch, or statically, CTA b taking tiles b, b + grid, ... The static
+# walk lets CTAs drift apart once tile times differ, so the chunks that share a weight tile stop
+# running together and read it from memory again. None: the configurations in DYNAMIC_CONFIGS walk
+# from the counter (the wide tiles: 0.72-0.99x their static walk's time in the same run), the
+# others statically (configuration 0: 0.88-1.18x, no consistent gain); True / False: every
+# persistent configuration one way.
+DYNAMIC_WALK = None
+DYNAMIC_CONFIGS = (WIDE_CONFIG,)
 # A's rows in L2: evict last (True: an expert's rows are read again by the CTAs of its other column
-# tiles) or normal (False: rows that outgrow L2, kept last, would push out the weight tiles).
+# tiles) or normal (False: rows that outgrow L2, kept last, could push out the weight tiles). Normal
+# lines measured no better, even for Mixtral's 58 MB of rows per expert (wide tiles from the
+# counter: 0.94-1.07x the time of evict-last over the three bf16 presets' GEMMs).
 ROWS_EVICT_LAST = True
 # Epilogue modes (`grouped_gemm.cu`): plain, gated with the gate half first, gated with gate and up
 # interleaved (swigluoai).
@@ -144,8 +153,8 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
            config: Optional[int] = None, dynamic: Optional[bool] = None) -> torch.Tensor:
     """Fill `out` at the rows of each expert (see the module docstring). Exactly one of `offsets`
     (`a` 2-D) and `counts` (`a` 3-D) is given; the caller (`expert_gemm`) has checked the shapes.
-    `dynamic`: the tile walk of a persistent configuration with bf16 weights (None: `DYNAMIC_WALK`
-    where it applies); True elsewhere is refused."""
+    `dynamic`: the tile walk of a persistent configuration with bf16 weights (None: `DYNAMIC_WALK`,
+    and where that is None `DYNAMIC_CONFIGS`); True elsewhere is refused."""
     if (offsets is None) == (counts is None):
         raise ValueError("exactly one of offsets (GROUPED_CONTIGUOUS) and counts (GROUPED_MASKED) must be given")
     if config is not None and not (isinstance(config, int) and 0 <= config < len(CONFIGS)):
@@ -159,7 +168,7 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
         _refuse(f"runs MXFP4 weights in 128-row tiles only; configuration {config} has {block_n}")
     walks = CONFIGS[config][1] and not isinstance(w, Mxfp4Tensor)  # the walks a counter can drive
     if dynamic is None:
-        dynamic = DYNAMIC_WALK and walks
+        dynamic = walks and (config in DYNAMIC_CONFIGS if DYNAMIC_WALK is None else bool(DYNAMIC_WALK))
     elif dynamic and not walks:
         _refuse(f"walks tiles from a counter in persistent configurations with bf16 weights only; configuration "
                 f"{config} is {'persistent' if CONFIGS[config][1] else 'one CTA per tile'} with "

@@ -75,8 +75,11 @@ for stage in "$@"; do
         native-bench-bf16)  # the same on the three bf16 presets (every configuration incl. the 256-row tiles)
             STEP_TIMEOUT=560 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" \
                 --presets dsv4-flash,qwen3-30b-a3b,mixtral-8x7b ;;
-        wide-tiles)  # the 256-row tiles of two consumers (configuration 3) in one short run, MXFP4 at 8192 beside:
-            # probes, GPU tests, memcheck, the GEMMs and whole calls at 8192 tokens (WIDE_TOKENS)
+        dyn-walk)  # wide-tiles on the bf16 presets, then Nsight Compute of Mixtral's GEMM2 (Triton, the native
+            # configurations and walks): ncu sat on the native kernel's first replay pass in run 240
+            wide_presets=dsv4-flash,mixtral-8x7b,qwen3-30b-a3b; ncu_after=mixtral-8x7b:8192:w2 ;&
+        wide-tiles)  # the native GEMM's tile shapes and walks in one short run: probes (both walks), GPU tests,
+            # memcheck, the GEMMs and whole calls at 8192 tokens (WIDE_TOKENS; MXFP4 beside unless dyn-walk)
             STEP_TIMEOUT=150 step probe-native-gemm python3 scripts/native_gemm_probe.py
             if grep -q "probe-native-gemm rc=0" "$summary"; then
                 STEP_TIMEOUT=150 step test-native-grouped python3 -m pytest -q -x tests/test_native.py \
@@ -84,20 +87,9 @@ for stage in "$@"; do
                 STEP_TIMEOUT=80 step sanitizer-native-grouped compute-sanitizer --tool memcheck --error-exitcode 9 \
                     python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k sanitizer
                 STEP_TIMEOUT=200 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" \
-                    --presets dsv4-flash,gpt-oss-120b:mxfp4,mixtral-8x7b,qwen3-30b-a3b --tokens ${WIDE_TOKENS:-8192} --rounds 2
-            fi ;;
-        dyn-walk)  # the native GEMM's tiles from a counter: probes (both walks), GPU tests, memcheck, the bf16
-            # GEMMs and whole calls at 8192 tokens (WIDE_TOKENS; incl. A's rows as normal L2 lines), then Nsight
-            # Compute of Mixtral's GEMM2
-            STEP_TIMEOUT=150 step probe-native-gemm python3 scripts/native_gemm_probe.py
-            if grep -q "probe-native-gemm rc=0" "$summary"; then
-                STEP_TIMEOUT=120 step test-native-grouped python3 -m pytest -q -x tests/test_native.py \
-                    tests/test_cuda_backend.py tests/test_native_grouped_gpu.py
-                STEP_TIMEOUT=80 step sanitizer-native-grouped compute-sanitizer --tool memcheck --error-exitcode 9 \
-                    python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k sanitizer
-                STEP_TIMEOUT=200 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" \
-                    --presets dsv4-flash,mixtral-8x7b,qwen3-30b-a3b --tokens ${WIDE_TOKENS:-8192} --rounds 2
-                ncu_native mixtral-8x7b:8192:w2
+                    --presets "${wide_presets:-dsv4-flash,gpt-oss-120b:mxfp4,mixtral-8x7b,qwen3-30b-a3b}" \
+                    --tokens "${WIDE_TOKENS:-8192}" --rounds 2
+                if [ -n "${ncu_after:-}" ]; then ncu_native "$ncu_after"; fi
             fi ;;
         wide-min)  # wide-tiles' correctness part in under three minutes: probes, then the GPU tests of every
             # configuration and of MXFP4 weights

@@ -84,7 +84,8 @@ elif case == "native":  # GEMM STAGE (w13 / w2) of a bf16 preset at TOKENS token
     expert_gemm(a, w, meta, stage=sys.argv[4], out=out, backend="triton")
     for config, dynamic, rows_last in ((0, False, True), (3, False, True), (3, True, True), (3, True, False)):
         with mock.patch.object(grouped, "default_config", lambda *_, c=config: c), \
-                mock.patch.object(grouped, "DYNAMIC_WALK", dynamic), mock.patch.object(grouped, "ROWS_EVICT_LAST", rows_last):
+                mock.patch.object(grouped, "DYNAMIC_WALK", dynamic), \
+                mock.patch.object(grouped, "ROWS_EVICT_LAST", rows_last):
             expert_gemm(a, w, meta, stage=sys.argv[4], out=out, backend="cuda")
 elif case == "mm":  # a dense [M, K] @ [K, N] bf16 matmul (cuBLAS), 3 calls
     M, N, K = (int(v) for v in sys.argv[2:5])

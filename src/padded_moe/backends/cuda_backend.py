@@ -4,8 +4,8 @@ It runs bf16 weights, and MXFP4 weights that hold their canonical bytes (upcast 
 memory by the producer warps), on the grouped layouts (GROUPED_CONTIGUOUS, GROUPED_MASKED) on
 sm_90 GPUs: a CTA takes a tile of (expert, 256-row chunk, 128 weight rows), streams the weight
 tile once, and four tensor-core warpgroups of 64 rows each skip the rows past the expert's count
-(or, in a configuration `grouped.default_config` picks by rows per expert once measured, tiles
-of (expert, 128-row chunk, 256 weight rows) over two warpgroups).
+(or, from the rows per expert where `grouped.default_config` picks them, tiles of (expert,
+128-row chunk, 256 weight rows) over two warpgroups).
 It applies the silu family of spec 01's activations (silu, swigluoai, swigluoai_uninterleave) in
 GEMM1's epilogue (`fuses`; `fused_experts` uses it unless `PADDED_MOE_FUSE_ACTIVATION=0`); the
 other activations run as GEMM1 then the activation op. INDEXED (rows gathered through
@@ -13,9 +13,8 @@ other activations run as GEMM1 then the activation op. INDEXED (rows gathered th
 False, and `backend="cuda"` on them is a NotImplementedError).
 
 `resolve_backend("auto", ...)` never returns it; `fused_experts` picks it for "auto" only where
-`backends.auto_native` says so (unset until measured: on an H100 the 128-row tiles were faster
-than the Triton kernel only where experts' row counts are not multiples of 128,
-docs/benchmarks.md). It is chosen by name or by `PADDED_MOE_GEMM_BACKEND=cuda`.
+`backends.auto_native` says so (on H100s the native kernel was faster than the Triton path
+only where experts' row counts are not multiples of 128, docs/benchmarks.md). It is chosen by name or by `PADDED_MOE_GEMM_BACKEND=cuda`.
 
 Graph-safe: the grid is bounded from shapes and the rows are read on the device.
 """

@@ -85,9 +85,9 @@ struct Regs {
 // The local experts whose chunk prefix fits the shared memory left beside the stages.
 constexpr int kMaxExperts = 1024;
 
-// Stages, their barriers, the dynamic walk's tile id per stage, the experts' chunk prefix (`chunk_prefix`, kMaxExperts + 1 ints), the
-// MXFP4 byte table (256 words), the MXFP4 staging ring (with 16 bytes to align it) and the slack
-// for aligning the stages to 1024 bytes.
+// Stages, their barriers, the dynamic walk's tile id per stage, the experts' chunk prefix
+// (`chunk_prefix`, kMaxExperts + 1 ints), the MXFP4 byte table (256 words), the MXFP4 staging ring
+// (with 16 bytes to align it) and the slack for aligning the stages to 1024 bytes.
 template <int STAGES, int C, int BN>
 __host__ __device__ constexpr int smem_bytes();
 
@@ -537,13 +537,20 @@ constexpr int kNoStep = 1 << 30;
 // dynamic walk hands the tiles out in order from a counter (the producer takes them; the
 // consumers read each tile's id from its first stage), so the CTAs running together hold
 // neighbouring tiles.
+template <bool PERSISTENT, bool MX>
+__device__ __forceinline__ bool dynamic_walk(const Args& args) {
+  return !MX && PERSISTENT && args.tile_counter != nullptr;
+}
+template <bool PERSISTENT>
+__device__ __forceinline__ int static_next(int id) {
+  return id + (PERSISTENT ? static_cast<int>(gridDim.x) : kNoStep);
+}
 __device__ __forceinline__ int first_tile(const Args& args, bool dynamic) {
   return dynamic ? atomicAdd(args.tile_counter, 1) : static_cast<int>(blockIdx.x);
 }
 template <bool PERSISTENT>
 __device__ __forceinline__ int next_tile(const Args& args, bool dynamic, int id) {
-  if (dynamic) return atomicAdd(args.tile_counter, 1);
-  return id + (PERSISTENT ? static_cast<int>(gridDim.x) : kNoStep);
+  return dynamic ? atomicAdd(args.tile_counter, 1) : static_next<PERSISTENT>(id);
 }
 
 // The MXFP4 producer warpgroup: thread r owns row r of every weight tile (rows 0..63 the first box,
@@ -561,7 +568,7 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
   const uint64_t rows_policy = rows_l2_policy(args);
   const uint32_t lut_addr = smem_addr(lut), ring = smem_addr(staging) + r * 32;
   int it = 0;
-  for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
+  for (int id = blockIdx.x;; id = static_next<PERSISTENT>(id)) {  // MXFP4: the static walk only
     const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
     if (tile.e < 0) break;
     const TileGeom g = tile_geometry<EPI, C, kBN>(args, tile);
@@ -659,7 +666,7 @@ __global__ void __launch_bounds__(threads<C>(), 1)
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs<C>::producer));
       if (threadIdx.x != 0) return;
       const uint64_t weights_policy = l2_policy<false>(), rows_policy = rows_l2_policy(args);
-      const bool dynamic = PERSISTENT && args.tile_counter != nullptr;
+      const bool dynamic = dynamic_walk<PERSISTENT, MX>(args);
       int it = 0;  // k tiles loaded so far: stage and parity
       for (int id = first_tile(args, dynamic);; id = next_tile<PERSISTENT>(args, dynamic, id)) {
         const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
@@ -696,9 +703,9 @@ __global__ void __launch_bounds__(threads<C>(), 1)
   const int t = threadIdx.x % 128;
   const int warp = t / 32, lane = t % 32;
   float acc[BN / 2];
-  const bool dynamic = !MX && PERSISTENT && args.tile_counter != nullptr;
+  const bool dynamic = dynamic_walk<PERSISTENT, MX>(args);
   int it = 0;  // k tiles consumed so far: stage and parity
-  for (int id = blockIdx.x;; id += PERSISTENT ? gridDim.x : kNoStep) {
+  for (int id = blockIdx.x;; id = static_next<PERSISTENT>(id)) {
     if (dynamic) {  // the tile's first stage carries its id (or, past the last tile, the end)
       const int s = it % STAGES;
       mbar_wait(&full[s], (it / STAGES) & 1);
@@ -827,7 +834,8 @@ int encode_3d(CUtensorMap* map, const void* base, long long d0, long long d1, lo
 
 template <int STAGES, int C, int BN>
 __host__ __device__ constexpr int smem_bytes() {
-  return STAGES * stage_bytes<C, BN>() + 2 * STAGES * 8 + 4 * STAGES + 4 * (kMaxExperts + 1) + 4 * 256 + kMxDepth * kMxSlotBytes + 16 +
+  return STAGES * stage_bytes<C, BN>() + 2 * STAGES * 8 + 4 * STAGES + 4 * (kMaxExperts + 1) + 4 * 256 +
+         kMxDepth * kMxSlotBytes + 16 +
          1024;
 }
 template <int STAGES, bool PERSISTENT, int EPI, bool MX, int BN, int C>
@@ -898,10 +906,10 @@ extern "C" {
 // Configurations, by index: (stages, persistent, weight rows per tile, consumer warpgroups). The
 // 64-row tiles are for calls with few rows per expert, where the weights are the work: twice the
 // tiles to spread over the SMs, and a fifth stage in the room the smaller tiles leave (bf16 weights
-// only). The 256-row tiles with two consumers (chunks of 128 rows, wgmma m64n256k16) are the shape
-// dense GEMMs run best on Hopper: each warpgroup reads the A and B operands of 64 x 256 outputs
-// from shared memory per k step, where four m64n128 warpgroups read the weight tile four times for
-// 256 x 128 (bf16 weights only: the MXFP4 producer fills 128 rows).
+// only). The 256-row tiles with two consumers (chunks of 128 rows, wgmma m64n256k16; bf16 weights
+// only: the MXFP4 producer fills 128 rows) are for full tiles: walking from the tile counter they
+// measured 0.90-0.95x the time of the first configuration at 512 and 2048 rows per expert
+// (grouped.py's WIDE_TILE_ROWS).
 #define PMOE_GG_CONFIGS(X) X(4, true, 128, 4) X(4, false, 128, 4) X(5, true, 64, 4) X(4, true, 256, 2)
 
 int pmoe_gg_num_configs() {

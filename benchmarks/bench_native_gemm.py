@@ -113,9 +113,41 @@ def gemm_rows(layer: FusedMoE, meta, x_rows: torch.Tensor, h_rows: torch.Tensor,
     return rows
 
 
+def call_variants(mx: bool) -> dict:
+    """The whole-call variants: name -> (layout, backend, PADDED_MOE_FUSE_ACTIVATION during the
+    capture or None for unset, native configuration or None for its own choice by shape, tile walk
+    and L2 policy of A's rows or None for the defaults); with bf16 weights (`mx` False) also the
+    wide tiles, the counter and the rows' L2 policy."""
+    variants = {"indexed, Triton": ("indexed", "triton", None, None, None, None),
+                "auto": (None, "auto", None, None, None, None),
+                "grouped, Triton": ("grouped_contiguous", "triton", None, None, None, None),
+                "grouped, cuda": ("grouped_contiguous", "cuda", None, None, None, None),
+                "grouped, cuda, unfused": ("grouped_contiguous", "cuda", "0", None, None, None),
+                "grouped, cuda c0": ("grouped_contiguous", "cuda", None, 0, False, None),
+                "grouped, cuda c1": ("grouped_contiguous", "cuda", None, 1, False, None)}
+    if not mx:
+        variants["grouped, cuda c0 dyn"] = ("grouped_contiguous", "cuda", None, 0, True, None)
+        variants["grouped, cuda c0 dyn, rows normal"] = ("grouped_contiguous", "cuda", None, 0, True, False)
+        variants["grouped, cuda c3"] = ("grouped_contiguous", "cuda", None, 3, False, None)
+        variants["grouped, cuda c3 dyn"] = ("grouped_contiguous", "cuda", None, 3, True, None)
+        variants["grouped, cuda c3 dyn, rows normal"] = ("grouped_contiguous", "cuda", None, 3, True, False)
+    return variants
+
+
+def select_variants(variants: dict, keep: set) -> dict:
+    """The variants named in `keep` (all when it is empty) and always "indexed, Triton", the ratios'
+    base; a name that is no variant of bf16 weights is a SystemExit naming the known ones."""
+    unknown = keep - set(call_variants(False))
+    if unknown:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {sorted(call_variants(False))}")
+    if not keep:
+        return variants
+    return {name: v for name, v in variants.items() if name == "indexed, Triton" or name in keep}
+
+
 GEMM_HEADERS = ["preset", "T", "rows/expert", "GEMM", "native config", "Triton us", "native us", "Triton TFLOP/s",
                 "native TFLOP/s", "Triton/native", "rel diff"]
-CALL_HEADERS = ["preset", "T", "variant", "us", "indexed Triton/this", "this/floor", "rel diff vs indexed Triton"]
+CALL_HEADERS = ["preset", "T", "rows/expert", "variant", "us", "indexed Triton/this", "this/floor", "rel diff vs indexed Triton"]
 
 
 def report(out_dir: str, gemm_table: list, call_table: list, copy_gbs: float, dense_tflops: float, t0: float) -> None:
@@ -136,7 +168,12 @@ def main() -> None:
     p.add_argument("--tokens", default="16,128,1024,8192", help="comma list of token counts")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="bench-out/native-gemm")
+    p.add_argument("--calls-only", action="store_true", help="skip the GEMMs alone (whole calls only)")
+    p.add_argument("--variants", default="", help="semicolon list of whole-call variants to time (default: all; "
+                   "the names hold commas); 'indexed, Triton', the ratios' base, is always timed")
     args = p.parse_args()
+    keep = {v.strip() for v in args.variants.split(";") if v.strip()}
+    select_variants({}, keep)  # unknown names fail before any GPU work
     if not torch.cuda.is_available():
         raise SystemExit("bench_native_gemm times CUDA graphs: it needs a GPU")
     t0 = time.time()
@@ -163,30 +200,16 @@ def main() -> None:
             valid = int(meta.offsets[-1])
             x_rows = torch.randn(ids.numel(), K, device="cuda", dtype=torch.bfloat16, generator=gen)
             h_rows = torch.randn(ids.numel(), N, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1
-            for row in gemm_rows(layer, meta, x_rows, h_rows, args.rounds, valid):
-                gemm_table.append([item, T, round(valid / E, 1)] + row)
+            if not args.calls_only:
+                for row in gemm_rows(layer, meta, x_rows, h_rows, args.rounds, valid):
+                    gemm_table.append([item, T, round(valid / E, 1)] + row)
 
             hit = int((torch.bincount(ids.flatten().long().clamp(min=0), minlength=E)[:E] > 0).sum())
             weight_bytes = hit * expert_bytes
             flops = 2.0 * valid * (w13.shape[1] * K + K * N)
             floor_us = max(weight_bytes / (copy_gbs * 1e3), flops / (dense_tflops * 1e6))
-            # (layout, backend, PADDED_MOE_FUSE_ACTIVATION during the capture or None for unset,
-            # native configuration or None for its own choice by shape, tile walk and L2 policy of A's
-            # rows or None for the defaults)
             bias = dict(w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
-            variants = {"indexed, Triton": ("indexed", "triton", None, None, None, None),
-                        "auto": (None, "auto", None, None, None, None),
-                        "grouped, Triton": ("grouped_contiguous", "triton", None, None, None, None),
-                        "grouped, cuda": ("grouped_contiguous", "cuda", None, None, None, None),
-                        "grouped, cuda, unfused": ("grouped_contiguous", "cuda", "0", None, None, None),
-                        "grouped, cuda c0": ("grouped_contiguous", "cuda", None, 0, False, None),
-                        "grouped, cuda c1": ("grouped_contiguous", "cuda", None, 1, False, None)}
-            if fmt != "mxfp4":
-                variants["grouped, cuda c0 dyn"] = ("grouped_contiguous", "cuda", None, 0, True, None)
-                variants["grouped, cuda c0 dyn, rows normal"] = ("grouped_contiguous", "cuda", None, 0, True, False)
-                variants["grouped, cuda c3"] = ("grouped_contiguous", "cuda", None, 3, False, None)
-                variants["grouped, cuda c3 dyn"] = ("grouped_contiguous", "cuda", None, 3, True, None)
-                variants["grouped, cuda c3 dyn, rows normal"] = ("grouped_contiguous", "cuda", None, 3, True, False)
+            variants = select_variants(call_variants(fmt == "mxfp4"), keep)
             graphs, outs = {}, {}
             for name, (lay, backend, fuse, config, dynamic, rows_last) in variants.items():
                 env = {} if fuse is None else {FUSE_ENV: fuse}
@@ -202,7 +225,7 @@ def main() -> None:
             base = t["indexed, Triton"]
             for name in variants:
                 diff = rel_diff(outs[name], outs["indexed, Triton"])
-                call_table.append([item, T, name, round(t[name], 1), round(base / t[name], 3),
+                call_table.append([item, T, round(valid / E, 1), name, round(t[name], 1), round(base / t[name], 3),
                                    round(t[name] / floor_us, 2), f"{diff:.1e}"])
             del graphs, outs
             torch.cuda.empty_cache()

@@ -100,6 +100,22 @@ for stage in "$@"; do
             # (incl. backend "cuda")
             step test-decode-native python3 -m pytest -q -m gpu tests/test_decode_gpu.py -k "native or mxfp4"
             STEP_TIMEOUT=150 step test-docs python3 -m pytest -q tests/test_docs_examples.py ;;
+        auto-peers)  # the library's defaults as a user gets them: the GPU tests of the backends' choice, then the
+            # peers harness (.peers carried; no layout or backend forced; each case gets an equal share of the
+            # time budget and a later case what an earlier one left, so DeepSeek-V4 bf16, the longest, goes last)
+            STEP_TIMEOUT=100 step test-auto python3 -m pytest -q tests/test_cuda_backend.py tests/test_native.py
+            STEP_TIMEOUT=460 step peers-auto env BUDGET_S=380 TIMEOUT_S=450 bash .peers/run.sh \
+                --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx,qwen3,mixtral,dsv4 ;;
+        peers-dsv4-8192)  # the peers harness's DeepSeek-V4 bf16 case at 8192 tokens alone (.peers carried)
+            STEP_TIMEOUT=210 step peers-dsv4-8192 env OUT="$OUT/peers-dsv4-8192" BUDGET_S=160 TIMEOUT_S=200 \
+                bash .peers/run.sh --tokens 8192 --cases dsv4 ;;
+        auto-band)  # whole calls at rows per expert around AUTO_NATIVE_ROWS (128-320) on the three bf16 presets
+            band_variants="auto;grouped, Triton;grouped, cuda c0;grouped, cuda c3 dyn"
+            for case in ${BAND_CASES:-dsv4-flash:5461,6827,10923,13653 qwen3-30b-a3b:2048,3072,4096 mixtral-8x7b:512,768,1024}; do
+                STEP_TIMEOUT=${BAND_STEP_S:-60} step "band-${case%%:*}" python3 benchmarks/bench_native_gemm.py \
+                    --out "$OUT/bench-band-${case%%:*}" --presets "${case%%:*}" --tokens "${case#*:}" --rounds 2 \
+                    --calls-only --variants "$band_variants"
+            done ;;
         native-peers)  # the peers harness (.peers carried) with ours on the native kernel: GROUPED_CONTIGUOUS +
             # backend cuda through the environment, all five cases (the decode path is off for it)
             STEP_TIMEOUT=560 step peers-native env PADDED_MOE_GEMM_LAYOUT=grouped_contiguous PADDED_MOE_GEMM_BACKEND=cuda \
@@ -347,6 +363,23 @@ for stage in "$@"; do
                 --launch-count 6 python3 scripts/ncu_small.py act
             STEP_TIMEOUT=120 step ncu-unpermute ncu "${ncu_sections[@]}" -k "regex:_unpermute" --launch-count 6 \
                 python3 scripts/ncu_small.py unpermute ;;
+        ncu-bytes)  # busy SM cycles, DRAM bytes and L2 hit rate of Triton vs the native configuration 0 (GEMM1 at
+            # 8192 tokens, Qwen3-MoE and DeepSeek-V4), then the native kernel's top stall locations (SourceCounters)
+            for pc in qwen3-30b-a3b dsv4-flash; do
+                STEP_TIMEOUT=${NCU_STEP_S:-60} step "ncu-bytes-$pc" ncu --metrics \
+                    dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,sm__cycles_active.avg,gpc__cycles_elapsed.max \
+                    -k regex:"grouped_gemm|_expert_gemm" --launch-count 2 python3 scripts/ncu_small.py native "$pc" 8192 w13
+            done
+            STEP_TIMEOUT=${NCU_STEP_S:-60} step ncu-source ncu --section SourceCounters -k regex:grouped_gemm --launch-count 1 \
+                python3 scripts/ncu_small.py native qwen3-30b-a3b 8192 w13 ;;
+        ncu-split)  # Nsight Compute of Qwen3-MoE's GEMM1 at 8192 tokens, Triton then the native configuration 0, one
+            # section group per step under kernel replay (LaunchStats, SpeedOfLight and WarpStateStats profile the
+            # native kernel; MemoryWorkloadAnalysis and SourceCounters stay on its first pass, as the whole set did)
+            for sec in SpeedOfLight WarpStateStats MemoryWorkloadAnalysis; do
+                extra=(); [ "$sec" = WarpStateStats ] && extra=(--metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio")
+                STEP_TIMEOUT=${NCU_STEP_S:-45} step "ncu-$sec" ncu --section "$sec" "${extra[@]}" -k regex:"grouped_gemm|_expert_gemm" \
+                    --launch-count 2 python3 scripts/ncu_small.py native qwen3-30b-a3b 8192 w13
+            done ;;
         ncu-native)  # Nsight Compute of one full-tile GEMM each: Triton vs the native kernel's configurations 0
             # and 3 (where the native kernel loses to Triton: its tensor-pipe share, stalls, shared-memory traffic)
             ncu_native ${NCU_NATIVE_CASES:-mixtral-8x7b:8192:w2 qwen3-30b-a3b:8192:w13 dsv4-flash:8192:w13} ;;

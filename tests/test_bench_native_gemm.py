@@ -44,3 +44,18 @@ def test_forced_config_sets_the_configuration_and_the_walk():
     with bench_native_gemm.forced_config(None, None):
         assert (grouped.default_config, grouped.DYNAMIC_WALK) == before
     assert (grouped.default_config, grouped.DYNAMIC_WALK) == before
+
+
+def test_variants_selected_by_name_with_the_base_always_timed():
+    bf16, mx = bench_native_gemm.call_variants(False), bench_native_gemm.call_variants(True)
+    assert set(mx) < set(bf16) and "grouped, cuda c3 dyn" not in mx
+    assert bench_native_gemm.select_variants(bf16, set()) == bf16
+    picked = bench_native_gemm.select_variants(bf16, {"auto", "grouped, cuda c0"})
+    assert list(picked) == ["indexed, Triton", "auto", "grouped, cuda c0"]
+    assert list(bench_native_gemm.select_variants(mx, {"auto", "grouped, cuda c3"})) == ["indexed, Triton", "auto"]
+
+
+def test_unknown_variants_fail_before_any_gpu_work(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["bench_native_gemm.py", "--variants", "auto,grouped, Triton"])
+    with pytest.raises(SystemExit, match="unknown"):
+        bench_native_gemm.main()

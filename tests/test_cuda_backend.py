@@ -23,16 +23,16 @@ def test_listed_and_not_what_resolve_backend_makes_of_auto():
 
 
 def test_auto_native_decides_from_shapes_weights_and_activation(monkeypatch):
-    """`auto_native`: bf16 weights, an activation of the epilogue, a device the kernel is built for
-    and rows per local expert within AUTO_NATIVE_ROWS (low included, high excluded); anything else
-    keeps the Triton path."""
+    """`auto_native`: bf16 weights of a listed expert shape, an activation of the epilogue, a device
+    the kernel is built for and rows per local expert within that shape's band (low included, high
+    excluded); anything else keeps the Triton path."""
     from padded_moe import backends
     from padded_moe.activation import MoEActivation
 
-    monkeypatch.setattr(backends, "AUTO_NATIVE_ROWS", (128, 256))
+    monkeypatch.setattr(backends, "AUTO_NATIVE_ROWS", {(32, 24): (128, 256)})
     gpu, rows = torch.device("cuda"), 128
-    w13 = torch.zeros(4, 64, 32, dtype=torch.bfloat16)
-    w2 = torch.zeros(4, 32, 32, dtype=torch.bfloat16)
+    w13 = torch.zeros(4, 48, 32, dtype=torch.bfloat16)
+    w2 = torch.zeros(4, 32, 24, dtype=torch.bfloat16)
     silu = MoEActivation("silu")
     b = get_backend("cuda")
     monkeypatch.setattr(type(b), "available", lambda self, device: None)
@@ -41,15 +41,20 @@ def test_auto_native_decides_from_shapes_weights_and_activation(monkeypatch):
     assert backends.auto_native(gpu, w13, w2, silu, 256 * 4 - 1, 4)
     assert not backends.auto_native(gpu, w13, w2, silu, 256 * 4, 4)  # the high bound is excluded
     assert not backends.auto_native(gpu, w13, w2, silu, 0, 0)  # no local experts
+    # another expert shape (hidden size, intermediate size) than the band's
+    assert not backends.auto_native(gpu, torch.zeros(4, 48, 24, dtype=torch.bfloat16),
+                                    torch.zeros(4, 24, 24, dtype=torch.bfloat16), silu, rows * 4, 4)
+    assert not backends.auto_native(gpu, torch.zeros(4, 64, 32, dtype=torch.bfloat16),
+                                    torch.zeros(4, 32, 32, dtype=torch.bfloat16), silu, rows * 4, 4)
     assert not backends.auto_native(torch.device("cpu"), w13, w2, silu, rows * 4, 4)
     assert not backends.auto_native(gpu, w13, w2, MoEActivation("gelu"), rows * 4, 4)  # not in the epilogue
     assert not backends.auto_native(gpu, w13, w2, None, rows * 4, 4)  # a callable activation
     assert not backends.auto_native(gpu, w13.float(), w2.float(), silu, rows * 4, 4)
-    q = quantize_mxfp4(torch.randn(4, 64, 32))
+    q = quantize_mxfp4(torch.randn(4, 48, 32))
     assert not backends.auto_native(gpu, q, w2, silu, rows * 4, 4)
-    monkeypatch.setattr(backends, "AUTO_NATIVE_ROWS", None)
+    monkeypatch.setattr(backends, "AUTO_NATIVE_ROWS", {})
     assert not backends.auto_native(gpu, w13, w2, silu, rows * 4, 4)
-    monkeypatch.setattr(backends, "AUTO_NATIVE_ROWS", (128, 256))
+    monkeypatch.setattr(backends, "AUTO_NATIVE_ROWS", {(32, 24): (128, 256)})
     monkeypatch.setattr(type(b), "available", lambda self, device: "no nvcc")
     assert not backends.auto_native(gpu, w13, w2, silu, rows * 4, 4)
 
@@ -420,11 +425,15 @@ def test_rows_l2_policy_follows_the_setting(monkeypatch):
 
 def test_the_measured_defaults():
     """The wide tiles from 512 rows per expert with bf16 weights (the 128-row tiles below that and for
-    MXFP4); "auto" on the native kernel from 160 to 255 rows per local expert."""
+    MXFP4); "auto" on the native kernel for the measured expert shapes of the presets, in their bands,
+    and never for Qwen3-MoE's."""
     from padded_moe import backends
+    from padded_moe.presets import PRESETS
 
     assert grouped.WIDE_TILE_ROWS == 512 and grouped.ROWS_EVICT_LAST is True
     assert grouped.default_config(512, False) == grouped.WIDE_CONFIG == 3
     assert grouped.default_config(511.5, False) == grouped.DEFAULT_CONFIG == 0
     assert grouped.default_config(4096, True) == 0
-    assert backends.AUTO_NATIVE_ROWS == (160, 256)
+    bands = {name: backends.AUTO_NATIVE_ROWS.get((p.hidden_size, p.intermediate_size)) for name, p in PRESETS.items()}
+    assert bands["dsv4-flash"] == (64, 256) and bands["gpt-oss-120b"] == (112, 160)
+    assert bands["mixtral-8x7b"] == (64, 80) and bands["qwen3-30b-a3b"] is None

@@ -213,6 +213,43 @@ def test_fused_experts_on_the_cuda_backend(preset):
     assert torch.isfinite(outs["cuda"]).all() and err < 1e-2, f"relative difference {err:.3g}"
 
 
+@pytest.mark.parametrize("preset,tokens", [("dsv4-flash", 256), ("qwen3-30b-a3b", 256)])
+def test_auto_takes_the_native_kernel_where_listed(preset, tokens, monkeypatch):
+    """`fused_experts` with its layout and backend left to it: DeepSeek-V4's expert shape at 96 rows
+    per expert (in its `AUTO_NATIVE_ROWS` band) runs both GEMMs on the native kernel, Qwen3-MoE's
+    (not listed) none; both equal the Triton path within bf16 rounding, with dropped slots."""
+    from padded_moe import backends
+    from padded_moe.activation import MoEActivation
+    from padded_moe.kernels.native import grouped
+    from padded_moe.layouts import LAYOUT_ENV
+    from padded_moe.presets import get_preset
+
+    monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
+    p = get_preset(preset)
+    g = torch.Generator(device=DEV).manual_seed(13)
+    E = 16 if preset == "dsv4-flash" else 32  # 96 and 64 rows per expert
+    x = torch.randn(tokens, p.hidden_size, generator=g, device=DEV).bfloat16()
+    w13 = (torch.randn(E, p.w13_rows, p.hidden_size, generator=g, device=DEV) / p.hidden_size ** 0.5).bfloat16()
+    w2 = (torch.randn(E, p.hidden_size, p.intermediate_size, generator=g, device=DEV)
+          / p.intermediate_size ** 0.5).bfloat16()
+    tw, ids = torch.topk(torch.randn(tokens, E, generator=g, device=DEV).softmax(-1), p.top_k, dim=-1)
+    ids = ids.int()
+    ids[::7, 1] = -1  # dropped slots
+    cfg = ApplyMoEActivationConfig(**p.activation_config)
+    launches = []
+    real_launch = grouped.launch
+    monkeypatch.setattr(grouped, "launch", lambda *a, **kw: launches.append(1) or real_launch(*a, **kw))
+    out = fused_experts(x, w13, w2, tw, ids, activation=p.activation, activation_config=cfg)
+    ref = fused_experts(x, w13, w2, tw, ids, activation=p.activation, activation_config=cfg, backend="triton")
+    torch.cuda.synchronize()
+    listed = preset == "dsv4-flash"
+    assert backends.auto_native(x.device, w13, w2, MoEActivation(p.activation), ids.numel(), E) == listed
+    assert len(launches) == (2 if listed else 0)
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert torch.isfinite(out).all() and err < 1e-2, f"relative difference {err:.3g}"
+
+
 # Every activation the epilogue computes, with the settings that change its formula, and two that
 # it leaves to the activation op (`expert_gemm` then runs the two steps on this backend).
 EPILOGUES = [("silu", None), ("silu", ApplyMoEActivationConfig(clamp_limit=10.0)),

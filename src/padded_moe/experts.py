@@ -205,9 +205,9 @@ def _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, a
         return _eager_pipeline(hidden_states, w13, w2, topk_weights, topk_ids, step, cfg, chosen, num_experts,
                                num_local, table, w13_bias, w2_bias, valid_tokens, backend, scratch)
     decode = _auto_layout(layout) and decode_allowed(hidden_states, w13, w2, backend)
-    # Prefill at the rows per expert where the native kernel measured faster (`AUTO_NATIVE_ROWS`:
-    # its tiles skip rows in steps of 64 where Triton's 128-row tiles pad) runs it (at that many
-    # slots the decode path never applies). Eager calls only: the compiler would
+    # Prefill of the expert shapes and rows per expert where the native kernel measured faster
+    # (`AUTO_NATIVE_ROWS`: its tiles skip rows in steps of 64 where Triton's 128-row tiles pad) runs
+    # it (at that many slots the decode path never applies). Eager calls only: the compiler would
     # have to trace the library's loading and guard on the slot count.
     if (expert_map is None and not torch.compiler.is_compiling() and _auto_layout(layout)
             and effective_backend(backend) == "auto"

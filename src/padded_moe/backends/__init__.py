@@ -4,8 +4,8 @@
 implements `backend="auto"` (triton wherever `use_triton(device)`, torch otherwise) and refuses an
 explicitly requested backend that cannot run here, naming it and why. `auto_native` is the one
 place where "auto" leaves the Triton kernels: `fused_experts`, given neither a layout nor a backend,
-runs the native grouped GEMM (GROUPED_CONTIGUOUS, backend "cuda") from the rows per expert where it
-measured faster on whole calls (`AUTO_NATIVE_ROWS`). The environment variable
+runs the native grouped GEMM (GROUPED_CONTIGUOUS, backend "cuda") for the expert shapes and rows per
+expert where it measured faster on whole calls (`AUTO_NATIVE_ROWS`). The environment variable
 `PADDED_MOE_GEMM_BACKEND` (read at every call, `effective_backend`) turns `"auto"` into the backend it
 names, for runs that cannot pass `backend=` (a benchmark harness, a serving engine's config).
 """
@@ -21,15 +21,25 @@ from padded_moe.backends.base import GemmBackend
 
 BACKENDS = ("auto", "triton", "torch", "humming", "cuda")
 BACKEND_ENV = "PADDED_MOE_GEMM_BACKEND"
-# `auto_native`: the rows per local expert (tokens x k over the local experts, from shapes), low
-# bound included, high excluded, where the native grouped GEMM runs "auto" calls; None: never.
-# Measured on whole bf16 calls at 8192 tokens (benchmarks/bench_native_gemm.py, H100s): faster than
-# the Triton path at 192 rows per expert (DeepSeek-V4: 1.06x, 1.26x and 1.31x in three runs; 128-row
-# Triton tiles compute 256 rows for 192, the native kernel's warpgroups skip in steps of 64), slower
-# at 512 (Qwen3-MoE: 0.76-0.85x) and 2048 (Mixtral: 0.76-0.88x), where the tiles are full and
-# Triton's reach more of the dense rate. The band stays near the one measured win; its edges are
-# not measured.
-AUTO_NATIVE_ROWS = (160, 256)
+# `auto_native`: for an expert shape (hidden size K, intermediate size N: `w2` is [E, K, N]), the rows
+# per local expert (tokens x k over the local experts, from shapes), low bound included, high
+# excluded, where the native grouped GEMM runs "auto" calls; a shape not listed keeps Triton.
+# Measured on whole bf16 calls (benchmarks/bench_native_gemm.py, one H100, native configuration 0
+# against Triton on INDEXED, 64 to 320 rows per expert): the native kernel's warpgroups skip rows in
+# steps of 64 and read an expert's weight tile once for up to 256 rows, where Triton's 128-row tiles
+# pad each expert to a multiple of 128 and read the weights once per m-tile; with full tiles
+# Triton's reach more of the dense rate. Per shape:
+# - DeepSeek-V4 (4096, 2048): 1.07x at 64 rows, 1.12x at 96, 1.18x at 112, 1.28x at 128, 1.26x at 160,
+#   1.06-1.31x at 192 (four runs, two H100s); 0.81x at 256, 0.76x at 320.
+# - GPT-OSS in bf16 (2880, 2880): 0.98x at 64, 1.23x at 128, 0.98x at 192, 0.82x at 256: the band is
+#   kept around the one win (112 and 159 not measured).
+# - Mixtral (4096, 14336): 1.08x at 64, 0.98x at 96, 1.03x at 128, 0.97x at 192, 0.83x at 256.
+# - Qwen3-MoE (2048, 768): 0.97x at 128, 0.92x at 192, 0.77x at 256: not listed.
+AUTO_NATIVE_ROWS = {
+    (4096, 2048): (64, 256),
+    (2880, 2880): (112, 160),
+    (4096, 14336): (64, 80),
+}
 
 
 def effective_backend(name: str) -> str:
@@ -70,18 +80,21 @@ def auto_native(device: torch.device, w13, w2, activation, num_slots: int, num_l
     """Whether `fused_experts` with its layout and backend left to it runs the native grouped GEMM:
     bf16 weights on a GPU the native kernel is built for (its library built, or buildable, here),
     an activation its epilogue applies, and rows per local expert (`num_slots` = tokens x k over
-    `num_local`) within `AUTO_NATIVE_ROWS`. Shapes only, so a captured graph or a compiled graph
-    keeps the choice."""
-    if AUTO_NATIVE_ROWS is None or num_local < 1:
-        return False
-    low, high = AUTO_NATIVE_ROWS
-    if not low * num_local <= num_slots < high * num_local:
+    `num_local`) within the band `AUTO_NATIVE_ROWS` gives the experts' shape. Shapes only, so a
+    captured graph or a compiled graph keeps the choice."""
+    if not AUTO_NATIVE_ROWS or num_local < 1:
         return False
     if device.type != "cuda" or activation is None:
         return False
     for w in (w13, w2):
         if type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dtype != torch.bfloat16:
             return False
+    band = AUTO_NATIVE_ROWS.get((w2.shape[1], w2.shape[2]))
+    if band is None:
+        return False
+    low, high = band
+    if not low * num_local <= num_slots < high * num_local:
+        return False
     native = get_backend("cuda")
     return native.fuses(activation) and native.available(device) is None
 

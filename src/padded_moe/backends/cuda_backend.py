@@ -13,8 +13,9 @@ other activations run as GEMM1 then the activation op. INDEXED (rows gathered th
 False, and `backend="cuda"` on them is a NotImplementedError).
 
 `resolve_backend("auto", ...)` never returns it; `fused_experts` picks it for "auto" only where
-`backends.auto_native` says so (on H100s the native kernel was faster than the Triton path
-only where experts' row counts are not multiples of 128, docs/benchmarks.md). It is chosen by name or by `PADDED_MOE_GEMM_BACKEND=cuda`.
+`backends.auto_native` says so (measured expert shapes and rows per expert: on H100s the native
+kernel was faster than the Triton path only where experts' row counts sit just past a multiple of
+128, docs/benchmarks.md). It is chosen by name or by `PADDED_MOE_GEMM_BACKEND=cuda`.
 
 Graph-safe: the grid is bounded from shapes and the rows are read on the device.
 """

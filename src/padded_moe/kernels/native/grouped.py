@@ -62,6 +62,13 @@ DYNAMIC_CONFIGS = (WIDE_CONFIG,)
 # lines measured no better, even for Mixtral's 58 MB of rows per expert (wide tiles from the
 # counter: 0.94-1.07x the time of evict-last over the three bf16 presets' GEMMs).
 ROWS_EVICT_LAST = True
+# With A's rows evict-last: whether the expert's last column tile, the last to read them (tiles go
+# expert by expert, column tile by column tile), reads them evict-first instead, so rows no CTA
+# reads again stop holding L2 lines. Off: not yet measured. The question it answers: Nsight Compute
+# on Qwen3-MoE's GEMM1 at 8192 tokens (512 rows per expert) saw the native kernel read 1.94 GB from
+# DRAM where the weights and rows are 1.07 GB and the Triton kernel read 1.39 GB (kept last, every
+# expert's rows may outstay the weight tiles that its two chunks share).
+ROWS_LAST_USE_FIRST = False
 # Epilogue modes (`grouped_gemm.cu`): plain, gated with the gate half first, gated with gate and up
 # interleaved (swigluoai).
 PLAIN, GATED_SPLIT, GATED_PAIRS = 0, 1, 2
@@ -90,6 +97,14 @@ def default_config(rows_per_expert: float, mxfp4: bool) -> int:
     if wide and (runs_mxfp4(WIDE_CONFIG) or not mxfp4):
         return WIDE_CONFIG
     return DEFAULT_CONFIG
+
+
+def rows_l2_mode() -> int:
+    """The kernel's L2 policy of A's rows (`rows_evict_last`): 0 normal, 1 evict last, 2 evict last
+    except in the expert's last column tile (`ROWS_EVICT_LAST`, `ROWS_LAST_USE_FIRST`)."""
+    if not ROWS_EVICT_LAST:
+        return 0
+    return 2 if ROWS_LAST_USE_FIRST else 1
 
 
 def _refuse(why: str) -> None:
@@ -220,5 +235,5 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
     counter = torch.zeros(1, dtype=torch.int32, device=a.device) if dynamic else None
     launch_native(native.GROUPED.entry(ENTRY), grid,
                   (config, a, stride_as, stride_ar, slabs, rows, *dense, L, w_rows, offsets, counts, bias, stride_be,
-                   bias_kind, out, stride_os, stride_or, K, N, *ep, *mx, counter, int(ROWS_EVICT_LAST)))
+                   bias_kind, out, stride_os, stride_or, K, N, *ep, *mx, counter, rows_l2_mode()))
     return out

@@ -134,11 +134,14 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
-template <bool EVICT_LAST>
+enum L2Evict { kEvictNormal, kEvictLast, kEvictFirst };
+template <L2Evict KIND>
 __device__ __forceinline__ uint64_t l2_policy() {
   uint64_t policy;
-  if (EVICT_LAST)
+  if (KIND == kEvictLast)
     asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  else if (KIND == kEvictFirst)
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   else
     asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
   return policy;
@@ -399,15 +402,21 @@ struct Args {
   // Persistent bf16 kernels: null, tiles walked statically (CTA b takes b, b + grid, ...); else a
   // zeroed counter from which the producer takes each next tile id (`next_tile`).
   int* tile_counter;
-  // The L2 policy of A's rows: evict last (1) or normal (0); see `rows_l2_policy`.
+  // The L2 policy of A's rows (`rows_l2_policy`): normal (0), evict last (1), or evict last except
+  // in the expert's last column tile, which reads them evict first (2).
   int rows_evict_last;
 };
 
 // A's rows evict last when an expert's rows are what the CTAs of its other column tiles read next
 // (they fit L2 many times over); rows of an expert larger than L2 would, kept last, push out the
-// weight tiles that the CTAs running together share, so the host can ask for normal.
-__device__ __forceinline__ uint64_t rows_l2_policy(const Args& args) {
-  return args.rows_evict_last ? l2_policy<true>() : l2_policy<false>();
+// weight tiles that the CTAs running together share, so the host can ask for normal. Mode 2: the
+// expert's last column tile is the last to read its rows (tiles go expert by expert, column tile
+// by column tile), so it reads them evict first, and rows that no CTA reads again stop holding L2
+// lines (kept last, they would outstay the weight tiles the chunks of later experts share).
+__device__ __forceinline__ uint64_t rows_l2_policy(const Args& args, int col_tile, int n_tiles) {
+  if (args.rows_evict_last == 0) return l2_policy<kEvictNormal>();
+  if (args.rows_evict_last == 2 && col_tile == n_tiles - 1) return l2_policy<kEvictFirst>();
+  return l2_policy<kEvictLast>();
 }
 
 // ---- the activation epilogue: the silu family of spec 01 (silu, swigluoai, swigluoai_uninterleave),
@@ -565,13 +574,13 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
                                             const uint32_t* lut, const uint8_t* staging, int n_tiles,
                                             int k_tiles) {
   const int r = threadIdx.x, lane = r % 32;
-  const uint64_t rows_policy = rows_l2_policy(args);
   const uint32_t lut_addr = smem_addr(lut), ring = smem_addr(staging) + r * 32;
   int it = 0;
   for (int id = blockIdx.x;; id = static_next<PERSISTENT>(id)) {  // MXFP4: the static walk only
     const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
     if (tile.e < 0) break;
     const TileGeom g = tile_geometry<EPI, C, kBN>(args, tile);
+    const uint64_t rows_policy = rows_l2_policy(args, tile.col_tile, n_tiles);
     const int w_row = r < 64 ? g.w_row0 + r : g.w_row1 + (r - 64);
     const uint8_t* codes = nullptr;
     const uint8_t* scales = nullptr;
@@ -665,7 +674,7 @@ __global__ void __launch_bounds__(threads<C>(), 1)
     } else {
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs<C>::producer));
       if (threadIdx.x != 0) return;
-      const uint64_t weights_policy = l2_policy<false>(), rows_policy = rows_l2_policy(args);
+      const uint64_t weights_policy = l2_policy<kEvictNormal>();
       const bool dynamic = dynamic_walk<PERSISTENT, MX>(args);
       int it = 0;  // k tiles loaded so far: stage and parity
       for (int id = first_tile(args, dynamic);; id = next_tile<PERSISTENT>(args, dynamic, id)) {
@@ -680,6 +689,7 @@ __global__ void __launch_bounds__(threads<C>(), 1)
           break;
         }
         const TileGeom g = tile_geometry<EPI, C, BN>(args, tile);
+        const uint64_t rows_policy = rows_l2_policy(args, tile.col_tile, n_tiles);
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int s = it % STAGES;
           mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
@@ -952,7 +962,8 @@ int pmoe_gg_max_experts() { return kMaxExperts; }
 // and w must be multiples of 8 elements and the bases 16-byte aligned (TMA), the MXFP4 row strides
 // multiples of 16 bytes. `tile_counter`: null (the static walk), or a zeroed int32 for the
 // dynamic one (persistent configurations, bf16 weights); the kernel leaves it past the tile count.
-// `rows_evict_last`: A's rows with the L2 policy evict-last (1) or normal (0).
+// `rows_evict_last`: A's rows with the L2 policy normal (0), evict-last (1), or evict-last except in
+// the expert's last column tile, which reads them evict-first (2).
 int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const void* a, long long stride_as,
                       long long stride_ar, int slabs, int rows, const void* w, long long stride_we,
                       long long stride_wn, int L, int w_rows, const void* offsets, const void* counts,
@@ -969,6 +980,7 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
   const bool gated_mode = mode == kGatedSplit || mode == kGatedPairs;
   if ((gated_mode && w_rows != 2 * N) || (!gated_mode && w_rows != N)) return -15;
   if (w_kind != 0 && (w_kind != 1 || q_blocks == nullptr || q_scales == nullptr || K % 32 != 0)) return -18;
+  if (rows_evict_last < 0 || rows_evict_last > 2) return -22;
   CUtensorMap ma;
   const int err = encode_3d(&ma, a, K, rows, slabs, stride_ar * 2, stride_as * 2, kRowsPerGroup);
   if (err != 0) return err;
@@ -999,6 +1011,7 @@ const char* pmoe_error_string(int code) {
   if (code == -18) return "MXFP4 weights need their codes and scales and K a multiple of 32";
   if (code == -19) return "MXFP4 weights run in the 128-row configurations only";
   if (code == -21) return "a tile counter (the dynamic walk) needs a persistent configuration and bf16 weights";
+  if (code == -22) return "the L2 policy of A's rows must be 0 (normal), 1 (evict last) or 2 (evict last, then first)";
   if (code == -20) return "the kernel was compiled with fewer registers than its warpgroups share out (setmaxnreg)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }

@@ -30,7 +30,7 @@ BACKEND_ENV = "PADDED_MOE_GEMM_BACKEND"
 # pad each expert to a multiple of 128 and read the weights once per m-tile; with full tiles
 # Triton's reach more of the dense rate. Per shape:
 # - DeepSeek-V4 (4096, 2048): 1.07x at 64 rows, 1.12x at 96, 1.18x at 112, 1.28x at 128, 1.26x at 160,
-#   1.06-1.31x at 192 (four runs, two H100s); 0.81x at 256, 0.76x at 320.
+#   1.06-1.31x at 192 (three runs, two H100s); 0.81x at 256, 0.76x at 320.
 # - GPT-OSS in bf16 (2880, 2880): 0.98x at 64, 1.23x at 128, 0.98x at 192, 0.82x at 256: the band is
 #   kept around the one win (112 and 159 not measured).
 # - Mixtral (4096, 14336): 1.08x at 64, 0.98x at 96, 1.03x at 128, 0.97x at 192, 0.83x at 256.

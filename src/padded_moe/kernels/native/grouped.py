@@ -66,8 +66,8 @@ ROWS_EVICT_LAST = True
 # expert by expert, column tile by column tile), reads them evict-first instead, so rows no CTA
 # reads again stop holding L2 lines. Off: not yet measured. The question it answers: Nsight Compute
 # on Qwen3-MoE's GEMM1 at 8192 tokens (512 rows per expert) saw the native kernel read 1.94 GB from
-# DRAM where the weights and rows are 1.07 GB and the Triton kernel read 1.39 GB (kept last, every
-# expert's rows may outstay the weight tiles that its two chunks share).
+# DRAM where the weights and rows are 1.07 GB and the Triton kernel read 1.39 GB: kept last, the rows
+# of finished experts may push out the weight tiles that a later expert's two chunks share.
 ROWS_LAST_USE_FIRST = False
 # Epilogue modes (`grouped_gemm.cu`): plain, gated with the gate half first, gated with gate and up
 # interleaved (swigluoai).

@@ -122,6 +122,11 @@ for stage in "$@"; do
                         dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__cycles_active.avg,gpc__cycles_elapsed.max \
                         -k regex:"grouped_gemm|_expert_gemm" --launch-count 4 python3 scripts/ncu_small.py native "$pc" 8192 w13
                 done
+                # the tensor-pipe and shared-memory metrics this ncu names (run 245's gmma metric was n/a), and
+                # the compute section alone (the memory section stays on the native kernel's first pass)
+                STEP_TIMEOUT=30 step ncu-metric-names bash -c "ncu --query-metrics --chip gh100 | grep -iE 'gmma|tensor|pipe_shared|mem_shared|wgmma'"
+                STEP_TIMEOUT=45 step ncu-compute ncu --section ComputeWorkloadAnalysis -k regex:"grouped_gemm|_expert_gemm" \
+                    --launch-count 2 python3 scripts/ncu_small.py native qwen3-30b-a3b 8192 w13
                 STEP_TIMEOUT=200 step bench-rows-l2 python3 benchmarks/bench_native_gemm.py --out "$OUT/bench-rows-l2" \
                     --presets qwen3-30b-a3b,mixtral-8x7b,dsv4-flash --tokens 8192 --rounds 2 \
                     --variants "auto;grouped, Triton;grouped, cuda c0;grouped, cuda c0, rows last-first;grouped, cuda c0 dyn"

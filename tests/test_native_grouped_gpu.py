@@ -308,15 +308,14 @@ def test_sanitizer_small(monkeypatch):
             torch.cuda.synchronize()
             check(a, w, meta, "w13", out, bias)
         q = quantize_mxfp4(w.float())
-        # then with A's rows read evict-first in the expert's last column tile
-        for last_first in (False, True):
-            monkeypatch.setattr(grouped, "ROWS_LAST_USE_FIRST", last_first)
-            if last_first:
-                out.fill_(SENTINEL)
-                grouped.launch(a, w, out, bias=bias, config=0, **where)
-                torch.cuda.synchronize()
-                check(a, w, meta, "w13", out, bias)
+        out.fill_(SENTINEL)
+        expert_gemm(a, q, meta, bias=bias, out=out, backend="cuda")
+        torch.cuda.synchronize()
+        check(a, dequantize_mxfp4(q), meta, "w13", out, bias)
+        monkeypatch.setattr(grouped, "ROWS_LAST_USE_FIRST", True)  # A's rows evict-first in the last column tile
+        for weight, dense in ((w, w), (q, dequantize_mxfp4(q))):
             out.fill_(SENTINEL)
-            expert_gemm(a, q, meta, bias=bias, out=out, backend="cuda")
+            expert_gemm(a, weight, meta, bias=bias, out=out, backend="cuda")
             torch.cuda.synchronize()
-            check(a, dequantize_mxfp4(q), meta, "w13", out, bias)
+            check(a, dense, meta, "w13", out, bias)
+        monkeypatch.setattr(grouped, "ROWS_LAST_USE_FIRST", False)

@@ -62,18 +62,13 @@ def alternate(graphs: dict, rounds: int) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-LAST_FIRST = "last-first"  # `rows_last`: evict last, the expert's last column tile evict first
-
-
 def forced_config(config, dynamic=None, rows_last=None):
     """A context in which the native GEMM runs configuration `config` (None: its own choice) and,
     with `dynamic` set, that tile walk (`grouped.DYNAMIC_WALK`), with `rows_last` set, that L2
-    policy of A's rows (True / False: `grouped.ROWS_EVICT_LAST`; LAST_FIRST: evict last with
-    `grouped.ROWS_LAST_USE_FIRST`)."""
+    policy of A's rows (`grouped.ROWS_EVICT_LAST`)."""
     stack = contextlib.ExitStack()
     if rows_last is not None:
-        stack.enter_context(mock.patch.object(grouped, "ROWS_EVICT_LAST", rows_last is not False))
-        stack.enter_context(mock.patch.object(grouped, "ROWS_LAST_USE_FIRST", rows_last == LAST_FIRST))
+        stack.enter_context(mock.patch.object(grouped, "ROWS_EVICT_LAST", rows_last))
     if config is not None:
         stack.enter_context(mock.patch.object(grouped, "default_config", lambda *_: config))
     if dynamic is not None:
@@ -91,16 +86,14 @@ def gemm_rows(layer: FusedMoE, meta, x_rows: torch.Tensor, h_rows: torch.Tensor,
     configs = [c for c in range(len(grouped.CONFIGS)) if grouped.runs_mxfp4(c) or not mx]
     variants = [("triton", None, None, None)] + [("cuda", c, False, None) for c in configs]
     variants += [("cuda", c, True, None) for c in configs if grouped.CONFIGS[c][1] and not mx]
-    # A's rows as normal L2 lines (against evict-last) in one CTA per tile and in the dynamic walk,
-    # and evict-last with the expert's last column tile reading them evict-first
+    # A's rows as normal L2 lines (against evict-last) in one CTA per tile and in the dynamic walk
     variants += [("cuda", 1, False, False)] + ([] if mx else [("cuda", 3, True, False)])
-    variants += [("cuda", 0, False, LAST_FIRST)] + ([] if mx else [("cuda", 3, True, LAST_FIRST)])
     rows = []
     for stage, a, w, bias in (("w13", x_rows, w13, layer.w13_bias), ("w2", h_rows, w2, layer.w2_bias)):
         outs, graphs = {}, {}
         for backend, config, dynamic, rows_last in variants:
-            policy = {False: " rows normal", LAST_FIRST: f" rows {LAST_FIRST}"}.get(rows_last, "")
-            name = backend if config is None else f"cuda c{config}{' dyn' if dynamic else ''}{policy}"
+            name = backend if config is None else (f"cuda c{config}{' dyn' if dynamic else ''}"
+                                                   f"{' rows normal' if rows_last is False else ''}")
             out = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
             # The configuration, walk and policy are chosen at launch, so the captured graph keeps them.
             with forced_config(config, dynamic, rows_last):
@@ -131,15 +124,13 @@ def call_variants(mx: bool) -> dict:
                 "grouped, cuda": ("grouped_contiguous", "cuda", None, None, None, None),
                 "grouped, cuda, unfused": ("grouped_contiguous", "cuda", "0", None, None, None),
                 "grouped, cuda c0": ("grouped_contiguous", "cuda", None, 0, False, None),
-                "grouped, cuda c1": ("grouped_contiguous", "cuda", None, 1, False, None),
-                f"grouped, cuda c0, rows {LAST_FIRST}": ("grouped_contiguous", "cuda", None, 0, False, LAST_FIRST)}
+                "grouped, cuda c1": ("grouped_contiguous", "cuda", None, 1, False, None)}
     if not mx:
         variants["grouped, cuda c0 dyn"] = ("grouped_contiguous", "cuda", None, 0, True, None)
         variants["grouped, cuda c0 dyn, rows normal"] = ("grouped_contiguous", "cuda", None, 0, True, False)
         variants["grouped, cuda c3"] = ("grouped_contiguous", "cuda", None, 3, False, None)
         variants["grouped, cuda c3 dyn"] = ("grouped_contiguous", "cuda", None, 3, True, None)
         variants["grouped, cuda c3 dyn, rows normal"] = ("grouped_contiguous", "cuda", None, 3, True, False)
-        variants[f"grouped, cuda c3 dyn, rows {LAST_FIRST}"] = ("grouped_contiguous", "cuda", None, 3, True, LAST_FIRST)
     return variants
 
 

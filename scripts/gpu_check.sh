@@ -109,28 +109,16 @@ for stage in "$@"; do
         peers-dsv4-8192)  # the peers harness's DeepSeek-V4 bf16 case at 8192 tokens alone (.peers carried)
             STEP_TIMEOUT=210 step peers-dsv4-8192 env OUT="$OUT/peers-dsv4-8192" BUDGET_S=160 TIMEOUT_S=200 \
                 bash .peers/run.sh --tokens 8192 --cases dsv4 ;;
-        rows-l2)  # A's rows evict-first in the expert's last column tile (grouped.ROWS_LAST_USE_FIRST): the GPU tests
-            # of every configuration with it and memcheck, DRAM bytes under Nsight Compute (Triton / c0 / c0
-            # last-first / c0 counter), then GEMMs alone and whole calls at 8192 tokens on the bf16 presets
-            STEP_TIMEOUT=150 step test-rows-l2 python3 -m pytest -q -x tests/test_native.py tests/test_cuda_backend.py \
-                tests/test_native_grouped_gpu.py
-            STEP_TIMEOUT=80 step sanitizer-rows-l2 compute-sanitizer --tool memcheck --error-exitcode 9 \
-                python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k sanitizer
-            if grep -q "test-rows-l2 rc=0" "$summary"; then
-                for pc in qwen3-30b-a3b mixtral-8x7b dsv4-flash; do
-                    STEP_TIMEOUT=60 step "ncu-bytes-$pc" ncu --metrics \
-                        dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__cycles_active.avg,gpc__cycles_elapsed.max \
-                        -k regex:"grouped_gemm|_expert_gemm" --launch-count 4 python3 scripts/ncu_small.py native "$pc" 8192 w13
-                done
-                # the tensor-pipe and shared-memory metrics this ncu names (run 245's gmma metric was n/a), and
-                # the compute section alone (the memory section stays on the native kernel's first pass)
-                STEP_TIMEOUT=30 step ncu-metric-names bash -c "ncu --query-metrics --chip gh100 | grep -iE 'gmma|tensor|pipe_shared|mem_shared|wgmma'"
-                STEP_TIMEOUT=45 step ncu-compute ncu --section ComputeWorkloadAnalysis -k regex:"grouped_gemm|_expert_gemm" \
-                    --launch-count 2 python3 scripts/ncu_small.py native qwen3-30b-a3b 8192 w13
-                STEP_TIMEOUT=200 step bench-rows-l2 python3 benchmarks/bench_native_gemm.py --out "$OUT/bench-rows-l2" \
-                    --presets qwen3-30b-a3b,mixtral-8x7b,dsv4-flash --tokens 8192 --rounds 2 \
-                    --variants "auto;grouped, Triton;grouped, cuda c0;grouped, cuda c0, rows last-first;grouped, cuda c0 dyn"
-            fi ;;
+        dense-probe)  # equal rows per expert: cuBLAS bmm / Triton / the native configurations and walks, dense
+            # (one expert) and the presets' GEMM1 shapes at 8192 tokens
+            STEP_TIMEOUT=240 step dense-probe python3 scripts/native_dense_probe.py ;;
+        dense-ncu)  # Nsight Compute of the equal-rows Mixtral GEMM1 (DENSE_CASE): Triton (at cuBLAS's rate there)
+            # against the native kernel, the sections that finish on the native kernel under kernel replay
+            STEP_TIMEOUT=150 step "ncu-dense-${DENSE_CASE:-mixtral}" ncu --section SpeedOfLight \
+                --section ComputeWorkloadAnalysis --section WarpStateStats --section LaunchStats \
+                --metrics dram__bytes_read.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct,smsp__warps_issue_stalled_gmma.sum,smsp__inst_executed.sum \
+                -k regex:"grouped_gemm|_expert_gemm" python3 scripts/native_dense_probe.py --once \
+                --cases "${DENSE_CASE:-mixtral}" --variants "triton,c0 dyn" ;;
         auto-band)  # whole calls at rows per expert around AUTO_NATIVE_ROWS (128-320) on the three bf16 presets
             band_variants="auto;grouped, Triton;grouped, cuda c0;grouped, cuda c3 dyn"
             for case in ${BAND_CASES:-dsv4-flash:5461,6827,10923,13653 qwen3-30b-a3b:2048,3072,4096 mixtral-8x7b:512,768,1024}; do
@@ -386,9 +374,8 @@ for stage in "$@"; do
             STEP_TIMEOUT=120 step ncu-unpermute ncu "${ncu_sections[@]}" -k "regex:_unpermute" --launch-count 6 \
                 python3 scripts/ncu_small.py unpermute ;;
         ncu-bytes)  # busy SM cycles, DRAM bytes and L2 hit rate of Triton vs the native configuration 0 (GEMM1 at
-            # 8192 tokens, NCU_PRESETS; NCU_LAUNCHES=4 adds c0 with A's rows evict-first in the last column tile
-            # and c0 from the counter: ncu_small.py's order), then the native kernel's top stall locations
-            # (SourceCounters: stayed on its first pass in run 245)
+            # 8192 tokens, NCU_PRESETS; NCU_LAUNCHES=3 adds c0 from the counter: ncu_small.py's order), then the
+            # native kernel's top stall locations (SourceCounters: stayed on its first pass in run 245)
             for pc in ${NCU_PRESETS:-qwen3-30b-a3b dsv4-flash}; do
                 STEP_TIMEOUT=${NCU_STEP_S:-60} step "ncu-bytes-$pc" ncu --metrics \
                     dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,sm__cycles_active.avg,gpc__cycles_elapsed.max \

@@ -4,10 +4,9 @@
     ncu --kernel-name regex:_expert_gemm python3 scripts/ncu_small.py layer PRESET TOKENS [CONFIG]
     ncu python3 scripts/ncu_small.py mm M N K   (a dense bf16 matmul: the tensor-pipe reference)
     ncu -k regex:"_expert_gemm|grouped_gemm" python3 scripts/ncu_small.py native PRESET TOKENS STAGE
-        (one GEMM on GROUPED_CONTIGUOUS: Triton, then the native kernel: configuration 0 static with
-        A's rows evict-last, then with the expert's last column tile reading them evict-first, then
-        walking from the counter; configuration 3 from the counter with the rows evict-last and
-        normal, then static)
+        (one GEMM on GROUPED_CONTIGUOUS: Triton, then the native kernel: configuration 0 static, then
+        walking from the counter; configuration 3 from the counter with A's rows evict-last and
+        normal in L2, then static)
 """
 import sys
 
@@ -84,14 +83,12 @@ elif case == "native":  # GEMM STAGE (w13 / w2) of a bf16 preset at TOKENS token
     a = torch.randn(ids.numel(), w.shape[2], device="cuda", dtype=torch.bfloat16)
     out = torch.empty(ids.numel(), w.shape[1], device="cuda", dtype=torch.bfloat16)
     expert_gemm(a, w, meta, stage=sys.argv[4], out=out, backend="triton")
-    # (configuration, dynamic walk, A's rows evict-last, the last column tile evict-first)
-    for config, dynamic, rows_last, last_first in ((0, False, True, False), (0, False, True, True),
-                                                   (0, True, True, False), (3, True, True, False),
-                                                   (3, True, False, False), (3, False, True, False)):
+    # (configuration, dynamic walk, A's rows evict-last)
+    for config, dynamic, rows_last in ((0, False, True), (0, True, True), (3, True, True), (3, True, False),
+                                       (3, False, True)):
         with mock.patch.object(grouped, "default_config", lambda *_, c=config: c), \
                 mock.patch.object(grouped, "DYNAMIC_WALK", dynamic), \
-                mock.patch.object(grouped, "ROWS_EVICT_LAST", rows_last), \
-                mock.patch.object(grouped, "ROWS_LAST_USE_FIRST", last_first):
+                mock.patch.object(grouped, "ROWS_EVICT_LAST", rows_last):
             expert_gemm(a, w, meta, stage=sys.argv[4], out=out, backend="cuda")
 elif case == "mm":  # a dense [M, K] @ [K, N] bf16 matmul (cuBLAS), 3 calls
     M, N, K = (int(v) for v in sys.argv[2:5])

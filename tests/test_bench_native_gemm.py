@@ -41,10 +41,6 @@ def test_forced_config_sets_the_configuration_and_the_walk():
         assert grouped.default_config(1.0, False) == 3 and grouped.DYNAMIC_WALK is True
         assert grouped.ROWS_EVICT_LAST is False
     assert grouped.ROWS_EVICT_LAST is True
-    with bench_native_gemm.forced_config(0, None, bench_native_gemm.LAST_FIRST):
-        assert grouped.ROWS_EVICT_LAST is True and grouped.ROWS_LAST_USE_FIRST is True
-        assert grouped.rows_l2_mode() == 2
-    assert grouped.ROWS_LAST_USE_FIRST is False and grouped.rows_l2_mode() == 1
     with bench_native_gemm.forced_config(None, None):
         assert (grouped.default_config, grouped.DYNAMIC_WALK) == before
     assert (grouped.default_config, grouped.DYNAMIC_WALK) == before

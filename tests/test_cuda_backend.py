@@ -418,10 +418,7 @@ def test_rows_l2_policy_follows_the_setting(monkeypatch):
     offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
     grouped.launch(a, w, out, offsets=offsets)
     assert rec.calls[-1][2][-1] == 1
-    monkeypatch.setattr(grouped, "ROWS_LAST_USE_FIRST", True)  # the last column tile evicts first
-    grouped.launch(a, w, out, offsets=offsets)
-    assert rec.calls[-1][2][-1] == 2
-    monkeypatch.setattr(grouped, "ROWS_EVICT_LAST", False)  # normal lines: nothing to evict first
+    monkeypatch.setattr(grouped, "ROWS_EVICT_LAST", False)
     grouped.launch(a, w, out, offsets=offsets)
     assert rec.calls[-1][2][-1] == 0
 
@@ -434,7 +431,6 @@ def test_the_measured_defaults():
     from padded_moe.presets import PRESETS
 
     assert grouped.WIDE_TILE_ROWS == 512 and grouped.ROWS_EVICT_LAST is True
-    assert grouped.ROWS_LAST_USE_FIRST is False  # not measured yet
     assert grouped.default_config(512, False) == grouped.WIDE_CONFIG == 3
     assert grouped.default_config(511.5, False) == grouped.DEFAULT_CONFIG == 0
     assert grouped.default_config(4096, True) == 0

@@ -103,8 +103,8 @@ def test_built_grouped_library_entry_points(fresh_loader):
                                  0, 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 1, None, None, 0, 0, 0, 0, None, 1)
     assert lib.pmoe_error_string(code).decode() == "MXFP4 weights need their codes and scales and K a multiple of 32"
     code = lib.pmoe_grouped_gemm(0, 1, 1, None, None, 0, 0, 1, 1, None, 0, 0, 1, 128, offsets, None, None, 0, 0, None,
-                                 0, 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 0, None, None, 0, 0, 0, 0, None, 3)
-    assert "L2 policy of A's rows" in lib.pmoe_error_string(code).decode()
+                                 0, 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 0, None, None, 0, 0, 0, 0, None, 2)
+    assert lib.pmoe_error_string(code).decode() == "the L2 policy of A's rows must be 0 (normal) or 1 (evict last)"
     assert native.GROUPED.entry("pmoe_grouped_gemm") is native.GROUPED.entry("pmoe_grouped_gemm")
 
 

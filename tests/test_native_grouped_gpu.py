@@ -111,21 +111,19 @@ def test_odd_counts_mxfp4(K, N, layout):
     check(a, dequantize_mxfp4(q), meta, "w13", out, bias)
 
 
-@pytest.mark.parametrize("walk", ["static", "dynamic", "static-last-first"])
+@pytest.mark.parametrize("walk", ["static", "dynamic"])
 @pytest.mark.parametrize("config", range(len(CONFIG_IDS)), ids=CONFIG_IDS)
 @pytest.mark.parametrize("epilogue", [None, "silu", "swigluoai"], ids=str)
 @pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
-def test_every_config(config, epilogue, layout, walk, monkeypatch):
+def test_every_config(config, epilogue, layout, walk):
     """Each configuration, plain and with either gated epilogue, against float64 (and, gated, the
-    two steps of the same configuration); the persistent ones in both tile walks; and with the
-    expert's last column tile reading A's rows evict-first (an L2 hint: the same results)."""
+    two steps of the same configuration); the persistent ones in both tile walks."""
     from padded_moe.activation import ActivationEpilogue
     from padded_moe.kernels.native import grouped
 
     assert len(grouped.CONFIGS) == len(CONFIG_IDS)
     if walk == "dynamic" and not grouped.CONFIGS[config][1]:
         pytest.skip("one CTA per tile: no walk")
-    monkeypatch.setattr(grouped, "ROWS_LAST_USE_FIRST", walk == "static-last-first")
     w, meta, a, bias, out = _counts_case(ODD_COUNTS, 512, 392, layout, torch.float32, 5)
     where = dict(offsets=meta.offsets) if layout == GemmLayout.GROUPED_CONTIGUOUS else dict(counts=meta.counts)
     where["dynamic"] = walk == "dynamic"
@@ -285,7 +283,7 @@ def test_activation_epilogue_equals_two_steps(activation, config, layout):
     assert (diff / scale).max().item() <= 2 ** -7, "more than one bf16 rounding apart"
 
 
-def test_sanitizer_small(monkeypatch):
+def test_sanitizer_small():
     """A small call of each layout, bf16 and MXFP4, for `compute-sanitizer --tool memcheck`
     (gpu_check.sh)."""
     from padded_moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -312,10 +310,3 @@ def test_sanitizer_small(monkeypatch):
         expert_gemm(a, q, meta, bias=bias, out=out, backend="cuda")
         torch.cuda.synchronize()
         check(a, dequantize_mxfp4(q), meta, "w13", out, bias)
-        monkeypatch.setattr(grouped, "ROWS_LAST_USE_FIRST", True)  # A's rows evict-first in the last column tile
-        for weight, dense in ((w, w), (q, dequantize_mxfp4(q))):
-            out.fill_(SENTINEL)
-            expert_gemm(a, weight, meta, bias=bias, out=out, backend="cuda")
-            torch.cuda.synchronize()
-            check(a, dense, meta, "w13", out, bias)
-        monkeypatch.setattr(grouped, "ROWS_LAST_USE_FIRST", False)

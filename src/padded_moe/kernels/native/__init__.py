@@ -234,7 +234,7 @@ def _declare_grouped(lib: ctypes.CDLL) -> None:
         I, P, P,  # weight kind (0 bf16, 1 MXFP4), MXFP4 codes, scales
         LL, LL, LL, LL,  # codes' expert / row strides, scales' expert / row strides (bytes)
         P,  # tile counter (the dynamic walk) or null
-        I,  # A's rows in L2: normal (0), evict last (1), evict last then first in the last column tile (2)
+        I,  # A's rows evict last (1) or normal (0) in L2
     ]
 
 

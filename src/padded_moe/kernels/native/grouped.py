@@ -62,13 +62,6 @@ DYNAMIC_CONFIGS = (WIDE_CONFIG,)
 # lines measured no better, even for Mixtral's 58 MB of rows per expert (wide tiles from the
 # counter: 0.94-1.07x the time of evict-last over the three bf16 presets' GEMMs).
 ROWS_EVICT_LAST = True
-# With A's rows evict-last: whether the expert's last column tile, the last to read them (tiles go
-# expert by expert, column tile by column tile), reads them evict-first instead, so rows no CTA
-# reads again stop holding L2 lines. Off: not yet measured. The question it answers: Nsight Compute
-# on Qwen3-MoE's GEMM1 at 8192 tokens (512 rows per expert) saw the native kernel read 1.94 GB from
-# DRAM where the weights and rows are 1.07 GB and the Triton kernel read 1.39 GB: kept last, the rows
-# of finished experts may push out the weight tiles that a later expert's two chunks share.
-ROWS_LAST_USE_FIRST = False
 # Epilogue modes (`grouped_gemm.cu`): plain, gated with the gate half first, gated with gate and up
 # interleaved (swigluoai).
 PLAIN, GATED_SPLIT, GATED_PAIRS = 0, 1, 2
@@ -100,11 +93,9 @@ def default_config(rows_per_expert: float, mxfp4: bool) -> int:
 
 
 def rows_l2_mode() -> int:
-    """The kernel's L2 policy of A's rows (`rows_evict_last`): 0 normal, 1 evict last, 2 evict last
-    except in the expert's last column tile (`ROWS_EVICT_LAST`, `ROWS_LAST_USE_FIRST`)."""
-    if not ROWS_EVICT_LAST:
-        return 0
-    return 2 if ROWS_LAST_USE_FIRST else 1
+    """The kernel's L2 policy of A's rows (`rows_evict_last`): 1 evict last, 0 normal
+    (`ROWS_EVICT_LAST`)."""
+    return int(ROWS_EVICT_LAST)
 
 
 def _refuse(why: str) -> None:

@@ -86,8 +86,8 @@ struct Regs {
 constexpr int kMaxExperts = 1024;
 
 // Stages, their barriers, the dynamic walk's tile id per stage, the experts' chunk prefix
-// (`chunk_prefix`, kMaxExperts + 1 ints), the MXFP4 byte table (256 words), the MXFP4 staging ring
-// (with 16 bytes to align it) and the slack for aligning the stages to 1024 bytes.
+// (`chunk_prefix`, kMaxExperts + 1 ints), the MXFP4 staging ring (with 16 bytes to align it) and the
+// slack for aligning the stages to 1024 bytes.
 template <int STAGES, int C, int BN>
 __host__ __device__ constexpr int smem_bytes();
 
@@ -134,14 +134,11 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
-enum L2Evict { kEvictNormal, kEvictLast, kEvictFirst };
-template <L2Evict KIND>
+template <bool EVICT_LAST>
 __device__ __forceinline__ uint64_t l2_policy() {
   uint64_t policy;
-  if (KIND == kEvictLast)
+  if (EVICT_LAST)
     asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  else if (KIND == kEvictFirst)
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   else
     asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
   return policy;
@@ -200,33 +197,47 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t s) {
 
 // Shared memory through 32-bit shared addresses (a generic pointer would cost 64-bit address
 // arithmetic and generic loads and stores).
-__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
-  return v;
-}
-
 __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
 }
 
-// Eight codes (one 32-bit word: k 8j..8j+7) to eight bf16 (16 bytes) through the byte table at
-// shared address `lut`: entry b holds the bf16 pair of byte b's low and high nibble's values; times
-// the group's factor (exact: a power of two, short of underflow).
-__device__ __forceinline__ uint4 mx_upcast8(uint32_t word, uint32_t factor, uint32_t lut) {
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+}
+
+// The e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as bf16 (0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000,
+// 0x4040, 0x4080, 0x40c0), split into their high and low bytes: byte tables of 8 entries, which a
+// prmt indexes with a 3-bit magnitude per selector nibble (bytes 0..3 in the first word).
+constexpr uint32_t kMxHi0 = 0x3f3f3f00u, kMxHi1 = 0x40404040u;
+constexpr uint32_t kMxLo0 = 0xc0800000u, kMxLo1 = 0xc0804000u;
+
+// Eight codes (one 32-bit word: byte j holds codes 2j, low nibble, and 2j + 1) to eight bf16
+// (16 bytes, codes in order) times the group's factor (exact: a power of two, short of
+// underflow). All in registers, 15 integer operations and 4 multiplies: per group of four codes a
+// prmt looks up their four high bytes and another their four low bytes (selector: the magnitude
+// nibbles), the sign bits are moved onto the high bytes' top bits (a prmt of the word and the word
+// shifted by 4 puts code i's sign at the top of byte i), and two prmts interleave low and high
+// bytes into bf16 pairs. Code 8 (-0) gives -0.
+__device__ __forceinline__ uint4 mx_upcast8(uint32_t word, uint32_t factor) {
+  const uint32_t mag = word & 0x77777777u, mag_hi = mag >> 16, shifted = word << 4;
+  const uint32_t hi_a = prmt(kMxHi0, kMxHi1, mag) | (prmt(shifted, word, 0x5140u) & 0x80808080u);
+  const uint32_t hi_b = prmt(kMxHi0, kMxHi1, mag_hi) | (prmt(shifted, word, 0x7362u) & 0x80808080u);
+  const uint32_t lo_a = prmt(kMxLo0, kMxLo1, mag), lo_b = prmt(kMxLo0, kMxLo1, mag_hi);
   uint4 v;
-  v.x = mul_bf16x2(lds32(lut + ((word & 0xffu) << 2)), factor);
-  v.y = mul_bf16x2(lds32(lut + (((word >> 8) & 0xffu) << 2)), factor);
-  v.z = mul_bf16x2(lds32(lut + (((word >> 16) & 0xffu) << 2)), factor);
-  v.w = mul_bf16x2(lds32(lut + ((word >> 24) << 2)), factor);
+  v.x = mul_bf16x2(prmt(lo_a, hi_a, 0x5140u), factor);
+  v.y = mul_bf16x2(prmt(lo_a, hi_a, 0x7362u), factor);
+  v.z = mul_bf16x2(prmt(lo_b, hi_b, 0x5140u), factor);
+  v.w = mul_bf16x2(prmt(lo_b, hi_b, 0x7362u), factor);
   return v;
 }
 
 // Row r (0..127) of the stage's B tile at shared address `b_tile`, from the row's 32 bytes of codes
 // at `slot` and its two scale bytes: 8 chunks of 16 bytes, chunk j at 16 (j ^ (r % 8)) of the row's
 // 128 bytes, the 128-byte swizzle TMA applies (the tile is 1024-byte aligned).
-__device__ __forceinline__ void mx_store_row(uint32_t b_tile, int r, uint32_t slot, uint32_t scales, uint32_t lut) {
+__device__ __forceinline__ void mx_store_row(uint32_t b_tile, int r, uint32_t slot, uint32_t scales) {
   const uint32_t row = b_tile + r * 128;
   const uint32_t f0 = scale_pair(scales & 0xffu), f1 = scale_pair(scales >> 8);
   uint4 lo, hi;
@@ -236,16 +247,7 @@ __device__ __forceinline__ void mx_store_row(uint32_t b_tile, int r, uint32_t sl
                : "r"(slot + 16));
   const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-  for (int j = 0; j < 8; ++j) sts128(row + ((j ^ (r & 7)) << 4), mx_upcast8(words[j], j < 4 ? f0 : f1, lut));
-}
-
-// E2M1 code values as bf16 bits: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (2^(e - 1) (1 + m / 2) for exponent
-// bits e >= 1), then their negatives.
-__device__ __forceinline__ uint32_t e2m1_bf16(uint32_t code) {
-  const uint32_t m = code & 7u, sign = (code & 8u) << 12;
-  if (m == 0u) return sign;
-  if (m == 1u) return sign | 0x3f00u;
-  return sign | ((126u + (m >> 1)) << 7) | ((m & 1u) << 6);
+  for (int j = 0; j < 8; ++j) sts128(row + ((j ^ (r & 7)) << 4), mx_upcast8(words[j], j < 4 ? f0 : f1));
 }
 
 __device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
@@ -402,21 +404,15 @@ struct Args {
   // Persistent bf16 kernels: null, tiles walked statically (CTA b takes b, b + grid, ...); else a
   // zeroed counter from which the producer takes each next tile id (`next_tile`).
   int* tile_counter;
-  // The L2 policy of A's rows (`rows_l2_policy`): normal (0), evict last (1), or evict last except
-  // in the expert's last column tile, which reads them evict first (2).
+  // The L2 policy of A's rows: evict last (1) or normal (0); see `rows_l2_policy`.
   int rows_evict_last;
 };
 
 // A's rows evict last when an expert's rows are what the CTAs of its other column tiles read next
 // (they fit L2 many times over); rows of an expert larger than L2 would, kept last, push out the
-// weight tiles that the CTAs running together share, so the host can ask for normal. Mode 2: the
-// expert's last column tile is the last to read its rows (tiles go expert by expert, column tile
-// by column tile), so it reads them evict first, and rows that no CTA reads again stop holding L2
-// lines (kept last, they would outstay the weight tiles the chunks of later experts share).
-__device__ __forceinline__ uint64_t rows_l2_policy(const Args& args, int col_tile, int n_tiles) {
-  if (args.rows_evict_last == 0) return l2_policy<kEvictNormal>();
-  if (args.rows_evict_last == 2 && col_tile == n_tiles - 1) return l2_policy<kEvictFirst>();
-  return l2_policy<kEvictLast>();
+// weight tiles that the CTAs running together share, so the host can ask for normal.
+__device__ __forceinline__ uint64_t rows_l2_policy(const Args& args) {
+  return args.rows_evict_last ? l2_policy<true>() : l2_policy<false>();
 }
 
 // ---- the activation epilogue: the silu family of spec 01 (silu, swigluoai, swigluoai_uninterleave),
@@ -571,16 +567,16 @@ __device__ __forceinline__ int next_tile(const Args& args, bool dynamic, int id)
 template <int STAGES, bool PERSISTENT, int EPI, int C>
 __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap& map_a, uint8_t* smem,
                                             uint64_t* full, uint64_t* empty, const int* prefix,
-                                            const uint32_t* lut, const uint8_t* staging, int n_tiles,
+                                            const uint8_t* staging, int n_tiles,
                                             int k_tiles) {
   const int r = threadIdx.x, lane = r % 32;
-  const uint32_t lut_addr = smem_addr(lut), ring = smem_addr(staging) + r * 32;
+  const uint64_t rows_policy = rows_l2_policy(args);
+  const uint32_t ring = smem_addr(staging) + r * 32;
   int it = 0;
   for (int id = blockIdx.x;; id = static_next<PERSISTENT>(id)) {  // MXFP4: the static walk only
     const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
     if (tile.e < 0) break;
     const TileGeom g = tile_geometry<EPI, C, kBN>(args, tile);
-    const uint64_t rows_policy = rows_l2_policy(args, tile.col_tile, n_tiles);
     const int w_row = r < 64 ? g.w_row0 + r : g.w_row1 + (r - 64);
     const uint8_t* codes = nullptr;
     const uint8_t* scales = nullptr;
@@ -605,7 +601,7 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
       }
       const uint32_t slot = ring + (kt % kMxDepth) * kMxSlotBytes;
       cp_async_wait<kMxDepth - 1>();  // k tile kt's group (of the kMxDepth in flight) has landed
-      mx_store_row(smem_addr(stage + C * kABox), r, slot, sc, lut_addr);
+      mx_store_row(smem_addr(stage + C * kABox), r, slot, sc);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       __syncwarp();
       if (lane == 0) mbar_arrive(&full[s]);
@@ -637,9 +633,8 @@ __global__ void __launch_bounds__(threads<C>(), 1)
   uint64_t* empty = full + STAGES;
   int* tile_ids = reinterpret_cast<int*>(empty + STAGES);  // dynamic walk: the tile a stage starts
   int* prefix = tile_ids + STAGES;  // [L + 1]
-  uint32_t* lut = reinterpret_cast<uint32_t*>(prefix + kMaxExperts + 1);  // MX: byte -> bf16 pair
   uint8_t* staging =  // MX: kMxDepth slots of raw codes, 16-byte aligned for cp.async
-      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(lut + 256) + 15) & ~uintptr_t(15));
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(prefix + kMaxExperts + 1) + 15) & ~uintptr_t(15));
 
   constexpr int tile_cols = EPI == kPlain ? BN : BN / 2;  // output columns of a tile
   const int n_tiles = (args.N + tile_cols - 1) / tile_cols;
@@ -656,10 +651,6 @@ __global__ void __launch_bounds__(threads<C>(), 1)
     prefetch_map(&map_a);
     if (!MX) prefetch_map(&map_w);
   }
-  if (MX && threadIdx.x >= 128 && threadIdx.x < 128 + 256) {
-    const uint32_t byte = threadIdx.x - 128;
-    lut[byte] = e2m1_bf16(byte & 15u) | (e2m1_bf16(byte >> 4) << 16);
-  }
   __syncthreads();
 
   // Warp-uniform by construction (a shuffle from lane 0), so ptxas sees the consumers' wgmma
@@ -670,11 +661,11 @@ __global__ void __launch_bounds__(threads<C>(), 1)
     // back what the consumers take, and the total stays within that allocation.
     if constexpr (MX) {
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs<C>::mx_producer));
-      mx_producer<STAGES, PERSISTENT, EPI, C>(args, map_a, smem, full, empty, prefix, lut, staging, n_tiles, k_tiles);
+      mx_producer<STAGES, PERSISTENT, EPI, C>(args, map_a, smem, full, empty, prefix, staging, n_tiles, k_tiles);
     } else {
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs<C>::producer));
       if (threadIdx.x != 0) return;
-      const uint64_t weights_policy = l2_policy<kEvictNormal>();
+      const uint64_t weights_policy = l2_policy<false>(), rows_policy = rows_l2_policy(args);
       const bool dynamic = dynamic_walk<PERSISTENT, MX>(args);
       int it = 0;  // k tiles loaded so far: stage and parity
       for (int id = first_tile(args, dynamic);; id = next_tile<PERSISTENT>(args, dynamic, id)) {
@@ -689,7 +680,6 @@ __global__ void __launch_bounds__(threads<C>(), 1)
           break;
         }
         const TileGeom g = tile_geometry<EPI, C, BN>(args, tile);
-        const uint64_t rows_policy = rows_l2_policy(args, tile.col_tile, n_tiles);
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int s = it % STAGES;
           mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
@@ -844,9 +834,8 @@ int encode_3d(CUtensorMap* map, const void* base, long long d0, long long d1, lo
 
 template <int STAGES, int C, int BN>
 __host__ __device__ constexpr int smem_bytes() {
-  return STAGES * stage_bytes<C, BN>() + 2 * STAGES * 8 + 4 * STAGES + 4 * (kMaxExperts + 1) + 4 * 256 +
-         kMxDepth * kMxSlotBytes + 16 +
-         1024;
+  return STAGES * stage_bytes<C, BN>() + 2 * STAGES * 8 + 4 * STAGES + 4 * (kMaxExperts + 1) +
+         kMxDepth * kMxSlotBytes + 16 + 1024;
 }
 template <int STAGES, bool PERSISTENT, int EPI, bool MX, int BN, int C>
 int launch(const CUtensorMap& ma, const CUtensorMap& mw, const Args& args, int grid_x, cudaStream_t stream) {
@@ -962,8 +951,7 @@ int pmoe_gg_max_experts() { return kMaxExperts; }
 // and w must be multiples of 8 elements and the bases 16-byte aligned (TMA), the MXFP4 row strides
 // multiples of 16 bytes. `tile_counter`: null (the static walk), or a zeroed int32 for the
 // dynamic one (persistent configurations, bf16 weights); the kernel leaves it past the tile count.
-// `rows_evict_last`: A's rows with the L2 policy normal (0), evict-last (1), or evict-last except in
-// the expert's last column tile, which reads them evict-first (2).
+// `rows_evict_last`: A's rows with the L2 policy evict-last (1) or normal (0).
 int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const void* a, long long stride_as,
                       long long stride_ar, int slabs, int rows, const void* w, long long stride_we,
                       long long stride_wn, int L, int w_rows, const void* offsets, const void* counts,
@@ -980,7 +968,7 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
   const bool gated_mode = mode == kGatedSplit || mode == kGatedPairs;
   if ((gated_mode && w_rows != 2 * N) || (!gated_mode && w_rows != N)) return -15;
   if (w_kind != 0 && (w_kind != 1 || q_blocks == nullptr || q_scales == nullptr || K % 32 != 0)) return -18;
-  if (rows_evict_last < 0 || rows_evict_last > 2) return -22;
+  if (rows_evict_last < 0 || rows_evict_last > 1) return -22;
   CUtensorMap ma;
   const int err = encode_3d(&ma, a, K, rows, slabs, stride_ar * 2, stride_as * 2, kRowsPerGroup);
   if (err != 0) return err;
@@ -1011,7 +999,7 @@ const char* pmoe_error_string(int code) {
   if (code == -18) return "MXFP4 weights need their codes and scales and K a multiple of 32";
   if (code == -19) return "MXFP4 weights run in the 128-row configurations only";
   if (code == -21) return "a tile counter (the dynamic walk) needs a persistent configuration and bf16 weights";
-  if (code == -22) return "the L2 policy of A's rows must be 0 (normal), 1 (evict last) or 2 (evict last, then first)";
+  if (code == -22) return "the L2 policy of A's rows must be 0 (normal) or 1 (evict last)";
   if (code == -20) return "the kernel was compiled with fewer registers than its warpgroups share out (setmaxnreg)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }

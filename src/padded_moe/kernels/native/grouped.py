@@ -92,12 +92,6 @@ def default_config(rows_per_expert: float, mxfp4: bool) -> int:
     return DEFAULT_CONFIG
 
 
-def rows_l2_mode() -> int:
-    """The kernel's L2 policy of A's rows (`rows_evict_last`): 1 evict last, 0 normal
-    (`ROWS_EVICT_LAST`)."""
-    return int(ROWS_EVICT_LAST)
-
-
 def _refuse(why: str) -> None:
     raise NotImplementedError(f"the native grouped GEMM (backend 'cuda') {why}")
 
@@ -226,5 +220,5 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
     counter = torch.zeros(1, dtype=torch.int32, device=a.device) if dynamic else None
     launch_native(native.GROUPED.entry(ENTRY), grid,
                   (config, a, stride_as, stride_ar, slabs, rows, *dense, L, w_rows, offsets, counts, bias, stride_be,
-                   bias_kind, out, stride_os, stride_or, K, N, *ep, *mx, counter, rows_l2_mode()))
+                   bias_kind, out, stride_os, stride_or, K, N, *ep, *mx, counter, int(ROWS_EVICT_LAST)))
     return out

@@ -119,6 +119,15 @@ for stage in "$@"; do
                 --metrics dram__bytes_read.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct,smsp__warps_issue_stalled_gmma.sum,smsp__inst_executed.sum \
                 -k regex:"grouped_gemm|_expert_gemm" python3 scripts/native_dense_probe.py --once \
                 --cases "${DENSE_CASE:-mixtral}" --variants "triton,c0 dyn" ;;
+        l2-ncu)  # where the operand feed goes (equal rows, dense and Mixtral GEMM1): for cuBLAS, Triton and the
+            # native kernel, the bytes landed in shared memory, the L2 sectors read for them, the traffic between
+            # the two L2 partitions, the L2's throughput and the clocks (a metrics list: one pass per kernel)
+            l2_metrics=gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,l1tex__m_xbar2l1tex_read_bytes.sum
+            l2_metrics+=,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_ltcfabric.sum
+            l2_metrics+=,lts__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,launch__cluster_dim_x
+            STEP_TIMEOUT=200 step ncu-l2 ncu --metrics "$l2_metrics" -k regex:"grouped_gemm|_expert_gemm|nvjet|xmma|cutlass" \
+                python3 scripts/native_dense_probe.py --once \
+                --cases dense,mixtral --variants "triton,c0,c3 dyn" ;;
         auto-band)  # whole calls at rows per expert around AUTO_NATIVE_ROWS (128-320) on the three bf16 presets
             band_variants="auto;grouped, Triton;grouped, cuda c0;grouped, cuda c3 dyn"
             for case in ${BAND_CASES:-dsv4-flash:5461,6827,10923,13653 qwen3-30b-a3b:2048,3072,4096 mixtral-8x7b:512,768,1024}; do

@@ -1,9 +1,11 @@
 """Where the native grouped GEMM loses time on full tiles: every expert gets the same number of
 rows, so the same work runs as one cuBLAS batched matmul (`torch.bmm`, the reference rate), as our
 Triton GEMM, and as the native kernel in each bf16 configuration and tile walk. One expert of 8192
-rows is a dense GEMM: a native deficit there is the main loop's; one that appears only with many
-experts is the tile order's (L2). Plain epilogue (no bias, no activation), bf16, CUDA-graph replays
-timed in alternating rounds. Each output is checked against the bmm's.
+rows is a dense GEMM; with many experts the walk also decides which experts' weights share L2.
+`gpu_check.sh l2-ncu` runs it under Nsight Compute for the L2 traffic behind these times. Plain
+epilogue (no bias, no activation), bf16, CUDA-graph replays timed in alternating rounds (the median;
+"spread" is the rounds' (slowest - fastest) / median, so differences between variants below it are
+noise). Each output is compared with the bmm's.
 
     PYTHONPATH=src python scripts/native_dense_probe.py [--cases dense,dsv4,qwen3,mixtral] [--rounds 3]
 
@@ -59,7 +61,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("native_dense_probe times the GPU: it needs one")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    print(f"{'case':10} {'variant':10} {'us':>9} {'TFLOP/s':>8} {'bmm/this':>8} {'rel diff':>9}")
+    print(f"{'case':10} {'variant':10} {'us':>9} {'TFLOP/s':>8} {'bmm/this':>8} {'rel diff':>9} {'spread':>7}")
     for name in args.cases.split(","):
         L, M, K, N = CASES[name]
         a = torch.randn(L * M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -92,12 +94,15 @@ def main() -> None:
             for k, g in graphs.items():
                 times[k].append(bench_us(g.replay, warmup_ms=10, rep_ms=100))
         t = {k: statistics.median(v) for k, v in times.items()}
+        # The rounds' spread, (slowest - fastest) / median: differences between variants below it are noise.
+        spread = {k: (max(v) - min(v)) / t[k] for k, v in times.items()}
         flops = 2.0 * L * M * N * K
         r = ref.view(L * M, N).double()
         for k in graphs:
             o = outs[k].view(L * M, N).double()
             diff = ((o - r).norm() / r.norm()).item()
-            print(f"{name:10} {k:10} {t[k]:9.1f} {flops / t[k] / 1e6:8.1f} {t['bmm'] / t[k]:8.3f} {diff:9.1e}")
+            print(f"{name:10} {k:10} {t[k]:9.1f} {flops / t[k] / 1e6:8.1f} {t['bmm'] / t[k]:8.3f} {diff:9.1e} "
+                  f"{100 * spread[k]:6.1f}%")
         del graphs, outs, calls, a, w, ref
         torch.cuda.empty_cache()
 

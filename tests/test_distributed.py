@@ -419,3 +419,17 @@ def test_one_collective_each_way_and_two_kernels(one_rank_group, monkeypatch):
                     ("combine", "flat"): ["_combine_flat_kernel", "alltoall_base_", "_reduce_kernel"],
                     ("combine", "batched"): ["_combine_batched_kernel", "alltoall_base_", "_reduce_kernel"]}
             assert work == want[(step, mode)], (mode, step, calls)
+
+
+def test_distributed_re_exports_every_public_name_of_ep():
+    """`padded_moe.distributed` serves every name of `padded_moe.ep.__all__` (the transports and the
+    buffer description included), the same objects, and refuses others with AttributeError."""
+    import padded_moe.distributed as dist
+    import padded_moe.ep as ep
+
+    for name in ep.__all__:
+        assert getattr(dist, name) is getattr(ep, name), name
+        assert name in dist.__all__ and name in dir(dist)
+    from padded_moe.distributed import InProcessWorld, ep_buffer_specs  # noqa: F401
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        dist.nothing_here

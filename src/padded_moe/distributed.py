@@ -1,5 +1,8 @@
 """Expert parallelism (spec 04): the names of `padded_moe.ep`, importable from here as before.
 
+Every public name of `padded_moe.ep` (`padded_moe.ep.__all__`: the engine, the transports and
+their registry, the buffer description) and the stage, tile and wire names below.
+
 The implementation is the package `padded_moe.ep` (see its docstring for the file map):
 `ExpertParallel` (`ep.engine`), the wire format and buffer description (`ep.wire`), the launch
 table (`ep.tiles`), the stages (`ep.stages`, `ep.launchers`) and the transports (`ep.transport`,
@@ -21,15 +24,19 @@ _HOME = {
                      "_dequantize_fp8", "_quantize_fp8", "fp8_scale_columns", "meta_columns"), "wire"),
 }
 
-__all__ = sorted(name for name in _HOME if not name.startswith("_"))
+_EP = importlib.import_module("padded_moe.ep")  # its names load lazily too: importing it is cheap
+
+__all__ = sorted({name for name in _HOME if not name.startswith("_")} | set(_EP.__all__))
 
 
 def __getattr__(name: str):
     home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'padded_moe.distributed' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"padded_moe.ep.{home}"), name)
+    if home is not None:
+        return getattr(importlib.import_module(f"padded_moe.ep.{home}"), name)
+    if name in _EP.__all__:
+        return getattr(_EP, name)
+    raise AttributeError(f"module 'padded_moe.distributed' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_HOME))
+    return sorted(set(globals()) | set(_HOME) | set(_EP.__all__))

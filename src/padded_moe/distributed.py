@@ -1,6 +1,6 @@
 """Expert parallelism (spec 04): the names of `padded_moe.ep`, importable from here as before.
 
-Every public name of `padded_moe.ep` (`padded_moe.ep.__all__`: the engine, the transports and
+It serves every public name of `padded_moe.ep` (`padded_moe.ep.__all__`: the engine, the transports and
 their registry, the buffer description) and the stage, tile and wire names below.
 
 The implementation is the package `padded_moe.ep` (see its docstring for the file map):

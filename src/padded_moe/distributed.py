@@ -13,15 +13,15 @@ Tuning constants are read from `padded_moe.ep.tiles`: change them there, not her
 
 import importlib
 
+# The stage, tile and wire names `padded_moe.ep.__all__` does not carry (its own names come from there).
 _HOME = {
-    **dict.fromkeys(("DispatchHandle", "ExpertParallel", "ReceiveBuffer"), "engine"),
     **dict.fromkeys(("_decode_rows_torch", "_receive_batched_torch", "combine_batched_rows", "combine_flat_rows",
                      "local_batched", "local_flat", "pack_rows", "peer_counts", "receive_batched", "receive_flat",
                      "reduce_partials"), "stages"),
     **dict.fromkeys(("EP_FREE_SMS", "EP_OVERLAP_MIN_TOKENS", "EP_TILES", "INTERPRET_TILE", "PACK_ONE_BLOCK_TOKENS",
                      "EPTile", "route_block_columns"), "tiles"),
-    **dict.fromkeys(("FP8_BLOCK", "FP8_MAX", "FP8_WIRE_DTYPES", "MODES", "ROW_ALIGN", "EPGeometry", "WireFormat",
-                     "_dequantize_fp8", "_quantize_fp8", "fp8_scale_columns", "meta_columns"), "wire"),
+    **dict.fromkeys(("FP8_BLOCK", "FP8_MAX", "FP8_WIRE_DTYPES", "MODES", "ROW_ALIGN", "_dequantize_fp8",
+                     "_quantize_fp8", "fp8_scale_columns", "meta_columns"), "wire"),
 }
 
 _EP = importlib.import_module("padded_moe.ep")  # its names load lazily too: importing it is cheap

@@ -59,6 +59,22 @@ def run_examples(cpu_path, body, torch_examples: int, interpreted_examples: int)
              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])(body)()
 
 
+def gelu_cancellation(name: str, x: torch.Tensor) -> float:
+    """Where a float32 GELU loses relative accuracy: the norm of |g| / 2 * |u| (u = 1 ungated) for
+    the GELU family, 0 for the others. GELU is g / 2 * (1 + erf(g / sqrt 2)) (tanh for gelu_tanh);
+    for g far below zero the sum cancels, so a float32 evaluation (torch's own F.gelu, and ours,
+    which computes the same formula) is exact to a few ulps of g / 2, not of its tiny result: at
+    g = -3.92 the float32 GELU is off by 1.9e-4 of its value."""
+    base = name[: -len("_no_mul")] if name.endswith("_no_mul") else name
+    if base not in ("gelu", "gelu_tanh"):
+        return 0.0
+    x = x.double()
+    if name.endswith("_no_mul"):
+        return (x.abs() / 2).norm().item()
+    d = x.shape[-1] // 2
+    return (x[..., :d].abs() / 2 * x[..., d:].abs()).norm().item()
+
+
 # ---------------------------------------------------------------------------------------------
 
 def test_apply_moe_activation_property(cpu_path):
@@ -92,7 +108,12 @@ def test_apply_moe_activation_property(cpu_path):
             o, xi = (out[i], x[i]) if batched else (out, x)
             assert torch.isnan(o[c:]).all(), "rows past the count must stay untouched"
             if c:
-                assert rel_err(o[:c], activation_f64(act.value, xi[:c], **ref_kw)) <= REL_TOL[dtype] * 4
+                ref = activation_f64(act.value, xi[:c], **ref_kw)
+                ref_norm = ref.norm().item()
+                # rel_err's bound as an absolute one, plus 16 float32 ulps of the GELU family's
+                # cancelling term (`gelu_cancellation`).
+                slack = 16 * 2.0 ** -23 * gelu_cancellation(act.value, xi[:c])
+                assert rel_err(o[:c], ref) * (ref_norm or 1.0) <= REL_TOL[dtype] * 4 * (ref_norm or 1.0) + slack
 
     run_examples(cpu_path, body, 40, 15)
 

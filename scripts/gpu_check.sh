@@ -109,6 +109,17 @@ for stage in "$@"; do
         peers-dsv4-8192)  # the peers harness's DeepSeek-V4 bf16 case at 8192 tokens alone (.peers carried)
             STEP_TIMEOUT=210 step peers-dsv4-8192 env OUT="$OUT/peers-dsv4-8192" BUDGET_S=160 TIMEOUT_S=200 \
                 bash .peers/run.sh --tokens 8192 --cases dsv4 ;;
+        load-policies)  # which TMA loads carry L2 policy operands (grouped.LOAD_POLICIES): probes, the native
+            # GEMM's GPU tests (every configuration), memcheck, then the equal-rows probe with the masks varied
+            STEP_TIMEOUT=90 step probe-native-gemm python3 scripts/native_gemm_probe.py
+            if grep -q "probe-native-gemm rc=0" "$summary"; then
+                STEP_TIMEOUT=150 step test-native-grouped python3 -m pytest -q -x tests/test_native.py \
+                    tests/test_cuda_backend.py tests/test_native_grouped_gpu.py
+                STEP_TIMEOUT=80 step sanitizer-native-grouped compute-sanitizer --tool memcheck --error-exitcode 9 \
+                    python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k sanitizer
+                STEP_TIMEOUT=200 step dense-probe-policies python3 scripts/native_dense_probe.py \
+                    --cases dense,dsv4,qwen3,mixtral --variants "triton,c0,c0 p2,c0 p1,c0 p0,c3 dyn,c3 dyn p3"
+            fi ;;
         dense-probe)  # equal rows per expert: cuBLAS bmm / Triton / the native configurations and walks, dense
             # (one expert) and the presets' GEMM1 shapes at 8192 tokens
             STEP_TIMEOUT=240 step dense-probe python3 scripts/native_dense_probe.py ;;

@@ -9,15 +9,19 @@ noise). Each output is compared with the bmm's.
 
     PYTHONPATH=src python scripts/native_dense_probe.py [--cases dense,dsv4,qwen3,mixtral] [--rounds 3]
 
-`--variants triton,c0` keeps those (and bmm); `--once` runs each once, eagerly and untimed, for ncu.
+`--variants triton,c0` keeps those (and bmm); "cN pM" / "cN dyn pM" add configuration N launched
+with load-policy mask M (`grouped.LOAD_POLICIES`: 1 the weight tile's loads carry their L2 policy,
+2 A's rows'); `--once` runs each once, eagerly and untimed, for ncu.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -50,6 +54,19 @@ def native_variants() -> list:
     return out
 
 
+def with_policies(keep: set) -> list:
+    """(label, configuration, dynamic walk, mask) of the "cN[ dyn] pM" variants in `keep`."""
+    out = []
+    for label in sorted(keep):
+        m = re.fullmatch(r"c(\d+)( dyn)? p(\d+)", label)
+        if m:
+            config, mask = int(m[1]), int(m[3])
+            if config >= len(grouped.CONFIGS) or mask > grouped.POLICY_WEIGHTS | grouped.POLICY_ROWS:
+                raise SystemExit(f"variant {label!r}: no configuration {config} or mask {mask}")
+            out.append((label, config, bool(m[2]), mask))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(CASES))
@@ -78,6 +95,13 @@ def main() -> None:
             out = torch.full((L * M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
             calls[label] = (lambda c=config, d=dynamic, o=out: grouped.launch(a, w, o, offsets=offsets,  # noqa: B023
                                                                                  config=c, dynamic=d), out)
+        for label, config, dynamic, mask in with_policies(keep):
+            out = torch.full((L * M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+            def run(c=config, d=dynamic, o=out, m=mask):  # the mask is read at launch (and so at capture)
+                with mock.patch.dict(grouped.LOAD_POLICIES, {c: m}):
+                    grouped.launch(a, w, o, offsets=offsets, config=c, dynamic=d)  # noqa: B023
+            calls[label] = (run, out)
         calls = {k: v for k, v in calls.items() if k == "bmm" or not keep or k in keep}
         outs = {k: out for k, (_, out) in calls.items()}
         if args.once:

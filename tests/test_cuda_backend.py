@@ -169,7 +169,7 @@ def test_contiguous_launch_arguments(monkeypatch):
      N, *rest) = args
     ep, mx, counter = rest[:6], rest[6:13], rest[13:]
     assert (config, slabs, rows, s_ar, s_as) == (0, 1, 10, 64, 640)
-    assert counter == [None, 1]  # configuration 0 walks statically; A's rows evict-last in L2
+    assert counter == [None, 1, 3]  # configuration 0: the static walk, A's rows evict-last, both policies carried
     assert a_ is a and w_ is w and o_ is out and off is offsets and cnt is None and b_ is bias
     assert (s_we, s_wn, L, w_rows, s_be, bkind, s_or, K, N) == (260 * 64, 64, 3, 260, 260,
                                                                  native.DTYPE_CODES[torch.float32], 260, 64, 260)
@@ -276,7 +276,7 @@ def test_mxfp4_launch_arguments(monkeypatch):
     (_, grid, args), = rec.calls
     assert args[6:11] == (None, 0, 0, 3, 16) and (args[19], args[20]) == (64, 8)
     assert args[21] == grouped.GATED_PAIRS
-    assert args[27:] == (1, q.blocks, q.scales, 16 * 32, 32, 16 * 2, 2, None, 1)  # no tile counter
+    assert args[27:] == (1, q.blocks, q.scales, 16 * 32, 32, 16 * 2, 2, None, 1, 3)  # no tile counter
 
 
 def test_mxfp4_needs_its_canonical_bytes(monkeypatch):
@@ -382,30 +382,30 @@ def test_the_dynamic_walk_passes_a_fresh_zeroed_counter(monkeypatch):
     q = quantize_mxfp4(torch.randn(3, 260, 64))
     assert grouped.DYNAMIC_WALK is None and grouped.DYNAMIC_CONFIGS == (grouped.WIDE_CONFIG,)
     grouped.launch(a, w, out, offsets=offsets, config=grouped.WIDE_CONFIG)  # by default: from the counter
-    assert rec.calls[-1][2][-2] is not None
+    assert rec.calls[-1][2][-3] is not None
     grouped.launch(a, w, out, offsets=offsets, config=0)
-    assert rec.calls[-1][2][-2] is None
+    assert rec.calls[-1][2][-3] is None
     monkeypatch.setattr(grouped, "DYNAMIC_WALK", False)
     grouped.launch(a, w, out, offsets=offsets, config=grouped.WIDE_CONFIG)
-    assert rec.calls[-1][2][-2] is None
+    assert rec.calls[-1][2][-3] is None
     grouped.launch(a, w, out, offsets=offsets, config=0)
-    assert rec.calls[-1][2][-2] is None
+    assert rec.calls[-1][2][-3] is None
     for config in (0, 2, 3):
         grouped.launch(a, w, out, offsets=offsets, config=config, dynamic=True)
-        counter = rec.calls[-1][2][-2]
+        counter = rec.calls[-1][2][-3]
         assert counter.dtype == torch.int32 and counter.shape == (1,) and int(counter) == 0
-    first = rec.calls[-1][2][-2]
+    first = rec.calls[-1][2][-3]
     grouped.launch(a, w, out, offsets=offsets, config=3, dynamic=True)
-    assert rec.calls[-1][2][-2] is not first  # never shared between launches
+    assert rec.calls[-1][2][-3] is not first  # never shared between launches
     monkeypatch.setattr(grouped, "DYNAMIC_WALK", True)
     grouped.launch(a, w, out, offsets=offsets)
-    assert rec.calls[-1][2][-2] is not None
+    assert rec.calls[-1][2][-3] is not None
     grouped.launch(a, w, out, offsets=offsets, dynamic=False)
-    assert rec.calls[-1][2][-2] is None
+    assert rec.calls[-1][2][-3] is None
     grouped.launch(a, w, out, offsets=offsets, config=1)  # one CTA per tile: nothing to walk
-    assert rec.calls[-1][2][-2] is None
+    assert rec.calls[-1][2][-3] is None
     grouped.launch(a, q, out, offsets=offsets)  # MXFP4: the producer warps walk statically
-    assert rec.calls[-1][2][-2] is None
+    assert rec.calls[-1][2][-3] is None
     with pytest.raises(NotImplementedError, match="one CTA per tile with bf16"):
         grouped.launch(a, w, out, offsets=offsets, config=1, dynamic=True)
     with pytest.raises(NotImplementedError, match="persistent with MXFP4"):
@@ -417,10 +417,27 @@ def test_rows_l2_policy_follows_the_setting(monkeypatch):
     a, w, out = _tensors(L=3, N=260, K=64, rows=10)
     offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
     grouped.launch(a, w, out, offsets=offsets)
-    assert rec.calls[-1][2][-1] == 1
+    assert rec.calls[-1][2][-2] == 1
     monkeypatch.setattr(grouped, "ROWS_EVICT_LAST", False)
     grouped.launch(a, w, out, offsets=offsets)
-    assert rec.calls[-1][2][-1] == 0
+    assert rec.calls[-1][2][-2] == 0
+
+
+def test_load_policies_per_configuration(monkeypatch):
+    """Configuration 3 loads without policy operands (open to L2's request coalescer), the others
+    carry both; a changed table reaches the launch."""
+    rec = _Recorder(monkeypatch)
+    a, w, out = _tensors(L=3, N=260, K=64, rows=10)
+    offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
+    both = grouped.POLICY_WEIGHTS | grouped.POLICY_ROWS
+    assert (grouped.POLICY_WEIGHTS, grouped.POLICY_ROWS) == (1, 2)
+    assert [grouped.load_policies(c) for c in range(len(grouped.CONFIGS))] == [both, both, both, 0]
+    for config in range(len(grouped.CONFIGS)):
+        grouped.launch(a, w, out, offsets=offsets, config=config)
+        assert rec.calls[-1][2][-1] == grouped.load_policies(config)
+    monkeypatch.setitem(grouped.LOAD_POLICIES, 0, grouped.POLICY_ROWS)
+    grouped.launch(a, w, out, offsets=offsets, config=0)
+    assert rec.calls[-1][2][-1] == grouped.POLICY_ROWS
 
 
 def test_the_measured_defaults():

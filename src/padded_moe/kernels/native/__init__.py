@@ -235,6 +235,7 @@ def _declare_grouped(lib: ctypes.CDLL) -> None:
         LL, LL, LL, LL,  # codes' expert / row strides, scales' expert / row strides (bytes)
         P,  # tile counter (the dynamic walk) or null
         I,  # A's rows evict last (1) or normal (0) in L2
+        I,  # which TMA loads carry their L2 policy: 1 the weight tile's, 2 A's rows' (a mask)
     ]
 
 

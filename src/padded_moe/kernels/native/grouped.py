@@ -62,6 +62,16 @@ DYNAMIC_CONFIGS = (WIDE_CONFIG,)
 # lines measured no better, even for Mixtral's 58 MB of rows per expert (wide tiles from the
 # counter: 0.94-1.07x the time of evict-last over the three bf16 presets' GEMMs).
 ROWS_EVICT_LAST = True
+# Which TMA loads carry their L2 policy operand (a mask of POLICY_WEIGHTS, the weight tile's
+# evict-normal, and POLICY_ROWS, A's rows' policy above), per configuration; LOAD_POLICIES' absent
+# configurations carry both. Loads without the operand are open to Hopper's L2 request coalescer,
+# which merges reads of the same sectors by SMs at about the same time, as the Triton GEMM's are;
+# with it they were hardly ever merged (Nsight Compute, H100). Configuration 3 from the counter
+# took 0.91x (dense), 0.94x (Mixtral GEMM1) and 0.99x (Qwen3-MoE GEMM1) of its time with both
+# policies; configuration 0 took 1.05-1.09x without either (its rows, read by up to 32 column tiles
+# in turn, may leave L2 without evict-last), so it keeps them.
+POLICY_WEIGHTS, POLICY_ROWS = 1, 2
+LOAD_POLICIES = {WIDE_CONFIG: 0}
 # Epilogue modes (`grouped_gemm.cu`): plain, gated with the gate half first, gated with gate and up
 # interleaved (swigluoai).
 PLAIN, GATED_SPLIT, GATED_PAIRS = 0, 1, 2
@@ -70,6 +80,11 @@ PLAIN, GATED_SPLIT, GATED_PAIRS = 0, 1, 2
 EPILOGUE_ACTIVATIONS = frozenset({"silu", "swigluoai", "swigluoai_uninterleave"})
 _MAX_INT32 = 2 ** 31 - 1
 GROUP_ROWS = 64  # rows of one consumer warpgroup (wgmma M)
+
+
+def load_policies(config: int) -> int:
+    """The load-policy mask configuration `config` launches with (`LOAD_POLICIES`)."""
+    return LOAD_POLICIES.get(config, POLICY_WEIGHTS | POLICY_ROWS)
 
 
 def chunk_rows(config: int) -> int:
@@ -220,5 +235,6 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
     counter = torch.zeros(1, dtype=torch.int32, device=a.device) if dynamic else None
     launch_native(native.GROUPED.entry(ENTRY), grid,
                   (config, a, stride_as, stride_ar, slabs, rows, *dense, L, w_rows, offsets, counts, bias, stride_be,
-                   bias_kind, out, stride_os, stride_or, K, N, *ep, *mx, counter, int(ROWS_EVICT_LAST)))
+                   bias_kind, out, stride_os, stride_or, K, N, *ep, *mx, counter, int(ROWS_EVICT_LAST),
+                   load_policies(config)))
     return out

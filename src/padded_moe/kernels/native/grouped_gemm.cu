@@ -122,16 +122,26 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
-// `policy`: an L2 cache policy (`l2_policy`). The rows of A are read by every CTA of the expert's
-// column tiles (evict last); a weight tile by the CTAs of the expert's row chunks, which run side
-// by side (evict normal: evict-first could drop it before the last of them reads it).
+// `policy`: an L2 cache policy (`l2_policy`), carried when `hinted`. The rows of A are read by every
+// CTA of the expert's column tiles (evict last); a weight tile by the CTAs of the expert's row
+// chunks, which run side by side (evict normal: evict-first could drop it before the last of them
+// reads it). A load without a policy operand is open to the L2 request coalescer, which merges reads
+// of the same sectors by SMs at about the same time; loads that carry one were hardly ever merged
+// (Nsight Compute's lrc metrics), so the host chooses per configuration (`Args::load_policies`).
 __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
-                                            uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%3, "
-      "%4, %5}], [%2], %6;" ::"r"(smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
-      : "memory");
+                                            uint64_t policy, bool hinted) {
+  if (hinted)
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%3, "
+        "%4, %5}], [%2], %6;" ::"r"(smem_addr(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
+        : "memory");
+  else
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+        "[%2];" ::"r"(smem_addr(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
 }
 
 template <bool EVICT_LAST>
@@ -406,7 +416,12 @@ struct Args {
   int* tile_counter;
   // The L2 policy of A's rows: evict last (1) or normal (0); see `rows_l2_policy`.
   int rows_evict_last;
+  // Which TMA loads carry their L2 policy operand (`tma_load_3d`): a mask of kPolicyWeights (the
+  // weight tile's) and kPolicyRows (A's rows); the others load without one.
+  int load_policies;
 };
+
+constexpr int kPolicyWeights = 1, kPolicyRows = 2;
 
 // A's rows evict last when an expert's rows are what the CTAs of its other column tiles read next
 // (they fit L2 many times over); rows of an expert larger than L2 would, kept last, push out the
@@ -571,6 +586,7 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
                                             int k_tiles) {
   const int r = threadIdx.x, lane = r % 32;
   const uint64_t rows_policy = rows_l2_policy(args);
+  const bool hint_rows = args.load_policies & kPolicyRows;  // the weights arrive by cp.async here
   const uint32_t ring = smem_addr(staging) + r * 32;
   int it = 0;
   for (int id = blockIdx.x;; id = static_next<PERSISTENT>(id)) {  // MXFP4: the static walk only
@@ -597,7 +613,7 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
         mbar_expect_tx(&full[s], g.boxes * kABox);
         for (int b = 0; b < g.boxes; ++b)
           tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, g.start + g.m0 + b * kRowsPerGroup, g.slab,
-                      rows_policy);
+                      rows_policy, hint_rows);
       }
       const uint32_t slot = ring + (kt % kMxDepth) * kMxSlotBytes;
       cp_async_wait<kMxDepth - 1>();  // k tile kt's group (of the kMxDepth in flight) has landed
@@ -666,6 +682,7 @@ __global__ void __launch_bounds__(threads<C>(), 1)
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs<C>::producer));
       if (threadIdx.x != 0) return;
       const uint64_t weights_policy = l2_policy<false>(), rows_policy = rows_l2_policy(args);
+      const bool hint_weights = args.load_policies & kPolicyWeights, hint_rows = args.load_policies & kPolicyRows;
       const bool dynamic = dynamic_walk<PERSISTENT, MX>(args);
       int it = 0;  // k tiles loaded so far: stage and parity
       for (int id = first_tile(args, dynamic);; id = next_tile<PERSISTENT>(args, dynamic, id)) {
@@ -686,12 +703,12 @@ __global__ void __launch_bounds__(threads<C>(), 1)
           if (dynamic && kt == 0) tile_ids[s] = id;  // published by the expect_tx arrival below
           uint8_t* stage = smem + s * kStageBytes;
           mbar_expect_tx(&full[s], kBBox + g.boxes * kABox);
-          tma_load_3d(stage + C * kABox, &map_w, &full[s], kt * kBK, g.w_row0, g.e, weights_policy);
+          tma_load_3d(stage + C * kABox, &map_w, &full[s], kt * kBK, g.w_row0, g.e, weights_policy, hint_weights);
           tma_load_3d(stage + C * kABox + kBBox / 2, &map_w, &full[s], kt * kBK, g.w_row1, g.e,
-                      weights_policy);
+                      weights_policy, hint_weights);
           for (int b = 0; b < g.boxes; ++b)
             tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, g.start + g.m0 + b * kRowsPerGroup, g.slab,
-                        rows_policy);
+                        rows_policy, hint_rows);
         }
       }
     }
@@ -951,7 +968,8 @@ int pmoe_gg_max_experts() { return kMaxExperts; }
 // and w must be multiples of 8 elements and the bases 16-byte aligned (TMA), the MXFP4 row strides
 // multiples of 16 bytes. `tile_counter`: null (the static walk), or a zeroed int32 for the
 // dynamic one (persistent configurations, bf16 weights); the kernel leaves it past the tile count.
-// `rows_evict_last`: A's rows with the L2 policy evict-last (1) or normal (0).
+// `rows_evict_last`: A's rows with the L2 policy evict-last (1) or normal (0). `load_policies`: a
+// mask of which TMA loads carry their policy, 1 the weight tile's and 2 A's rows' (0-3).
 int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const void* a, long long stride_as,
                       long long stride_ar, int slabs, int rows, const void* w, long long stride_we,
                       long long stride_wn, int L, int w_rows, const void* offsets, const void* counts,
@@ -959,7 +977,7 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
                       long long stride_or, int K, int N, int mode, int act, int has_limit, float limit,
                       float alpha, float beta, int w_kind, const void* q_blocks, const void* q_scales,
                       long long stride_qe, long long stride_qn, long long stride_se, long long stride_sn,
-                      int* tile_counter, int rows_evict_last) {
+                      int* tile_counter, int rows_evict_last, int load_policies) {
   if ((offsets == nullptr) == (counts == nullptr)) return -12;
   if (grid_y != 1 || grid_x < 1 || N % 2 != 0 || L < 1) return -13;
   if (L > kMaxExperts) return -16;
@@ -969,6 +987,7 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
   if ((gated_mode && w_rows != 2 * N) || (!gated_mode && w_rows != N)) return -15;
   if (w_kind != 0 && (w_kind != 1 || q_blocks == nullptr || q_scales == nullptr || K % 32 != 0)) return -18;
   if (rows_evict_last < 0 || rows_evict_last > 1) return -22;
+  if (load_policies < 0 || load_policies > (kPolicyWeights | kPolicyRows)) return -23;
   CUtensorMap ma;
   const int err = encode_3d(&ma, a, K, rows, slabs, stride_ar * 2, stride_as * 2, kRowsPerGroup);
   if (err != 0) return err;
@@ -976,7 +995,7 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
                   has_limit, N, limit, alpha, beta, bias, stride_be, bias_kind, static_cast<uint16_t*>(out),
                   stride_os, stride_or, static_cast<const uint8_t*>(q_blocks), static_cast<const uint8_t*>(q_scales),
                   stride_qe, stride_qn, stride_se, stride_sn, w_rows, tile_counter,
-                  rows_evict_last};
+                  rows_evict_last, load_policies};
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   int i = 0;
 #define RUN(S, P, B, C) \
@@ -1000,6 +1019,7 @@ const char* pmoe_error_string(int code) {
   if (code == -19) return "MXFP4 weights run in the 128-row configurations only";
   if (code == -21) return "a tile counter (the dynamic walk) needs a persistent configuration and bf16 weights";
   if (code == -22) return "the L2 policy of A's rows must be 0 (normal) or 1 (evict last)";
+  if (code == -23) return "the load-policy mask must be 0-3 (1: the weight tile's loads carry their L2 policy, 2: A's rows')";
   if (code == -20) return "the kernel was compiled with fewer registers than its warpgroups share out (setmaxnreg)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }

@@ -67,9 +67,10 @@ ROWS_EVICT_LAST = True
 # configurations carry both. Loads without the operand are open to Hopper's L2 request coalescer,
 # which merges reads of the same sectors by SMs at about the same time, as the Triton GEMM's are;
 # with it they were hardly ever merged (Nsight Compute, H100). Configuration 3 from the counter
-# took 0.91x (dense), 0.94x (Mixtral GEMM1) and 0.99x (Qwen3-MoE GEMM1) of its time with both
-# policies; configuration 0 took 1.05-1.09x without either (its rows, read by up to 32 column tiles
-# in turn, may leave L2 without evict-last), so it keeps them.
+# took 0.91-0.94x (dense), 0.94x (DeepSeek-V4 GEMM1), 0.94-0.95x (Mixtral) and 0.90-0.99x (Qwen3-MoE)
+# of its time with both policies (two H100 runs, equal rows per expert). Configuration 0, whose rows
+# are read by up to 32 column tiles in turn, gained nothing consistent without either or one of them
+# (0.97-1.11x over the same cases; 1.05-1.09x without either in an earlier run), so it keeps both.
 POLICY_WEIGHTS, POLICY_ROWS = 1, 2
 LOAD_POLICIES = {WIDE_CONFIG: 0}
 # Epilogue modes (`grouped_gemm.cu`): plain, gated with the gate half first, gated with gate and up

@@ -20,6 +20,17 @@ step() {  # step NAME CMD...: run, log, record status and seconds
     echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$summary"
     tail -n 25 "$OUT/$name.log"
 }
+native_checks() {  # native_checks PROBE_S TESTS_S SANITIZER_S [PYTEST_FLAG...]: the native grouped GEMM's exact-integer
+    # probes, then, only if they passed (a hang or a wrong mapping stops there), its GPU tests against float64 and
+    # memcheck; returns 1 when the probes failed, so a stage runs its timings only after them
+    local probe_s=$1 tests_s=$2 sanitizer_s=$3; shift 3
+    STEP_TIMEOUT=$probe_s step probe-native-gemm python3 scripts/native_gemm_probe.py
+    grep -q "probe-native-gemm rc=0" "$summary" || return 1
+    STEP_TIMEOUT=$tests_s step test-native-grouped python3 -m pytest -q "$@" tests/test_native.py \
+        tests/test_cuda_backend.py tests/test_native_grouped_gpu.py
+    STEP_TIMEOUT=$sanitizer_s step sanitizer-native-grouped compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k sanitizer
+}
 ncu_native() {  # ncu_native PRESET:TOKENS:STAGE...: Nsight Compute of that GEMM, Triton and native (ncu_small.py native)
     local ncu_sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
                         --section WarpStateStats --section SchedulerStats
@@ -63,13 +74,7 @@ for stage in "$@"; do
             step bench-hf-gpt-oss python3 benchmarks/bench_hf.py --models gpt_oss --iters 5 --out "$OUT/bench" ;;
         native-gemm)  # the native grouped GEMM (backend "cuda"): exact-integer probes first (a hang or a wrong
             # mapping stops the stage there), GPU tests vs float64, memcheck; `native-bench` times it
-            STEP_TIMEOUT=150 step probe-native-gemm python3 scripts/native_gemm_probe.py
-            if grep -q "probe-native-gemm rc=0" "$summary"; then
-                step test-native-grouped python3 -m pytest -q tests/test_native.py tests/test_cuda_backend.py \
-                    tests/test_native_grouped_gpu.py
-                step sanitizer-native-grouped compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
-                    -m gpu tests/test_native_grouped_gpu.py -k sanitizer
-            fi ;;
+            native_checks 150 300 300 ;;
         native-bench)  # the native grouped GEMM vs the Triton GEMM: GEMMs alone and whole calls, five model cases
             STEP_TIMEOUT=560 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" ;;
         native-bench-bf16)  # the same on the three bf16 presets (every configuration incl. the 256-row tiles)
@@ -80,12 +85,7 @@ for stage in "$@"; do
             wide_presets=dsv4-flash,mixtral-8x7b,qwen3-30b-a3b; ncu_after=mixtral-8x7b:8192:w2 ;&
         wide-tiles)  # the native GEMM's tile shapes and walks in one short run: probes (both walks), GPU tests,
             # memcheck, the GEMMs and whole calls at 8192 tokens (WIDE_TOKENS; MXFP4 beside unless dyn-walk)
-            STEP_TIMEOUT=150 step probe-native-gemm python3 scripts/native_gemm_probe.py
-            if grep -q "probe-native-gemm rc=0" "$summary"; then
-                STEP_TIMEOUT=150 step test-native-grouped python3 -m pytest -q -x tests/test_native.py \
-                    tests/test_cuda_backend.py tests/test_native_grouped_gpu.py
-                STEP_TIMEOUT=80 step sanitizer-native-grouped compute-sanitizer --tool memcheck --error-exitcode 9 \
-                    python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k sanitizer
+            if native_checks 150 150 80 -x; then
                 STEP_TIMEOUT=200 step bench-native-gemm python3 benchmarks/bench_native_gemm.py --out "$OUT/bench" \
                     --presets "${wide_presets:-dsv4-flash,gpt-oss-120b:mxfp4,mixtral-8x7b,qwen3-30b-a3b}" \
                     --tokens "${WIDE_TOKENS:-8192}" --rounds 2
@@ -111,12 +111,7 @@ for stage in "$@"; do
                 bash .peers/run.sh --tokens 8192 --cases dsv4 ;;
         load-policies)  # which TMA loads carry L2 policy operands (grouped.LOAD_POLICIES): probes, the native
             # GEMM's GPU tests (every configuration), memcheck, then the equal-rows probe with the masks varied
-            STEP_TIMEOUT=90 step probe-native-gemm python3 scripts/native_gemm_probe.py
-            if grep -q "probe-native-gemm rc=0" "$summary"; then
-                STEP_TIMEOUT=150 step test-native-grouped python3 -m pytest -q -x tests/test_native.py \
-                    tests/test_cuda_backend.py tests/test_native_grouped_gpu.py
-                STEP_TIMEOUT=80 step sanitizer-native-grouped compute-sanitizer --tool memcheck --error-exitcode 9 \
-                    python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k sanitizer
+            if native_checks 90 150 80 -x; then
                 STEP_TIMEOUT=200 step dense-probe-policies python3 scripts/native_dense_probe.py \
                     --cases dense,dsv4,qwen3,mixtral --variants "triton,c0,c0 p2,c0 p1,c0 p0,c3 dyn,c3 dyn p3"
             fi ;;

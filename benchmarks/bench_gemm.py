@@ -5,7 +5,7 @@ kernel's block configs per regime and prints the winners for `padded_moe.kernels
     python benchmarks/bench_gemm.py --presets qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b --no-masked
     python benchmarks/bench_gemm.py --tiny          # CPU dry run under TRITON_INTERPRET=1
     python benchmarks/bench_gemm.py --mxfp4-hopper [--models gpt-oss,dsv4-flash] [--rows 1,2,...]
-                                    [--no-sweep] [--tiny]
+                                    [--no-sweep] [--tiny] [--humming]
 
 `--mxfp4-hopper`: MXFP4 weights prepared for the Hopper kernel (`Mxfp4Tensor.prepare_for`) vs the
 same canonical weights through tl.dot_scaled vs bf16 weights, on the GPT-OSS (E=128, K=N=2880) and
@@ -18,6 +18,9 @@ bandwidth, and sweeps `SWEEP_MXFP4_HOPPER` per regime on the arrangements `--swe
 (winners for `TUNED[("mxfp4_hopper", regime)]` and `TUNED[("mxfp4_hopper4", regime)]`), timed on
 INDEXED with the row block `fused_experts` picks by default (`default_block_m`; it caps the tile's
 BM: 64 below 80 rows per expert for prepared weights), every candidate checked on all three layouts first.
+With `--humming`, humming-kernels on the same canonical weights, on each of the three layouts (INDEXED
+with humming's own row block), each result checked against the dot_scaled one before it is timed;
+"humming time / ours" compares it with the prepared default (4 planes) on the same layout.
 
 Shapes: per preset (`--presets`, default dsv4-flash), w13 (K=hidden -> 2N) and w2 (N -> hidden);
 dsv4-flash: K=4096, N=2048 on 32 and 128 local experts, the other presets on all their experts
@@ -28,7 +31,8 @@ device copy bandwidth (read + write of 1 GiB) and a dense bf16 matmul (8192^3).
 
 Targets (H200): decode (<= 32 rows/expert, bf16) weight bytes / time >= 85% of copy bandwidth;
 prefill (>= 512 rows/expert) >= 0.9x torch._grouped_mm; masked 10% valid <= 15% of the full call;
-MXFP4 >= 1.0x humming (with --humming; its first call JIT-compiles ~2.5 min per configuration).
+MXFP4 >= 1.0x humming (with --humming, here or with --mxfp4-hopper; its first call JIT-compiles about
+20 s per configuration).
 """
 
 from __future__ import annotations
@@ -245,10 +249,13 @@ def report_sweep(store):
             continue
         totals = {c: sum(v) for c, v in by_cfg.items()}
         best = min(totals, key=totals.get)
-        kind, reg = key.split("/")
+        kind, reg = key.split("/")[:2]  # a third part names the layout timed when it is not INDEXED
         table = kg.TUNED[(kind, reg)].short()
         t_tab = totals.get(table, float("nan"))
         print(f"  {key:16s} winner {best} {totals[best]:.3f} ms | table {table} {t_tab:.3f} ms")
+        if len(by_cfg) <= 4:  # a narrowed sweep (--sweep-configs): each candidate shape by shape
+            for c, v in by_cfg.items():
+                print(f"    {c}: " + " ".join(f"{x:.3f}" for x in v))
         winners[key] = best
     print("  -> update kernels/gemm.py TUNED with the winners above where they differ.")
     store["winners"] = winners
@@ -321,6 +328,41 @@ def write_markdown(results, out: Path, suffix: str) -> None:
 HOPPER_MODELS = {"gpt-oss": (128, 2880, 2880), "dsv4-flash": (256, 4096, 2048)}  # (E, hidden K, N)
 
 
+def time_humming(q, ids, E, a, out, am, om, meta, mmeta, want, dev) -> dict:
+    """humming-kernels on the canonical weights `q`, each of the three layouts (INDEXED built with
+    humming's own row block), each result checked against `want` first; a failure is recorded, not
+    raised, so the rest of the run goes on."""
+    hb = get_backend("humming")
+    res: dict = {"humming_wrong": {}}
+    try:
+        hmeta = build_layout(GemmLayout.INDEXED, ids, E, block_m=hb.indexed_block_m(q, ids.numel()))
+    except Exception as exc:  # report, keep benchmarking
+        hmeta, res["humming_wrong"]["indexed"] = None, repr(exc)[:200]
+    for lay, m_, a_, o_ in (("", meta, a, out), ("_indexed", hmeta, a, out), ("_masked", mmeta, am, om)):
+        res[f"humming{lay}_ms"] = None
+        if m_ is None:
+            continue
+        try:
+            o_.fill_(float("nan"))
+            expert_gemm(a_, q, m_, out=o_, backend="humming")
+            wrong = result_error(out, want)
+            if wrong is not None:
+                res["humming_wrong"][lay.strip("_") or "grouped"] = wrong
+                continue
+            res[f"humming{lay}_ms"] = timed(lambda: expert_gemm(a_, q, m_, out=o_, backend="humming"), dev)
+        except Exception as exc:  # report, keep benchmarking
+            res["humming_wrong"][lay.strip("_") or "grouped"] = repr(exc)[:200]
+    return res
+
+
+def hopper_candidates(args, regime: str, planes: int) -> list:
+    """The prepared-MXFP4 sweep's candidates for `regime` that run on the `planes` arrangement,
+    narrowed to the short names of `--sweep-configs` when it names any."""
+    cands = [kg.INTERPRET_HOPPER_CONFIG] if args.tiny else kg.SWEEP_MXFP4_HOPPER[regime]
+    names = [n for n in args.sweep_configs.split(",") if n]
+    return [c for c in cands if c.planes_ok(planes) and (not names or c.short() in names)]
+
+
 def run_hopper(args) -> dict:
     """Prepared MXFP4 (Hopper kernel) vs dot_scaled MXFP4 vs bf16, decode to prefill."""
     dev = torch.device("cpu" if args.tiny else "cuda")
@@ -374,6 +416,12 @@ def run_hopper(args) -> dict:
                        "hopper2_masked_ms": timed(lambda: expert_gemm(am, qh, mmeta, out=om, backend="triton"), dev),
                        "dot_scaled_ms": timed(lambda: expert_gemm(a, q, meta, out=out, backend="triton"), dev),
                        "bf16_ms": timed(lambda: expert_gemm(a, w, meta, out=out, backend="triton"), dev)}
+                if args.humming:
+                    row.update(time_humming(q, ids, E, a, out, am, om, meta, mmeta, want, dev))
+                    for lay, ours in (("", "hopper4_ms"), ("_indexed", "hopper4_indexed_ms"),
+                                      ("_masked", "hopper4_masked_ms")):
+                        if row.get(f"humming{lay}_ms") is not None:
+                            row[f"humming{lay}_vs_ours"] = row[f"humming{lay}_ms"] / row[ours]
                 for key in [k for k in list(row) if k.endswith("_ms") and row[k] is not None]:
                     wb = wbytes(w) if key == "bf16_ms" else mx_bytes
                     row[key.replace("_ms", "_wbw_frac")] = wb / (row[key] * 1e-3) / copy_bw
@@ -391,11 +439,15 @@ def run_hopper(args) -> dict:
                       f"{row['dot_scaled_wbw_frac']:.0%}) | bf16 {row['bf16_ms']:.3f} ms (wbw {row['bf16_wbw_frac']:.0%})"
                       f" | 4-plane x{row['hopper4_speedup_vs_dot_scaled']:.2f} vs dot_scaled, "
                       f"x{row['hopper4_speedup_vs_bf16']:.2f} vs bf16")
+                if args.humming:
+                    print("           humming time / ours (the 4-plane default): " + ", ".join(
+                        f"{lay} {row[k]:.2f}" if row.get(k) is not None else f"{lay} -"
+                        for lay, k in (("grouped", "humming_vs_ours"), ("indexed", "humming_indexed_vs_ours"),
+                                       ("masked", "humming_masked_vs_ours")))
+                          + ("" if not row["humming_wrong"] else f" | {row['humming_wrong']}"))
                 for planes in ([] if args.no_sweep else [int(x) for x in args.sweep_planes.split(",")]):
                     wq = qh4 if planes == 4 else qh
-                    cands = [kg.INTERPRET_HOPPER_CONFIG] if args.tiny else kg.SWEEP_MXFP4_HOPPER[kg.regime(r)]
-                    cands = [c for c in cands if c.planes_ok(planes)]
-                    key = f"{kg.table_kind(True, True, planes)}/{kg.regime(r)}"
+                    cands = hopper_candidates(args, kg.regime(r), planes)
 
                     def check(c, wq=wq):
                         for m_, a_, o_ in ((meta, a, out), (imeta, a, out), (mmeta, am, om)):
@@ -406,10 +458,18 @@ def run_hopper(args) -> dict:
                                 return f"{m_.layout.value}: {wrong}"
                         return None
 
-                    # Timed on INDEXED (what `fused_experts` runs by default), checked on all three.
-                    time_candidates(results["sweep"], key, cands, dev,
-                                    lambda c, wq=wq: be.gemm(a, wq, imeta, stage=stage, bias=None, out=out, config=c),
-                                    check=check)
+                    # Timed on each of `--sweep-layouts` (INDEXED by default: what `fused_experts` runs
+                    # unless told otherwise), every candidate checked on all three first.
+                    sweep_on = {"indexed": (imeta, a, out), "grouped_contiguous": (meta, a, out),
+                                "grouped_masked": (mmeta, am, om)}
+                    for lay in args.sweep_layouts.split(","):
+                        m_, a_, o_ = sweep_on[lay]
+                        key = f"{kg.table_kind(True, True, planes)}/{kg.regime(r)}" + (
+                            "" if lay == "indexed" else f"/{lay}")
+                        time_candidates(results["sweep"], key, cands, dev,
+                                        lambda c, wq=wq, m_=m_, a_=a_, o_=o_: be.gemm(
+                                            a_, wq, m_, stage=stage, bias=None, out=o_, config=c),
+                                        check=check)
                 del a, out, am, om
             del w, q, qh, qh4
             if dev.type == "cuda":
@@ -421,7 +481,7 @@ def run_hopper(args) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="docs/", help="directory for bench_gemm.json / bench_gemm.png")
-    p.add_argument("--humming", action="store_true", help="also time humming-kernels (JIT ~2.5 min per config)")
+    p.add_argument("--humming", action="store_true", help="also time humming-kernels (its JIT: about 20 s per configuration)")
     p.add_argument("--no-sweep", action="store_true", help="skip the block-config sweep")
     p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU under the interpreter (dry run)")
     p.add_argument("--stages", help="subset of w13,w2 (default both)")
@@ -434,6 +494,12 @@ def main():
     p.add_argument("--mxfp4-hopper", action="store_true",
                    help="prepared MXFP4 (Hopper kernel) vs dot_scaled vs bf16 on GPT-OSS / dsv4-flash shapes")
     p.add_argument("--models", default="gpt-oss,dsv4-flash", help="with --mxfp4-hopper: subset of gpt-oss,dsv4-flash")
+    p.add_argument("--sweep-layouts", default="indexed",
+                   help="with --mxfp4-hopper: the layouts each sweep candidate is timed on (comma list of indexed, "
+                        "grouped_contiguous, grouped_masked)")
+    p.add_argument("--sweep-configs", default="",
+                   help="with --mxfp4-hopper: only the sweep candidates of these short names (comma list, e.g. "
+                        "BM16_BN128_BK256_G1_w4_s3_hop_ptx)")
     p.add_argument("--sweep-planes", default="2,4",
                    help="with --mxfp4-hopper: the prepared arrangements to sweep (comma list of 2, 4)")
     args = p.parse_args()

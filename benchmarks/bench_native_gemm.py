@@ -14,7 +14,8 @@ variant alike):
   GROUPED_CONTIGUOUS, and the native kernel on GROUPED_CONTIGUOUS with the activation in GEMM1's
   epilogue (its default), as a separate op (`PADDED_MOE_FUSE_ACTIVATION=0`), and in configurations
   0, 1 and 3 (bf16: 0 and 3 in both tile walks, and walking from the counter with A's rows as
-  normal L2 lines) instead of its own choice by shape;
+  normal L2 lines) instead of its own choice by shape; for MXFP4 weights, where humming-kernels is
+  installed, also its GEMMs on GROUPED_CONTIGUOUS (backend "humming");
 
 with the floors of the call: the experts' weights that received rows over the copy bandwidth,
 and the valid FLOPs over the dense bf16 matmul rate, both measured in the same run. Each native
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import statistics
 import sys
@@ -113,11 +115,13 @@ def gemm_rows(layer: FusedMoE, meta, x_rows: torch.Tensor, h_rows: torch.Tensor,
     return rows
 
 
-def call_variants(mx: bool) -> dict:
+def call_variants(mx: bool, humming: bool = False) -> dict:
     """The whole-call variants: name -> (layout, backend, PADDED_MOE_FUSE_ACTIVATION during the
     capture or None for unset, native configuration or None for its own choice by shape, tile walk
     and L2 policy of A's rows or None for the defaults); with bf16 weights (`mx` False) also the
-    wide tiles, the counter and the rows' L2 policy."""
+    wide tiles, the counter and the rows' L2 policy; with MXFP4 weights and `humming` (the package
+    installed) also humming-kernels on GROUPED_CONTIGUOUS (its INDEXED kernels want row blocks of
+    sizes our layouts do not build past 8 rows per expert)."""
     variants = {"indexed, Triton": ("indexed", "triton", None, None, None, None),
                 "auto": (None, "auto", None, None, None, None),
                 "grouped, Triton": ("grouped_contiguous", "triton", None, None, None, None),
@@ -131,15 +135,18 @@ def call_variants(mx: bool) -> dict:
         variants["grouped, cuda c3"] = ("grouped_contiguous", "cuda", None, 3, False, None)
         variants["grouped, cuda c3 dyn"] = ("grouped_contiguous", "cuda", None, 3, True, None)
         variants["grouped, cuda c3 dyn, rows normal"] = ("grouped_contiguous", "cuda", None, 3, True, False)
+    if mx and humming:
+        variants["grouped, humming"] = ("grouped_contiguous", "humming", None, None, None, None)
     return variants
 
 
 def select_variants(variants: dict, keep: set) -> dict:
     """The variants named in `keep` (all when it is empty) and always "indexed, Triton", the ratios'
     base; a name that is no variant of bf16 weights is a SystemExit naming the known ones."""
-    unknown = keep - set(call_variants(False))
+    known = set(call_variants(False)) | set(call_variants(True, humming=True))
+    unknown = keep - known
     if unknown:
-        raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {sorted(call_variants(False))}")
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {sorted(known)}")
     if not keep:
         return variants
     return {name: v for name, v in variants.items() if name == "indexed, Triton" or name in keep}
@@ -176,6 +183,7 @@ def main() -> None:
     select_variants({}, keep)  # unknown names fail before any GPU work
     if not torch.cuda.is_available():
         raise SystemExit("bench_native_gemm times CUDA graphs: it needs a GPU")
+    has_humming = importlib.util.find_spec("humming") is not None
     t0 = time.time()
     copy_gbs, dense_tflops = copy_bandwidth_gbs(), matmul_tflops()
     print(f"copy bandwidth {copy_gbs:.0f} GB/s, dense bf16 matmul {dense_tflops:.0f} TFLOP/s")
@@ -209,7 +217,7 @@ def main() -> None:
             flops = 2.0 * valid * (w13.shape[1] * K + K * N)
             floor_us = max(weight_bytes / (copy_gbs * 1e3), flops / (dense_tflops * 1e6))
             bias = dict(w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
-            variants = select_variants(call_variants(fmt == "mxfp4"), keep)
+            variants = select_variants(call_variants(fmt == "mxfp4", humming=has_humming), keep)
             graphs, outs = {}, {}
             for name, (lay, backend, fuse, config, dynamic, rows_last) in variants.items():
                 env = {} if fuse is None else {FUSE_ENV: fuse}

@@ -833,9 +833,14 @@ print('warnings', n); assert n == 1, n"
         gemm-models)  # bf16 expert GEMMs on the Qwen3-MoE, Mixtral and GPT-OSS shapes (all their experts) + the sweep
             STEP_TIMEOUT=500 step bench-gemm-models python3 benchmarks/bench_gemm.py --presets qwen3-30b-a3b,mixtral-8x7b,gpt-oss-120b \
                 --no-masked --out "$OUT/bench-gemm-models" ;;
-        humming)  # MXFP4 vs humming-kernels on two shapes (its JIT takes minutes per config)
-            step bench-humming env HUMMING_CACHE_DIR=/tmp/humming-cache python3 benchmarks/bench_gemm.py \
-                --humming --stages w13,w2 --experts 32 --rows "${HUMMING_ROWS:-8,512}" --no-sweep --no-masked \
+        humming)  # humming-kernels (carried as a wheel in .whl) against our prepared MXFP4 kernel on its three
+            # layouts: its GPU test (INDEXED with its own row block), then bench_gemm --mxfp4-hopper --humming on the
+            # models of HUMMING_MODELS at HUMMING_ROWS rows per expert (its JIT: ~20 s per configuration here)
+            STEP_TIMEOUT=240 step test-humming env HUMMING_CACHE_DIR=/tmp/humming-cache python3 -m pytest -q -m slow \
+                -k humming tests/test_gemm_gpu.py
+            STEP_TIMEOUT=${HUMMING_S:-500} step bench-humming env HUMMING_CACHE_DIR=/tmp/humming-cache \
+                python3 benchmarks/bench_gemm.py --mxfp4-hopper --humming --no-sweep \
+                --models "${HUMMING_MODELS:-gpt-oss}" --rows "${HUMMING_ROWS:-1,4,8,16,32,128,512}" \
                 --out "$OUT/bench-humming" ;;
         hf)
             step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py ;;

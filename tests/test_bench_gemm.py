@@ -38,6 +38,13 @@ def test_wrong_candidate_is_never_timed_and_cannot_win(monkeypatch):
     assert store["winners"] == {"mxfp4_hopper/decode": right.short()}
 
 
+def hopper_args(**kw):
+    """`run_hopper`'s arguments as `main` parses them for a tiny run, with `kw` replaced."""
+    base = dict(tiny=True, models="gpt-oss", rows="1", no_sweep=False, sweep_planes="2,4", humming=False,
+                sweep_layouts="indexed", sweep_configs="")
+    return bench_gemm.argparse.Namespace(**(base | kw))
+
+
 def test_tiny_hopper_sweep_rejects_corrupted_results(monkeypatch, tmp_path):
     """Every swept call (those that pass a config) leaves NaN in its output: the check must see it
     on the first layout it tries and exclude the candidate, so no regime gets a winner."""
@@ -52,7 +59,7 @@ def test_tiny_hopper_sweep_rejects_corrupted_results(monkeypatch, tmp_path):
             return res
 
     monkeypatch.setattr(bench_gemm, "get_backend", lambda name: Corrupting())
-    args = bench_gemm.argparse.Namespace(tiny=True, models="gpt-oss", rows="1", no_sweep=False, sweep_planes="2,4")
+    args = hopper_args()
     results = bench_gemm.run_hopper(args)
     for key in ("mxfp4_hopper/decode", "mxfp4_hopper4/decode"):  # both prepared arrangements
         wrong = results["sweep"]["wrong"][key]
@@ -74,8 +81,42 @@ def test_tiny_hopper_sweep_gives_each_arrangement_its_own_weights(monkeypatch):
             return real.gemm(a, w, meta, out=out, config=config, **kw)
 
     monkeypatch.setattr(bench_gemm, "get_backend", lambda name: Spy())
-    args = bench_gemm.argparse.Namespace(tiny=True, models="gpt-oss", rows="1", no_sweep=False, sweep_planes="2,4")
+    args = hopper_args()
     results = bench_gemm.run_hopper(args)
     assert seen and set(seen) == {2, 4}, seen
     assert seen[0] == 2  # `--sweep-planes 2,4`: each stage's 2-plane sweep comes first
     assert not any(results["hopper_rows"][0]["wrong"].values())
+
+
+def test_hopper_candidates_narrowed_by_name():
+    """`--sweep-configs` keeps exactly the named candidates of the regime (in the table's order), and
+    only those that run on the arrangement; no names keep them all."""
+    four = [c for c in kg.SWEEP_MXFP4_HOPPER["decode"] if c.planes_ok(4)]
+    wide = next(c for c in kg.SWEEP_MXFP4_HOPPER["decode"] if not c.planes_ok(4))
+    names = [four[2].short(), four[0].short(), wide.short()]
+    args = hopper_args(tiny=False, sweep_configs=",".join(names))
+    assert bench_gemm.hopper_candidates(args, "decode", 4) == [four[0], four[2]]
+    assert bench_gemm.hopper_candidates(hopper_args(tiny=False), "decode", 4) == four
+    assert bench_gemm.hopper_candidates(hopper_args(tiny=False, sweep_configs="BM7"), "decode", 4) == []
+
+
+def test_tiny_hopper_sweep_on_named_layouts(monkeypatch):
+    """`--sweep-layouts` times each candidate on every named layout under its own key (INDEXED keeps
+    the table's key, so it is not swept unless named), and the report reads the three-part keys."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    timed_layouts = set()
+    backend = bench_gemm.get_backend("triton")
+    real_gemm = backend.gemm
+
+    def spy(a, w, meta, **kw):
+        if kw.get("config") is not None:
+            timed_layouts.add(meta.layout.value)
+        return real_gemm(a, w, meta, **kw)
+
+    monkeypatch.setattr(backend, "gemm", spy)
+    results = bench_gemm.run_hopper(hopper_args(sweep_planes="4", sweep_layouts="grouped_contiguous,grouped_masked"))
+    keys = {k for k in results["sweep"] if k not in ("wrong", "winners")}
+    assert keys == {"mxfp4_hopper4/decode/grouped_contiguous", "mxfp4_hopper4/decode/grouped_masked"}, keys
+    assert set(results["sweep"]["winners"]) == keys
+    # every layout ran a candidate (its check covers all three before any is timed)
+    assert timed_layouts == {"indexed", "grouped_contiguous", "grouped_masked"}

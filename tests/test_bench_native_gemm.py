@@ -53,6 +53,11 @@ def test_variants_selected_by_name_with_the_base_always_timed():
     picked = bench_native_gemm.select_variants(bf16, {"auto", "grouped, cuda c0"})
     assert list(picked) == ["indexed, Triton", "auto", "grouped, cuda c0"]
     assert list(bench_native_gemm.select_variants(mx, {"auto", "grouped, cuda c3"})) == ["indexed, Triton", "auto"]
+    # humming-kernels: MXFP4 weights only, and only where the package is installed
+    mx_h = bench_native_gemm.call_variants(True, humming=True)
+    assert set(mx_h) - set(mx) == {"grouped, humming"}
+    assert "grouped, humming" not in bench_native_gemm.call_variants(False, humming=True)
+    assert list(bench_native_gemm.select_variants(mx_h, {"grouped, humming"})) == ["indexed, Triton", "grouped, humming"]
 
 
 def test_unknown_variants_fail_before_any_gpu_work(monkeypatch):

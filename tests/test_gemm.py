@@ -915,3 +915,32 @@ def test_indexed_blocks_narrower_than_the_entry_take_the_narrow_entry():
         assert pick(wide.BM // 2) == narrow
         assert pick(wide.BM) == wide
         assert pick(None) == wide
+
+
+def test_grouped_prepared_decode_tiles_take_the_indexed_row_block():
+    """On the grouped layouts the prepared-MXFP4 decode tile takes at most the rows INDEXED's
+    default row block would (`default_block_m`, the same rule that caps INDEXED's tile), so the
+    three layouts run the same tile for the same call; other weights, regimes and INDEXED keep the
+    table's entry, and so does the interpreter."""
+    from padded_moe import layout_codes as codes
+    from padded_moe.kernels import gemm as kg
+    from padded_moe.layouts import default_block_m
+
+    class Prepared:
+        def __init__(self, planes):
+            self.planes = planes
+
+    for planes in (2, 4):
+        entry = kg.TUNED[(kg.table_kind(True, True, planes), "decode")]
+        for rows in (0.25, 1, 4, 8, 12, 12.5, 13, 16, 24, 32):
+            want = min(entry.BM, default_block_m(rows, 1))
+            for layout in (codes.GROUPED_CONTIGUOUS, codes.GROUPED_MASKED):
+                cfg = kg.default_config(True, True, Prepared(planes), layout, 1, rows)
+                assert cfg == dataclasses.replace(entry, BM=want), (planes, rows, layout, cfg.short())
+            assert kg.default_config(True, True, Prepared(planes), codes.INDEXED, 16, rows) == entry
+        assert kg.default_config(True, True, Prepared(planes), codes.GROUPED_CONTIGUOUS, 1, 64).BM == \
+            kg.TUNED[(kg.table_kind(True, True, planes), "small")].BM
+    for rows in (1, 8):
+        assert kg.default_config(True, False, None, codes.GROUPED_CONTIGUOUS, 1, rows) == kg.TUNED[("bf16", "decode")]
+        assert kg.default_config(True, True, None, codes.GROUPED_CONTIGUOUS, 1, rows) == kg.TUNED[("mxfp4", "decode")]
+    assert default_block_m(4, 1) == 16 < kg.TUNED[("mxfp4_hopper4", "decode")].BM  # the rule narrows here

@@ -11,7 +11,7 @@ Mapping (humming 0.1.19 `compute_config={"gemm_type": ...}`):
   A flattened to `[L*T_max, K]`.
 
 Only MXFP4 weights with bf16/fp16 activations (weight-only: no input quantization). Each weight is converted once into a transformed `HummingLayer`, cached
-by the weight's storage. The first call per kernel configuration JIT-compiles for ~2.5 minutes;
+by the weight's storage. The first call per kernel configuration JIT-compiles it (about 20 s each on an H200 machine);
 set `HUMMING_CACHE_DIR` to a persistent directory to keep the cubins across processes.
 Verified only on a GPU (tests/test_gemm_gpu.py); nothing here runs on CPU.
 """
@@ -71,20 +71,32 @@ class HummingBackend(GemmBackend):
         return layer
 
     @staticmethod
-    def _pinned_indexed_config(layer, meta: IndexedMeta, valid_m: int):
+    def _indexed_bucket(layer, valid_m: int) -> dict:
+        """Humming's one heuristic indexed configuration for `valid_m` routed rows."""
         from humming.tune import get_heuristics_config
 
         table = get_heuristics_config(layer.humming_config, gemm_type="indexed", device=layer.locks.device)
         for lo, hi, cfg in table:
             if lo < valid_m <= hi:
-                bm = cfg["block_shape"][0]
-                if bm != meta.block_m:
-                    raise ValueError(
-                        f"humming's indexed kernel for {valid_m} rows uses BLOCK_M={bm}; build the "
-                        f"layout with block_m={bm} (layout_meta.block_m is {meta.block_m})"
-                    )
                 return cfg
         raise ValueError(f"humming has no indexed tuning bucket for {valid_m} rows")
+
+    def indexed_block_m(self, w: Mxfp4Tensor, valid_m: int, *, bias: Optional[torch.Tensor] = None,
+                        dtype: torch.dtype = torch.bfloat16) -> int:
+        """BLOCK_M of humming's indexed kernel for `valid_m` routed rows (`M * top_k`): INDEXED
+        layouts for this backend must be built with `block_m` equal to it."""
+        return int(self._indexed_bucket(self._layer(w, bias, dtype), valid_m)["block_shape"][0])
+
+    @classmethod
+    def _pinned_indexed_config(cls, layer, meta: IndexedMeta, valid_m: int):
+        cfg = cls._indexed_bucket(layer, valid_m)
+        bm = cfg["block_shape"][0]
+        if bm != meta.block_m:
+            raise ValueError(
+                f"humming's indexed kernel for {valid_m} rows uses BLOCK_M={bm}; build the "
+                f"layout with block_m={bm} (layout_meta.block_m is {meta.block_m})"
+            )
+        return cfg
 
     def gemm(self, a, w, meta, *, stage, bias, out):
         if out.dtype != a.dtype or a.dtype not in (torch.bfloat16, torch.float16):

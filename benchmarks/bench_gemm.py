@@ -385,8 +385,8 @@ def run_hopper(args) -> dict:
                 a = torch.randn(E * r, K, device=dev, dtype=torch.bfloat16)
                 out = torch.empty(E * r, n_out, device=dev, dtype=torch.bfloat16)
                 ids = (torch.arange(E * r, device=dev, dtype=torch.int32) // r).view(-1, 1)
-                cfg = kg.pick_config(r, True, args.tiny, hopper=True)
-                cfg4 = kg.pick_config(r, True, args.tiny, hopper=True, planes=4)
+                # the tiles the GROUPED_CONTIGUOUS columns run (`default_config`, as `launch` picks them)
+                cfg, cfg4 = (kg.default_config(dev.type == "cuda", True, wq.hopper, meta.code, 1, r) for wq in (qh, qh4))
                 # INDEXED with the row block `fused_experts` picks by default: it caps the kernel tile's BM.
                 imeta = build_layout(GemmLayout.INDEXED, ids, E, block_m=default_block_m(E * r, E))
                 # ... and with 128-row blocks, which let the tile keep BM 128 (the default takes them from

@@ -921,7 +921,7 @@ def test_grouped_prepared_decode_tiles_take_the_indexed_row_block():
     """On the grouped layouts the prepared-MXFP4 decode tile takes at most the rows INDEXED's
     default row block would (`default_block_m`, the same rule that caps INDEXED's tile), so the
     three layouts run the same tile for the same call; other weights, regimes and INDEXED keep the
-    table's entry, and so does the interpreter."""
+    table's entry."""
     from padded_moe import layout_codes as codes
     from padded_moe.kernels import gemm as kg
     from padded_moe.layouts import default_block_m

@@ -328,31 +328,42 @@ def write_markdown(results, out: Path, suffix: str) -> None:
 HOPPER_MODELS = {"gpt-oss": (128, 2880, 2880), "dsv4-flash": (256, 4096, 2048)}  # (E, hidden K, N)
 
 
-def time_humming(q, ids, E, a, out, am, om, meta, mmeta, want, dev) -> dict:
-    """humming-kernels on the canonical weights `q`, each of the three layouts (INDEXED built with
-    humming's own row block), each result checked against `want` first; a failure is recorded, not
-    raised, so the rest of the run goes on."""
+# The layouts humming is timed on: (name, suffix of its keys `humming{suffix}_ms` /
+# `humming{suffix}_vs_ours`, our prepared default's time on the same layout).
+HUMMING_LAYOUTS = (("grouped", "", "hopper4_ms"), ("indexed", "_indexed", "hopper4_indexed_ms"),
+                   ("masked", "_masked", "hopper4_masked_ms"))
+
+
+def time_humming(row, q, ids, E, a, out, am, om, meta, mmeta, want, dev) -> None:
+    """humming-kernels on the canonical weights `q`, each of `HUMMING_LAYOUTS` (INDEXED built with
+    humming's own row block), each result checked against `want` first, into `row` with its time
+    over ours; a failure is recorded under `row["humming_wrong"]`, not raised, so the run goes on."""
     hb = get_backend("humming")
-    res: dict = {"humming_wrong": {}}
+    wrong: dict = {}
     try:
         hmeta = build_layout(GemmLayout.INDEXED, ids, E, block_m=hb.indexed_block_m(q, ids.numel()))
     except Exception as exc:  # report, keep benchmarking
-        hmeta, res["humming_wrong"]["indexed"] = None, repr(exc)[:200]
-    for lay, m_, a_, o_ in (("", meta, a, out), ("_indexed", hmeta, a, out), ("_masked", mmeta, am, om)):
-        res[f"humming{lay}_ms"] = None
+        hmeta, wrong["indexed"] = None, repr(exc)[:200]
+    args = {"grouped": (meta, a, out), "indexed": (hmeta, a, out), "masked": (mmeta, am, om)}
+    for name, suffix, ours in HUMMING_LAYOUTS:
+        m_, a_, o_ = args[name]
+        row[f"humming{suffix}_ms"] = None
         if m_ is None:
             continue
         try:
             o_.fill_(float("nan"))
             expert_gemm(a_, q, m_, out=o_, backend="humming")
-            wrong = result_error(out, want)
-            if wrong is not None:
-                res["humming_wrong"][lay.strip("_") or "grouped"] = wrong
+            bad = result_error(out, want)
+            if bad is not None:
+                wrong[name] = bad
                 continue
-            res[f"humming{lay}_ms"] = timed(lambda: expert_gemm(a_, q, m_, out=o_, backend="humming"), dev)
+            ms = timed(lambda: expert_gemm(a_, q, m_, out=o_, backend="humming"), dev)
         except Exception as exc:  # report, keep benchmarking
-            res["humming_wrong"][lay.strip("_") or "grouped"] = repr(exc)[:200]
-    return res
+            wrong[name] = repr(exc)[:200]
+            continue
+        row[f"humming{suffix}_ms"] = ms
+        row[f"humming{suffix}_vs_ours"] = ms / row[ours]
+    row["humming_wrong"] = wrong
 
 
 def hopper_candidates(args, regime: str, planes: int) -> list:
@@ -417,11 +428,7 @@ def run_hopper(args) -> dict:
                        "dot_scaled_ms": timed(lambda: expert_gemm(a, q, meta, out=out, backend="triton"), dev),
                        "bf16_ms": timed(lambda: expert_gemm(a, w, meta, out=out, backend="triton"), dev)}
                 if args.humming:
-                    row.update(time_humming(q, ids, E, a, out, am, om, meta, mmeta, want, dev))
-                    for lay, ours in (("", "hopper4_ms"), ("_indexed", "hopper4_indexed_ms"),
-                                      ("_masked", "hopper4_masked_ms")):
-                        if row.get(f"humming{lay}_ms") is not None:
-                            row[f"humming{lay}_vs_ours"] = row[f"humming{lay}_ms"] / row[ours]
+                    time_humming(row, q, ids, E, a, out, am, om, meta, mmeta, want, dev)
                 for key in [k for k in list(row) if k.endswith("_ms") and row[k] is not None]:
                     wb = wbytes(w) if key == "bf16_ms" else mx_bytes
                     row[key.replace("_ms", "_wbw_frac")] = wb / (row[key] * 1e-3) / copy_bw
@@ -441,9 +448,8 @@ def run_hopper(args) -> dict:
                       f"x{row['hopper4_speedup_vs_bf16']:.2f} vs bf16")
                 if args.humming:
                     print("           humming time / ours (the 4-plane default): " + ", ".join(
-                        f"{lay} {row[k]:.2f}" if row.get(k) is not None else f"{lay} -"
-                        for lay, k in (("grouped", "humming_vs_ours"), ("indexed", "humming_indexed_vs_ours"),
-                                       ("masked", "humming_masked_vs_ours")))
+                        f"{name} {row[f'humming{sfx}_vs_ours']:.2f}" if f"humming{sfx}_vs_ours" in row else f"{name} -"
+                        for name, sfx, _ in HUMMING_LAYOUTS)
                           + ("" if not row["humming_wrong"] else f" | {row['humming_wrong']}"))
                 for planes in ([] if args.no_sweep else [int(x) for x in args.sweep_planes.split(",")]):
                     wq = qh4 if planes == 4 else qh

@@ -842,6 +842,18 @@ print('warnings', n); assert n == 1, n"
                 python3 benchmarks/bench_gemm.py --mxfp4-hopper --humming --no-sweep \
                 --models "${HUMMING_MODELS:-gpt-oss}" --rows "${HUMMING_ROWS:-1,4,8,16,32,128,512}" \
                 --out "$OUT/bench-humming" ;;
+        humming-calls)  # whole MXFP4 calls with humming's GEMMs on GROUPED_CONTIGUOUS against ours (auto and the
+            # grouped Triton path), CALLS_CASES "PRESET:TOKENS,..." separated by spaces; with CALLS_SANITIZER=1 first
+            # memcheck of the prepared kernel's tiles (the grouped layouts' 16-row decode tile included)
+            if [ "${CALLS_SANITIZER:-1}" = 1 ]; then
+                STEP_TIMEOUT=200 step sanitizer-hopper compute-sanitizer --tool memcheck --error-exitcode 9 \
+                    python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k "hopper_small_sanitizer"
+            fi
+            for case in ${CALLS_CASES:-gpt-oss-120b:mxfp4:1024,8192 dsv4-flash:mxfp4:1024,8192}; do
+                STEP_TIMEOUT=${CALLS_S:-300} step "calls-humming-${case%%:*}" env HUMMING_CACHE_DIR=/tmp/humming-cache \
+                    python3 benchmarks/bench_native_gemm.py --calls-only --presets "${case%:*}" --tokens "${case##*:}" \
+                    --rounds 5 --out "$OUT/calls-humming-${case%%:*}" --variants "auto;grouped, Triton;grouped, humming"
+            done ;;
         hf)
             step test-hf python3 -m pytest -q -m gpu tests/test_transformers_parity_gpu.py ;;
         hf-mxfp4)  # HF MXFP4 routes: GPT-OSS checkpoints loaded as MXFP4, DeepSeek-V4's FP4 FP8Experts (GPU tests,

@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import REL_TOL, SENTINEL, extreme_mxfp4_weight, rel_err
 
+from padded_moe import layout_codes as codes
 from padded_moe.backends import get_backend
 from padded_moe.gemm import expert_gemm
 from padded_moe.kernels import gemm as kg
@@ -487,8 +488,9 @@ def test_mxfp4_hopper_upcast_is_exact(finite, folded, planes, cfg):
 def test_mxfp4_hopper_small_sanitizer(layout):
     """Small and quick, for `compute-sanitizer --tool memcheck`: decode and prefill tuned configs
     and the inline-PTX upcast on both prepared arrangements (and on 4 planes the shared-operand tile
-    and the small entry, whose tiles of at most 32 rows run as half tiles), ragged counts, K = 160
-    (padded to 192), Nout = 200 (partial n-tile)."""
+    and the small entry, whose tiles of at most 32 rows run as half tiles), the 16-row decode tile
+    that `default_config` gives the grouped layouts at up to 12 rows per expert, ragged counts,
+    K = 160 (padded to 192), Nout = 200 (partial n-tile)."""
     L, K, n_out, M, k = 4, 160, 200, 37, 2
     q = make_weight(L, n_out, K, "mxfp4", 31)
     g = torch.Generator(device=DEV).manual_seed(37)
@@ -499,7 +501,11 @@ def test_mxfp4_hopper_small_sanitizer(layout):
         kind = kg.table_kind(True, True, planes)
         four_planes = [GemmConfig(64, 128, 128, 8, 4, 3, mx_hopper=True, mx_ptx=True, mx_w_shared=True),
                        kg.TUNED[(kind, "small")]] if planes == 4 else []
-        for cfg in (kg.TUNED[(kind, "decode")], kg.TUNED[(kind, "prefill")], ptx, *four_planes):
+        decode = kg.TUNED[(kind, "decode")]
+        narrowed = dataclasses.replace(decode, BM=16)
+        assert kg.default_config(True, True, prepared_only(q, planes).hopper,
+                                 codes.GROUPED_CONTIGUOUS, 1, 8) == narrowed
+        for cfg in (decode, narrowed, kg.TUNED[(kind, "prefill")], ptx, *four_planes):
             a = inputs_for(layout, meta, "w13", K, M, k, 41)
             out = out_for(layout, meta, a, n_out)
             get_backend("triton").gemm(a, prepared_only(q, planes), meta, stage="w13", bias=None, out=out, config=cfg)

@@ -917,11 +917,12 @@ def test_indexed_blocks_narrower_than_the_entry_take_the_narrow_entry():
         assert pick(None) == wide
 
 
-def test_grouped_prepared_decode_tiles_take_the_indexed_row_block():
-    """On the grouped layouts the prepared-MXFP4 decode tile takes at most the rows INDEXED's
-    default row block would (`default_block_m`, the same rule that caps INDEXED's tile), so the
-    three layouts run the same tile for the same call; other weights, regimes and INDEXED keep the
-    table's entry."""
+def test_grouped_prepared_tiles_are_the_ones_indexed_runs():
+    """Prepared MXFP4: GROUPED_CONTIGUOUS runs the tile INDEXED runs for the same call (INDEXED's
+    default block for the mean rows, the regime of max(mean, block), the tile capped at the block:
+    16 rows up to 12 mean rows, the small tile from 27 mean rows, where routed counts pass 32);
+    GROUPED_MASKED, whose slab capacity bounds its rows, takes the regime of its capacity and the
+    same cap in decode. Other weights keep the table's entry."""
     from padded_moe import layout_codes as codes
     from padded_moe.kernels import gemm as kg
     from padded_moe.layouts import default_block_m
@@ -931,16 +932,21 @@ def test_grouped_prepared_decode_tiles_take_the_indexed_row_block():
             self.planes = planes
 
     for planes in (2, 4):
-        entry = kg.TUNED[(kg.table_kind(True, True, planes), "decode")]
-        for rows in (0.25, 1, 4, 8, 12, 12.5, 13, 16, 24, 32):
-            want = min(entry.BM, default_block_m(rows, 1))
-            for layout in (codes.GROUPED_CONTIGUOUS, codes.GROUPED_MASKED):
-                cfg = kg.default_config(True, True, Prepared(planes), layout, 1, rows)
-                assert cfg == dataclasses.replace(entry, BM=want), (planes, rows, layout, cfg.short())
-            assert kg.default_config(True, True, Prepared(planes), codes.INDEXED, 16, rows) == entry
-        assert kg.default_config(True, True, Prepared(planes), codes.GROUPED_CONTIGUOUS, 1, 64).BM == \
-            kg.TUNED[(kg.table_kind(True, True, planes), "small")].BM
-    for rows in (1, 8):
-        assert kg.default_config(True, False, None, codes.GROUPED_CONTIGUOUS, 1, rows) == kg.TUNED[("bf16", "decode")]
-        assert kg.default_config(True, True, None, codes.GROUPED_CONTIGUOUS, 1, rows) == kg.TUNED[("mxfp4", "decode")]
-    assert default_block_m(4, 1) == 16 < kg.TUNED[("mxfp4_hopper4", "decode")].BM  # the rule narrows here
+        w = Prepared(planes)
+        decode, small = (kg.TUNED[(kg.table_kind(True, True, planes), r)] for r in ("decode", "small"))
+        for rows in (0.25, 1, 4, 8, 12, 12.5, 13, 16, 24, 26, 27, 32, 33, 48, 64, 71, 72, 100, 128, 256, 600):
+            block = default_block_m(rows, 1)
+            indexed = kg.default_config(True, True, w, codes.INDEXED, block, max(rows, block))
+            tile = dataclasses.replace(indexed, BM=kg.indexed_tiling(block, indexed.BM)[0])
+            got = kg.default_config(True, True, w, codes.GROUPED_CONTIGUOUS, 1, rows)
+            assert got == tile, (planes, rows, got.short(), tile.short())
+        for rows, want in ((1, dataclasses.replace(decode, BM=16)), (12, dataclasses.replace(decode, BM=16)),
+                           (16, decode), (26, decode), (27, small), (32, small)):
+            assert kg.default_config(True, True, w, codes.GROUPED_CONTIGUOUS, 1, rows) == want, (planes, rows)
+        for rows, want in ((1, dataclasses.replace(decode, BM=16)), (12, dataclasses.replace(decode, BM=16)),
+                           (16, decode), (27, decode), (32, decode), (33, small)):
+            assert kg.default_config(True, True, w, codes.GROUPED_MASKED, 1, rows) == want, (planes, rows)
+    for rows in (1, 8, 32):
+        for layout in (codes.GROUPED_CONTIGUOUS, codes.GROUPED_MASKED):
+            assert kg.default_config(True, False, None, layout, 1, rows) == kg.TUNED[("bf16", "decode")]
+            assert kg.default_config(True, True, None, layout, 1, rows) == kg.TUNED[("mxfp4", "decode")]

@@ -1,0 +1,115 @@
+"""Probe (issue 12): why a prepared-MXFP4 GEMM on GROUPED_CONTIGUOUS takes longer than on INDEXED
+under routed (uneven) counts at decode-to-small sizes, though it is faster with equal counts.
+
+Routes `tokens` tokens with top-k of random logits (counts scatter around the mean as in a model),
+builds each layout from the same ids, and times each GEMM alone (`triton.testing.do_bench`, L2
+flushed between calls) for: INDEXED with `fused_experts`' default row block, GROUPED_CONTIGUOUS and
+GROUPED_MASKED with the default tile, and the grouped layouts with the tiles named in `--tiles`
+(short names, e.g. BM64_BN128_BK64_G4_w4_s4_hop_ptx_half). Prints the live m-tiles each variant
+computes (from the counts) next to its time; every output is checked against INDEXED's (same
+weights, same routed rows, fp32 accumulation: they must agree to rounding).
+
+    python3 scripts/layout_tiles_probe.py --models gpt-oss --tokens 1024
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+import torch
+import triton
+
+from padded_moe.backends import get_backend
+from padded_moe.kernels import gemm as kg
+from padded_moe.layouts import GemmLayout, build_layout, default_block_m
+from padded_moe.mxfp4 import Mxfp4Tensor, quantize_mxfp4
+
+MODELS = {"gpt-oss": (128, 4, 2880, 2880), "dsv4-flash": (256, 6, 4096, 2048)}  # (E, k, hidden, inter)
+
+
+def weight(E: int, n_out: int, K: int) -> Mxfp4Tensor:
+    w = torch.randn(E, n_out, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+    parts = [quantize_mxfp4(w[i:i + 8]) for i in range(0, E, 8)]
+    return Mxfp4Tensor(torch.cat([p.blocks for p in parts]), torch.cat([p.scales for p in parts])).prepare_for()
+
+
+def tiles_by_name() -> dict:
+    """The prepared-MXFP4 sweep candidates and table entries by short name, and each of those with
+    BM 64 and with `half_tail` toggled."""
+    base = [c for cands in kg.SWEEP_MXFP4_HOPPER.values() for c in cands]
+    base += [c for (kind, _), c in kg.TUNED.items() if kind.startswith("mxfp4_hopper")]
+    out = {}
+    for c in base:
+        for v in (c, dataclasses.replace(c, BM=64)):
+            for w in (v, dataclasses.replace(v, half_tail=not v.half_tail)):
+                out[w.short()] = w
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="gpt-oss,dsv4-flash")
+    p.add_argument("--tokens", default="1024")
+    p.add_argument("--tiles", default="", help="comma list of tile short names also run on the grouped layouts")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    be = get_backend("triton")
+    named = tiles_by_name()
+    unknown = [n for n in args.tiles.split(",") if n and n not in named]
+    if unknown:
+        raise SystemExit(f"--tiles: unknown {unknown}; known: {sorted(named)}")
+    extra = [named[n] for n in args.tiles.split(",") if n]
+    for model in args.models.split(","):
+        E, k, hidden, inter = MODELS[model]
+        for stage, (K, n_out) in (("w13", (hidden, 2 * inter)), ("w2", (inter, hidden))):
+            q = weight(E, n_out, K)
+            for T in (int(t) for t in args.tokens.split(",")):
+                logits = torch.randn(T, E, device="cuda")
+                ids = logits.topk(k, dim=-1).indices.to(torch.int32)
+                counts = torch.bincount(ids.flatten().long(), minlength=E)
+                mean = T * k / E
+                x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+                imeta = build_layout(GemmLayout.INDEXED, ids, E)
+                cmeta = build_layout(GemmLayout.GROUPED_CONTIGUOUS, ids, E)
+                t_max = int(counts.max())
+                mmeta = build_layout(GemmLayout.GROUPED_MASKED, ids, E, max_tokens_per_expert=t_max,
+                                     drop_overflow=True)  # t_max is the largest count: nothing drops
+                # Slot s routes token s // k: w13 reads token rows (INDEXED gathers them by slot // k),
+                # w2 slot rows; the grouped layouts read the slot rows at their permuted places.
+                src = x.repeat_interleave(k, dim=0)
+                a_idx = x if stage == "w13" else src
+                ref = torch.empty(T * k, n_out, device="cuda", dtype=torch.bfloat16)
+                be.gemm(a_idx, q, imeta, stage=stage, bias=None, out=ref)
+                cases = [("indexed", imeta, a_idx, None)]
+                for name, meta in (("contiguous", cmeta), ("masked", mmeta)):
+                    a = torch.zeros(meta.rows_shape(K), device="cuda", dtype=torch.bfloat16)
+                    a.view(-1, K)[rows_of(meta, T * k)] = src
+                    cases.append((name, meta, a, None))
+                    cases += [(f"{name} {c.short()}", meta, a, c) for c in extra]
+                print(f"\n{model} {stage} T={T} mean rows {mean:.1f} (min {int(counts.min())}, max {t_max}); "
+                      f"INDEXED block {default_block_m(T * k, E)}")
+                base = None
+                for name, meta, a, cfg in cases:
+                    out = torch.full(meta.gemm_out_shape(a, stage, n_out), float("nan"), device="cuda",
+                                     dtype=torch.bfloat16)
+                    run = lambda: be.gemm(a, q, meta, stage=stage, bias=None, out=out, config=cfg)  # noqa: E731
+                    run()
+                    got = out.view(-1, n_out)[rows_of(meta, T * k)] if name != "indexed" else out
+                    err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                    ms = triton.testing.do_bench(run, warmup=10, rep=60)
+                    base = base or ms
+                    used = cfg or kg.default_config(True, True, q.hopper, meta.code, getattr(meta, "block_m", 1),
+                                                    meta.rows_per_expert())
+                    live = "-" if name == "indexed" else int(sum(math.ceil(int(c) / used.BM) for c in counts))
+                    print(f"  {name:<48} {ms * 1e3:8.1f} us  x{ms / base:5.3f}  tile {used.short():<40} "
+                          f"m-tiles with rows {live:>5}  max rel err {err:.1e}")
+
+
+def rows_of(meta, S: int) -> torch.Tensor:
+    """The permuted row of each slot (slot order) for a grouped layout."""
+    return meta.inv.view(-1)[:S].long()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,6 @@
-"""Probe (issue 12): why a prepared-MXFP4 GEMM on GROUPED_CONTIGUOUS takes longer than on INDEXED
-under routed (uneven) counts at decode-to-small sizes, though it is faster with equal counts.
+"""Probe (issues 12, 14): why an expert GEMM on GROUPED_CONTIGUOUS took longer than on INDEXED under
+routed (uneven) counts at decode-to-small sizes, though it was faster with equal counts (prepared
+MXFP4, or bf16 with `--weights bf16`).
 
 Routes `tokens` tokens with top-k of random logits (counts scatter around the mean as in a model),
 builds each layout from the same ids, and times each GEMM alone (`triton.testing.do_bench`, L2
@@ -25,20 +26,23 @@ from padded_moe.kernels import gemm as kg
 from padded_moe.layouts import GemmLayout, build_layout, default_block_m
 from padded_moe.mxfp4 import Mxfp4Tensor, quantize_mxfp4
 
-MODELS = {"gpt-oss": (128, 4, 2880, 2880), "dsv4-flash": (256, 6, 4096, 2048)}  # (E, k, hidden, inter)
+MODELS = {"gpt-oss": (128, 4, 2880, 2880), "dsv4-flash": (256, 6, 4096, 2048),  # (E, k, hidden, inter)
+          "qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336)}
 
 
-def weight(E: int, n_out: int, K: int) -> Mxfp4Tensor:
+def weight(E: int, n_out: int, K: int, fmt: str):
     w = torch.randn(E, n_out, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+    if fmt == "bf16":
+        return w
     parts = [quantize_mxfp4(w[i:i + 8]) for i in range(0, E, 8)]
     return Mxfp4Tensor(torch.cat([p.blocks for p in parts]), torch.cat([p.scales for p in parts])).prepare_for()
 
 
 def tiles_by_name() -> dict:
-    """The prepared-MXFP4 sweep candidates and table entries by short name, and each of those with
-    BM 64 and with `half_tail` toggled."""
-    base = [c for cands in kg.SWEEP_MXFP4_HOPPER.values() for c in cands]
-    base += [c for (kind, _), c in kg.TUNED.items() if kind.startswith("mxfp4_hopper")]
+    """The prepared-MXFP4 and bf16 sweep candidates and table entries by short name, and each of
+    those with BM 64 and with `half_tail` toggled."""
+    base = [c for table in (kg.SWEEP_MXFP4_HOPPER, kg.SWEEP) for cands in table.values() for c in cands]
+    base += [c for (kind, _), c in kg.TUNED.items() if kind.startswith("mxfp4_hopper") or kind == "bf16"]
     out = {}
     for c in base:
         for v in (c, dataclasses.replace(c, BM=64)):
@@ -51,6 +55,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="gpt-oss,dsv4-flash")
     p.add_argument("--tokens", default="1024")
+    p.add_argument("--weights", default="mxfp4", choices=("mxfp4", "bf16"))
     p.add_argument("--tiles", default="", help="comma list of tile short names also run on the grouped layouts")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -63,7 +68,8 @@ def main() -> None:
     for model in args.models.split(","):
         E, k, hidden, inter = MODELS[model]
         for stage, (K, n_out) in (("w13", (hidden, 2 * inter)), ("w2", (inter, hidden))):
-            q = weight(E, n_out, K)
+            q = weight(E, n_out, K, args.weights)
+            mx = args.weights == "mxfp4"
             for T in (int(t) for t in args.tokens.split(",")):
                 logits = torch.randn(T, E, device="cuda")
                 ids = logits.topk(k, dim=-1).indices.to(torch.int32)
@@ -99,8 +105,8 @@ def main() -> None:
                     err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
                     ms = triton.testing.do_bench(run, warmup=10, rep=60)
                     base = base or ms
-                    used = cfg or kg.default_config(True, True, q.hopper, meta.code, getattr(meta, "block_m", 1),
-                                                    meta.rows_per_expert())
+                    used = cfg or kg.default_config(True, mx, q.hopper if mx else None, meta.code,
+                                                    getattr(meta, "block_m", 1), meta.rows_per_expert())
                     live = "-" if name == "indexed" else int(sum(math.ceil(int(c) / used.BM) for c in counts))
                     print(f"  {name:<48} {ms * 1e3:8.1f} us  x{ms / base:5.3f}  tile {used.short():<40} "
                           f"m-tiles with rows {live:>5}  max rel err {err:.1e}")

@@ -917,12 +917,12 @@ def test_indexed_blocks_narrower_than_the_entry_take_the_narrow_entry():
         assert pick(None) == wide
 
 
-def test_grouped_prepared_tiles_are_the_ones_indexed_runs():
-    """Prepared MXFP4: GROUPED_CONTIGUOUS runs the tile INDEXED runs for the same call (INDEXED's
-    default block for the mean rows, the regime of max(mean, block), the tile capped at the block:
-    16 rows up to 12 mean rows, the small tile from 27 mean rows, where routed counts pass 32);
-    GROUPED_MASKED, whose slab capacity bounds its rows, takes the regime of its capacity and the
-    same cap in decode. Other weights keep the table's entry."""
+def test_grouped_tiles_are_the_ones_indexed_runs():
+    """GROUPED_CONTIGUOUS runs the tile INDEXED runs for the same call: INDEXED's default block for
+    the mean rows, the regime of max(mean, block) (the small tile from 27 mean rows, where routed
+    counts pass 32), and for prepared MXFP4 the tile capped at the block (16 rows up to 12 mean
+    rows; bf16 and the dot_scaled kernel keep their decode tile's rows). GROUPED_MASKED, whose
+    slab capacity bounds its rows, takes the regime of its capacity and, prepared, the same cap."""
     from padded_moe import layout_codes as codes
     from padded_moe.kernels import gemm as kg
     from padded_moe.layouts import default_block_m
@@ -931,22 +931,25 @@ def test_grouped_prepared_tiles_are_the_ones_indexed_runs():
         def __init__(self, planes):
             self.planes = planes
 
-    for planes in (2, 4):
-        w = Prepared(planes)
-        decode, small = (kg.TUNED[(kg.table_kind(True, True, planes), r)] for r in ("decode", "small"))
+    def kinds():
+        yield None, False, "bf16"
+        yield None, True, "mxfp4"
+        for planes in (2, 4):
+            yield Prepared(planes), True, kg.table_kind(True, True, planes)
+
+    for w, mx, kind in kinds():
+        capped = w is not None
+        decode, small = kg.TUNED[(kind, "decode")], kg.TUNED[(kind, "small")]
         for rows in (0.25, 1, 4, 8, 12, 12.5, 13, 16, 24, 26, 27, 32, 33, 48, 64, 71, 72, 100, 128, 256, 600):
             block = default_block_m(rows, 1)
-            indexed = kg.default_config(True, True, w, codes.INDEXED, block, max(rows, block))
-            tile = dataclasses.replace(indexed, BM=kg.indexed_tiling(block, indexed.BM)[0])
-            got = kg.default_config(True, True, w, codes.GROUPED_CONTIGUOUS, 1, rows)
-            assert got == tile, (planes, rows, got.short(), tile.short())
-        for rows, want in ((1, dataclasses.replace(decode, BM=16)), (12, dataclasses.replace(decode, BM=16)),
-                           (16, decode), (26, decode), (27, small), (32, small)):
-            assert kg.default_config(True, True, w, codes.GROUPED_CONTIGUOUS, 1, rows) == want, (planes, rows)
-        for rows, want in ((1, dataclasses.replace(decode, BM=16)), (12, dataclasses.replace(decode, BM=16)),
-                           (16, decode), (27, decode), (32, decode), (33, small)):
-            assert kg.default_config(True, True, w, codes.GROUPED_MASKED, 1, rows) == want, (planes, rows)
-    for rows in (1, 8, 32):
-        for layout in (codes.GROUPED_CONTIGUOUS, codes.GROUPED_MASKED):
-            assert kg.default_config(True, False, None, layout, 1, rows) == kg.TUNED[("bf16", "decode")]
-            assert kg.default_config(True, True, None, layout, 1, rows) == kg.TUNED[("mxfp4", "decode")]
+            indexed = kg.default_config(True, mx, w, codes.INDEXED, block, max(rows, block))
+            got = kg.default_config(True, mx, w, codes.GROUPED_CONTIGUOUS, 1, rows)
+            tile_bm = kg.indexed_tiling(block, indexed.BM)[0]
+            if not capped:
+                got = dataclasses.replace(got, BM=kg.indexed_tiling(block, got.BM)[0])
+            assert got == dataclasses.replace(indexed, BM=tile_bm), (kind, rows, got.short(), indexed.short())
+        narrow = dataclasses.replace(decode, BM=16) if capped else decode
+        for rows, want in ((1, narrow), (12, narrow), (16, decode), (26, decode), (27, small), (32, small)):
+            assert kg.default_config(True, mx, w, codes.GROUPED_CONTIGUOUS, 1, rows) == want, (kind, rows)
+        for rows, want in ((1, narrow), (12, narrow), (16, decode), (27, decode), (32, decode), (33, small)):
+            assert kg.default_config(True, mx, w, codes.GROUPED_MASKED, 1, rows) == want, (kind, rows)

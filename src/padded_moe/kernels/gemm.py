@@ -324,24 +324,24 @@ def default_config(cuda: bool, mxfp4: bool, w_hopper, layout: int, block_m: int,
     from padded_moe.kernels import INTERPRETED
 
     interpreted = INTERPRETED and not cuda
-    hopper = mxfp4 and w_hopper is not None and not interpreted
-    # The prepared-MXFP4 kernel on the grouped layouts runs the tile INDEXED runs for the same
-    # call: INDEXED sizes its row block for an expert's routed rows (the mean plus its square
-    # root, `default_block_m`), picks the regime from max(mean, block) (`IndexedMeta.
-    # rows_per_expert`) and caps the tile at the block. GROUPED_CONTIGUOUS does the same from the
-    # mean; GROUPED_MASKED from its slab capacity T_max, a hard bound on its rows, so only the cap.
-    block = default_block_m(rows_per_expert, 1) if hopper and layout != codes.INDEXED else None
-    rows = max(rows_per_expert, block) if block is not None and layout == codes.GROUPED_CONTIGUOUS else rows_per_expert
+    # The grouped layouts run the tile INDEXED runs for the same call. INDEXED sizes its row block
+    # for an expert's routed rows (the mean plus its square root, `default_block_m`), takes the
+    # regime of max(mean, block) (`IndexedMeta.rows_per_expert`) and caps the tile at the block.
+    # GROUPED_CONTIGUOUS takes the same regime from its mean rows. At 32 mean rows (routed counts
+    # about 17-53) its GEMMs with the decode tile, 32 rows, took 1.02-1.57x INDEXED's time (bf16:
+    # GPT-OSS, Qwen3-MoE, Mixtral, DeepSeek-V4; prepared MXFP4 GPT-OSS GEMM1 1.16x: an expert past
+    # 32 rows reads its weights twice), and 0.99-1.01x with INDEXED's 64-row small tile (one H100,
+    # scripts/layout_tiles_probe.py). GROUPED_MASKED keeps the regime of its slab capacity T_max,
+    # a bound on its rows and all a batched receive buffer tells.
+    block = default_block_m(rows_per_expert, 1) if not interpreted and layout != codes.INDEXED else None
+    rows = max(rows_per_expert, block) if layout == codes.GROUPED_CONTIGUOUS and block is not None else rows_per_expert
     cfg = pick_config(rows, mxfp4, interpreted, hopper=w_hopper is not None,
                       planes=2 if w_hopper is None else w_hopper.planes,
                       block_rows=block_m if layout == codes.INDEXED else None)
     if block is not None and cfg.mx_hopper and regime(rows) == "decode":
-        # The cap: on an H100 the 16-row tile took 0.89-0.97x the 32-row tile's time on
-        # DeepSeek-V4 GEMMs at 1 and 8 rows per expert (GROUPED_CONTIGUOUS and GROUPED_MASKED),
-        # level with INDEXED's. The regime: at 32 mean rows (GPT-OSS at 1024 tokens, routed
-        # counts 17-47) GROUPED_CONTIGUOUS's GEMM1 took 1.16x INDEXED's time with the 32-row decode
-        # tile (an expert past 32 rows reads and upcasts its weights twice) and 0.995x with the
-        # 64-row small tile INDEXED runs there (scripts/layout_tiles_probe.py).
+        # And the prepared-MXFP4 decode tile takes the cap: on an H100 the 16-row tile took
+        # 0.89-0.97x the 32-row tile's time on DeepSeek-V4 GEMMs at 1 and 8 rows per expert
+        # (GROUPED_CONTIGUOUS and GROUPED_MASKED), level with INDEXED's. bf16 keeps the table's.
         cfg = dataclasses.replace(cfg, BM=min(cfg.BM, block))
     return cfg
 

@@ -43,6 +43,12 @@ ncu_native() {  # ncu_native PRESET:TOKENS:STAGE...: Nsight Compute of that GEMM
     done
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv,noheader | tee -a "$summary"
+# REQUIRE_GPU=H200: stop at once (exit 3) on any other card, for timings that must come from that card
+# (a machine asked for as nvidia-h200 may be an H100)
+if [ -n "${REQUIRE_GPU:-}" ] && ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "$REQUIRE_GPU"; then
+    echo "not an $REQUIRE_GPU: stopped (REQUIRE_GPU)" | tee -a "$summary"
+    exit 3
+fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$summary"
 for stage in "$@"; do
     case "$stage" in

@@ -46,8 +46,8 @@ def test_dsv4_like_shapes(layout, fmt):
 def test_blocks_around_the_medium_regime(mean_rows, layout, fmt):
     """bf16 and prepared MXFP4 around `BLOCK_128_MEAN_ROWS`: the small regime's tile (INDEXED: in
     64-row blocks) below it, the medium tile (INDEXED: in 128-row blocks) at and above it; at 27
-    and 32 mean rows prepared MXFP4 on GROUPED_CONTIGUOUS takes the small tile too, as INDEXED
-    does there; swigluoai with biases, dropped and out-of-range ids, NaN rows past `valid_tokens`."""
+    and 32 mean rows GROUPED_CONTIGUOUS takes the small tile too, as INDEXED does there (its
+    64-row blocks); swigluoai with biases, dropped and out-of-range ids, NaN rows past `valid_tokens`."""
     from padded_moe.layouts import BLOCK_128_MEAN_ROWS, GemmLayout, build_layout_resolved
 
     k, E, K, N = 4, 16, 512, 256

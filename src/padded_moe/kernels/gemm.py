@@ -341,7 +341,8 @@ def default_config(cuda: bool, mxfp4: bool, w_hopper, layout: int, block_m: int,
     if block is not None and cfg.mx_hopper and regime(rows) == "decode":
         # And the prepared-MXFP4 decode tile takes the cap: on an H100 the 16-row tile took
         # 0.89-0.97x the 32-row tile's time on DeepSeek-V4 GEMMs at 1 and 8 rows per expert
-        # (GROUPED_CONTIGUOUS and GROUPED_MASKED), level with INDEXED's. bf16 keeps the table's.
+        # (GROUPED_CONTIGUOUS and GROUPED_MASKED), level with INDEXED's. Other weights keep the
+        # table's rows (a cap not measured for them).
         cfg = dataclasses.replace(cfg, BM=min(cfg.BM, block))
     return cfg
 

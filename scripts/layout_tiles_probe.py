@@ -11,13 +11,15 @@ variant computes (from the counts) next to its time, and each output's largest d
 INDEXED's relative to INDEXED's largest value (same weights, same routed rows, fp32 accumulation);
 exits 1 after the tables if any exceeds `TOL`.
 
-    python3 scripts/layout_tiles_probe.py --models gpt-oss --tokens 1024
+    python3 scripts/layout_tiles_probe.py --presets gpt-oss-120b --tokens 1024
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import math
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -25,19 +27,12 @@ import triton
 from padded_moe.backends import get_backend
 from padded_moe.kernels import gemm as kg
 from padded_moe.layouts import GemmLayout, build_layout, default_block_m
-from padded_moe.mxfp4 import Mxfp4Tensor, quantize_mxfp4
+from padded_moe.presets import get_preset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_gemm import weight_pair  # noqa: E402
 
 TOL = 2.0**-7  # one bf16 rounding of the largest output
-MODELS = {"gpt-oss": (128, 4, 2880, 2880), "dsv4-flash": (256, 6, 4096, 2048),  # (E, k, hidden, inter)
-          "qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336)}
-
-
-def weight(E: int, n_out: int, K: int, fmt: str):
-    w = torch.randn(E, n_out, K, device="cuda", dtype=torch.bfloat16) / K**0.5
-    if fmt == "bf16":
-        return w
-    parts = [quantize_mxfp4(w[i:i + 8]) for i in range(0, E, 8)]
-    return Mxfp4Tensor(torch.cat([p.blocks for p in parts]), torch.cat([p.scales for p in parts])).prepare_for()
 
 
 def tiles_by_name() -> dict:
@@ -55,7 +50,7 @@ def tiles_by_name() -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="gpt-oss,dsv4-flash")
+    p.add_argument("--presets", default="gpt-oss-120b,dsv4-flash", help="comma list of padded_moe.presets names")
     p.add_argument("--tokens", default="1024")
     p.add_argument("--weights", default="mxfp4", choices=("mxfp4", "bf16"))
     p.add_argument("--tiles", default="", help="comma list of tile short names also run on the grouped layouts")
@@ -68,11 +63,14 @@ def main() -> None:
         raise SystemExit(f"--tiles: unknown {unknown}; known: {sorted(named)}")
     extra = [named[n] for n in args.tiles.split(",") if n]
     bad = []
-    for model in args.models.split(","):
-        E, k, hidden, inter = MODELS[model]
-        for stage, (K, n_out) in (("w13", (hidden, 2 * inter)), ("w2", (inter, hidden))):
-            q = weight(E, n_out, K, args.weights)
-            mx = args.weights == "mxfp4"
+    mx = args.weights == "mxfp4"
+    for model in args.presets.split(","):
+        pre = get_preset(model)
+        E, k = pre.num_experts, pre.top_k
+        for stage, (K, n_out) in (("w13", (pre.hidden_size, pre.w13_rows)),
+                                  ("w2", (pre.intermediate_size, pre.hidden_size))):
+            w, q = weight_pair(E, n_out, K, torch.device("cuda"))
+            q = q.prepare_for() if mx else w
             for T in (int(t) for t in args.tokens.split(",")):
                 logits = torch.randn(T, E, device="cuda")
                 ids = logits.topk(k, dim=-1).indices.to(torch.int32)

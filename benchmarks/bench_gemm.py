@@ -451,12 +451,16 @@ def run_hopper(args) -> dict:
                         f"{name} {row[f'humming{sfx}_vs_ours']:.2f}" if f"humming{sfx}_vs_ours" in row else f"{name} -"
                         for name, sfx, _ in HUMMING_LAYOUTS)
                           + ("" if not row["humming_wrong"] else f" | {row['humming_wrong']}"))
+                # (metadata, input, output) of each layout, by its name in `--sweep-layouts`, in the
+                # order a sweep candidate is checked on them
+                on_layout = {"grouped_contiguous": (meta, a, out), "indexed": (imeta, a, out),
+                             "grouped_masked": (mmeta, am, om)}
                 for planes in ([] if args.no_sweep else [int(x) for x in args.sweep_planes.split(",")]):
                     wq = qh4 if planes == 4 else qh
                     cands = hopper_candidates(args, kg.regime(r), planes)
 
                     def check(c, wq=wq):
-                        for m_, a_, o_ in ((meta, a, out), (imeta, a, out), (mmeta, am, om)):
+                        for m_, a_, o_ in on_layout.values():
                             o_.fill_(float("nan"))
                             be.gemm(a_, wq, m_, stage=stage, bias=None, out=o_, config=c)
                             wrong = result_error(out, want)
@@ -466,10 +470,8 @@ def run_hopper(args) -> dict:
 
                     # Timed on each of `--sweep-layouts` (INDEXED by default: what `fused_experts` runs
                     # unless told otherwise), every candidate checked on all three first.
-                    sweep_on = {"indexed": (imeta, a, out), "grouped_contiguous": (meta, a, out),
-                                "grouped_masked": (mmeta, am, om)}
                     for lay in args.sweep_layouts.split(","):
-                        m_, a_, o_ = sweep_on[lay]
+                        m_, a_, o_ = on_layout[lay]
                         key = f"{kg.table_kind(True, True, planes)}/{kg.regime(r)}" + (
                             "" if lay == "indexed" else f"/{lay}")
                         time_candidates(results["sweep"], key, cands, dev,

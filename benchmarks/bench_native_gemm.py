@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import os
 import statistics
 import sys
@@ -44,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_us, captured, copy_bandwidth_gbs, matmul_tflops, print_table, write_report  # noqa: E402
 
 from padded_moe import fused_experts  # noqa: E402
+from padded_moe.backends import get_backend  # noqa: E402
 from padded_moe.gemm import FUSE_ENV, expert_gemm  # noqa: E402
 from padded_moe.kernels.native import grouped  # noqa: E402
 from padded_moe.layer import FusedMoE  # noqa: E402
@@ -183,7 +183,7 @@ def main() -> None:
     select_variants({}, keep)  # unknown names fail before any GPU work
     if not torch.cuda.is_available():
         raise SystemExit("bench_native_gemm times CUDA graphs: it needs a GPU")
-    has_humming = importlib.util.find_spec("humming") is not None
+    has_humming = get_backend("humming").available(torch.device("cuda")) is None
     t0 = time.time()
     copy_gbs, dense_tflops = copy_bandwidth_gbs(), matmul_tflops()
     print(f"copy bandwidth {copy_gbs:.0f} GB/s, dense bf16 matmul {dense_tflops:.0f} TFLOP/s")

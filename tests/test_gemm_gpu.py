@@ -309,7 +309,7 @@ def test_humming_backend(layout):
     ids = torch.randint(-1, L + 1, (M, k), device=DEV, dtype=torch.int32)
     # humming's INDEXED kernel reads row blocks of its own BLOCK_M
     bm = get_backend("humming").indexed_block_m(w, M * k) if layout == GemmLayout.INDEXED else None
-    meta = build_layout(layout, ids, L) if bm is None else build_layout(layout, ids, L, block_m=bm)
+    meta = build_layout(layout, ids, L, block_m=bm)  # None: the default block (ignored off INDEXED)
     a = inputs_for(layout, meta, "w13", K, M, k, 11)
     out = out_for(layout, meta, a, 2 * N)
     expert_gemm(a, w, meta, out=out, backend="humming")

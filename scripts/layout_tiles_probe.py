@@ -5,8 +5,10 @@ MXFP4, or bf16 with `--weights bf16`).
 Routes `tokens` tokens with top-k of random logits (counts scatter around the mean as in a model),
 builds each layout from the same ids, and times each GEMM alone (`triton.testing.do_bench`, L2
 flushed between calls) for: INDEXED with `fused_experts`' default row block, GROUPED_CONTIGUOUS and
-GROUPED_MASKED with the default tile, and the grouped layouts with the tiles named in `--tiles`
-(short names, e.g. BM64_BN128_BK64_G4_w4_s4_hop_ptx_half). Prints the m-tiles with rows each
+GROUPED_MASKED with the default tile (slabs as large as the largest count, and `--capacity` times
+that: the room a batched receive buffer has, run with the tile of its expected rows and with the
+tile of its capacity, what it runs without `expected_m`), and the grouped layouts with the tiles
+named in `--tiles` (short names, e.g. BM64_BN128_BK64_G4_w4_s4_hop_ptx_half). Prints the m-tiles with rows each
 variant computes (from the counts) next to its time, and each output's largest difference from
 INDEXED's relative to INDEXED's largest value (same weights, same routed rows, fp32 accumulation);
 exits 1 after the tables if any exceeds `TOL`.
@@ -54,6 +56,7 @@ def main() -> None:
     p.add_argument("--tokens", default="1024")
     p.add_argument("--weights", default="mxfp4", choices=("mxfp4", "bf16"))
     p.add_argument("--tiles", default="", help="comma list of tile short names also run on the grouped layouts")
+    p.add_argument("--capacity", type=int, default=4, help="roomy slabs: this many times the largest count")
     args = p.parse_args()
     torch.manual_seed(0)
     be = get_backend("triton")
@@ -82,6 +85,10 @@ def main() -> None:
                 t_max = int(counts.max())
                 mmeta = build_layout(GemmLayout.GROUPED_MASKED, ids, E, max_tokens_per_expert=t_max,
                                      drop_overflow=True)  # t_max is the largest count: nothing drops
+                cap = args.capacity * t_max
+                rmeta = build_layout(GemmLayout.GROUPED_MASKED, ids, E, max_tokens_per_expert=cap,
+                                     drop_overflow=True)
+                cap_tile = kg.default_config(True, mx, q.hopper if mx else None, rmeta.code, 1, cap, cap)
                 # Slot s routes token s // k: w13 reads token rows (INDEXED gathers them by slot // k),
                 # w2 slot rows; the grouped layouts read the slot rows at their permuted places.
                 src = x.repeat_interleave(k, dim=0)
@@ -89,10 +96,12 @@ def main() -> None:
                 ref = torch.empty(T * k, n_out, device="cuda", dtype=torch.bfloat16)
                 be.gemm(a_idx, q, imeta, stage=stage, bias=None, out=ref)
                 cases = [("indexed", imeta, a_idx, None)]
-                for name, meta in (("contiguous", cmeta), ("masked", mmeta)):
+                for name, meta in (("contiguous", cmeta), ("masked", mmeta), (f"masked x{args.capacity}", rmeta)):
                     a = torch.zeros(meta.rows_shape(K), device="cuda", dtype=torch.bfloat16)
                     a.view(-1, K)[rows_of(meta, T * k)] = src
                     cases.append((name, meta, a, None))
+                    if meta is rmeta:
+                        cases.append((f"{name}, capacity's tile", meta, a, cap_tile))
                     cases += [(f"{name} {c.short()}", meta, a, c) for c in extra]
                 print(f"\n{model} {stage} T={T} mean rows {mean:.1f} (min {int(counts.min())}, max {t_max}); "
                       f"INDEXED block {default_block_m(T * k, E)}")
@@ -109,7 +118,8 @@ def main() -> None:
                     ms = triton.testing.do_bench(run, warmup=10, rep=60)
                     base = base or ms
                     used = cfg or kg.default_config(True, mx, q.hopper if mx else None, meta.code,
-                                                    getattr(meta, "block_m", 1), meta.rows_per_expert())
+                                                    getattr(meta, "block_m", 1), meta.rows_per_expert(),
+                                                    getattr(meta, "max_tokens_per_expert", None))
                     live = "-" if name == "indexed" else int(sum(math.ceil(int(c) / used.BM) for c in counts))
                     print(f"  {name:<48} {ms * 1e3:8.1f} us  x{ms / base:5.3f}  tile {used.short():<40} "
                           f"m-tiles with rows {live:>5}  max rel err {err:.1e}")

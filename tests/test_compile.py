@@ -122,7 +122,8 @@ def test_fused_experts_dynamic_no_recompile(gen):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
-def test_batched_experts_fullgraph(gen):
+@pytest.mark.parametrize("expected_m", [None, 2])
+def test_batched_experts_fullgraph(gen, expected_m):
     L, T, K, N = 3, 5, 64, 32
     w13, w2 = _weights(gen, L, N, K)
     x = torch.randn(L, T, K, generator=gen)
@@ -132,7 +133,7 @@ def test_batched_experts_fullgraph(gen):
     poison = torch.full((L, T, K), 7.0)
 
     def step(x, counts, out):
-        return batched_experts(x, counts, w13, w2, activation="silu", out=out)
+        return batched_experts(x, counts, w13, w2, activation="silu", out=out, expected_m=expected_m)
 
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(x, counts, poison.clone())
     want = step(x, counts, poison.clone())

@@ -227,6 +227,35 @@ def test_batched_experts_rows_past_counts_untouched(cpu_path, gen):
         assert (out[e, c:] == SENTINEL).all()
 
 
+def test_batched_experts_expected_m_sizes_the_tiles_not_the_rows(cpu_path, gen, monkeypatch):
+    """`expected_m` reaches the GEMMs as the slabs' expected rows (capped at T), and every count is
+    still computed: the same outputs with any hint."""
+    from padded_moe import experts as ex
+
+    L, T = 3, 6
+    counts = torch.tensor([6, 0, 2], dtype=torch.int32)
+    x = torch.randn(L, T, K, generator=gen)
+    x[2, 2:] = float("nan")
+    w13, w2 = weights(L, gen, torch.float32)
+    seen, gemm = [], ex.expert_gemm
+    monkeypatch.setattr(ex, "expert_gemm", lambda a, w, meta, **kw: (seen.append(meta.rows_per_expert()),
+                                                                      gemm(a, w, meta, **kw))[1])
+    outs = [batched_experts(x, counts, w13, w2, activation="silu", out=torch.full((L, T, K), SENTINEL),
+                            expected_m=m) for m in (None, 0, 1, 100)]
+    assert seen == [6.0, 6.0, 0.0, 0.0, 1.0, 1.0, 6.0, 6.0]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
+    assert (outs[0][1] == SENTINEL).all() and (outs[0][2, 2:] == SENTINEL).all()
+
+
+def test_batched_experts_expected_m_is_checked():
+    x, counts = torch.randn(2, 3, K), torch.tensor([1, 2])
+    w13, w2 = torch.randn(2, 2 * N, K), torch.randn(2, K, N)
+    for bad, err in ((1.5, TypeError), (True, TypeError), (-1, ValueError)):
+        with pytest.raises(err, match="expected_m"):
+            batched_experts(x, counts, w13, w2, activation="silu", expected_m=bad)
+
+
 def test_typed_errors():
     x = torch.randn(4, K)
     w13, w2 = torch.randn(2, 2 * N, K), torch.randn(2, K, N)

@@ -187,7 +187,11 @@ def test_mxfp4_layer_holds_its_experts_once_on_gpu():
             assert torch.equal(out, want), M
 
 
-def test_batched_experts_on_gpu():
+@pytest.mark.parametrize("weights", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("expected_m", [None, 0, 2, 24, 100, 256])
+def test_batched_experts_on_gpu(weights, expected_m):
+    """Every count is computed whatever `expected_m` says (its tiles: decode, small or medium; the
+    capacity's without it), rows past each count untouched; MXFP4 in the prepared form."""
     L, T, K, N = 8, 256, 512, 256
     counts = torch.tensor([0, 1, 255, 256, 17, 64, 128, 3], device="cuda", dtype=torch.int32)
     x = torch.randn(L, T, K, device="cuda", dtype=torch.bfloat16)
@@ -195,12 +199,15 @@ def test_batched_experts_on_gpu():
         x[e, c:] = float("nan")
     w13 = (torch.randn(L, 2 * N, K, device="cuda") * 0.05).bfloat16()
     w2 = (torch.randn(L, K, N, device="cuda") * 0.05).bfloat16()
+    if weights == "mxfp4":
+        w13, w2 = quantize_mxfp4(w13).prepare_for(), quantize_mxfp4(w2).prepare_for()
+    d13, d2 = (w.dequantize() if weights == "mxfp4" else w for w in (w13, w2))
     out = torch.full_like(x, -7.0)
-    batched_experts(x, counts, w13, w2, activation="silu", out=out)
+    batched_experts(x, counts, w13, w2, activation="silu", out=out, expected_m=expected_m)
     for e, c in enumerate(counts.tolist()):
         if c:
-            ref = activation_f64("silu", x[e, :c].double().cpu() @ w13[e].double().cpu().T) @ w2[e].double().cpu().T
-            assert rel_err(out[e, :c], ref) <= BF16_TOL
+            ref = activation_f64("silu", x[e, :c].double().cpu() @ d13[e].double().cpu().T) @ d2[e].double().cpu().T
+            assert rel_err(out[e, :c], ref) <= BF16_TOL, (e, c)
         assert (out[e, c:] == -7.0).all()
 
 

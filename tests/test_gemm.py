@@ -921,8 +921,10 @@ def test_grouped_tiles_are_the_ones_indexed_runs():
     """GROUPED_CONTIGUOUS runs the tile INDEXED runs for the same call: INDEXED's default block for
     the mean rows, the regime of max(mean, block) (the small tile from 27 mean rows, where routed
     counts pass 32), and for prepared MXFP4 the tile capped at the block (16 rows up to 12 mean
-    rows; bf16 and the dot_scaled kernel keep their decode tile's rows). GROUPED_MASKED, whose
-    slab capacity bounds its rows, takes the regime of its capacity and, prepared, the same cap."""
+    rows; bf16 and the dot_scaled kernel keep their decode tile's rows). GROUPED_MASKED given an
+    expected count below its slab capacity takes that same tile where the capacity holds INDEXED's
+    block, else the regime of the capacity; given none (the count is the capacity) the regime of
+    its capacity and, prepared, the same cap."""
     from padded_moe import layout_codes as codes
     from padded_moe.kernels import gemm as kg
     from padded_moe.layouts import default_block_m
@@ -948,8 +950,19 @@ def test_grouped_tiles_are_the_ones_indexed_runs():
             if not capped:
                 got = dataclasses.replace(got, BM=kg.indexed_tiling(block, got.BM)[0])
             assert got == dataclasses.replace(indexed, BM=tile_bm), (kind, rows, got.short(), indexed.short())
+            contiguous = kg.default_config(True, mx, w, codes.GROUPED_CONTIGUOUS, 1, rows)
+            # capacities above the expected count (a meta never gives a count past its capacity)
+            for t_max in (c for c in (4 * math.ceil(rows) + 128, math.floor(rows) + 1, block) if c > rows):
+                masked = kg.default_config(True, mx, w, codes.GROUPED_MASKED, 1, rows, t_max)
+                if max(rows, block) <= t_max:
+                    assert masked == contiguous, (kind, rows, t_max, masked.short(), contiguous.short())
+                else:  # the capacity bounds the rows: its regime, the block's cap
+                    table = kg.TUNED[(kind, kg.regime(t_max))]
+                    assert dataclasses.replace(masked, BM=table.BM) == table, (kind, rows, t_max, masked.short())
+                    assert masked.BM == (min(table.BM, block) if capped and kg.regime(t_max) == "decode" else table.BM)
         narrow = dataclasses.replace(decode, BM=16) if capped else decode
         for rows, want in ((1, narrow), (12, narrow), (16, decode), (26, decode), (27, small), (32, small)):
             assert kg.default_config(True, mx, w, codes.GROUPED_CONTIGUOUS, 1, rows) == want, (kind, rows)
         for rows, want in ((1, narrow), (12, narrow), (16, decode), (27, decode), (32, decode), (33, small)):
             assert kg.default_config(True, mx, w, codes.GROUPED_MASKED, 1, rows) == want, (kind, rows)
+            assert kg.default_config(True, mx, w, codes.GROUPED_MASKED, 1, rows, rows) == want, (kind, rows)

@@ -78,3 +78,29 @@ def test_layer_with_expert_parallel_and_valid_tokens(mode):
         assert r["shape"] == (valid[rank], K)
         assert r["sent_padded"] == 0, f"rank {rank}: {r['sent_padded']} ids of padded rows dispatched"
         assert r["err"] <= 1e-5 * max(1.0, r["scale"]), f"rank {rank}: max error {r['err']} (seed {seed})"
+
+
+def test_batched_ep_step_sizes_the_tiles_for_the_expected_rows(monkeypatch):
+    """Batched mode hands `batched_experts` the rows a slab expects when every rank routes as many
+    tokens as this one (tokens x k / local experts, rounded up), not the slabs' capacity."""
+    from padded_moe import layer as layer_mod
+
+    seen = {}
+
+    class Received:
+        x, counts = torch.zeros(4, 40, K), torch.zeros(4, dtype=torch.int32)
+
+    class Batched:
+        mode, num_local = "batched", 4
+
+        def dispatch(self, x, ids, w):
+            return Received(), None
+
+        def combine(self, y, handle):
+            return y
+
+    monkeypatch.setattr(layer_mod, "batched_experts", lambda *a, **kw: seen.update(kw) or a[0])
+    ids = torch.zeros(5, 3, dtype=torch.int32)
+    layer_mod.ep_step(Batched(), torch.zeros(5, K), torch.rand(5, 3), ids, None, None, None, None, "silu", None,
+                      None, "auto")
+    assert seen["expected_m"] == 4  # ceil(5 * 3 / 4)

@@ -292,6 +292,22 @@ def test_masked_overflow_counts_and_drops(cpu_path, gen):
     assert meta.counts.tolist() == [1, 2] and meta.overflow.tolist() == [2]
 
 
+def test_masked_rows_per_expert_is_the_expected_count_within_capacity():
+    """What picks GROUPED_MASKED's GEMM tile: the mean of a layout built from slots (at most the
+    capacity), a batched buffer's `expected_m` (at most the capacity), else the capacity."""
+    from padded_moe.experts import masked_meta_from_counts
+
+    ids = torch.tensor([[0, 1], [0, 2], [3, 0]], dtype=torch.int32)  # 6 slots on 4 experts
+    assert build_layout(GemmLayout.GROUPED_MASKED, ids, 4).rows_per_expert() == 1.5
+    tight = build_layout(GemmLayout.GROUPED_MASKED, ids, 4, max_tokens_per_expert=1, drop_overflow=True)
+    assert tight.rows_per_expert() == 1.0
+    counts = torch.tensor([3, 0, 7], dtype=torch.int32)
+    assert masked_meta_from_counts(counts, 64).rows_per_expert() == 64.0
+    assert masked_meta_from_counts(counts, 64, expected_m=5).rows_per_expert() == 5.0
+    assert masked_meta_from_counts(counts, 64, expected_m=0).rows_per_expert() == 0.0
+    assert masked_meta_from_counts(counts, 64, expected_m=100).rows_per_expert() == 64.0
+
+
 def test_paths_give_bitwise_identical_metadata(monkeypatch):
     """Many chunks (CHUNK=256 above 16384 slots) and a multi-tile scan, torch vs interpreted kernels."""
     from padded_moe._platform import kernels_interpreted

@@ -25,6 +25,7 @@ from padded_moe._validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     require_dtype,
+    require_int,
     require_rank,
     require_tensor,
     require_weight,
@@ -534,8 +535,10 @@ def _fused_experts_fake(hidden, *args) -> torch.Tensor:
     return hidden.new_empty(hidden.shape)
 
 
-def masked_meta_from_counts(counts: torch.Tensor, max_tokens_per_expert: int) -> GroupedMaskedMeta:
-    """GROUPED_MASKED metadata for a buffer that arrives already batched per expert (no slots)."""
+def masked_meta_from_counts(counts: torch.Tensor, max_tokens_per_expert: int,
+                            expected_m: Optional[int] = None) -> GroupedMaskedMeta:
+    """GROUPED_MASKED metadata for a buffer that arrives already batched per expert (no slots);
+    `expected_m`: the rows a slab is expected to hold (it picks the GEMM tile), None: unknown."""
     empty = torch.empty(0, dtype=torch.int32, device=counts.device)
     # Clamp in the counts' own dtype before narrowing: an int64 count of 2**40 must mean "every
     # row", not wrap to 0 in int32. A count past T cannot be honoured (the buffer has T rows).
@@ -544,17 +547,20 @@ def masked_meta_from_counts(counts: torch.Tensor, max_tokens_per_expert: int) ->
         num_tokens=0, top_k=0, num_local=counts.shape[0], slot_expert=empty,
         activation_counts=counts32, counts=counts32, inv=empty,
         overflow=torch.zeros(1, dtype=torch.int32, device=counts.device),
-        max_tokens_per_expert=max_tokens_per_expert)
+        max_tokens_per_expert=max_tokens_per_expert, expected_m=expected_m)
 
 
 def batched_experts(x: torch.Tensor, counts: torch.Tensor, w13, w2, *, activation: Union[str, MoEActivation],
                     activation_config: Optional[ApplyMoEActivationConfig] = None,
-                    backend: str = "auto", out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    backend: str = "auto", out: Optional[torch.Tensor] = None,
+                    expected_m: Optional[int] = None) -> torch.Tensor:
     """Experts over a batched receive buffer `x [L, T, K]`, expert `e` valid on rows `[0, counts[e])`.
 
     GROUPED_MASKED throughout; returns `[L, T, K]` whose rows past each count are untouched
     (left as they were in `out` when given, unspecified otherwise). Router weights are not
-    applied here (expert parallelism's combine applies them).
+    applied here (expert parallelism's combine applies them). `expected_m` (an int >= 0, like
+    DeepGEMM's masked GEMM takes it): about how many rows a slab holds, which picks the GEMM tiles;
+    without it they are sized for `T`. Every count is honoured either way.
     """
     act = resolve_supported(activation)
     require_tensor("x", x)
@@ -563,6 +569,8 @@ def batched_experts(x: torch.Tensor, counts: torch.Tensor, w13, w2, *, activatio
     require_tensor("counts", counts)
     require_dtype("counts", counts, INDEX_DTYPES)
     num_local, max_rows, hidden_size = x.shape
+    if expected_m is not None:
+        require_int("expected_m", expected_m, 0)
     if tuple(counts.shape) != (num_local,):
         raise ValueError(f"counts must be 1-D of length L={num_local}, got shape {tuple(counts.shape)}")
     if _check_weights(act, w13, w2, hidden_size)[0] != num_local:
@@ -578,16 +586,16 @@ def batched_experts(x: torch.Tensor, counts: torch.Tensor, w13, w2, *, activatio
         w2_t, w2_s, *w2_h = op_weight_parts(w2)
         torch.ops.padded_moe.batched_experts(x, counts, w13_t, w13_s, w2_t, w2_s, act.value, cfg.clamp_limit,
                                              cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta,
-                                             backend, out, *w13_h, *w2_h)
+                                             backend, out, *w13_h, *w2_h, expected_m=expected_m)
         return out
-    _batched_pipeline(x, counts, w13, w2, act, cfg, backend, out)
+    _batched_pipeline(x, counts, w13, w2, act, cfg, backend, out, expected_m)
     return out
 
 
 def _batched_pipeline(x, counts, w13, w2, act: MoEActivation, cfg: ApplyMoEActivationConfig, backend: str,
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, expected_m: Optional[int] = None) -> None:
     num_local, max_rows, hidden_size = x.shape
-    meta = masked_meta_from_counts(counts, max_rows)
+    meta = masked_meta_from_counts(counts, max_rows, expected_m)
     # `out` is the caller's (or batched_experts' fresh) buffer; the others are allocated per call.
     h, act_out, _ = (_allocate(None, b, x.dtype, x.device)
                      for b in expert_workspace(max_rows, 0, hidden_size, w13.shape[1], w2.shape[2], num_local=num_local))
@@ -604,13 +612,13 @@ def _batched_experts_op(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor
                         out: torch.Tensor, w13_hopper_blocks: Optional[torch.Tensor] = None,
                         w13_hopper_scales: Optional[torch.Tensor] = None,
                         w2_hopper_blocks: Optional[torch.Tensor] = None,
-                        w2_hopper_scales: Optional[torch.Tensor] = None) -> None:
+                        w2_hopper_scales: Optional[torch.Tensor] = None, expected_m: Optional[int] = None) -> None:
     cfg = ApplyMoEActivationConfig(clamp_limit, alpha, beta, situ_beta, situ_linear_beta)
     _batched_pipeline(x, counts, op_weight_from_parts(w13, w13_scales, w13_hopper_blocks, w13_hopper_scales),
                       op_weight_from_parts(w2, w2_scales, w2_hopper_blocks, w2_hopper_scales),
-                      MoEActivation(activation), cfg, backend, out)
+                      MoEActivation(activation), cfg, backend, out, expected_m)
 
 
 @register_fake("padded_moe::batched_experts")
-def _batched_experts_fake(*args) -> None:
+def _batched_experts_fake(*args, **kwargs) -> None:
     return None

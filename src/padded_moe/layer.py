@@ -27,6 +27,7 @@ from torch import nn
 
 from padded_moe import routing
 from padded_moe._ops import custom_op, register_fake
+from padded_moe._util import cdiv
 from padded_moe._validation import FLOAT_DTYPES, require_int, require_real, require_tensor
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
 from padded_moe.ep.engine import expert_parallel_of_op
@@ -577,7 +578,11 @@ def ep_step(ep, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     else:
         if w13_bias is not None:
             raise NotImplementedError("expert biases are not supported in batched expert-parallel mode; use mode='flat'")
-        y = batched_experts(rb.x, rb.counts, w13, w2, **common)
+        # The slabs have room for every token of every rank; the tiles are sized for the rows a
+        # slab is expected to receive when each rank routes as many tokens as this one.
+        m, k = x.shape[0], topk_ids.shape[1]
+        expected = cdiv(m * k, max(ep.num_local, 1)) if isinstance(m, int) else None
+        y = batched_experts(rb.x, rb.counts, w13, w2, expected_m=expected, **common)
     return ep.combine(y, handle)
 
 

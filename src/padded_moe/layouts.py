@@ -205,11 +205,20 @@ class GroupedMaskedMeta(LayoutMetaBase):
     overflow: torch.Tensor
     max_tokens_per_expert: int
     layout: GemmLayout = GemmLayout.GROUPED_MASKED
+    # The rows a slab is expected to hold (`batched_experts`' `expected_m`), None: unknown.
+    expected_m: Optional[float] = None
 
     GEMM_FIELDS: ClassVar[tuple[str, ...]] = ("counts",)
 
     def rows_per_expert(self) -> float:
-        return float(self.max_tokens_per_expert)
+        # The expected rows per slab where known (`expected_m`, else the mean of a layout built from
+        # slots), never past the capacity; else the capacity, the one bound a batched buffer has.
+        # The GEMM takes its tile from it (`kernels.gemm.default_config`); rows past it still run.
+        expected = self.expected_m
+        if expected is None and self.num_slots > 0:
+            expected = self.num_slots / max(self.num_local, 1)
+        T = float(self.max_tokens_per_expert)
+        return T if expected is None else min(float(expected), T)
 
     @classmethod
     def _from_buffers(cls, common: dict, bufs: dict, block_m: int, t_max: int) -> "GroupedMaskedMeta":

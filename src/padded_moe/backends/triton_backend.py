@@ -41,7 +41,7 @@ class TritonBackend(GemmBackend):
         args = meta.gemm_args("w13")
         mx = isinstance(w, Mxfp4Tensor)
         cfg = kg.default_config(a.is_cuda, mx, w.hopper if mx else None, args["layout"], args["block_m"],
-                                args["rows_per_expert"])
+                                args["rows_per_expert"], args["t_max"])
         tile_m = kg.indexed_tiling(args["block_m"], cfg.BM)[0] if args["layout"] == kg.codes.INDEXED else cfg.BM
         read = "pointer" if mx else kg.weight_read(cfg, a.reshape(-1, a.shape[-1]), w, activation.is_gated,
                                                    activation.interleaved)

@@ -319,8 +319,9 @@ def pick_config(rows_per_expert: float, mxfp4: bool, interpreted: bool, hopper: 
 
 
 def default_config(cuda: bool, mxfp4: bool, w_hopper, layout: int, block_m: int,
-                   rows_per_expert: float) -> GemmConfig:
-    """The config `launch` takes when none is given."""
+                   rows_per_expert: float, t_max: Optional[int] = None) -> GemmConfig:
+    """The config `launch` takes when none is given. `t_max`: GROUPED_MASKED's slab capacity, where
+    `rows_per_expert` may be an expected count below it (`GroupedMaskedMeta.rows_per_expert`)."""
     from padded_moe.kernels import INTERPRETED
 
     interpreted = INTERPRETED and not cuda
@@ -331,10 +332,18 @@ def default_config(cuda: bool, mxfp4: bool, w_hopper, layout: int, block_m: int,
     # about 17-53) its GEMMs with the decode tile, 32 rows, took 1.02-1.57x INDEXED's time (bf16:
     # GPT-OSS, Qwen3-MoE, Mixtral, DeepSeek-V4; prepared MXFP4 GPT-OSS GEMM1 1.16x: an expert past
     # 32 rows reads its weights twice), and 0.99-1.01x with INDEXED's 64-row small tile (one H100,
-    # scripts/layout_tiles_probe.py). GROUPED_MASKED keeps the regime of its slab capacity T_max,
-    # a bound on its rows and all a batched receive buffer tells.
+    # scripts/layout_tiles_probe.py). GROUPED_MASKED does the same, capped at its slab capacity
+    # `t_max`, where it is given an expected count below that capacity (the mean of a layout built
+    # from slots, or a batched buffer's `expected_m`); its tile then fits the rows the slabs hold,
+    # not the room they have (DeepSeek-V4 MXFP4 at 24 mean rows in 37-row slabs: the capacity's
+    # 64-row tile took 1.18-1.29x the GEMM time of INDEXED's 32-row tile on an H100). Without one
+    # it takes the regime of `t_max`, a bound on its rows and all a batched buffer tells.
     block = default_block_m(rows_per_expert, 1) if not interpreted and layout != codes.INDEXED else None
-    rows = max(rows_per_expert, block) if layout == codes.GROUPED_CONTIGUOUS and block is not None else rows_per_expert
+    rows = rows_per_expert
+    if block is not None and layout == codes.GROUPED_CONTIGUOUS:
+        rows = max(rows_per_expert, block)
+    elif block is not None and layout == codes.GROUPED_MASKED and t_max is not None and rows_per_expert < t_max:
+        rows = min(max(rows_per_expert, block), t_max)
     cfg = pick_config(rows, mxfp4, interpreted, hopper=w_hopper is not None,
                       planes=2 if w_hopper is None else w_hopper.planes,
                       block_rows=block_m if layout == codes.INDEXED else None)
@@ -1415,7 +1424,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     K = a2.shape[1]
     if num_local == 0 or N == 0 or out2.shape[0] == 0:
         return out2
-    cfg = config or default_config(a2.is_cuda, mx, w_hopper, layout, block_m, rows_per_expert)
+    cfg = config or default_config(a2.is_cuda, mx, w_hopper, layout, block_m, rows_per_expert, t_max)
     if mx and w_hopper is None and config is None and a2.is_cuda:
         warn_unprepared(a2.device)
     hopper = mx and cfg.mx_hopper

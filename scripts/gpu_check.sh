@@ -844,10 +844,27 @@ print('warnings', n); assert n == 1, n"
             # models of HUMMING_MODELS at HUMMING_ROWS rows per expert (its JIT: ~20 s per configuration here)
             STEP_TIMEOUT=240 step test-humming env HUMMING_CACHE_DIR=/tmp/humming-cache python3 -m pytest -q -m slow \
                 -k humming tests/test_gemm_gpu.py
+            [ "${HUMMING_BENCH:-1}" = 1 ] || continue
             STEP_TIMEOUT=${HUMMING_S:-500} step bench-humming env HUMMING_CACHE_DIR=/tmp/humming-cache \
                 python3 benchmarks/bench_gemm.py --mxfp4-hopper --humming --no-sweep \
                 --models "${HUMMING_MODELS:-gpt-oss}" --rows "${HUMMING_ROWS:-1,4,8,16,32,128,512}" \
                 --out "$OUT/bench-humming" ;;
+        masked-expected)  # GROUPED_MASKED tiles sized for the expected rows (batched_experts' expected_m, the mean of
+            # a masked layout built from slots): GPU tests of batched_experts at every expected_m and of the GEMMs on
+            # masked layouts, memcheck of batched_experts' hinted tiles (timings: layout-probe with PROBE_CAPACITY 16,
+            # slabs with room for many rows and a few of them used, the expert-parallel decode case)
+            STEP_TIMEOUT=300 step test-masked python3 -m pytest -q -m gpu tests/test_experts_gpu.py tests/test_gemm_gpu.py \
+                -k "batched_experts_on_gpu or grouped_masked"
+            STEP_TIMEOUT=240 step sanitizer-masked compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
+                -q -m gpu tests/test_experts_gpu.py -k "batched_experts_on_gpu and (2-mxfp4 or 24-mxfp4 or 2-bf16 or 24-bf16)" ;;
+        layout-probe)  # each expert GEMM alone on the three layouts under routed counts (scripts/layout_tiles_probe.py):
+            # outputs against INDEXED's (exit 1 past one bf16 rounding) and times, PROBE_PRESETS at PROBE_TOKENS, both
+            # weight kinds unless PROBE_WEIGHTS names one
+            for weights in ${PROBE_WEIGHTS:-mxfp4 bf16}; do
+                STEP_TIMEOUT=${PROBE_S:-240} step "layout-probe-$weights" python3 scripts/layout_tiles_probe.py \
+                    --presets "${PROBE_PRESETS:-gpt-oss-120b,dsv4-flash}" --tokens "${PROBE_TOKENS:-1024}" --weights "$weights" \
+                    --capacity "${PROBE_CAPACITY:-4}"
+            done ;;
         humming-calls)  # whole MXFP4 calls with humming's GEMMs on GROUPED_CONTIGUOUS against ours (auto and the
             # grouped Triton path), CALLS_CASES "PRESET:TOKENS,..." separated by spaces; with CALLS_SANITIZER=1 first
             # memcheck of the prepared kernel's tiles (the grouped layouts' 16-row decode tile included)

@@ -7,8 +7,10 @@ builds each layout from the same ids, and times each GEMM alone (`triton.testing
 flushed between calls) for: INDEXED with `fused_experts`' default row block, GROUPED_CONTIGUOUS and
 GROUPED_MASKED with the default tile (slabs as large as the largest count, and `--capacity` times
 that: the room a batched receive buffer has, run with the tile of its expected rows and with the
-tile of its capacity, what it runs without `expected_m`), and the grouped layouts with the tiles
-named in `--tiles` (short names, e.g. BM64_BN128_BK64_G4_w4_s4_hop_ptx_half). Prints the m-tiles with rows each
+tile of its capacity, what it runs without `expected_m`; each masked case also as persistent
+programs over the tiles with rows and as one program per tile, the two ways
+`kernels.gemm.masked_walks` chooses between), and the grouped layouts with the tiles named in
+`--tiles` (short names, e.g. BM64_BN128_BK64_G4_w4_s4_hop_ptx_half). Prints the m-tiles with rows each
 variant computes (from the counts) next to its time, and each output's largest difference from
 INDEXED's relative to INDEXED's largest value (same weights, same routed rows, fp32 accumulation);
 exits 1 after the tables if any exceeds `TOL`.
@@ -95,18 +97,22 @@ def main() -> None:
                 a_idx = x if stage == "w13" else src
                 ref = torch.empty(T * k, n_out, device="cuda", dtype=torch.bfloat16)
                 be.gemm(a_idx, q, imeta, stage=stage, bias=None, out=ref)
-                cases = [("indexed", imeta, a_idx, None)]
+                cases = [("indexed", imeta, a_idx, None, None)]
                 for name, meta in (("contiguous", cmeta), ("masked", mmeta), (f"masked x{args.capacity}", rmeta)):
                     a = torch.zeros(meta.rows_shape(K), device="cuda", dtype=torch.bfloat16)
                     a.view(-1, K)[rows_of(meta, T * k)] = src
-                    cases.append((name, meta, a, None))
+                    cases.append((name, meta, a, None, None))
+                    if meta is not cmeta:  # kg.MASKED_WALK forced on and off (the default: kg.masked_walks)
+                        cases.append((f"{name}, walk", meta, a, None, True))
+                        cases.append((f"{name}, one program per tile", meta, a, None, False))
                     if meta is rmeta:
-                        cases.append((f"{name}, capacity's tile", meta, a, cap_tile))
-                    cases += [(f"{name} {c.short()}", meta, a, c) for c in extra]
+                        cases.append((f"{name}, capacity's tile", meta, a, cap_tile, None))
+                    cases += [(f"{name} {c.short()}", meta, a, c, None) for c in extra]
                 print(f"\n{model} {stage} T={T} mean rows {mean:.1f} (min {int(counts.min())}, max {t_max}); "
                       f"INDEXED block {default_block_m(T * k, E)}")
                 base = None
-                for name, meta, a, cfg in cases:
+                for name, meta, a, cfg, walk in cases:
+                    kg.MASKED_WALK = walk
                     out = torch.full(meta.gemm_out_shape(a, stage, n_out), float("nan"), device="cuda",
                                      dtype=torch.bfloat16)
                     run = lambda: be.gemm(a, q, meta, stage=stage, bias=None, out=out, config=cfg)  # noqa: E731
@@ -121,6 +127,9 @@ def main() -> None:
                                                     getattr(meta, "block_m", 1), meta.rows_per_expert(),
                                                     getattr(meta, "max_tokens_per_expert", None))
                     live = "-" if name == "indexed" else int(sum(math.ceil(int(c) / used.BM) for c in counts))
+                    if meta.code == GemmLayout.GROUPED_MASKED.code and walk is None:
+                        name += " (walks)" if kg.masked_walks(used, mx, meta.max_tokens_per_expert,
+                                                              meta.rows_per_expert()) else ""
                     print(f"  {name:<48} {ms * 1e3:8.1f} us  x{ms / base:5.3f}  tile {used.short():<40} "
                           f"m-tiles with rows {live:>5}  max rel err {err:.1e}")
     if bad:

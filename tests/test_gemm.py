@@ -568,7 +568,7 @@ def test_persistent_programs_walk_every_tile(monkeypatch, layout, wdtype, gen):
     """`GemmConfig.persistent`: fewer programs than tiles (the interpreter's cap is 4), each walking
     the tiles with rows (invalid ids, empty experts, a worst-case grouped grid around them): the
     reference on every written row, nothing else written, and the same bits as one program per
-    tile. GROUPED_MASKED keeps one program per tile."""
+    tile. GROUPED_MASKED walks as `kernels.gemm.MASKED_WALK` says, whatever the config."""
     from padded_moe.kernels import _launch
     from padded_moe.kernels import gemm as kg
 
@@ -586,12 +586,17 @@ def test_persistent_programs_walk_every_tile(monkeypatch, layout, wdtype, gen):
         return real(fn, grid, *args, **kwargs)
 
     monkeypatch.setattr(kg, "launch_kernel", spy)
+    masked = layout == GemmLayout.GROUPED_MASKED
+    monkeypatch.setattr(kg, "MASKED_WALK", False)
     one = run_and_check(a, w, w64, meta, "w13", backend="triton", config=base)
-    walked = run_and_check(a, w, w64, meta, "w13", backend="triton", config=dataclasses.replace(base, persistent=True))
-    if layout == GemmLayout.GROUPED_MASKED:  # whole-capacity slabs: one program per tile either way
-        assert grids[1] == grids[0], grids
-    else:
-        assert grids[1] <= 4 < grids[0], grids
+    if masked:  # the config's flag does not walk GROUPED_MASKED; MASKED_WALK does, even without it
+        persistent = run_and_check(a, w, w64, meta, "w13", backend="triton",
+                                   config=dataclasses.replace(base, persistent=True))
+        assert grids[1] == grids[0] and torch.equal(one, persistent), grids
+        monkeypatch.setattr(kg, "MASKED_WALK", True)
+    walked = run_and_check(a, w, w64, meta, "w13", backend="triton",
+                           config=base if masked else dataclasses.replace(base, persistent=True))
+    assert grids[-1] <= 4 < grids[0], grids
     assert torch.equal(one, walked)
 
 
@@ -915,6 +920,29 @@ def test_indexed_blocks_narrower_than_the_entry_take_the_narrow_entry():
         assert pick(wide.BM // 2) == narrow
         assert pick(wide.BM) == wide
         assert pick(None) == wide
+
+
+def test_masked_walk_rule(monkeypatch):
+    """GROUPED_MASKED walks the tiles with rows only for the prepared-MXFP4 decode tile in slabs
+    with room for at least MASKED_WALK_MIN_RATIO times the m-tiles its expected rows need;
+    MASKED_WALK forces either way."""
+    from padded_moe.kernels import gemm as kg
+
+    decode16, decode32 = (dataclasses.replace(kg.TUNED[("mxfp4_hopper4", "decode")], BM=b) for b in (16, 32))
+    small = kg.TUNED[("mxfp4_hopper4", "small")]
+    assert kg.MASKED_WALK is None
+    assert kg.masked_walks(decode16, True, 144, 4.0)  # 9 m-tiles of room, 1 expected
+    assert kg.masked_walks(decode32, True, 576, 24.0)
+    assert kg.masked_walks(decode16, True, 64, 0.0)  # an idle expectation: 1 m-tile
+    assert not kg.masked_walks(decode16, True, 48, 4.0)  # 3 m-tiles of room
+    assert not kg.masked_walks(decode32, True, 36, 24.0)
+    assert not kg.masked_walks(decode16, True, 144, 144.0)  # no expected count: the capacity
+    assert not kg.masked_walks(small, True, 784, 32.0)
+    assert not kg.masked_walks(kg.TUNED[("bf16", "decode")], False, 576, 4.0)
+    monkeypatch.setattr(kg, "MASKED_WALK", True)
+    assert kg.masked_walks(small, False, 8, 8.0)
+    monkeypatch.setattr(kg, "MASKED_WALK", False)
+    assert not kg.masked_walks(decode16, True, 144, 4.0)
 
 
 def test_grouped_tiles_are_the_ones_indexed_runs():

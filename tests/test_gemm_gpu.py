@@ -285,6 +285,37 @@ def test_switch_keeps_the_tiles_bits(layout, stage, shape, switch, wdtype, cfg, 
     assert torch.equal(off, on)
 
 
+@pytest.mark.parametrize("wdtype", ["bf16", "mxfp4_hopper"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
+@pytest.mark.parametrize("stage", ["w13", "w2"])
+def test_masked_walk_keeps_the_tiles_bits(stage, shape, wdtype, weights, monkeypatch):
+    """GROUPED_MASKED as persistent programs over the tiles with rows (`kernels.gemm.MASKED_WALK`),
+    slabs with room for every slot (`T_max` = M*k), the call's default tile: the reference and the
+    bits of one program per tile."""
+    w, meta, a, bias, out = real_shape_case(shape, stage, GemmLayout.GROUPED_MASKED, weights,
+                                            "mxfp4" if wdtype != "bf16" else "bf16")
+    w_ref = None
+    if wdtype == "mxfp4_hopper":
+        w, w_ref = prepared_only(w, 4), w
+    be = get_backend("triton")
+    monkeypatch.setattr(kg, "MASKED_WALK", False)
+    off = be.gemm(a, w, meta, stage=stage, bias=bias, out=out.clone())
+    monkeypatch.setattr(kg, "MASKED_WALK", True)
+    on = be.gemm(a, w, meta, stage=stage, bias=bias, out=out)
+    torch.cuda.synchronize()
+    check(a, w, meta, stage, on, bias, w_ref=w_ref)
+    assert torch.equal(off, on)
+
+
+@pytest.mark.parametrize("wdtype", ["bf16", "mxfp4_hopper"])
+def test_masked_walk_graph_replay_after_counts_change(wdtype, monkeypatch):
+    """Captured once, replayed on new routings: the walk ends where each routing's counts say."""
+    monkeypatch.setattr(kg, "MASKED_WALK", True)
+    w = make_weight(16, 256, 512, wdtype, 2)
+    replay_on_new_routings(GemmLayout.GROUPED_MASKED, w, lambda a, meta, out: expert_gemm(a, w, meta, out=out),
+                           id_highs=(17, 3), M=512)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
 def test_persistent_graph_replay_after_ids_change(layout):
     """Captured once, replayed on new routings (garbage ids, then few experts): INDEXED's walk ends

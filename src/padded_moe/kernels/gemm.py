@@ -31,6 +31,7 @@ Hopper paths, chosen per config (both GPU-verified against the same references):
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -371,6 +372,27 @@ def default_config(cuda: bool, mxfp4: bool, w_hopper, layout: int, block_m: int,
 # moves data between lanes there). `fused_experts` takes the epilogue where `epilogue_pays`
 # (PADDED_MOE_FUSE_ACTIVATION=1: always).
 EPILOGUE_MAX_BN = 128
+
+# GROUPED_MASKED as persistent programs over the m-tiles that hold rows (`masked_walks`): True or
+# False forces it on or off (tests, benchmarks); None takes the rule below.
+MASKED_WALK: Optional[bool] = None
+# The rule: a prepared-MXFP4 decode tile (BM <= 32) whose grid, sized from the slabs' capacity,
+# holds at least this many times the m-tiles the expected rows need. One H100, GEMMs alone
+# (scripts/layout_tiles_probe.py), GPT-OSS and DeepSeek-V4 at 3-32 mean rows: with slabs 16x the
+# largest count (9-19 times the expected m-tiles) the walk took 0.71-0.95x the time of one
+# program per tile, whose two programs per SM (the tile's shared memory) must each start and
+# retire; with slabs as large as the largest count (1-2 times) 0.99-1.10x. It lost wherever else
+# it ran: the 64-row small tile 1.05-1.06x, bf16 1.00-1.05x.
+MASKED_WALK_MIN_RATIO = 4
+
+
+def masked_walks(cfg: GemmConfig, hopper: bool, t_max: int, rows_per_expert: float) -> bool:
+    """Whether a GROUPED_MASKED launch runs as persistent programs over the m-tiles that hold rows
+    (`_walk`) instead of one program per m-tile of every slab's capacity `t_max`."""
+    if MASKED_WALK is not None:
+        return MASKED_WALK
+    expected = max(1, math.ceil(rows_per_expert / cfg.BM))
+    return hopper and cfg.BM <= 32 and triton.cdiv(t_max, cfg.BM) >= MASKED_WALK_MIN_RATIO * expected
 EPILOGUE_MIN_BM_INTERLEAVED_PREPARED = 32
 
 # How a bf16 TMA tile with a gated epilogue reads gate-first `w13` rows (the gate rows of its
@@ -429,10 +451,14 @@ def _dequant_mxfp4(packed, scales, BN: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def _tile_rows(pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
                LAYOUT: tl.constexpr, A_DIV: tl.constexpr, BLOCK_MB: tl.constexpr, SUB: tl.constexpr,
-               ROWS: tl.constexpr, L_POW2: tl.constexpr, BM: tl.constexpr, TM: tl.constexpr):
+               ROWS: tl.constexpr, L_POW2: tl.constexpr, BM: tl.constexpr, TM: tl.constexpr,
+               IN_LOOP: tl.constexpr):
     """Rows of m-tile `pid_m` for the layout: (live, expert, first row, A rows, C rows, row valid),
     the vectors over the first `TM` of its `BM` rows (TM = BM: all of them; the first row is the
-    tile's own either way).
+    tile's own either way). GROUPED_CONTIGUOUS numbers only the m-tiles that hold rows, expert by
+    expert (`_segment_tiles`); so does GROUPED_MASKED inside a persistent walk (`IN_LOOP`), which
+    then visits no tile past a count, while one program per tile keeps the slab-by-slab numbering
+    that a grid sized from `T_max` needs.
 
     `live` is 0 for a tile with nothing to compute (the caller returns at once); then the other
     values are unspecified. Every load here stays inside its metadata tensor for any tile of the
@@ -452,8 +478,8 @@ def _tile_rows(pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num
         a_rows = ids // A_DIV
         c_rows = ids
         row_start = row0 * 0
-    elif LAYOUT == GROUPED_CONTIGUOUS:  # scan the offsets for this tile's expert
-        ev, lo, hi, tiles = _contiguous_tiles(off_ptr, R_a, num_local, L_POW2, BM)
+    elif LAYOUT == GROUPED_CONTIGUOUS or IN_LOOP:  # scan the experts' segments for this tile's expert
+        ev, lo, hi, tiles = _segment_tiles(off_ptr, cnt_ptr, R_a, T_max, num_local, LAYOUT, L_POW2, BM)
         tile_end = tl.cumsum(tiles, 0)
         e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)
         live = (e < num_local).to(tl.int32)
@@ -482,15 +508,22 @@ def _tile_rows(pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num
 
 
 @triton.jit
-def _contiguous_tiles(off_ptr, R_a, num_local, L_POW2: tl.constexpr, BM: tl.constexpr):
-    """GROUPED_CONTIGUOUS: per expert slot `ev [L_POW2]` its rows [lo, hi) (clamped into the buffer
-    and ordered) and its m-tiles (0 past `num_local`)."""
+def _segment_tiles(off_ptr, cnt_ptr, R_a, T_max, num_local, LAYOUT: tl.constexpr, L_POW2: tl.constexpr,
+                   BM: tl.constexpr):
+    """Per expert slot `ev [L_POW2]` its rows [lo, hi) of the flat buffer and its m-tiles (0 past
+    `num_local`): GROUPED_CONTIGUOUS from the offsets (clamped into the buffer and ordered),
+    GROUPED_MASKED from the counts (slab e's first `count` rows, the count clamped to [0, T_max])."""
     ev = tl.arange(0, L_POW2)
     ein = ev < num_local
-    lo = tl.load(off_ptr + ev, mask=ein, other=0).to(tl.int32)
-    hi = tl.load(off_ptr + ev + 1, mask=ein, other=0).to(tl.int32)
-    lo = tl.minimum(tl.maximum(lo, 0), R_a)
-    hi = tl.minimum(tl.maximum(hi, lo), R_a)
+    if LAYOUT == GROUPED_CONTIGUOUS:
+        lo = tl.load(off_ptr + ev, mask=ein, other=0).to(tl.int32)
+        hi = tl.load(off_ptr + ev + 1, mask=ein, other=0).to(tl.int32)
+        lo = tl.minimum(tl.maximum(lo, 0), R_a)
+        hi = tl.minimum(tl.maximum(hi, lo), R_a)
+    else:
+        cnt = tl.load(cnt_ptr + ev, mask=ein, other=0).to(tl.int32)
+        lo = ev * T_max
+        hi = lo + tl.minimum(tl.maximum(cnt, 0), T_max)
     return ev, lo, hi, tl.where(ein, (hi - lo + BM - 1) // BM, 0)
 
 
@@ -506,7 +539,7 @@ def _program_tile(tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, c
     pid_m, pid_n = _tile_ids(tile, num_pid_m, tl.cdiv(N, BN), GROUP_M)
     live, e, row_start, a_rows, c_rows, valid = _tile_rows(
         pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num_local, mk, T_max,
-        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, TM)
+        LAYOUT, A_DIV, BLOCK_MB, SUB, ROWS, L_POW2, BM, TM, IN_LOOP)
     if IN_LOOP:
         e = tl.where(live != 0, e, 0)
         valid = valid & (live != 0)
@@ -516,16 +549,16 @@ def _program_tile(tile, N, num_pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, c
 
 
 @triton.jit
-def _walk(N, num_pid_m, npad_ptr, off_ptr, R_a, num_local, LAYOUT: tl.constexpr, BLOCK_MB: tl.constexpr,
-          SUB: tl.constexpr, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _walk(N, num_pid_m, npad_ptr, off_ptr, cnt_ptr, R_a, T_max, num_local, LAYOUT: tl.constexpr,
+          BLOCK_MB: tl.constexpr, SUB: tl.constexpr, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """(tiles, m-tiles) a persistent program walks: the m-tiles that hold rows times the n-tiles.
-    INDEXED: the blocks below `num_padded`; GROUPED_CONTIGUOUS: the experts' tiles from the offsets
-    (a capacity-sized buffer's worst-case grid is mostly empty). The m-tiles come first in
+    INDEXED: the blocks below `num_padded`; the grouped layouts: the experts' tiles from the offsets
+    or counts (a capacity-sized buffer's worst-case grid is mostly empty). The m-tiles come first in
     `_tile_rows`' order either way, so the walk visits no tile without rows."""
     if LAYOUT == INDEXED:
         num_pid_m = tl.minimum(num_pid_m, tl.cdiv(tl.load(npad_ptr), BLOCK_MB) * SUB)
-    elif LAYOUT == GROUPED_CONTIGUOUS:
-        _, _, _, tiles = _contiguous_tiles(off_ptr, R_a, num_local, L_POW2, BM)
+    else:
+        _, _, _, tiles = _segment_tiles(off_ptr, cnt_ptr, R_a, T_max, num_local, LAYOUT, L_POW2, BM)
         num_pid_m = tl.minimum(num_pid_m, tl.sum(tiles, 0))
     return num_pid_m * tl.cdiv(N, BN), num_pid_m
 
@@ -638,8 +671,8 @@ def _expert_gemm_kernel(
     counter `tile_ctr_ptr` (tiles start in order; each program still takes as many as its walk).
     """
     if PERSISTENT:
-        tiles, live_m = _walk(N, num_pid_m, npad_ptr, off_ptr, R_a, num_local, LAYOUT, BLOCK_MB, SUB, L_POW2, BM,
-                              BN_OUT)
+        tiles, live_m = _walk(N, num_pid_m, npad_ptr, off_ptr, cnt_ptr, R_a, T_max, num_local, LAYOUT, BLOCK_MB,
+                              SUB, L_POW2, BM, BN_OUT)
         for walked in tl.range(tl.program_id(0), tiles, tl.num_programs(0)):
             tile = walked
             if DYNAMIC:  # as many tiles per program as the walk: the counter hands out 0 .. tiles-1 once each
@@ -1176,8 +1209,8 @@ def _expert_gemm_mx_hopper_kernel(
     PERSISTENT, HALF_TAIL: as in `_expert_gemm_kernel`.
     """
     if PERSISTENT:
-        tiles, live_m = _walk(N, num_pid_m, npad_ptr, off_ptr, R_a, num_local, LAYOUT, BLOCK_MB, SUB, L_POW2, BM,
-                              BN_OUT)
+        tiles, live_m = _walk(N, num_pid_m, npad_ptr, off_ptr, cnt_ptr, R_a, T_max, num_local, LAYOUT, BLOCK_MB,
+                              SUB, L_POW2, BM, BN_OUT)
         for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0)):
             _expert_gemm_mx_hopper_tile(tile, live_m, a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, ids_ptr, blk_exp_ptr,
                 npad_ptr, off_ptr, cnt_ptr, N, K, K_PAD, R_a, num_local, mk, T_max, stride_am, stride_we, stride_wn,
@@ -1474,10 +1507,10 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     dummy = out2  # stands in for pointers a layout does not use (never dereferenced)
     meta_ptrs = tuple(dummy if t is None else t for t in (sorted_ids, block_expert, num_padded, offsets, counts))
     grid = (num_pid_m * triton.cdiv(N, BN_OUT),)
-    # Persistent programs walk INDEXED's and GROUPED_CONTIGUOUS's tiles with rows (`_walk`); a
-    # GROUPED_MASKED grid holds every slab's whole capacity, mostly empty in expert parallelism, and
-    # a walk would visit each empty tile, so it keeps one program per tile.
-    walk = cfg.persistent and layout != codes.GROUPED_MASKED
+    # Persistent programs walk the tiles with rows (`_walk`). GROUPED_MASKED walks as
+    # `masked_walks` says, whatever the config: its one-program-per-tile grid holds every slab's
+    # whole capacity.
+    walk = masked_walks(cfg, hopper, t_max, rows_per_expert) if layout == codes.GROUPED_MASKED else cfg.persistent
     if cfg.dynamic and (hopper or not cfg.persistent):
         raise ValueError("config.dynamic needs config.persistent and the bf16 / dot_scaled kernel "
                          f"(mx_hopper=False), got {cfg.short()}")

@@ -357,22 +357,6 @@ def default_config(cuda: bool, mxfp4: bool, w_hopper, layout: int, block_m: int,
     return cfg
 
 
-# The activation in GEMM1's epilogue against GEMM1 then the activation kernel, on whole
-# `FusedMoE.experts` calls (benchmarks/bench_fusion.py on an H200, alternating graph replays, three
-# runs; run-to-run spread about 2%): with tiles of up to 128 weight rows 0-3% faster on
-# DeepSeek-V4 (bf16 and MXFP4), Qwen3-MoE and Mixtral from 16 to 1024 tokens. With 256-row tiles:
-# 3-5% slower on GPT-OSS (prepared MXFP4, 256 rows per expert), and on DeepSeek-V4 bf16 and Mixtral
-# at 8192 tokens when gate-first rows are read as two TMA tiles of 128 rows into two accumulators;
-# read as one 256-row tile from a 4-D descriptor (GATE_UP_TMA = "one_tile": the plain kernel's
-# loop) 3-4% faster on DeepSeek-V4 bf16 (8192 tokens), Mixtral (1024, 8192) and Qwen3-MoE (8192),
-# and level with two tiles on every narrower tile. GPT-OSS on
-# the prepared-MXFP4 kernel with 16-row tiles (16 and 128 tokens) was 1.2-2.9% slower in every run,
-# and 1-2% faster with 32-row tiles (1024 tokens); the main loop compiles to the same instructions
-# with and without the epilogue, and the cause is not established (the split of interleaved rows
-# moves data between lanes there). `fused_experts` takes the epilogue where `epilogue_pays`
-# (PADDED_MOE_FUSE_ACTIVATION=1: always).
-EPILOGUE_MAX_BN = 128
-
 # GROUPED_MASKED as persistent programs over the m-tiles that hold rows (`masked_walks`): True or
 # False forces it on or off (tests, benchmarks); None takes the rule below.
 MASKED_WALK: Optional[bool] = None
@@ -393,6 +377,23 @@ def masked_walks(cfg: GemmConfig, hopper: bool, t_max: int, rows_per_expert: flo
         return MASKED_WALK
     expected = max(1, math.ceil(rows_per_expert / cfg.BM))
     return hopper and cfg.BM <= 32 and triton.cdiv(t_max, cfg.BM) >= MASKED_WALK_MIN_RATIO * expected
+
+
+# The activation in GEMM1's epilogue against GEMM1 then the activation kernel, on whole
+# `FusedMoE.experts` calls (benchmarks/bench_fusion.py on an H200, alternating graph replays, three
+# runs; run-to-run spread about 2%): with tiles of up to 128 weight rows 0-3% faster on
+# DeepSeek-V4 (bf16 and MXFP4), Qwen3-MoE and Mixtral from 16 to 1024 tokens. With 256-row tiles:
+# 3-5% slower on GPT-OSS (prepared MXFP4, 256 rows per expert), and on DeepSeek-V4 bf16 and Mixtral
+# at 8192 tokens when gate-first rows are read as two TMA tiles of 128 rows into two accumulators;
+# read as one 256-row tile from a 4-D descriptor (GATE_UP_TMA = "one_tile": the plain kernel's
+# loop) 3-4% faster on DeepSeek-V4 bf16 (8192 tokens), Mixtral (1024, 8192) and Qwen3-MoE (8192),
+# and level with two tiles on every narrower tile. GPT-OSS on
+# the prepared-MXFP4 kernel with 16-row tiles (16 and 128 tokens) was 1.2-2.9% slower in every run,
+# and 1-2% faster with 32-row tiles (1024 tokens); the main loop compiles to the same instructions
+# with and without the epilogue, and the cause is not established (the split of interleaved rows
+# moves data between lanes there). `fused_experts` takes the epilogue where `epilogue_pays`
+# (PADDED_MOE_FUSE_ACTIVATION=1: always).
+EPILOGUE_MAX_BN = 128
 EPILOGUE_MIN_BM_INTERLEAVED_PREPARED = 32
 
 # How a bf16 TMA tile with a gated epilogue reads gate-first `w13` rows (the gate rows of its

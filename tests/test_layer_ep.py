@@ -88,7 +88,7 @@ def test_batched_ep_step_sizes_the_tiles_for_the_expected_rows(monkeypatch):
     seen = {}
 
     class Received:
-        x, counts = torch.zeros(4, 40, K), torch.zeros(4, dtype=torch.int32)
+        x, counts = torch.randn(4, 40, K), torch.tensor([3, 0, 40, 5], dtype=torch.int32)
 
     class Batched:
         mode, num_local = "batched", 4
@@ -100,7 +100,7 @@ def test_batched_ep_step_sizes_the_tiles_for_the_expected_rows(monkeypatch):
             return y
 
     monkeypatch.setattr(layer_mod, "batched_experts", lambda *a, **kw: seen.update(kw) or a[0])
-    ids = torch.zeros(5, 3, dtype=torch.int32)
-    layer_mod.ep_step(Batched(), torch.zeros(5, K), torch.rand(5, 3), ids, None, None, None, None, "silu", None,
+    ids = torch.randint(0, 16, (5, 3), dtype=torch.int32)
+    layer_mod.ep_step(Batched(), torch.randn(5, K), torch.rand(5, 3), ids, None, None, None, None, "silu", None,
                       None, "auto")
     assert seen["expected_m"] == 4  # ceil(5 * 3 / 4)

@@ -9,7 +9,7 @@ GROUPED_MASKED with the default tile (slabs as large as the largest count, and `
 that: the room a batched receive buffer has, run with the tile of its expected rows and with the
 tile of its capacity, what it runs without `expected_m`; each masked case also as persistent
 programs over the tiles with rows and as one program per tile, the two ways
-`kernels.gemm.masked_walks` chooses between), and the grouped layouts with the tiles named in
+`kernels.gemm.grouped_walks` chooses between), and the grouped layouts with the tiles named in
 `--tiles` (short names, e.g. BM64_BN128_BK64_G4_w4_s4_hop_ptx_half). Prints the m-tiles with rows each
 variant computes (from the counts) next to its time, and each output's largest difference from
 INDEXED's relative to INDEXED's largest value (same weights, same routed rows, fp32 accumulation);
@@ -91,6 +91,14 @@ def main() -> None:
                 rmeta = build_layout(GemmLayout.GROUPED_MASKED, ids, E, max_tokens_per_expert=cap,
                                      drop_overflow=True)
                 cap_tile = kg.default_config(True, mx, q.hopper if mx else None, rmeta.code, 1, cap, cap)
+                # A flat receive buffer with room for `capacity` times the tokens: the same routes, then
+                # rows of -1 ids past `valid_tokens`; without and with `expected_m` (the mean).
+                pad_ids = torch.full((args.capacity * T, k), -1, device="cuda", dtype=torch.int32)
+                pad_ids[:T] = ids
+                vt = torch.tensor([T], device="cuda", dtype=torch.int32)
+                pmeta = build_layout(GemmLayout.GROUPED_CONTIGUOUS, pad_ids, E, valid_tokens=vt)
+                hmeta = build_layout(GemmLayout.GROUPED_CONTIGUOUS, pad_ids, E, valid_tokens=vt,
+                                     expected_m=math.ceil(mean))
                 # Slot s routes token s // k: w13 reads token rows (INDEXED gathers them by slot // k),
                 # w2 slot rows; the grouped layouts read the slot rows at their permuted places.
                 src = x.repeat_interleave(k, dim=0)
@@ -98,11 +106,13 @@ def main() -> None:
                 ref = torch.empty(T * k, n_out, device="cuda", dtype=torch.bfloat16)
                 be.gemm(a_idx, q, imeta, stage=stage, bias=None, out=ref)
                 cases = [("indexed", imeta, a_idx, None, None)]
-                for name, meta in (("contiguous", cmeta), ("masked", mmeta), (f"masked x{args.capacity}", rmeta)):
+                for name, meta in (("contiguous", cmeta), (f"contiguous x{args.capacity}", pmeta),
+                                   (f"contiguous x{args.capacity}, expected_m", hmeta), ("masked", mmeta),
+                                   (f"masked x{args.capacity}", rmeta)):
                     a = torch.zeros(meta.rows_shape(K), device="cuda", dtype=torch.bfloat16)
                     a.view(-1, K)[rows_of(meta, T * k)] = src
                     cases.append((name, meta, a, None, None))
-                    if meta is not cmeta:  # kg.MASKED_WALK forced on and off (the default: kg.masked_walks)
+                    if meta.code == GemmLayout.GROUPED_MASKED.code:  # kg.MASKED_WALK forced on and off
                         cases.append((f"{name}, walk", meta, a, None, True))
                         cases.append((f"{name}, one program per tile", meta, a, None, False))
                     if meta is rmeta:
@@ -127,9 +137,12 @@ def main() -> None:
                                                     getattr(meta, "block_m", 1), meta.rows_per_expert(),
                                                     getattr(meta, "max_tokens_per_expert", None))
                     live = "-" if name == "indexed" else int(sum(math.ceil(int(c) / used.BM) for c in counts))
-                    if meta.code == GemmLayout.GROUPED_MASKED.code and walk is None:
-                        name += " (walks)" if kg.masked_walks(used, mx, meta.max_tokens_per_expert,
-                                                              meta.rows_per_expert()) else ""
+                    if name != "indexed" and walk is None:  # the default: kg.grouped_walks' choice
+                        if meta.code == GemmLayout.GROUPED_MASKED.code:
+                            grid_m = E * -(-meta.max_tokens_per_expert // used.BM)
+                        else:
+                            grid_m = -(-meta.num_slots // used.BM) + min(E, meta.num_slots)
+                        name += " (walks)" if kg.grouped_walks(used, mx, grid_m, E, meta.rows_per_expert()) else ""
                     print(f"  {name:<48} {ms * 1e3:8.1f} us  x{ms / base:5.3f}  tile {used.short():<40} "
                           f"m-tiles with rows {live:>5}  max rel err {err:.1e}")
     if bad:

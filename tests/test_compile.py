@@ -54,14 +54,17 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("mxfp4", [False, True, "prepared", "once"])
-def test_fused_experts_fullgraph_matches_eager(gen, mxfp4):
+@pytest.mark.parametrize("mxfp4,expected_m", [(False, None), (True, None), ("prepared", None), ("once", None),
+                                               ("prepared", 1)])
+def test_fused_experts_fullgraph_matches_eager(gen, mxfp4, expected_m):
     E, k, K, N = 8, 2, 64, 64 if mxfp4 == "once" else 32
     w13, w2 = _weights(gen, E, N, K, mxfp4)
     b13, b2 = torch.randn(E, 2 * N, generator=gen), torch.randn(E, K, generator=gen)
+    layout = None if expected_m is None else "grouped_contiguous"
 
     def step(x, w, ids):
-        return fused_experts(x, w13, w2, w, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2)
+        return fused_experts(x, w13, w2, w, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2, layout=layout,
+                             expected_m=expected_m)
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     for M in (5, 9):

@@ -66,6 +66,50 @@ def test_expert_map_and_valid_tokens(cpu_path, layout, gen):
     assert rel_err(out[:valid], ref[:valid]) <= TOL[torch.float32]
 
 
+def test_expected_m_sizes_the_contiguous_tiles_not_the_rows(cpu_path, gen, monkeypatch):
+    """A flat receive buffer with room for far more tokens than it holds: `expected_m` reaches the
+    GEMMs as the expected rows per expert (at most the buffer's mean), every valid row is still
+    computed, and the outputs equal the call without the hint."""
+    from padded_moe import experts as ex
+
+    M, k, E, valid = 40, 4, 8, 6
+    emap = ExpertMap(E, ep_rank=0, ep_size=2)
+    x = torch.randn(M, K, generator=gen)
+    w13, w2 = weights(emap.num_local, gen, torch.float32)
+    tw, ids = routed(M, k, E, gen)
+    ids[valid:] = -1
+    x[valid:] = float("nan")
+    vt = torch.tensor([valid], dtype=torch.int32)
+    seen, gemm = [], ex.expert_gemm
+    monkeypatch.setattr(ex, "expert_gemm", lambda a, w, meta, **kw: (seen.append(meta.rows_per_expert()),
+                                                                      gemm(a, w, meta, **kw))[1])
+    outs = [fused_experts(x, w13, w2, tw, ids, activation="silu", expert_map=emap, valid_tokens=vt,
+                          expected_m=m)[:valid] for m in (None, 3, 1000)]
+    assert seen == [40.0, 40.0, 3.0, 3.0, 40.0, 40.0]  # M*k / L = 40: the hint is capped there
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
+    ref = reference_moe(x, w13, w2, tw, ids, activation="silu", expert_map=emap.map, num_experts=E, valid_tokens=valid)
+    assert rel_err(outs[0], ref[:valid]) <= TOL[torch.float32]
+
+
+def test_expected_m_is_checked(gen):
+    """`expected_m`: an int >= 0, on the grouped layouts; INDEXED (the default without an expert
+    map) refuses it by name, and so does build_layout."""
+    from padded_moe.layouts import GemmLayout, build_layout
+
+    x = torch.randn(4, K, generator=gen)
+    w13, w2 = weights(4, gen, torch.float32)
+    tw, ids = routed(4, 2, 4, gen)
+    for bad, err in ((2.5, TypeError), (False, TypeError), (-3, ValueError)):
+        with pytest.raises(err, match="expected_m"):
+            fused_experts(x, w13, w2, tw, ids, activation="silu", layout="grouped_contiguous", expected_m=bad)
+    with pytest.raises(ValueError, match="grouped_contiguous"):
+        fused_experts(x, w13, w2, tw, ids, activation="silu", expected_m=2)
+    with pytest.raises(ValueError, match="INDEXED"):
+        build_layout(GemmLayout.INDEXED, ids, 4, expected_m=2)
+    assert build_layout(GemmLayout.GROUPED_CONTIGUOUS, ids, 4, expected_m=1).rows_per_expert() == 1.0
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_expert_map_from_a_vllm_table(cpu_path, layout, gen):
     """A placement neither linear nor round-robin (a load-balanced vLLM table): local expert l holds

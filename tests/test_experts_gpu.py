@@ -211,6 +211,33 @@ def test_batched_experts_on_gpu(weights, expected_m):
         assert (out[e, c:] == -7.0).all()
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("expected_m", [None, 0, 3, 40])
+def test_flat_receive_buffer_with_expected_m(fmt, expected_m):
+    """A flat expert-parallel receive buffer with room for 16 times the tokens it holds (rows past
+    `valid_tokens` NaN with garbage ids): every `expected_m` (its tiles, and for prepared MXFP4 the
+    walk over the tiles with rows) gives the reference on the valid rows."""
+    E, k, K, N, valid = 64, 6, 1024, 512, 24
+    M = 16 * valid
+    emap = ExpertMap(E, ep_rank=1, ep_size=2)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w13 = torch.randn(emap.num_local, 2 * N, K, device="cuda") * 0.03
+    w2 = torch.randn(emap.num_local, K, N, device="cuda") * 0.03
+    if fmt == "mxfp4":
+        w13, w2 = quantize_mxfp4(w13).prepare_for(), quantize_mxfp4(w2).prepare_for()
+    else:
+        w13, w2 = w13.bfloat16(), w2.bfloat16()
+    tw, ids = _routes(M, k, E)
+    ids[valid:] = torch.randint(-3, E + 3, (M - valid, k), device="cuda", dtype=torch.int32)
+    x[valid:] = float("nan")
+    vt = torch.tensor([valid], device="cuda", dtype=torch.int32)
+    out = fused_experts(x, w13, w2, tw, ids, activation="silu", expert_map=emap, valid_tokens=vt,
+                        expected_m=expected_m)
+    ref = reference_moe(x[:valid], dense_weights(w13), dense_weights(w2), tw[:valid], ids[:valid], activation="silu",
+                        expert_map=emap.map, num_experts=E)
+    assert torch.isfinite(out[:valid]).all() and rel_err(out[:valid], ref) <= BF16_TOL
+
+
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "gpt-oss-120b", "kimi-k3-like"])
 def test_preset_layers(preset):
     layer = FusedMoE.from_preset(preset, device="cuda", dtype=torch.bfloat16)

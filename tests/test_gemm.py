@@ -922,27 +922,29 @@ def test_indexed_blocks_narrower_than_the_entry_take_the_narrow_entry():
         assert pick(None) == wide
 
 
-def test_masked_walk_rule(monkeypatch):
-    """GROUPED_MASKED walks the tiles with rows only for the prepared-MXFP4 decode tile in slabs
-    with room for at least MASKED_WALK_MIN_RATIO times the m-tiles its expected rows need;
-    MASKED_WALK forces either way."""
+def test_grouped_walk_rule():
+    """The grouped layouts walk the tiles with rows only for the prepared-MXFP4 decode tile in a
+    grid (from shapes) of at least GROUPED_WALK_MIN_RATIO times the m-tiles the expected rows need."""
     from padded_moe.kernels import gemm as kg
 
     decode16, decode32 = (dataclasses.replace(kg.TUNED[("mxfp4_hopper4", "decode")], BM=b) for b in (16, 32))
     small = kg.TUNED[("mxfp4_hopper4", "small")]
+    L = 128
     assert kg.MASKED_WALK is None
-    assert kg.masked_walks(decode16, True, 144, 4.0)  # 9 m-tiles of room, 1 expected
-    assert kg.masked_walks(decode32, True, 576, 24.0)
-    assert kg.masked_walks(decode16, True, 64, 0.0)  # an idle expectation: 1 m-tile
-    assert not kg.masked_walks(decode16, True, 48, 4.0)  # 3 m-tiles of room
-    assert not kg.masked_walks(decode32, True, 36, 24.0)
-    assert not kg.masked_walks(decode16, True, 144, 144.0)  # no expected count: the capacity
-    assert not kg.masked_walks(small, True, 784, 32.0)
-    assert not kg.masked_walks(kg.TUNED[("bf16", "decode")], False, 576, 4.0)
-    monkeypatch.setattr(kg, "MASKED_WALK", True)
-    assert kg.masked_walks(small, False, 8, 8.0)
-    monkeypatch.setattr(kg, "MASKED_WALK", False)
-    assert not kg.masked_walks(decode16, True, 144, 4.0)
+    assert kg.grouped_walks(decode16, True, L * 9, L, 4.0)  # masked slabs of 144 rows: 9 m-tiles, 1 expected
+    assert kg.grouped_walks(decode32, True, L * 18, L, 24.0)
+    assert kg.grouped_walks(decode16, True, L * 4, L, 0.0)  # an idle expectation: 1 m-tile each
+    assert not kg.grouped_walks(decode16, True, L * 3, L, 4.0)
+    assert not kg.grouped_walks(decode32, True, L * 2, L, 24.0)
+    assert not kg.grouped_walks(decode16, True, L * 9, L, 144.0)  # no hint: rows from the shape
+    assert not kg.grouped_walks(small, True, L * 13, L, 32.0)
+    assert not kg.grouped_walks(kg.TUNED[("bf16", "decode")], False, L * 18, L, 4.0)
+    # GROUPED_CONTIGUOUS: a flat receive buffer of 8 ranks x 256 tokens x top-8 slots on 32 local
+    # experts, about 4 rows each expected; the same grid without a hint (its mean, 512 rows)
+    rows = 8 * 256 * 8
+    assert kg.grouped_walks(decode16, True, rows // 16 + 32, 32, 4.0)
+    assert not kg.grouped_walks(decode16, True, rows // 16 + 32, 32, rows / 32)
+    assert not kg.grouped_walks(decode16, True, 32 * 4 // 16 + 32, 32, 4.0)  # a buffer as full as expected
 
 
 def test_grouped_tiles_are_the_ones_indexed_runs():

@@ -80,18 +80,21 @@ def test_layer_with_expert_parallel_and_valid_tokens(mode):
         assert r["err"] <= 1e-5 * max(1.0, r["scale"]), f"rank {rank}: max error {r['err']} (seed {seed})"
 
 
-def test_batched_ep_step_sizes_the_tiles_for_the_expected_rows(monkeypatch):
-    """Batched mode hands `batched_experts` the rows a slab expects when every rank routes as many
-    tokens as this one (tokens x k / local experts, rounded up), not the slabs' capacity."""
+@pytest.mark.parametrize("mode,layout,want", [("batched", None, 4), ("flat", None, 4), ("flat", "indexed", None)])
+def test_ep_step_sizes_the_tiles_for_the_expected_rows(monkeypatch, mode, layout, want):
+    """Both modes hand the experts the rows a local expert expects when every rank routes as many
+    tokens as this one (tokens x k / local experts, rounded up), not the receive buffer's room;
+    a flat call forced onto INDEXED (row blocks from the buffer) gets no hint."""
     from padded_moe import layer as layer_mod
 
     seen = {}
 
     class Received:
-        x, counts = torch.randn(4, 40, K), torch.tensor([3, 0, 40, 5], dtype=torch.int32)
+        x, counts, valid_tokens = torch.randn(4, 40, K), torch.tensor([3, 0, 40, 5], dtype=torch.int32), None
+        topk_weights, topk_ids = torch.rand(40, 3), torch.randint(-1, 16, (40, 3), dtype=torch.int32)
 
-    class Batched:
-        mode, num_local = "batched", 4
+    class EP:
+        num_local, expert_map = 4, None
 
         def dispatch(self, x, ids, w):
             return Received(), None
@@ -99,8 +102,12 @@ def test_batched_ep_step_sizes_the_tiles_for_the_expected_rows(monkeypatch):
         def combine(self, y, handle):
             return y
 
-    monkeypatch.setattr(layer_mod, "batched_experts", lambda *a, **kw: seen.update(kw) or a[0])
+    ep = EP()
+    ep.mode = mode
+    run = lambda *a, **kw: seen.update(kw) or a[0]  # noqa: E731
+    monkeypatch.setattr(layer_mod, "batched_experts", run)
+    monkeypatch.setattr(layer_mod, "fused_experts", run)
     ids = torch.randint(0, 16, (5, 3), dtype=torch.int32)
-    layer_mod.ep_step(Batched(), torch.randn(5, K), torch.rand(5, 3), ids, None, None, None, None, "silu", None,
-                      None, "auto")
-    assert seen["expected_m"] == 4  # ceil(5 * 3 / 4)
+    layer_mod.ep_step(ep, torch.randn(5, K), torch.rand(5, 3), ids, None, None, None, None, "silu", None,
+                      layout, "auto")
+    assert seen["expected_m"] == want  # ceil(5 * 3 / 4)

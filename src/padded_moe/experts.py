@@ -25,7 +25,6 @@ from padded_moe._validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     require_dtype,
-    require_int,
     require_rank,
     require_tensor,
     require_weight,
@@ -47,6 +46,7 @@ from padded_moe.layouts import (
     GroupedMaskedMeta,
     PermuteScratch,
     build_layout_resolved,
+    check_expected_m,
     permute,
     select_gemm_layout,
     unpermute,
@@ -112,7 +112,9 @@ def _allocate(scratch: Optional[PermuteScratch], buf: WorkspaceBuffer, dtype: to
     return scratch.workspace(buf.name, buf.shape, dtype)
 
 
-def _layout_from_argument(layout, expert_parallel: bool) -> GemmLayout:
+def layout_for_call(layout, expert_parallel: bool) -> GemmLayout:
+    """The layout a `fused_experts` call runs for its `layout` argument (None: the library's
+    choice, or `PADDED_MOE_GEMM_LAYOUT`), with or without an expert map."""
     override = layout.value if isinstance(layout, GemmLayout) else layout
     return select_gemm_layout(expert_parallel=expert_parallel, batched_format=False, override=override)
 
@@ -125,7 +127,8 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
                   w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None,
                   valid_tokens: Optional[torch.Tensor] = None,
                   backend: str = "auto", scratch=None,
-                  output_transform: Optional[RowFunction] = None) -> torch.Tensor:
+                  output_transform: Optional[RowFunction] = None,
+                  expected_m: Optional[int] = None) -> torch.Tensor:
     """Routed MoE experts on `hidden_states [M, K]`; returns `[M, K]` in the input's dtype.
 
     `topk_ids` hold global expert ids; ids outside `[0, E)` and (with `expert_map`) non-local ids
@@ -133,6 +136,12 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
     with it (spec 02); a string or `GemmLayout` overrides (validated). With `valid_tokens`
     (int32 `[1]` on device) only the first rows are real; output rows at or past it are not
     written (their contents are unspecified).
+
+    `expected_m` (an int >= 0, GROUPED_CONTIGUOUS): about how many rows each local expert
+    receives, for a buffer with room for far more tokens than it holds (an expert-parallel receive
+    buffer, a padded batch behind `valid_tokens`); the GEMMs then run the tiles sized for that many
+    rows instead of for `M*k / L`. Every valid row is computed whatever the hint says. INDEXED
+    (the default without `expert_map`) refuses it: pass `layout="grouped_contiguous"`.
 
     Under `torch.compile` the whole call is one opaque custom op (`padded_moe::fused_experts`)
     that returns a fresh tensor; `scratch` is then not used (the compiler owns that memory).
@@ -160,17 +169,17 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
         # Inside `eager_cache_off` (a custom op's implementation) the call allocates its buffers,
         # and so does its plan: the key says which.
         key = _plan_key(hidden_states, topk_weights, topk_ids, valid_tokens, (w13, w2, w13_bias, w2_bias),
-                        plan_options(activation, activation_config, layout, backend),
+                        plan_options(activation, activation_config, layout, backend, expected_m),
                         eager_cache=not eager_cache_is_off())
         return planned_call(key, (hidden_states, topk_weights, topk_ids, valid_tokens), lambda: _fused_experts(
             hidden_states, w13, w2, topk_weights, topk_ids, activation, activation_config, None, layout,
-            w13_bias, w2_bias, valid_tokens, backend, None, None))
+            w13_bias, w2_bias, valid_tokens, backend, None, None, expected_m))
     return _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, activation_config, expert_map,
-                          layout, w13_bias, w2_bias, valid_tokens, backend, scratch, output_transform)
+                          layout, w13_bias, w2_bias, valid_tokens, backend, scratch, output_transform, expected_m)
 
 
 def _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, activation_config, expert_map, layout,
-                   w13_bias, w2_bias, valid_tokens, backend, scratch, output_transform) -> torch.Tensor:
+                   w13_bias, w2_bias, valid_tokens, backend, scratch, output_transform, expected_m=None) -> torch.Tensor:
     """`fused_experts` without the launch-plan shortcut: checks, then the pipeline."""
     custom = callable(activation) and not isinstance(activation, (str, MoEActivation))
     act = None if custom else resolve_supported(activation)
@@ -197,14 +206,16 @@ def _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, a
     if expert_map is not None and expert_map.num_local != num_local:
         raise ValueError(f"expert_map has {expert_map.num_local} local experts but w13 holds {num_local}")
     cfg = _activation_config(activation_config)
-    chosen = _layout_from_argument(layout, expert_parallel=expert_map is not None)
+    chosen = layout_for_call(layout, expert_parallel=expert_map is not None)
+    check_expected_m(expected_m, chosen)
     num_experts, table = _experts_table(expert_map, num_local, topk_ids.device)
     check_topk_ids(topk_ids)
     check_valid_tokens(valid_tokens, topk_ids)
     if custom or output_transform is not None:
         step = _Step(activation if custom else act, output_transform)
         return _eager_pipeline(hidden_states, w13, w2, topk_weights, topk_ids, step, cfg, chosen, num_experts,
-                               num_local, table, w13_bias, w2_bias, valid_tokens, backend, scratch)
+                               num_local, table, w13_bias, w2_bias, valid_tokens, backend, scratch,
+                               expected_m=expected_m)
     decode = _auto_layout(layout) and decode_allowed(hidden_states, w13, w2, backend)
     # Prefill of the expert shapes and rows per expert where the native kernel measured faster
     # (`AUTO_NATIVE_ROWS`: its tiles skip rows in steps of 64 where Triton's 128-row tiles pad) runs
@@ -220,10 +231,11 @@ def _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, a
         return torch.ops.padded_moe.fused_experts(
             hidden_states, w13_t, w13_s, w2_t, w2_s, topk_weights, topk_ids, table, num_experts,
             act.value, cfg.clamp_limit, cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta, chosen.value,
-            w13_bias, w2_bias, valid_tokens, backend, *w13_h, *w2_h, decode)
+            w13_bias, w2_bias, valid_tokens, backend, *w13_h, *w2_h, decode, expected_m=expected_m)
     # Eager calls skip the dispatcher (tens of µs of host time per call).
     return _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, _Step(act), cfg, chosen, num_experts,
-                     num_local, table, w13_bias, w2_bias, valid_tokens, backend, scratch, decode=decode)
+                     num_local, table, w13_bias, w2_bias, valid_tokens, backend, scratch, decode=decode,
+                     expected_m=expected_m)
 
 
 def _auto_layout(layout) -> bool:
@@ -299,14 +311,15 @@ def plan_key_head(x, valid_tokens, weights: tuple, options: Optional[tuple], *, 
             options, weight_keys, _input_key(x), None if valid_tokens is None else _input_key(valid_tokens))
 
 
-def plan_options(activation, activation_config, layout, backend) -> Optional[tuple]:
+def plan_options(activation, activation_config, layout, backend, expected_m=None) -> Optional[tuple]:
     """`fused_experts`' options as a plan key's part, or None when one is of a type plans skip (a
     callable activation, a subclass): the full path then checks them."""
     if not isinstance(activation, (str, MoEActivation)) or not isinstance(backend, str) \
             or not (activation_config is None or type(activation_config) is ApplyMoEActivationConfig) \
-            or not (layout is None or isinstance(layout, (str, GemmLayout))):
+            or not (layout is None or isinstance(layout, (str, GemmLayout))) \
+            or not (expected_m is None or type(expected_m) is int):
         return None
-    return activation, activation_config, layout, backend
+    return activation, activation_config, layout, backend, expected_m
 
 
 def _input_key(t: torch.Tensor) -> tuple:
@@ -395,7 +408,8 @@ def _row_function(name: str, fn: RowFunction, x: torch.Tensor, width: int, out: 
 
 def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, step: _Step, cfg: ApplyMoEActivationConfig,
               layout: Union[GemmLayout, str], num_experts: int, num_local: int, table, w13_bias, w2_bias,
-              valid_tokens, backend: str, scratch, eager_cache: bool = True, decode: bool = False) -> torch.Tensor:
+              valid_tokens, backend: str, scratch, eager_cache: bool = True, decode: bool = False,
+              expected_m: Optional[int] = None) -> torch.Tensor:
     """layout → (permute) → GEMM1 → activation → GEMM2 → (output transform) → unpermute, on
     checked arguments; with `decode` (the decode path is allowed) and few enough slots, the decode
     path's two kernels instead (`padded_moe.decode`)."""
@@ -416,7 +430,7 @@ def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, step: _Step, cfg: 
         return decode_experts(hidden_states, w13, w2, topk_weights, topk_ids, step.activation, cfg, num_experts,
                               table, w13_bias, w2_bias, valid_tokens, allocate("act"), allocate("out"))
     meta = build_layout_resolved(layout, topk_ids, num_experts, num_local, table, valid_tokens=valid_tokens,
-                                 scratch=buffers)
+                                 scratch=buffers, expected_m=expected_m)
     act, gemm2, out = (allocate(name) for name in ("act", "gemm2", "out"))
     x = permute(hidden_states, meta)
     impl = resolve_backend(backend, device, meta.layout, w13)
@@ -509,7 +523,8 @@ def _fused_experts_op(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: Optio
                       valid_tokens: Optional[torch.Tensor], backend: str,
                       w13_hopper_blocks: Optional[torch.Tensor] = None, w13_hopper_scales: Optional[torch.Tensor] = None,
                       w2_hopper_blocks: Optional[torch.Tensor] = None,
-                      w2_hopper_scales: Optional[torch.Tensor] = None, decode: bool = False) -> torch.Tensor:
+                      w2_hopper_scales: Optional[torch.Tensor] = None, decode: bool = False,
+                      expected_m: Optional[int] = None) -> torch.Tensor:
     def call() -> torch.Tensor:
         cfg = ApplyMoEActivationConfig(clamp_limit, alpha, beta, situ_beta, situ_linear_beta)
         w13w = op_weight_from_parts(w13, w13_scales, w13_hopper_blocks, w13_hopper_scales)
@@ -518,14 +533,15 @@ def _fused_experts_op(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: Optio
                          num_experts, w13.shape[0], expert_table, w13_bias, w2_bias, valid_tokens, backend, None,
                          # A compiled graph's memory (CUDA-graph pools included) must not leak into a
                          # cache that outlives the call.
-                         eager_cache=False, decode=decode)
+                         eager_cache=False, decode=decode, expected_m=expected_m)
 
     # A plan made here holds no memory (every buffer is a per-call allocation), so it is safe
     # inside a compiled graph; under CUDA-graph capture the key is None and the call runs in full.
     # The key reads the op's arguments as they come: a replay builds no weight or config object.
     weights = (w13, w13_scales, w13_hopper_blocks, w13_hopper_scales, w2, w2_scales, w2_hopper_blocks,
                w2_hopper_scales, w13_bias, w2_bias, expert_table)
-    options = (activation, clamp_limit, alpha, beta, situ_beta, situ_linear_beta, layout, backend, num_experts, decode)
+    options = (activation, clamp_limit, alpha, beta, situ_beta, situ_linear_beta, layout, backend, num_experts, decode,
+               expected_m)
     key = _plan_key(hidden, topk_weights, topk_ids, valid_tokens, weights, options, eager_cache=False)
     return planned_call(key, (hidden, topk_weights, topk_ids, valid_tokens), call)
 
@@ -569,8 +585,7 @@ def batched_experts(x: torch.Tensor, counts: torch.Tensor, w13, w2, *, activatio
     require_tensor("counts", counts)
     require_dtype("counts", counts, INDEX_DTYPES)
     num_local, max_rows, hidden_size = x.shape
-    if expected_m is not None:
-        require_int("expected_m", expected_m, 0)
+    check_expected_m(expected_m, GemmLayout.GROUPED_MASKED)
     if tuple(counts.shape) != (num_local,):
         raise ValueError(f"counts must be 1-D of length L={num_local}, got shape {tuple(counts.shape)}")
     if _check_weights(act, w13, w2, hidden_size)[0] != num_local:

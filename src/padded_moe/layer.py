@@ -32,8 +32,8 @@ from padded_moe._validation import FLOAT_DTYPES, require_int, require_real, requ
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
 from padded_moe.ep.engine import expert_parallel_of_op
 from padded_moe.expert_map import check_valid_tokens, drop_rows_past
-from padded_moe.experts import (batched_experts, eager_cache_off, fused_experts, op_weight_from_parts, op_weight_parts,
-                                plan_key_head, plan_options, planned_call)
+from padded_moe.experts import (batched_experts, eager_cache_off, fused_experts, layout_for_call, op_weight_from_parts,
+                                op_weight_parts, plan_key_head, plan_options, planned_call)
 from padded_moe.layouts import GemmLayout
 from padded_moe.mxfp4 import GROUP, HopperMxfp4, Mxfp4Tensor, canonical_kept, quantize_mxfp4
 from padded_moe.presets import MoEPreset, get_preset
@@ -572,16 +572,19 @@ def ep_step(ep, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     """Routed experts with expert parallelism: `ep.dispatch` → this rank's experts → `ep.combine`."""
     common = dict(activation=activation, activation_config=activation_config, backend=backend)
     rb, handle = ep.dispatch(x, topk_ids, topk_weights)
+    # The receive buffers have room for every token of every rank; the GEMM tiles are sized for the
+    # rows a local expert is expected to receive when each rank routes as many tokens as this one.
+    m, k = x.shape[0], topk_ids.shape[1]
+    expected = cdiv(m * k, max(ep.num_local, 1)) if isinstance(m, int) else None
     if ep.mode == "flat":
+        # INDEXED (a layout forced by the caller) sizes its tiles with its row blocks instead.
+        hint = expected if layout_for_call(layout, expert_parallel=True) is not GemmLayout.INDEXED else None
         y = fused_experts(rb.x, w13, w2, rb.topk_weights, rb.topk_ids, expert_map=ep.expert_map,
-                          valid_tokens=rb.valid_tokens, layout=layout, w13_bias=w13_bias, w2_bias=w2_bias, **common)
+                          valid_tokens=rb.valid_tokens, layout=layout, w13_bias=w13_bias, w2_bias=w2_bias,
+                          expected_m=hint, **common)
     else:
         if w13_bias is not None:
             raise NotImplementedError("expert biases are not supported in batched expert-parallel mode; use mode='flat'")
-        # The slabs have room for every token of every rank; the tiles are sized for the rows a
-        # slab is expected to receive when each rank routes as many tokens as this one.
-        m, k = x.shape[0], topk_ids.shape[1]
-        expected = cdiv(m * k, max(ep.num_local, 1)) if isinstance(m, int) else None
         y = batched_experts(rb.x, rb.counts, w13, w2, expected_m=expected, **common)
     return ep.combine(y, handle)
 

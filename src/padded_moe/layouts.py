@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Optional, Union
 
 import torch
@@ -55,6 +55,9 @@ class LayoutMetaBase:
     # `scratch`: set when built with one (permute then writes into its buffer).
     valid_tokens: Optional[torch.Tensor] = field(default=None, kw_only=True)
     scratch: Optional["PermuteScratch"] = field(default=None, repr=False, compare=False, kw_only=True)
+    # `expected_m`: about how many rows each local expert receives (a caller's hint, e.g. where
+    # the buffer has room for far more rows than it holds); None: unknown. It picks the GEMM tile.
+    expected_m: Optional[float] = field(default=None, kw_only=True)
 
     # Metadata tensors a GEMM reads, checked by `expert_gemm` (index dtype, device, contiguity).
     GEMM_FIELDS: ClassVar[tuple[str, ...]] = ()
@@ -72,8 +75,10 @@ class LayoutMetaBase:
         return self.num_tokens * self.top_k
 
     def rows_per_expert(self) -> float:
-        """Host-side estimate (from shapes only) that picks a GEMM tuning regime."""
-        return self.num_slots / max(self.num_local, 1)
+        """Host-side estimate that picks a GEMM tuning regime: the mean from shapes, or `expected_m`
+        where given (at most that mean, which counts every slot of the buffer)."""
+        mean = self.num_slots / max(self.num_local, 1)
+        return mean if self.expected_m is None else min(float(self.expected_m), mean)
 
     def gemm_args(self, stage: str) -> dict:
         """Keyword arguments of `padded_moe.kernels.gemm.launch` (the torch path reads the same):
@@ -205,8 +210,6 @@ class GroupedMaskedMeta(LayoutMetaBase):
     overflow: torch.Tensor
     max_tokens_per_expert: int
     layout: GemmLayout = GemmLayout.GROUPED_MASKED
-    # The rows a slab is expected to hold (`batched_experts`' `expected_m`), None: unknown.
-    expected_m: Optional[float] = None
 
     GEMM_FIELDS: ClassVar[tuple[str, ...]] = ("counts",)
 
@@ -545,7 +548,8 @@ def _as_layout(layout: object) -> GemmLayout:
 def build_layout(layout: Union[GemmLayout, str], topk_ids: torch.Tensor, experts: Experts, *,
                  block_m: Optional[int] = None, max_tokens_per_expert: Optional[int] = None,
                  valid_tokens: Optional[torch.Tensor] = None,
-                 scratch: Optional[PermuteScratch] = None, drop_overflow: bool = False) -> LayoutMeta:
+                 scratch: Optional[PermuteScratch] = None, drop_overflow: bool = False,
+                 expected_m: Optional[int] = None) -> LayoutMeta:
     """Sanitize `topk_ids [M, k]` (int32/int64, global ids) and build `layout`'s metadata.
 
     `experts`: ExpertMap or int E. `block_m` (INDEXED; power of two, default `scratch.block_for`
@@ -556,6 +560,10 @@ def build_layout(layout: Union[GemmLayout, str], topk_ids: torch.Tensor, experts
     and counted in `meta.overflow`. `valid_tokens`: int32
     `[1]` device tensor; rows at/after it are dropped whatever their ids. Slots keep increasing slot
     order within an expert on every path (bitwise-identical metadata on torch and Triton).
+    `expected_m` (an int >= 0; the grouped layouts): about how many rows each local expert
+    receives, where the ids hold far more slots than are valid (padding, `valid_tokens`); the GEMMs
+    take their tiles from it instead of from `M*k`. INDEXED sizes its tiles with its row blocks
+    (`block_m`) and refuses it.
     """
     layout = _as_layout(layout)
     check_topk_ids(topk_ids)
@@ -566,18 +574,20 @@ def build_layout(layout: Union[GemmLayout, str], topk_ids: torch.Tensor, experts
     table = emap.map_for(topk_ids.device) if emap is not None else None
     return build_layout_resolved(layout, topk_ids, num_experts, num_local, table, block_m=block_m,
                                  max_tokens_per_expert=max_tokens_per_expert, valid_tokens=valid_tokens,
-                                 scratch=scratch, drop_overflow=drop_overflow)
+                                 scratch=scratch, drop_overflow=drop_overflow, expected_m=expected_m)
 
 
 def build_layout_resolved(layout: Union[GemmLayout, str], topk_ids: torch.Tensor, num_experts: int, num_local: int,
                           table: Optional[torch.Tensor], *, block_m: Optional[int] = None,
                           max_tokens_per_expert: Optional[int] = None,
                           valid_tokens: Optional[torch.Tensor] = None,
-                          scratch: Optional[PermuteScratch] = None, drop_overflow: bool = False) -> LayoutMeta:
+                          scratch: Optional[PermuteScratch] = None, drop_overflow: bool = False,
+                          expected_m: Optional[int] = None) -> LayoutMeta:
     """`build_layout` after its checks, with the experts already resolved to `(E, L, map table or
     None)` on the ids' device: the entry the custom ops use, since an ExpertMap cannot cross one
     (they pass the layout as its `.value`)."""
     layout = _as_layout(layout)
+    check_expected_m(expected_m, layout)
     M, k = topk_ids.shape
     S, L = M * k, num_local
     if block_m is not None:
@@ -606,7 +616,18 @@ def build_layout_resolved(layout: Union[GemmLayout, str], topk_ids: torch.Tensor
         build_torch(layout.code, topk_ids, num_experts, L, table, valid_tokens, bufs, block_m=bm, t_max=t_max)
     common = dict(num_tokens=M, top_k=k, num_local=L, slot_expert=bufs["slot_expert"],
                   valid_tokens=valid_tokens, scratch=scratch)
-    return _META[layout]._from_buffers(common, bufs, bm, t_max)
+    meta = _META[layout]._from_buffers(common, bufs, bm, t_max)
+    return meta if expected_m is None else replace(meta, expected_m=float(expected_m))
+
+
+def check_expected_m(expected_m: object, layout: GemmLayout) -> None:
+    """`expected_m`: None, or an int >= 0 for a grouped layout (INDEXED's blocks size its tiles)."""
+    if expected_m is None:
+        return
+    require_int("expected_m", expected_m, 0)
+    if layout is GemmLayout.INDEXED:
+        raise ValueError("expected_m sizes the tiles of the grouped layouts; INDEXED sizes them with its row "
+                         "blocks (block_m): pass layout='grouped_contiguous', or no expected_m")
 
 
 def _check_capacity(t_max: int, M: int, k: int, drop_overflow: object) -> None:

@@ -357,26 +357,28 @@ def default_config(cuda: bool, mxfp4: bool, w_hopper, layout: int, block_m: int,
     return cfg
 
 
-# GROUPED_MASKED as persistent programs over the m-tiles that hold rows (`masked_walks`): True or
-# False forces it on or off (tests, benchmarks); None takes the rule below.
+# GROUPED_MASKED as persistent programs over the m-tiles that hold rows: True or False forces it on
+# or off (tests, benchmarks); None takes the rule of `grouped_walks`.
 MASKED_WALK: Optional[bool] = None
-# The rule: a prepared-MXFP4 decode tile (BM <= 32) whose grid, sized from the slabs' capacity,
-# holds at least this many times the m-tiles the expected rows need. One H100, GEMMs alone
+# The rule, for both grouped layouts: a prepared-MXFP4 decode tile (BM <= 32) whose grid, sized
+# from the buffer's shape (GROUPED_MASKED: every slab's capacity; GROUPED_CONTIGUOUS: every row,
+# where a hint says far fewer are valid), holds at least this many times the m-tiles the expected
+# rows need. GROUPED_MASKED, one H100, GEMMs alone
 # (scripts/layout_tiles_probe.py), GPT-OSS and DeepSeek-V4 at 3-32 mean rows: with slabs 16x the
 # largest count (9-19 times the expected m-tiles) the walk took 0.71-0.95x the time of one
 # program per tile, whose two programs per SM (the tile's shared memory) must each start and
 # retire; with slabs as large as the largest count (1-2 times) 0.99-1.10x. It lost wherever else
-# it ran: the 64-row small tile 1.05-1.06x, bf16 1.00-1.05x.
-MASKED_WALK_MIN_RATIO = 4
+# it ran: the 64-row small tile 1.05-1.06x, bf16 1.00-1.05x. GROUPED_CONTIGUOUS with room for 16x
+# the tokens and `expected_m`: 1.02-1.06x the time of the tokens alone where it walked.
+GROUPED_WALK_MIN_RATIO = 4
 
 
-def masked_walks(cfg: GemmConfig, hopper: bool, t_max: int, rows_per_expert: float) -> bool:
-    """Whether a GROUPED_MASKED launch runs as persistent programs over the m-tiles that hold rows
-    (`_walk`) instead of one program per m-tile of every slab's capacity `t_max`."""
-    if MASKED_WALK is not None:
-        return MASKED_WALK
-    expected = max(1, math.ceil(rows_per_expert / cfg.BM))
-    return hopper and cfg.BM <= 32 and triton.cdiv(t_max, cfg.BM) >= MASKED_WALK_MIN_RATIO * expected
+def grouped_walks(cfg: GemmConfig, hopper: bool, grid_m_tiles: int, num_local: int, rows_per_expert: float) -> bool:
+    """Whether a grouped layout's launch runs as persistent programs over the m-tiles that hold
+    rows (`_walk`) instead of one program per m-tile of its grid (`grid_m_tiles`, from shapes), for
+    `rows_per_expert` expected rows on each of `num_local` experts."""
+    expected = num_local * max(1, math.ceil(rows_per_expert / cfg.BM))
+    return hopper and cfg.BM <= 32 and grid_m_tiles >= GROUPED_WALK_MIN_RATIO * expected
 
 
 # The activation in GEMM1's epilogue against GEMM1 then the activation kernel, on whole
@@ -1508,10 +1510,14 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     dummy = out2  # stands in for pointers a layout does not use (never dereferenced)
     meta_ptrs = tuple(dummy if t is None else t for t in (sorted_ids, block_expert, num_padded, offsets, counts))
     grid = (num_pid_m * triton.cdiv(N, BN_OUT),)
-    # Persistent programs walk the tiles with rows (`_walk`). GROUPED_MASKED walks as
-    # `masked_walks` says, whatever the config: its one-program-per-tile grid holds every slab's
-    # whole capacity.
-    walk = masked_walks(cfg, hopper, t_max, rows_per_expert) if layout == codes.GROUPED_MASKED else cfg.persistent
+    # Persistent programs walk the tiles with rows (`_walk`): where the config says so, and on the
+    # grouped layouts where `grouped_walks` finds the grid mostly empty (GROUPED_MASKED: whatever
+    # the config says, unless MASKED_WALK forces it).
+    sparse = layout != codes.INDEXED and grouped_walks(cfg, hopper, num_pid_m, num_local, rows_per_expert)
+    if layout == codes.GROUPED_MASKED:
+        walk = sparse if MASKED_WALK is None else MASKED_WALK
+    else:
+        walk = cfg.persistent or sparse
     if cfg.dynamic and (hopper or not cfg.persistent):
         raise ValueError("config.dynamic needs config.persistent and the bf16 / dot_scaled kernel "
                          f"(mx_hopper=False), got {cfg.short()}")

@@ -849,16 +849,18 @@ print('warnings', n); assert n == 1, n"
                 python3 benchmarks/bench_gemm.py --mxfp4-hopper --humming --no-sweep \
                 --models "${HUMMING_MODELS:-gpt-oss}" --rows "${HUMMING_ROWS:-1,4,8,16,32,128,512}" \
                 --out "$OUT/bench-humming" ;;
-        masked-expected)  # GROUPED_MASKED tiles sized for the expected rows (batched_experts' expected_m, the mean of
-            # a masked layout built from slots) and its walk over the tiles with rows (kernels.gemm.MASKED_WALK): GPU
-            # tests of batched_experts at every expected_m, of the GEMMs on masked layouts and of the walk, memcheck of
-            # the hinted tiles and of the walk (timings: layout-probe with PROBE_CAPACITY 16, slabs with room for many
-            # rows and a few of them used, the expert-parallel decode case)
+        masked-expected)  # the grouped layouts' tiles sized for the expected rows (expected_m of batched_experts and
+            # fused_experts, the mean of a masked layout built from slots) and the walk over the tiles with rows
+            # (kernels.gemm.grouped_walks): GPU tests of batched_experts at every expected_m, of the GEMMs on masked
+            # layouts and of the walk, of a flat receive buffer with expected_m, memcheck of the hinted tiles and of
+            # the walk (timings: layout-probe with PROBE_CAPACITY 16, buffers with room for many rows and a few of
+            # them used, the expert-parallel decode case)
             STEP_TIMEOUT=360 step test-masked python3 -m pytest -q -m gpu tests/test_experts_gpu.py tests/test_gemm_gpu.py \
-                -k "batched_experts_on_gpu or grouped_masked or masked_walk"
+                -k "batched_experts_on_gpu or grouped_masked or masked_walk or flat_receive_buffer_with_expected_m"
             STEP_TIMEOUT=240 step sanitizer-masked compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
                 -q -m gpu tests/test_experts_gpu.py tests/test_gemm_gpu.py -k "(batched_experts_on_gpu and (2-mxfp4 or \
-                24-mxfp4 or 2-bf16 or 24-bf16)) or masked_walk_graph_replay" ;;
+                24-mxfp4 or 2-bf16 or 24-bf16)) or masked_walk_graph_replay or (flat_receive_buffer_with_expected_m and (3-mxfp4 or \
+                None-mxfp4))" ;;
         layout-probe)  # each expert GEMM alone on the three layouts under routed counts (scripts/layout_tiles_probe.py):
             # outputs against INDEXED's (exit 1 past one bf16 rounding) and times, PROBE_PRESETS at PROBE_TOKENS, both
             # weight kinds unless PROBE_WEIGHTS names one

@@ -138,10 +138,8 @@ def main() -> None:
                                                     getattr(meta, "max_tokens_per_expert", None))
                     live = "-" if name == "indexed" else int(sum(math.ceil(int(c) / used.BM) for c in counts))
                     if name != "indexed" and walk is None:  # the default: kg.grouped_walks' choice
-                        if meta.code == GemmLayout.GROUPED_MASKED.code:
-                            grid_m = E * -(-meta.max_tokens_per_expert // used.BM)
-                        else:
-                            grid_m = -(-meta.num_slots // used.BM) + min(E, meta.num_slots)
+                        grid_m = kg.grouped_grid_m(meta.code, a.view(-1, K).shape[0], E,
+                                                   getattr(meta, "max_tokens_per_expert", 1), used.BM)
                         name += " (walks)" if kg.grouped_walks(used, mx, grid_m, E, meta.rows_per_expert()) else ""
                     print(f"  {name:<48} {ms * 1e3:8.1f} us  x{ms / base:5.3f}  tile {used.short():<40} "
                           f"m-tiles with rows {live:>5}  max rel err {err:.1e}")

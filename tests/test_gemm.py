@@ -941,10 +941,15 @@ def test_grouped_walk_rule():
     assert not kg.grouped_walks(kg.TUNED[("bf16", "decode")], False, L * 18, L, 4.0)
     # GROUPED_CONTIGUOUS: a flat receive buffer of 8 ranks x 256 tokens x top-8 slots on 32 local
     # experts, about 4 rows each expected; the same grid without a hint (its mean, 512 rows)
+    from padded_moe import layout_codes as codes
+
     rows = 8 * 256 * 8
-    assert kg.grouped_walks(decode16, True, rows // 16 + 32, 32, 4.0)
-    assert not kg.grouped_walks(decode16, True, rows // 16 + 32, 32, rows / 32)
-    assert not kg.grouped_walks(decode16, True, 32 * 4 // 16 + 32, 32, 4.0)  # a buffer as full as expected
+    grid = kg.grouped_grid_m(codes.GROUPED_CONTIGUOUS, rows, 32, 1, 16)
+    assert grid == rows // 16 + 32 and kg.grouped_grid_m(codes.GROUPED_MASKED, rows, 32, 144, 16) == 32 * 9
+    assert kg.grouped_walks(decode16, True, grid, 32, 4.0)
+    assert not kg.grouped_walks(decode16, True, grid, 32, rows / 32)
+    assert not kg.grouped_walks(decode16, True, kg.grouped_grid_m(codes.GROUPED_CONTIGUOUS, 32 * 4, 32, 1, 16), 32,
+                                4.0)  # a buffer as full as expected
 
 
 def test_grouped_tiles_are_the_ones_indexed_runs():

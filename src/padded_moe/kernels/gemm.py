@@ -373,6 +373,15 @@ MASKED_WALK: Optional[bool] = None
 GROUPED_WALK_MIN_RATIO = 4
 
 
+def grouped_grid_m(layout: int, rows: int, num_local: int, t_max: int, bm: int) -> int:
+    """The m-tiles of a grouped layout's grid, from shapes only (graph-safe): GROUPED_CONTIGUOUS's
+    `rows` hold at most cdiv(rows, bm) + min(L, rows) tiles with rows in all; GROUPED_MASKED has
+    every slab's whole capacity `t_max`."""
+    if layout == codes.GROUPED_CONTIGUOUS:
+        return triton.cdiv(rows, bm) + min(num_local, rows)
+    return num_local * triton.cdiv(t_max, bm)
+
+
 def grouped_walks(cfg: GemmConfig, hopper: bool, grid_m_tiles: int, num_local: int, rows_per_expert: float) -> bool:
     """Whether a grouped layout's launch runs as persistent programs over the m-tiles that hold
     rows (`_walk`) instead of one program per m-tile of its grid (`grid_m_tiles`, from shapes), for
@@ -1497,10 +1506,8 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         BM, SUB, ROWS = indexed_tiling(block_m, cfg.BM)
         num_blocks = min(block_expert.numel(), triton.cdiv(mk, block_m) + min(num_local, mk))
         num_pid_m = num_blocks * SUB
-    elif layout == codes.GROUPED_CONTIGUOUS:
-        num_pid_m = triton.cdiv(a2.shape[0], BM) + min(num_local, a2.shape[0])
     else:
-        num_pid_m = num_local * triton.cdiv(t_max, BM)
+        num_pid_m = grouped_grid_m(layout, a2.shape[0], num_local, t_max, BM)
     if num_pid_m == 0:
         return out2
     half_tail = cfg.half_tail and BM >= 32

@@ -9,8 +9,10 @@ GROUPED_MASKED with the default tile (slabs as large as the largest count, and `
 that: the room a batched receive buffer has, run with the tile of its expected rows and with the
 tile of its capacity, what it runs without `expected_m`; each masked case also as persistent
 programs over the tiles with rows and as one program per tile, the two ways
-`kernels.gemm.grouped_walks` chooses between), and the grouped layouts with the tiles named in
-`--tiles` (short names, e.g. BM64_BN128_BK64_G4_w4_s4_hop_ptx_half). Prints the m-tiles with rows each
+`kernels.gemm.grouped_walks` chooses between), GROUPED_CONTIGUOUS in a flat buffer with room for
+`--capacity` times the tokens (ids -1 past `valid_tokens`, as an expert-parallel receive buffer)
+without and with `expected_m`, and the grouped layouts with the tiles named in `--tiles` (short
+names, e.g. BM64_BN128_BK64_G4_w4_s4_hop_ptx_half). Prints the m-tiles with rows each
 variant computes (from the counts) next to its time, and each output's largest difference from
 INDEXED's relative to INDEXED's largest value (same weights, same routed rows, fp32 accumulation);
 exits 1 after the tables if any exceeds `TOL`.
@@ -58,7 +60,9 @@ def main() -> None:
     p.add_argument("--tokens", default="1024")
     p.add_argument("--weights", default="mxfp4", choices=("mxfp4", "bf16"))
     p.add_argument("--tiles", default="", help="comma list of tile short names also run on the grouped layouts")
-    p.add_argument("--capacity", type=int, default=4, help="roomy slabs: this many times the largest count")
+    p.add_argument("--capacity", type=int, default=4,
+                   help="roomy buffers: masked slabs this many times the largest count, a flat buffer this many "
+                        "times the tokens")
     args = p.parse_args()
     torch.manual_seed(0)
     be = get_backend("triton")

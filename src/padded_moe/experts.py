@@ -547,7 +547,7 @@ def _fused_experts_op(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: Optio
 
 
 @register_fake("padded_moe::fused_experts")
-def _fused_experts_fake(hidden, *args) -> torch.Tensor:
+def _fused_experts_fake(hidden, *args, **kwargs) -> torch.Tensor:
     return hidden.new_empty(hidden.shape)
 
 

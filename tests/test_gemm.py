@@ -980,12 +980,11 @@ def test_grouped_tiles_are_the_ones_indexed_runs():
         for rows in (0.25, 1, 4, 8, 12, 12.5, 13, 16, 24, 26, 27, 32, 33, 48, 64, 71, 72, 100, 128, 256, 600):
             block = default_block_m(rows, 1)
             indexed = kg.default_config(True, mx, w, codes.INDEXED, block, max(rows, block))
-            got = kg.default_config(True, mx, w, codes.GROUPED_CONTIGUOUS, 1, rows)
+            contiguous = got = kg.default_config(True, mx, w, codes.GROUPED_CONTIGUOUS, 1, rows)
             tile_bm = kg.indexed_tiling(block, indexed.BM)[0]
             if not capped:
                 got = dataclasses.replace(got, BM=kg.indexed_tiling(block, got.BM)[0])
             assert got == dataclasses.replace(indexed, BM=tile_bm), (kind, rows, got.short(), indexed.short())
-            contiguous = kg.default_config(True, mx, w, codes.GROUPED_CONTIGUOUS, 1, rows)
             # capacities above the expected count (a meta never gives a count past its capacity)
             for t_max in (c for c in (4 * math.ceil(rows) + 128, math.floor(rows) + 1, block) if c > rows):
                 masked = kg.default_config(True, mx, w, codes.GROUPED_MASKED, 1, rows, t_max)

@@ -343,8 +343,8 @@ def default_config(cuda: bool, mxfp4: bool, w_hopper, layout: int, block_m: int,
     rows = rows_per_expert
     if block is not None and layout == codes.GROUPED_CONTIGUOUS:
         rows = max(rows_per_expert, block)
-    elif block is not None and layout == codes.GROUPED_MASKED and t_max is not None and rows_per_expert < t_max:
-        rows = min(max(rows_per_expert, block), t_max)
+    elif block is not None and layout == codes.GROUPED_MASKED and t_max is not None:
+        rows = min(max(rows_per_expert, block), t_max)  # no expected count (rows = t_max): t_max
     cfg = pick_config(rows, mxfp4, interpreted, hopper=w_hopper is not None,
                       planes=2 if w_hopper is None else w_hopper.planes,
                       block_rows=block_m if layout == codes.INDEXED else None)

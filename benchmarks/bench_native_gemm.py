@@ -12,8 +12,9 @@ variant alike):
 - the whole routed-experts call (`fused_experts`): Triton on INDEXED (the ratios' base), the
   library's own choice (`auto`: the native kernel where `backends.auto_native` says so), Triton on
   GROUPED_CONTIGUOUS, and the native kernel on GROUPED_CONTIGUOUS with the activation in GEMM1's
-  epilogue (its default), as a separate op (`PADDED_MOE_FUSE_ACTIVATION=0`), and in configurations
-  0, 1 and 3 (bf16: 0 and 3 in both tile walks, and walking from the counter with A's rows as
+  epilogue (its default; for MXFP4 weights, prepared here, "grouped, cuda" is the RS kernel, which
+  runs the activation as its own op), as a separate op (`PADDED_MOE_FUSE_ACTIVATION=0`), and in
+  configurations 0, 1 and 3 (the producer-upcast kernel, for MXFP4 too) (bf16: 0 and 3 in both tile walks, and walking from the counter with A's rows as
   normal L2 lines) instead of its own choice by shape; for MXFP4 weights, where humming-kernels is
   installed, also its GEMMs on GROUPED_CONTIGUOUS (backend "humming");
 
@@ -73,6 +74,9 @@ def forced_config(config, dynamic=None, rows_last=None):
         stack.enter_context(mock.patch.object(grouped, "ROWS_EVICT_LAST", rows_last))
     if config is not None:
         stack.enter_context(mock.patch.object(grouped, "default_config", lambda *_: config))
+        # A named configuration is one of the producer-upcast kernel's: prepared MXFP4 weights
+        # (which otherwise run the RS kernel) take it too.
+        stack.enter_context(mock.patch.object(grouped, "takes_rs", lambda w: False))
     if dynamic is not None:
         stack.enter_context(mock.patch.object(grouped, "DYNAMIC_WALK", dynamic))
     return stack

@@ -12,7 +12,7 @@ from padded_moe.gemm import expert_gemm
 from padded_moe.kernels import native
 from padded_moe.kernels.native import grouped
 from padded_moe.layouts import GemmLayout, build_layout
-from padded_moe.mxfp4 import quantize_mxfp4
+from padded_moe.mxfp4 import Mxfp4Tensor, quantize_mxfp4
 
 
 def test_listed_and_not_what_resolve_backend_makes_of_auto():
@@ -93,7 +93,7 @@ def test_fused_experts_takes_the_native_path_only_when_both_choices_are_its_own(
     assert call() == (GemmLayout.INDEXED, "auto")
 
 
-def test_supports_grouped_layouts_with_bf16_weights_only():
+def test_supports_grouped_layouts_with_bf16_and_mxfp4_weights():
     b = get_backend("cuda")
     bf16 = torch.zeros(2, 16, 32, dtype=torch.bfloat16)
     assert b.supports(GemmLayout.GROUPED_CONTIGUOUS, bf16) and b.supports(GemmLayout.GROUPED_MASKED, bf16)
@@ -101,7 +101,6 @@ def test_supports_grouped_layouts_with_bf16_weights_only():
     assert not b.supports(GemmLayout.GROUPED_CONTIGUOUS, bf16.float())
     q = quantize_mxfp4(torch.randn(2, 16, 64))
     assert b.supports(GemmLayout.GROUPED_MASKED, q) and not b.supports(GemmLayout.INDEXED, q)
-    assert not b.supports(GemmLayout.GROUPED_CONTIGUOUS, q.prepare_for(keep_canonical=False))
     assert b.fuses_activation
 
 
@@ -279,14 +278,6 @@ def test_mxfp4_launch_arguments(monkeypatch):
     assert args[27:] == (1, q.blocks, q.scales, 16 * 32, 32, 16 * 2, 2, None, 1, 3)  # no tile counter
 
 
-def test_mxfp4_needs_its_canonical_bytes(monkeypatch):
-    _Recorder(monkeypatch)
-    q = quantize_mxfp4(torch.randn(3, 16, 64)).prepare_for(keep_canonical=False)
-    with pytest.raises(NotImplementedError, match="canonical bytes"):
-        grouped.launch(torch.randn(10, 64, dtype=torch.bfloat16), q, torch.empty(10, 16, dtype=torch.bfloat16),
-                       offsets=torch.tensor([0, 4, 4, 9]))
-
-
 def test_backend_env_turns_auto_into_the_named_backend(monkeypatch):
     """PADDED_MOE_GEMM_BACKEND: "auto" calls take the named backend (and its refusals); explicit
     names are untouched; an unknown value names the variable."""
@@ -454,3 +445,143 @@ def test_the_measured_defaults():
     bands = {name: backends.AUTO_NATIVE_ROWS.get((p.hidden_size, p.intermediate_size)) for name, p in PRESETS.items()}
     assert bands["dsv4-flash"] == (64, 256) and bands["gpt-oss-120b"] == (112, 160)
     assert bands["mixtral-8x7b"] == (64, 80) and bands["qwen3-30b-a3b"] is None
+
+
+# ---- the RS kernel: MXFP4 weights in their prepared form (4 planes, folded scales) ----
+
+def _rs_weight(L=3, N=16, K=64, scale=1.0, **prepare):
+    return quantize_mxfp4(torch.randn(L, N, K) * scale).prepare_for(**prepare)
+
+
+def test_takes_rs_only_prepared_four_plane_folded_weights():
+    q = _rs_weight()
+    assert grouped.takes_rs(q) and grouped.takes_rs(_rs_weight(keep_canonical=False))
+    assert not grouped.takes_rs(Mxfp4Tensor(q.blocks, q.scales))  # no prepared form
+    assert not grouped.takes_rs(_rs_weight(planes=2))
+    big = _rs_weight(scale=2.0**12)  # scales past mxfp4.FOLD_MAX_SCALE: stored unfolded
+    assert not big.hopper.folded and not grouped.takes_rs(big)
+    assert not grouped.takes_rs(torch.zeros(3, 16, 64, dtype=torch.bfloat16)) and not grouped.takes_rs(None)
+
+
+def test_supports_and_fuses_with_rs_weights():
+    """Prepared-only MXFP4 weights are offered where the RS kernel takes them; the RS kernel has no
+    activation epilogue, so `fuses` says no for its weights (callers run GEMM1, then the activation op)."""
+    from padded_moe.activation import MoEActivation
+
+    b = get_backend("cuda")
+    rs_only = _rs_weight(keep_canonical=False)
+    assert b.supports(GemmLayout.GROUPED_CONTIGUOUS, rs_only) and b.supports(GemmLayout.GROUPED_MASKED, rs_only)
+    assert not b.supports(GemmLayout.INDEXED, rs_only)
+    assert not b.supports(GemmLayout.GROUPED_CONTIGUOUS, _rs_weight(scale=2.0**12, keep_canonical=False))
+    silu = MoEActivation("silu")
+    assert not b.fuses(silu, rs_only) and not b.fuses(silu, _rs_weight())
+    assert b.fuses(silu, quantize_mxfp4(torch.randn(3, 16, 64))) and b.fuses(silu)
+    assert b.fuses(silu, torch.zeros(3, 16, 64, dtype=torch.bfloat16))
+
+
+def test_rs_contiguous_launch_arguments(monkeypatch):
+    rec = _Recorder(monkeypatch)
+    q = _rs_weight(L=3, N=264, K=64, keep_canonical=False)
+    a = torch.randn(10, 64, dtype=torch.bfloat16)
+    out = torch.empty(10, 264, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
+    bias = torch.zeros(3, 264, dtype=torch.bfloat16)
+    grouped.launch(a, q, out, offsets=offsets, bias=bias)
+    (kernel, grid, args), = rec.calls
+    assert kernel == ("entry", "pmoe_mx_rs_gemm")
+    assert grid == ((1 + 3) * 3,)  # (cdiv(10, 256) + 3 experts) chunks x cdiv(264, 128) weight tiles
+    h = q.hopper
+    assert args == (grouped.RS_STAGES, a, 640, 64, 1, 10, 64, h.blocks, 264 * 8, 8, h.scales, 2 * 264, 264, 3, 264,
+                    64, offsets, None, bias, 264, native.DTYPE_CODES[torch.bfloat16], out, 0, 264,
+                    int(grouped.RS_COLUMNS_FIRST))
+
+
+def test_rs_masked_launch_arguments(monkeypatch):
+    rec = _Recorder(monkeypatch)
+    L, T, K, N = 4, 300, 64, 16
+    q = _rs_weight(L=L, N=N, K=K)
+    a = torch.randn(L, T, K, dtype=torch.bfloat16)
+    out = torch.empty(L, T, N, dtype=torch.bfloat16)
+    counts = torch.tensor([1, 0, 300, 3], dtype=torch.int32)
+    grouped.launch_rs(a, q, out, counts=counts, stages=3)
+    (_, grid, args), = rec.calls
+    assert grid == (4 * 2 * 1,)  # 4 slabs of two 256-row chunks, one weight tile
+    assert args[:7] == (3, a, T * K, K, L, T, K)
+    assert args[16:19] == (None, counts, None) and args[21:24] == (out, T * N, N)
+
+
+def test_rs_launch_refuses_what_the_kernel_cannot_take(monkeypatch):
+    _Recorder(monkeypatch)
+    q = _rs_weight(L=3, N=16, K=64)
+    a = torch.randn(10, 64, dtype=torch.bfloat16)
+    out = torch.empty(10, 16, dtype=torch.bfloat16)
+    off = torch.tensor([0, 4, 4, 9])
+    with pytest.raises(ValueError, match="stages must be 3 or 4"):
+        grouped.launch_rs(a, q, out, offsets=off, stages=2)
+    with pytest.raises(ValueError, match="exactly one of offsets"):
+        grouped.launch_rs(a, q, out)
+    with pytest.raises(NotImplementedError, match="prepared form with 4 planes and folded scales"):
+        grouped.launch_rs(a, _rs_weight(planes=2), out, offsets=off)
+    with pytest.raises(NotImplementedError, match="bf16 a"):
+        grouped.launch_rs(a.float(), q, out, offsets=off)
+    with pytest.raises(NotImplementedError, match="out with a contiguous last dimension, other strides in multiples"):
+        grouped.launch_rs(a, q, torch.empty(10, 20, dtype=torch.bfloat16)[:, :16], offsets=off)
+    with pytest.raises(NotImplementedError, match="rows .output columns. a multiple of 8"):
+        grouped.launch_rs(a, _rs_weight(N=12), torch.empty(10, 16, dtype=torch.bfloat16)[:, :12], offsets=off)
+    with pytest.raises(ValueError, match="out has 16 columns, the weight has 24 rows"):
+        grouped.launch_rs(a, _rs_weight(N=24), out, offsets=off)
+    with pytest.raises(NotImplementedError, match="float32 or bf16 bias"):
+        grouped.launch_rs(a, q, out, offsets=off, bias=torch.zeros(3, 16, dtype=torch.float64))
+    with pytest.raises(NotImplementedError, match="offsets as contiguous int64"):
+        grouped.launch_rs(a, q, out, offsets=off.int())
+
+
+def test_unfolded_prepared_weights_need_their_canonical_bytes(monkeypatch):
+    """A prepared weight the RS kernel cannot take (unfolded scales) goes to the producer-upcast
+    kernel, which reads the canonical bytes: without them, a refusal that says so."""
+    _Recorder(monkeypatch)
+    q = _rs_weight(scale=2.0**12, keep_canonical=False)
+    with pytest.raises(NotImplementedError, match="canonical bytes"):
+        grouped.launch(torch.randn(10, 64, dtype=torch.bfloat16), q, torch.empty(10, 16, dtype=torch.bfloat16),
+                       offsets=torch.tensor([0, 4, 4, 9]))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the activation reads the unfilled GEMM1 buffer
+def test_rs_weights_run_gemm1_then_the_activation_op(monkeypatch):
+    """GEMM1 with an activation on backend "cuda" and an RS weight: the RS kernel fills a buffer of
+    the weight's width, then the activation op runs (no epilogue launch)."""
+    rec = _Recorder(monkeypatch)
+    b = get_backend("cuda")
+    monkeypatch.setattr(type(b), "available", lambda self, device: None)
+    ids = torch.tensor([[0], [1], [1]], dtype=torch.int32)
+    meta = build_layout("grouped_contiguous", ids, 2)
+    q = _rs_weight(L=2, N=32, K=64, keep_canonical=False)
+    out = expert_gemm(torch.randn(3, 64, dtype=torch.bfloat16), q, meta, backend="cuda", activation="silu")
+    (kernel, _, args), = rec.calls
+    assert kernel == ("entry", "pmoe_mx_rs_gemm") and args[21].shape == (3, 32) and out.shape == (3, 16)
+
+
+def test_auto_native_takes_rs_weights_of_the_listed_shapes_and_rows(monkeypatch):
+    """`auto_native` with MXFP4 weights: both must run the RS kernel, their expert shape must be in
+    `AUTO_RS_ROWS` and the rows per local expert within its band (low included, high excluded), any
+    activation of spec 01, on a device the kernel is built for."""
+    from padded_moe import backends
+    from padded_moe.activation import MoEActivation
+
+    b = get_backend("cuda")
+    monkeypatch.setattr(type(b), "available", lambda self, device: None)
+    monkeypatch.setattr(backends, "AUTO_RS_ROWS", {(64, 32): (128, 256)})
+    gpu, gelu = torch.device("cuda"), MoEActivation("gelu")
+    w13, w2 = _rs_weight(L=4, N=64, K=64), _rs_weight(L=4, N=64, K=32)
+    assert backends.auto_native(gpu, w13, w2, gelu, 128 * 4, 4)
+    assert backends.auto_native(gpu, w13, w2, gelu, 256 * 4 - 1, 4)
+    assert not backends.auto_native(gpu, w13, w2, gelu, 128 * 4 - 1, 4)
+    assert not backends.auto_native(gpu, w13, w2, gelu, 256 * 4, 4)  # the high bound is excluded
+    assert not backends.auto_native(gpu, w13, w2, None, 128 * 4, 4)  # a callable activation
+    assert not backends.auto_native(torch.device("cpu"), w13, w2, gelu, 128 * 4, 4)
+    assert not backends.auto_native(gpu, Mxfp4Tensor(w13.blocks, w13.scales), w2, gelu, 128 * 4, 4)  # not prepared
+    assert not backends.auto_native(gpu, w13, _rs_weight(L=4, N=64, K=32, planes=2), gelu, 128 * 4, 4)
+    assert not backends.auto_native(gpu, _rs_weight(L=4, N=128, K=64), _rs_weight(L=4, N=64, K=64), gelu,
+                                    128 * 4, 4)  # another expert shape
+    monkeypatch.setattr(type(b), "available", lambda self, device: "no nvcc")
+    assert not backends.auto_native(gpu, w13, w2, gelu, 128 * 4, 4)

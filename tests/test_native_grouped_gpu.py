@@ -4,7 +4,9 @@ References are float64 per expert over the rows the layout must compute (`test_g
 inputs hold NaN in every row the layout must not compute, and outputs are poisoned: rows past a
 count must stay as they were. Shapes: the models' (DeepSeek-V4, GPT-OSS with its bias, a prefill
 case of ~1000 rows per expert, i.e. several 256-row passes of one CTA) and odd ones (K and N not
-multiples of the kernel's tiles, empty experts, counts on either side of each 64-row step).
+multiples of the kernel's tiles, empty experts, counts on either side of each 64-row step). MXFP4
+weights in their prepared form run the RS kernel (`grouped.launch_rs`), the others the
+producer-upcast kernel.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def weights():
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
-@pytest.mark.parametrize("wdtype", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("wdtype", ["bf16", "mxfp4", "mxfp4_hopper"])  # mxfp4_hopper: the RS kernel
 @pytest.mark.parametrize("stage", ["w13", "w2"])
 @pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
 def test_real_shapes(shape, wdtype, stage, layout, weights):
@@ -310,3 +312,126 @@ def test_sanitizer_small():
         expert_gemm(a, q, meta, bias=bias, out=out, backend="cuda")
         torch.cuda.synchronize()
         check(a, dequantize_mxfp4(q), meta, "w13", out, bias)
+
+
+# ---- the RS kernel (prepared MXFP4 weights) ----
+
+def _rs_case(counts, K, N, layout, bias_dtype, seed, keep_canonical=True):
+    from padded_moe.mxfp4 import quantize_mxfp4
+
+    w, meta, a, bias, out = _counts_case(counts, K, N, layout, bias_dtype, seed)
+    q = quantize_mxfp4(w.float()).prepare_for(keep_canonical=keep_canonical)
+    return q, meta, a, bias, out
+
+
+def _where(layout, meta):
+    return dict(offsets=meta.offsets) if layout == GemmLayout.GROUPED_CONTIGUOUS else dict(counts=meta.counts)
+
+
+@pytest.mark.parametrize("K,N", [(64, 136), (96, 264), (2880, 2056), (4096, 8)])
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
+def test_rs_odd_counts_and_shapes(K, N, bias_dtype, layout):
+    """Counts on either side of each 64-row box and of the 256-row chunk (0 to 520), K past a
+    multiple of 64 (the weight's padded k tile reads zero rows), N past the last 128-row weight tile,
+    against float64; rows past each count keep their poison."""
+    from padded_moe.kernels.native import grouped
+
+    q, meta, a, bias, out = _rs_case(ODD_COUNTS, K, N, layout, bias_dtype, K + N)
+    assert grouped.takes_rs(q)
+    grouped.launch(a, q, out, bias=bias, **_where(layout, meta))
+    torch.cuda.synchronize()
+    check(a, q, meta, "w13", out, bias)
+
+
+@pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
+def test_rs_stages_agree_bit_for_bit(layout):
+    """Three and four pipeline stages: the same MMAs in the same order, so the same bits."""
+    from padded_moe.kernels.native import grouped
+
+    q, meta, a, bias, out = _rs_case([300, 7, 0, 64, 129], 640, 392, layout, torch.float32, 21,
+                                     keep_canonical=False)
+    outs = []
+    for stages in (3, 4):
+        out.fill_(SENTINEL)
+        grouped.launch_rs(a, q, out, bias=bias, stages=stages, **_where(layout, meta))
+        outs.append(out.clone())
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    check(a, q, meta, "w13", outs[1], bias)
+
+
+def test_rs_graph_replay_reads_new_rows_and_counts():
+    """A captured RS call replays on new data and new counts in the same buffers."""
+    from padded_moe.mxfp4 import quantize_mxfp4
+
+    L, K, N, M = 16, 512, 384, 600
+    g = torch.Generator(device=DEV).manual_seed(4)
+    ids = torch.randint(0, L, (M, 2), generator=g, device=DEV, dtype=torch.int32)
+    meta = build_layout(GemmLayout.GROUPED_MASKED, ids, L)
+    q = quantize_mxfp4(torch.randn(L, N, K, generator=g, device=DEV) / K ** 0.5).prepare_for()
+    a = inputs_for(GemmLayout.GROUPED_MASKED, meta, "w13", K, M, 2, 1)
+    out = out_for(GemmLayout.GROUPED_MASKED, meta, a, N)
+    expert_gemm(a, q, meta, out=out, backend="cuda")  # builds and loads the library outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        expert_gemm(a, q, meta, out=out, backend="cuda")
+    new_counts = torch.randint(0, meta.max_tokens_per_expert + 1, (L,), generator=g, device=DEV, dtype=torch.int32)
+    meta.counts.copy_(new_counts)
+    a.copy_(inputs_for(GemmLayout.GROUPED_MASKED, meta, "w13", K, M, 2, 9))
+    out.fill_(SENTINEL)
+    graph.replay()
+    torch.cuda.synchronize()
+    check(a, q, meta, "w13", out)
+
+
+def test_auto_takes_the_rs_kernel_for_prepared_mxfp4(monkeypatch):
+    """GPT-OSS's prepared MXFP4 experts (swigluoai, biases, dropped slots) with the layout and
+    backend left to `fused_experts`, their shape listed in `AUTO_RS_ROWS` from 128 rows per expert
+    (the table's own entries are measured choices; this tests the mechanism): at 128 rows both
+    GEMMs run the RS kernel and the result equals the Triton path's within bf16 rounding; at 64,
+    below the band, none does."""
+    from padded_moe import backends
+    from padded_moe.kernels.native import grouped
+    from padded_moe.layouts import LAYOUT_ENV
+    from padded_moe.mxfp4 import quantize_mxfp4
+
+    monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(backends, "AUTO_RS_ROWS", {(2880, 2880): (128, 1024)})
+    g = torch.Generator(device=DEV).manual_seed(14)
+    E, K, N, k = 16, 2880, 2880, 4
+    w13 = quantize_mxfp4(torch.randn(E, 2 * N, K, generator=g, device=DEV) / K ** 0.5).prepare_for(keep_canonical=False)
+    w2 = quantize_mxfp4(torch.randn(E, K, N, generator=g, device=DEV) / N ** 0.5).prepare_for(keep_canonical=False)
+    b13 = torch.randn(E, 2 * N, generator=g, device=DEV).bfloat16() * 0.1
+    b2 = torch.randn(E, K, generator=g, device=DEV).bfloat16() * 0.1
+    launches = []
+    real = grouped.launch_rs
+    monkeypatch.setattr(grouped, "launch_rs", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    for rows in (128, 64):
+        M = rows * E // k
+        x = torch.randn(M, K, generator=g, device=DEV).bfloat16()
+        tw, ids = torch.topk(torch.randn(M, E, generator=g, device=DEV).softmax(-1), k, dim=-1)
+        ids = ids.int()
+        ids[::7, 1] = -1
+        launches.clear()
+        out = fused_experts(x, w13, w2, tw, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2)
+        ref = fused_experts(x, w13, w2, tw, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2, backend="triton")
+        torch.cuda.synchronize()
+        assert len(launches) == (2 if rows == 128 else 0)
+        err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert torch.isfinite(out).all() and err < 1e-2, f"relative difference {err:.3g}"
+
+
+def test_rs_sanitizer_small():
+    """A small RS call of each layout (boxes of 1-4 rows' chunks, a second chunk, an empty expert,
+    K past a multiple of 64, N past a weight tile) for `compute-sanitizer --tool memcheck`."""
+    from padded_moe.kernels.native import grouped
+
+    for layout in GROUPED:
+        q, meta, a, bias, out = _rs_case([5, 0, 70, 257, 130, 200], 160, 264, layout, torch.float32, 3)
+        for stages in (3, 4):
+            out.fill_(SENTINEL)
+            grouped.launch_rs(a, q, out, bias=bias, stages=stages, **_where(layout, meta))
+            torch.cuda.synchronize()
+            check(a, q, meta, "w13", out, bias)

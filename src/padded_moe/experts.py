@@ -435,7 +435,7 @@ def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, step: _Step, cfg: 
     x = permute(hidden_states, meta)
     impl = resolve_backend(backend, device, meta.layout, w13)
     mode = fuse_activation_mode()
-    if isinstance(step.activation, MoEActivation) and impl.fuses(step.activation) \
+    if isinstance(step.activation, MoEActivation) and impl.fuses(step.activation, w13) \
             and (mode == "on" or (mode == "auto" and impl.epilogue_pays(x, w13, meta, step.activation))):
         expert_gemm(x, w13, meta, stage="w13", bias=w13_bias, out=act, backend=backend,
                     activation=step.activation, activation_config=cfg)

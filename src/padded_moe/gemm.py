@@ -142,7 +142,7 @@ def expert_gemm(a: torch.Tensor, w: Union[torch.Tensor, Mxfp4Tensor], layout_met
         a, out_rows = a[:rows], out[:rows]
     if epilogue is None:
         impl.gemm(a, w, layout_meta, stage=stage, bias=bias, out=out_rows)
-    elif impl.fuses(epilogue.activation):
+    elif impl.fuses(epilogue.activation, w):
         impl.gemm_activation(a, w, layout_meta, bias=bias, out=out_rows, epilogue=epilogue)
     else:  # GEMM1 into an intermediate, then the activation op on the layout's valid rows
         h = torch.empty(out_rows.shape[:-1] + (n_out,), dtype=a.dtype, device=a.device)

@@ -4,8 +4,9 @@
 implements `backend="auto"` (triton wherever `use_triton(device)`, torch otherwise) and refuses an
 explicitly requested backend that cannot run here, naming it and why. `auto_native` is the one
 place where "auto" leaves the Triton kernels: `fused_experts`, given neither a layout nor a backend,
-runs the native grouped GEMM (GROUPED_CONTIGUOUS, backend "cuda") for the expert shapes and rows per
-expert where it measured faster on whole calls (`AUTO_NATIVE_ROWS`). The environment variable
+runs the native grouped GEMM (GROUPED_CONTIGUOUS, backend "cuda") for the bf16 expert shapes and rows
+per expert where it measured faster on whole calls (`AUTO_NATIVE_ROWS`), and for prepared MXFP4
+weights of the shapes and rows per expert in `AUTO_RS_ROWS` (the RS kernel). The environment variable
 `PADDED_MOE_GEMM_BACKEND` (read at every call, `effective_backend`) turns `"auto"` into the backend it
 names, for runs that cannot pass `backend=` (a benchmark harness, a serving engine's config).
 """
@@ -18,6 +19,7 @@ import os
 import torch
 
 from padded_moe.backends.base import GemmBackend
+from padded_moe.mxfp4 import Mxfp4Tensor
 
 BACKENDS = ("auto", "triton", "torch", "humming", "cuda")
 BACKEND_ENV = "PADDED_MOE_GEMM_BACKEND"
@@ -39,6 +41,18 @@ AUTO_NATIVE_ROWS = {
     (4096, 2048): (64, 256),
     (2880, 2880): (112, 160),
     (4096, 14336): (64, 80),
+}
+# `auto_native` for MXFP4 weights in their prepared form (`grouped.takes_rs`): the RS kernel (its
+# consumers upcast into wgmma's register operand, 256 of an expert's rows per tile) on
+# GROUPED_CONTIGUOUS, per expert shape (K, N) within a band of rows per local expert (low included,
+# high excluded), as AUTO_NATIVE_ROWS. Measured on whole calls (H100, bench_native_gemm.py, INDEXED
+# Triton time / this): DeepSeek-V4 (4096, 2048) 1.08-1.11x at 144 and 192 rows per expert, 0.86x
+# at 96. GPT-OSS (2880, 2880) is not listed: 0.93-0.95x at 128, 1.03-1.04x at 192, 0.92-0.94x at
+# 256, where about half the experts hold a few rows past 256, whose second chunk upcasts the
+# weights again for few rows, and the activation runs as its own op (the Triton GEMM applies it in
+# its epilogue). The GEMMs alone gain more (1.02-1.23x on those shapes, scripts/mx_rs_probe.py).
+AUTO_RS_ROWS = {
+    (4096, 2048): (144, 256),
 }
 
 
@@ -77,14 +91,23 @@ def get_backend(name: str) -> GemmBackend:
 
 
 def auto_native(device: torch.device, w13, w2, activation, num_slots: int, num_local: int) -> bool:
-    """Whether `fused_experts` with its layout and backend left to it runs the native grouped GEMM:
-    bf16 weights on a GPU the native kernel is built for (its library built, or buildable, here),
-    an activation its epilogue applies, and rows per local expert (`num_slots` = tokens x k over
-    `num_local`) within the band `AUTO_NATIVE_ROWS` gives the experts' shape. Shapes only, so a
-    captured graph or a compiled graph keeps the choice."""
-    if not AUTO_NATIVE_ROWS or num_local < 1:
+    """Whether `fused_experts` with its layout and backend left to it runs the native grouped GEMM,
+    on a GPU the native kernel is built for (its library built, or buildable, here): bf16 weights
+    with an activation its epilogue applies and rows per local expert (`num_slots` = tokens x k
+    over `num_local`) within the band `AUTO_NATIVE_ROWS` gives the experts' shape; or MXFP4
+    weights that both run the RS kernel (`grouped.takes_rs`), any activation of spec 01, and rows
+    per local expert within the band `AUTO_RS_ROWS` gives the experts' shape. Shapes only, so a captured graph or a compiled
+    graph keeps the choice."""
+    if num_local < 1 or device.type != "cuda" or activation is None:
         return False
-    if device.type != "cuda" or activation is None:
+    if isinstance(w13, Mxfp4Tensor) or isinstance(w2, Mxfp4Tensor):
+        from padded_moe.kernels.native.grouped import takes_rs
+
+        band = AUTO_RS_ROWS.get((w2.shape[1], w2.shape[2]))
+        return (band is not None and takes_rs(w13) and takes_rs(w2)
+                and band[0] * num_local <= num_slots < band[1] * num_local
+                and get_backend("cuda").available(device) is None)
+    if not AUTO_NATIVE_ROWS:
         return False
     for w in (w13, w2):
         if type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dtype != torch.bfloat16:
@@ -121,5 +144,6 @@ def resolve_backend(name: str, device: torch.device, layout, weight) -> GemmBack
     return backend
 
 
-__all__ = ["AUTO_NATIVE_ROWS", "BACKENDS", "BACKEND_ENV", "GemmBackend", "auto_native", "effective_backend",
+__all__ = ["AUTO_NATIVE_ROWS", "AUTO_RS_ROWS", "BACKENDS", "BACKEND_ENV", "GemmBackend", "auto_native",
+           "effective_backend",
            "get_backend", "resolve_backend"]

@@ -46,9 +46,10 @@ class GemmBackend(ABC):
              bias: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """Fill `out` at the layout's valid rows; leave every other row untouched."""
 
-    def fuses(self, activation) -> bool:
-        """Whether `gemm_activation` takes `activation` (a `MoEActivation`); callers run GEMM1 and
-        the activation op for the others. Every activation, on a backend with `fuses_activation`."""
+    def fuses(self, activation, weight: Optional[Weight] = None) -> bool:
+        """Whether `gemm_activation` takes `activation` (a `MoEActivation`) with `weight` (None:
+        any weight the backend supports); callers run GEMM1 and the activation op for the others.
+        Every activation, on a backend with `fuses_activation`."""
         return self.fuses_activation
 
     def gemm_activation(self, a: torch.Tensor, w: Weight, meta: LayoutMeta, *, bias: Optional[torch.Tensor],

@@ -1,15 +1,16 @@
 """Our native CUDA grouped GEMM (`padded_moe.kernels.native.grouped`) behind the backend interface.
 
-It runs bf16 weights, and MXFP4 weights that hold their canonical bytes (upcast to bf16 in shared
-memory by the producer warps), on the grouped layouts (GROUPED_CONTIGUOUS, GROUPED_MASKED) on
+It runs bf16 weights, MXFP4 weights in their prepared form (`grouped.takes_rs`: the RS kernel,
+whose consumer warpgroups upcast into wgmma's register operand) and other MXFP4 weights that hold
+their canonical bytes (upcast to bf16 in shared memory by the producer warps), on the grouped layouts (GROUPED_CONTIGUOUS, GROUPED_MASKED) on
 sm_90 GPUs: a CTA takes a tile of (expert, 256-row chunk, 128 weight rows), streams the weight
 tile once, and four tensor-core warpgroups of 64 rows each skip the rows past the expert's count
 (or, from the rows per expert where `grouped.default_config` picks them, tiles of (expert,
 128-row chunk, 256 weight rows) over two warpgroups).
 It applies the silu family of spec 01's activations (silu, swigluoai, swigluoai_uninterleave) in
-GEMM1's epilogue (`fuses`; `fused_experts` uses it unless `PADDED_MOE_FUSE_ACTIVATION=0`); the
+GEMM1's epilogue, except for the RS kernel's weights (`fuses`; `fused_experts` uses it unless `PADDED_MOE_FUSE_ACTIVATION=0`); the
 other activations run as GEMM1 then the activation op. INDEXED (rows gathered through
-`sorted_ids`) and MXFP4 weights without their canonical bytes are not offered (`supports` says
+`sorted_ids`) and MXFP4 weights that neither the RS kernel nor the producer warps take are not offered (`supports` says
 False, and `backend="cuda"` on them is a NotImplementedError).
 
 `resolve_backend("auto", ...)` never returns it; `fused_experts` picks it for "auto" only where
@@ -37,10 +38,11 @@ class CudaBackend(GemmBackend):
     name = "cuda"
     fuses_activation = True
 
-    def fuses(self, activation) -> bool:
-        from padded_moe.kernels.native.grouped import EPILOGUE_ACTIVATIONS
+    def fuses(self, activation, weight=None) -> bool:
+        from padded_moe.kernels.native.grouped import EPILOGUE_ACTIVATIONS, takes_rs
 
-        return activation.value in EPILOGUE_ACTIVATIONS
+        # The RS kernel (prepared MXFP4) has no activation epilogue.
+        return activation.value in EPILOGUE_ACTIVATIONS and not takes_rs(weight)
 
     def available(self, device: torch.device) -> Optional[str]:
         from padded_moe.kernels import native
@@ -52,7 +54,9 @@ class CudaBackend(GemmBackend):
         if layout not in _LAYOUTS:
             return False
         if isinstance(weight, Mxfp4Tensor):
-            return weight.holds_canonical
+            from padded_moe.kernels.native.grouped import takes_rs
+
+            return weight.holds_canonical or takes_rs(weight)
         return isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16
 
     def gemm(self, a, w, meta, *, stage, bias, out, epilogue=None):

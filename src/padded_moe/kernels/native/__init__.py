@@ -214,6 +214,18 @@ def _declare_decode(lib: ctypes.CDLL) -> None:
 
 def _declare_grouped(lib: ctypes.CDLL) -> None:
     _declare_common(lib)
+    lib.pmoe_mx_rs_gemm.restype = I
+    lib.pmoe_mx_rs_gemm.argtypes = [
+        I, I, I, P,  # stages, grid x, grid y, stream
+        P, LL, LL, I, I, I,  # a, slab / row strides, slabs, rows per slab, K
+        P, LL, LL,  # words, expert / row strides (int32 elements)
+        P, LL, LL,  # scales, expert / group strides (int16 elements)
+        I, I, I,  # L, w rows, KP
+        P, P,  # offsets (int64) or counts (int32)
+        P, LL, I,  # bias, expert stride, kind
+        P, LL, LL,  # out, slab / row strides
+        I,  # walk order: 1 column tiles first, 0 chunks first
+    ]
     lib.pmoe_gg_num_configs.restype = I
     lib.pmoe_gg_block_n.argtypes = [I]
     lib.pmoe_gg_block_n.restype = I

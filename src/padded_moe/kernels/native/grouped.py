@@ -1,4 +1,4 @@
-"""Host side of the native grouped GEMM (`grouped_gemm.cu`): argument checks and the launch.
+"""Host side of the native grouped GEMM (`grouped_gemm.cu`): argument checks and the launches.
 
 `launch(a, w, out, offsets=..., counts=..., bias=..., epilogue=...)` computes, for each local
 expert `e`, the rows the layout gives it: GROUPED_CONTIGUOUS (`a [R, K]`, `offsets [L + 1]` int64:
@@ -12,6 +12,14 @@ applied before the store, as the Triton kernel's epilogue does: the sum plus bia
 (what the activation op would read from GEMM1's buffer), then spec 01's formula in fp32 (the
 sigmoid through the approximate tanh, as the Triton kernels do for 16-bit outputs); `out` then has
 the activation's width. Other rows of `out` are not written.
+
+MXFP4 weights in their prepared form (`Mxfp4Tensor.prepare_for()`: 4-plane words, folded scales;
+`takes_rs`) run the RS kernel instead (`launch_rs`, which `launch` calls for them without an
+epilogue): the consumer warpgroups upcast the words into wgmma's register operand, the weights on
+the MMA's M side and up to 256 of an expert's rows on its N side, so the weights are upcast once
+per 256 rows. Its results are those of the dequantized weight with fp32 accumulation and one
+rounding, as the Triton kernel's (bit-equal to it in the runs so far). No activation epilogue:
+the backend runs GEMM1 and the activation op for these weights (`CudaBackend.fuses`).
 
 What the kernel needs, refused with `NotImplementedError` (the caller picked this kernel, so a
 call it cannot run is an unsupported combination, not bad input): bf16 `a`, `w` and `out` (or
@@ -33,6 +41,16 @@ from padded_moe.kernels._launch import launch_native
 from padded_moe.mxfp4 import Mxfp4Tensor
 
 ENTRY = "pmoe_grouped_gemm"
+RS_ENTRY = "pmoe_mx_rs_gemm"
+# The RS kernel: pipeline stages, rows of a tile's chunk, weight rows of a tile. Stages 3 and 4 took
+# within 5% of each other's time at 192-512 rows per expert (H100, scripts/mx_rs_probe.py); 4 was
+# ahead at 24-32 rows.
+RS_STAGES = 4
+RS_CHUNK_ROWS = 256
+RS_BLOCK_N = 128
+# The RS kernel's walk over an expert's tiles: column tiles first (True: the CTAs running together
+# share a chunk of rows) or chunks first (False).
+RS_COLUMNS_FIRST = True
 MAX_LOCAL_EXPERTS = 1024  # the experts' chunk prefix lives in shared memory (`kMaxExperts`)
 # The kernel's configurations, by index (`PMOE_GG_CONFIGS`): (pipeline stages, persistent, weight
 # rows per tile, consumer warpgroups). A tile has that many output columns (half as many with a
@@ -164,17 +182,41 @@ def _epilogue_args(epilogue, w_rows: int) -> tuple:
     return (mode, flags["ACT"], int(flags["HAS_LIMIT"]), limit, alpha, beta)
 
 
+def _rows_geometry(a: torch.Tensor, out: torch.Tensor, offsets, counts) -> tuple:
+    """(slabs, rows per slab, a's slab and row strides, out's slab and row strides) of a
+    GROUPED_CONTIGUOUS call (`offsets`: one slab of the rows both buffers have) or a GROUPED_MASKED
+    one; refuses metadata of other dtypes than build_layout's."""
+    if offsets is not None and (offsets.dtype != torch.int64 or not offsets.is_contiguous()):
+        _refuse(f"reads offsets as contiguous int64 (what build_layout makes), got {offsets.dtype}")
+    if counts is not None and (counts.dtype != torch.int32 or not counts.is_contiguous()):
+        _refuse(f"reads counts as contiguous int32 (what build_layout makes), got {counts.dtype}")
+    if offsets is not None:
+        rows = min(a.shape[0], out.shape[0])
+        return 1, rows, rows * a.stride(0), a.stride(0), 0, out.stride(0)
+    return a.shape[0], a.shape[1], a.stride(0), a.stride(1), out.stride(0), out.stride(1)
+
+
+def _chunk_bound(flat: bool, rows: int, L: int, chunk: int) -> int:
+    """The most chunks of `chunk` rows the experts can hold, from shapes (the counts are on the
+    device): a flat buffer of R rows at most cdiv(R, chunk) + L (each expert's last one partial), a
+    slab of T rows cdiv(T, chunk) per expert."""
+    return cdiv(rows, chunk) + min(L, rows) if flat else L * cdiv(rows, chunk)
+
+
 def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Tensor] = None,
            counts: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, epilogue=None,
            config: Optional[int] = None, dynamic: Optional[bool] = None) -> torch.Tensor:
     """Fill `out` at the rows of each expert (see the module docstring). Exactly one of `offsets`
     (`a` 2-D) and `counts` (`a` 3-D) is given; the caller (`expert_gemm`) has checked the shapes.
+    Prepared MXFP4 weights (`takes_rs`) without an epilogue, config or walk run `launch_rs`.
     `dynamic`: the tile walk of a persistent configuration with bf16 weights (None: `DYNAMIC_WALK`,
     and where that is None `DYNAMIC_CONFIGS`); True elsewhere is refused."""
     if (offsets is None) == (counts is None):
         raise ValueError("exactly one of offsets (GROUPED_CONTIGUOUS) and counts (GROUPED_MASKED) must be given")
     if config is not None and not (isinstance(config, int) and 0 <= config < len(CONFIGS)):
         raise ValueError(f"config must be an int in [0, {len(CONFIGS)}), got {config!r}")
+    if epilogue is None and config is None and dynamic is None and takes_rs(w):
+        return launch_rs(a, w, out, offsets=offsets, counts=counts, bias=bias)
     check(a, w, out, bias)
     if config is None:
         per_expert = a.shape[0] / max(w.shape[0], 1) if offsets is not None else a.shape[1]
@@ -189,37 +231,20 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
         _refuse(f"walks tiles from a counter in persistent configurations with bf16 weights only; configuration "
                 f"{config} is {'persistent' if CONFIGS[config][1] else 'one CTA per tile'} with "
                 f"{'MXFP4' if isinstance(w, Mxfp4Tensor) else 'bf16'} weights")
-    if offsets is not None and (offsets.dtype != torch.int64 or not offsets.is_contiguous()):
-        _refuse(f"reads offsets as contiguous int64 (what build_layout makes), got {offsets.dtype}")
-    if counts is not None and (counts.dtype != torch.int32 or not counts.is_contiguous()):
-        _refuse(f"reads counts as contiguous int32 (what build_layout makes), got {counts.dtype}")
     L, w_rows, K = w.shape
     ep = _epilogue_args(epilogue, w_rows)
     N = out.shape[-1]
     width = w_rows if ep[0] == PLAIN else w_rows // 2
     if N != width:
         raise ValueError(f"out has {N} columns, the weight's {w_rows} rows give {width}")
-    if offsets is not None:
-        rows = min(a.shape[0], out.shape[0])
-        slabs, stride_as, stride_ar = 1, rows * a.stride(0), a.stride(0)
-        stride_os, stride_or = 0, out.stride(0)
-    else:
-        slabs, rows = a.shape[0], a.shape[1]
-        stride_as, stride_ar = a.stride(0), a.stride(1)
-        stride_os, stride_or = out.stride(0), out.stride(1)
+    slabs, rows, stride_as, stride_ar, stride_os, stride_or = _rows_geometry(a, out, offsets, counts)
     if L == 0 or N == 0 or rows == 0 or slabs == 0:
         return out
     bias_kind = native.DTYPE_CODES[bias.dtype] if bias is not None else 0
     stride_be = bias.stride(0) if bias is not None else 0
-    # One CTA per tile (expert, chunk of `chunk` rows, block_n weight rows); the chunks are counted
-    # on the device, so the grid is their bound from shapes: a flat buffer of R rows holds at most
-    # cdiv(R, chunk) + L chunks (each expert's last one partial), a slab of T rows cdiv(T, chunk) per
-    # expert. A tile has block_n output columns, half as many when gated.
-    chunk = chunk_rows(config)
-    if offsets is not None:
-        chunks = cdiv(rows, chunk) + min(L, rows)
-    else:
-        chunks = L * cdiv(rows, chunk)
+    # One CTA per tile (expert, chunk of rows, block_n weight rows); the grid is the tiles' bound
+    # from shapes (`_chunk_bound`). A tile has block_n output columns, half as many when gated.
+    chunks = _chunk_bound(offsets is not None, rows, L, chunk_rows(config))
     tile_cols = block_n if ep[0] == PLAIN else block_n // 2
     grid = (chunks * cdiv(N, tile_cols),)
     if grid[0] >= 2 ** 30:  # the kernel's tile ids are 32-bit, its non-persistent step 2^30
@@ -238,4 +263,70 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
                   (config, a, stride_as, stride_ar, slabs, rows, *dense, L, w_rows, offsets, counts, bias, stride_be,
                    bias_kind, out, stride_os, stride_or, K, N, *ep, *mx, counter, int(ROWS_EVICT_LAST),
                    load_policies(config)))
+    return out
+
+
+def takes_rs(w) -> bool:
+    """Whether `w` runs the RS kernel: an Mxfp4Tensor with its prepared form in 4 planes with
+    folded scales (what `prepare_for()` makes for scales up to `mxfp4.FOLD_MAX_SCALE`)."""
+    h = getattr(w, "hopper", None) if isinstance(w, Mxfp4Tensor) else None
+    return h is not None and h.planes == 4 and h.folded
+
+
+def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Optional[torch.Tensor] = None,
+              counts: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+              stages: Optional[int] = None) -> torch.Tensor:
+    """`launch` for prepared MXFP4 weights (`takes_rs`): `out[row] = a[row] @ W[e].T (+ bias[e])`
+    at each expert's rows, W the dequantized weight. Same layouts and arguments as `launch`
+    without an epilogue; `stages` 3 or 4 (None: `RS_STAGES`)."""
+    if (offsets is None) == (counts is None):
+        raise ValueError("exactly one of offsets (GROUPED_CONTIGUOUS) and counts (GROUPED_MASKED) must be given")
+    if stages is None:
+        stages = RS_STAGES
+    if stages not in (3, 4):
+        raise ValueError(f"stages must be 3 or 4, got {stages!r}")
+    if not takes_rs(w):
+        _refuse("runs MXFP4 weights in the RS kernel only in their prepared form with 4 planes and folded scales "
+                "(Mxfp4Tensor.prepare_for())")
+    h = w.hopper
+    for name, t in (("a", a), ("out", out)):
+        if t.dtype != torch.bfloat16:
+            _refuse(f"needs bf16 {name}, got {t.dtype}")
+        if t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]) or t.data_ptr() % 16:
+            _refuse(f"needs {name} with a contiguous last dimension, other strides in multiples of 8 elements and "
+                    f"its data 16-byte aligned (TMA reads, 16-byte stores), got strides {tuple(t.stride())}")
+    L, w_rows, K = w.shape
+    words, scales = h.blocks, h.scales
+    if w_rows % 8:
+        _refuse(f"needs the weight's rows (output columns) a multiple of 8, got {w_rows}")
+    if words.stride(-1) != 1 or scales.stride(-1) != 1 or any(st % 4 for st in words.stride()[:-1]) \
+            or any(st % 8 for st in scales.stride()[:-1]) or words.data_ptr() % 16 or scales.data_ptr() % 16:
+        _refuse(f"reads the prepared words and scales by TMA: rows contiguous, strides multiples of 16 bytes, data "
+                f"16-byte aligned; got strides {tuple(words.stride())} and {tuple(scales.stride())}")
+    if out.shape[-1] != w_rows:
+        raise ValueError(f"out has {out.shape[-1]} columns, the weight has {w_rows} rows")
+    if a.shape[-1] != K:
+        raise ValueError(f"a has {a.shape[-1]} columns, the weight's K is {K}")
+    if max(a.shape[:-1]) > _MAX_INT32:
+        _refuse("addresses rows with 32-bit coordinates; a has more rows than that")
+    if L > MAX_LOCAL_EXPERTS:
+        _refuse(f"takes at most {MAX_LOCAL_EXPERTS} local experts, got {L}")
+    if bias is not None and (bias.dtype not in (torch.float32, torch.bfloat16) or bias.stride(-1) != 1):
+        _refuse(f"needs a float32 or bf16 bias with a contiguous last dimension, got {bias.dtype} with strides "
+                f"{tuple(bias.stride())}")
+    slabs, rows, stride_as, stride_ar, stride_os, stride_or = _rows_geometry(a, out, offsets, counts)
+    if L == 0 or w_rows == 0 or rows == 0 or slabs == 0:
+        return out
+    # The tiles' bound from shapes, as `launch`'s: chunks of RS_CHUNK_ROWS rows times the weight's
+    # tiles of RS_BLOCK_N rows; the kernel launches min(this, SMs) persistent CTAs.
+    chunks = _chunk_bound(offsets is not None, rows, L, RS_CHUNK_ROWS)
+    grid = (chunks * cdiv(w_rows, RS_BLOCK_N),)
+    if grid[0] >= 2 ** 31:
+        _refuse(f"numbers its tiles in 31 bits; this call would need {grid[0]}")
+    bias_kind = native.DTYPE_CODES[bias.dtype] if bias is not None else 0
+    stride_be = bias.stride(0) if bias is not None else 0
+    launch_native(native.GROUPED.entry(RS_ENTRY), grid,
+                  (stages, a, stride_as, stride_ar, slabs, rows, K, words, words.stride(0), words.stride(1), scales,
+                   scales.stride(0), scales.stride(1), L, w_rows, h.k_padded, offsets, counts, bias, stride_be,
+                   bias_kind, out, stride_os, stride_or, int(RS_COLUMNS_FIRST)))
     return out

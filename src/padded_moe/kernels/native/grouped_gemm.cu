@@ -272,6 +272,12 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p) {
   return ((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (1ull << 62);
 }
 
+// The same from a 32-bit shared address (arithmetic the compiler keeps on the uniform datapath when
+// the address is warp-uniform, so the wgmma's descriptor needs no register-to-uniform moves).
+__device__ __forceinline__ uint64_t smem_desc_at(uint32_t addr) {
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (1ull << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -817,7 +823,332 @@ __global__ void __launch_bounds__(threads<C>(), 1)
   }
 }
 
-// ---- host side ------------------------------------------------------------------------------
+// ---- MXFP4 weights prepared for Hopper (`padded_moe.mxfp4.HopperMxfp4`: 4-plane words, folded
+// scales), upcast by the consumers into wgmma's register operand ("RS" kernels) ----
+//
+// The weights sit on the MMA's M side and the tokens on its N side. A tile is (expert, 128 weight
+// rows, a chunk of up to 256 of the expert's rows), so each weight element is upcast once per 256
+// rows (the Triton kernel's tiles take 128); persistent CTAs walk the tiles. One producer thread
+// brings a 64-wide k tile of the chunk's rows (bf16 boxes, 128-byte swizzle: wgmma's B operand),
+// the tile's words ([128 rows][8] int32) and folded scales ([2 groups][128 rows] int16) by TMA into
+// a ring of stages; two consumer warpgroups of 64 weight rows each read their words from shared
+// memory, upcast them (`mx_words.cuh`) into the A registers of m64nNk16, N = the chunk's rows
+// rounded up to 64 (four compiled bodies, chosen per tile), and retire their MMAs before the next
+// upcast: ptxas serializes wgmma when other instructions write a wgmma's input registers inside a
+// pipeline stage (C7513), so the overlap is between the two warpgroups (one upcasts while the
+// other's MMAs run). Word 4g + c of a weight row holds the bf16 pairs (elements 32g + 2c + 8p, +1),
+// p = 0..3: thread (lane % 4 = c)'s share of the A fragments of group g's two k16 steps (planes 0
+// and 1, then 2 and 3), so the upcast lands in k order and B is the rows' natural order. The
+// epilogue (bias added, one rounding) goes through shared memory of its own to store 16-byte
+// pieces of output rows. Measured against the Triton kernel on the same bytes: notes.md,
+// scripts/mx_rs_probe.py.
+constexpr int kRsWRows = 128;                             // weight rows of a tile (64 per consumer)
+constexpr int kRsBoxes = 4;                               // 64-row boxes of a chunk: pass_rows<4>() rows
+constexpr int kRsWordsOff = kRsBoxes * kABox;             // [128 rows][8 words] int32
+constexpr int kRsWordsBytes = kRsWRows * (kBK / 8) * 4;   // 4096
+constexpr int kRsScalesOff = kRsWordsOff + kRsWordsBytes;  // [2 groups][128 rows] int16
+constexpr int kRsScalesBytes = (kBK / 32) * kRsWRows * 2;  // 512
+constexpr int kRsStage = (kRsScalesOff + kRsScalesBytes + 1023) / 1024 * 1024;
+constexpr int kRsOutRow = (kRsWRows + 8) * 2;  // epilogue staging row (bytes): 8 columns of padding spread the banks
+constexpr int kRsStaging = kRsBoxes * kRowsPerGroup * kRsOutRow;  // a tile's output, row-major
+constexpr int kRsThreads = 384;                // a producer warpgroup and two consumers
+constexpr int kRsProducerRegs = 40, kRsConsumerRegs = 232;
+
+// Stages, the epilogue's staging (its own: the producer fills the next tile's stages meanwhile),
+// the barriers, the experts' chunk prefix, and the slack for aligning the stages to 1024 bytes.
+template <int STAGES>
+__host__ __device__ constexpr int rs_smem_bytes() {
+  return STAGES * kRsStage + kRsStaging + 2 * STAGES * 8 + 4 * (kMaxExperts + 1) + 1024;
+}
+
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint32_t lds16(uint32_t addr) {
+  uint16_t v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void sts16(uint32_t addr, uint16_t v) {
+  asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(v) : "memory");
+}
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+// The two consumer warpgroups (named barrier 1; the producer has left).
+__device__ __forceinline__ void rs_consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+// D[64 x 64] += A[64 x 16] (registers a0..a3) * B[16 x 64] (shared memory, K-major).
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint64_t db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+}
+
+// D[64 x 128] += A[64 x 16] (registers a0..a3) * B[16 x 128] (shared memory, K-major).
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint64_t db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+}
+
+// D[64 x 192] += A[64 x 16] (registers a0..a3) * B[16 x 192] (shared memory, K-major).
+__device__ __forceinline__ void wgmma_rs(float (&d)[96], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint64_t db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "
+      "{%96, %97, %98, %99}, %100, 1, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+}
+
+// D[64 x 256] += A[64 x 16] (registers a0..a3) * B[16 x 256] (shared memory, K-major).
+__device__ __forceinline__ void wgmma_rs(float (&d)[128], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint64_t db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "{%128, %129, %130, %131}, %132, 1, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+}
+
+// Thread (warp, lane)'s A fragments of one k tile, f[4 j + i] for k16 step j, from the stage's
+// words and scales of weight rows r0 and r0 + 8.
+__device__ __forceinline__ void rs_upcast(uint32_t words, uint32_t scales, int r0, int q, uint32_t (&f)[16]) {
+  uint32_t p[2][2][4];  // [row r0, r0 + 8][group][plane]
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      const int r = r0 + 8 * h;
+      const uint32_t s = lds16(scales + (g * kRsWRows + r) * 2);
+      upcast(lds32(words + r * 32 + (4 * g + q) * 4), s | (s << 16), p[h][g]);
+    }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int g = j / 2, P = 2 * (j % 2);
+    f[4 * j + 0] = p[0][g][P];
+    f[4 * j + 1] = p[1][g][P];
+    f[4 * j + 2] = p[0][g][P + 1];
+    f[4 * j + 3] = p[1][g][P + 1];
+  }
+}
+
+// A consumer warpgroup's tile: the k loop over the chunk's 64 NB rows, then the epilogue. `it`:
+// the k tiles this warpgroup consumed before (stage and parity of the ring).
+template <int STAGES, int NB>
+__device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint64_t* full, uint64_t* empty,
+                                           const TileGeom& g, int k_tiles, int c, int it) {
+  constexpr int NACC = NB * 32;  // m64n(64 NB): 64 NB / 2 floats per thread
+  const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, q = lane % 4;
+  const int r0 = c * 64 + warp * 16 + lane / 4;
+  const uint32_t base = smem_addr(smem);
+  float acc[NACC];
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+  for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+    const int s = it % STAGES;
+    mbar_wait(&full[s], (it / STAGES) & 1);
+    const uint32_t stage = base + s * kRsStage;
+    uint32_t f[16];
+    rs_upcast(stage + kRsWordsOff, stage + kRsScalesOff, r0, q, f);
+    const uint64_t db = smem_desc_at(stage);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < kBK / 16; ++j) wgmma_rs(acc, f[4 * j], f[4 * j + 1], f[4 * j + 2], f[4 * j + 3], db + 2 * j);
+    wgmma_commit();
+    wgmma_wait<0>();
+    if (t == 0) mbar_arrive(&empty[s]);
+  }
+  fence_accumulators(acc);
+  // The staging is free once both warpgroups have stored the previous tile from it.
+  const uint32_t staging = base + STAGES * kRsStage;
+  rs_consumers_sync();
+  // Accumulator fragment: i = 4b + 2h + p is weight row r0 + 8h (output column n0 + r0 + 8h) of
+  // the chunk's row 8b + 2q + p.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int col = g.n0 + r0 + 8 * h;
+    const bool live = col < args.N;  // past the weight's rows: not stored, no bias to read
+#pragma unroll
+    for (int b = 0; b < NB * 8; ++b)
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const float v = live ? as_stored(args, g.e, col, acc[4 * b + 2 * h + p]) : 0.0f;
+        sts16(staging + (8 * b + 2 * q + p) * kRsOutRow + (r0 + 8 * h) * 2,
+              __bfloat16_as_ushort(__float2bfloat16_rn(v)));
+      }
+  }
+  rs_consumers_sync();
+  const int rows = min(NB * kRowsPerGroup, g.count - g.m0);
+  const int pieces = min(kRsWRows, args.N - g.n0) / 8;  // 16-byte pieces of a row (N is a multiple of 8)
+  uint16_t* out = args.out + g.slab * args.stride_os + (long long)(g.start + g.m0) * args.stride_or + g.n0;
+  for (int idx = threadIdx.x - 128; idx < rows * 16; idx += 256) {
+    const int row = idx / 16, piece = idx % 16;
+    if (piece < pieces)
+      *reinterpret_cast<uint4*>(out + row * args.stride_or + piece * 8) = lds128(staging + row * kRsOutRow + piece * 16);
+  }
+}
+
+// RS tile `id` (`args.act` carries the walk order for the RS kernels): experts in order; within an
+// expert, column tiles fastest (1: the CTAs running together share a chunk's rows, which are 7x the
+// bytes of a weight tile per k step) or chunks fastest (0, `locate_tile`'s order). Expert -1 past
+// the last tile.
+__device__ __forceinline__ Tile rs_locate_tile(const Args& args, const int* prefix, int id, int n_tiles) {
+  const Tile t = locate_tile(prefix, args.L, id, n_tiles);
+  if (t.e < 0 || args.act == 0) return t;
+  const int chunks = prefix[t.e + 1] - prefix[t.e];
+  const int local = t.col_tile * chunks + t.chunk;  // the tile's place within its expert
+  return Tile{t.e, local / n_tiles, local % n_tiles};
+}
+
+// Where an RS tile's work lies: its expert's rows, the chunk's first row, the first weight row
+// (output column) and the 64-row boxes that hold rows.
+__device__ __forceinline__ TileGeom rs_tile_geometry(const Args& args, const Tile& tile) {
+  TileGeom g;
+  g.e = tile.e;
+  expert_rows(args, tile.e, g.slab, g.start, g.count);
+  g.m0 = tile.chunk * pass_rows<kRsBoxes>();
+  g.n0 = tile.col_tile * kRsWRows;
+  g.w_row0 = g.n0;
+  g.w_row1 = g.n0;
+  g.boxes = min(kRsBoxes, (g.count - g.m0 + kRowsPerGroup - 1) / kRowsPerGroup);
+  return g;
+}
+
+// Persistent: one CTA per SM walks tiles blockIdx.x, + gridDim.x, ... (`locate_tile` over chunks of
+// 256 rows and tiles of 128 weight rows), so the experts' chunk prefix is computed once per CTA
+// and the producer fills the next tile's first stages while the consumers store the last one.
+// `args.K` here is the weights' padded K (the k tiles); the rows' own K is in their tensor map,
+// which reads zeros past it.
+template <int STAGES>
+__global__ void __launch_bounds__(kRsThreads, 1)
+    mx_rs_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
+                 const __grid_constant__ CUtensorMap map_s, const Args args) {
+  extern __shared__ uint8_t raw_smem[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * kRsStage + kRsStaging);
+  uint64_t* empty = full + STAGES;
+  int* prefix = reinterpret_cast<int*>(empty + STAGES);  // [L + 1]
+  const int n_tiles = (args.N + kRsWRows - 1) / kRsWRows;
+  const int k_tiles = args.K / kBK;
+  if (threadIdx.x < 32) chunk_prefix<kRsBoxes>(args, prefix);
+  if (threadIdx.x == 32) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 2);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    prefetch_map(&map_a);
+    prefetch_map(&map_w);
+    prefetch_map(&map_s);
+  }
+  __syncthreads();
+  const int group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+  if (group == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRsProducerRegs));
+    if (threadIdx.x != 0) return;
+    int it = 0;  // k tiles loaded so far: stage and parity
+    for (int id = blockIdx.x;; id += gridDim.x) {
+      const Tile tile = rs_locate_tile(args, prefix, id, n_tiles);
+      if (tile.e < 0) break;
+      const TileGeom g = rs_tile_geometry(args, tile);
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int s = it % STAGES;
+        mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+        uint8_t* stage = smem + s * kRsStage;
+        mbar_expect_tx(&full[s], g.boxes * kABox + kRsWordsBytes + kRsScalesBytes);
+        for (int b = 0; b < g.boxes; ++b)
+          tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, g.start + g.m0 + b * kRowsPerGroup, g.slab, 0,
+                      false);
+        tma_load_3d(stage + kRsWordsOff, &map_w, &full[s], kt * (kBK / 8), g.n0, g.e, 0, false);
+        tma_load_3d(stage + kRsScalesOff, &map_s, &full[s], g.n0, kt * (kBK / 32), g.e, 0, false);
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRsConsumerRegs));
+  const int c = group - 1;
+  int it = 0;  // k tiles consumed so far
+  for (int id = blockIdx.x;; id += gridDim.x, it += k_tiles) {
+    const Tile tile = rs_locate_tile(args, prefix, id, n_tiles);
+    if (tile.e < 0) break;
+    TileGeom g = rs_tile_geometry(args, tile);
+    // Warp-uniform by construction (from lane 0: the tile came from shared memory), so ptxas takes
+    // the body's branch as non-divergent and keeps the wgmma descriptors on the uniform datapath.
+    g.boxes = __shfl_sync(0xffffffffu, g.boxes, 0);
+    if (g.boxes == 1) rs_consume<STAGES, 1>(args, smem, full, empty, g, k_tiles, c, it);
+    else if (g.boxes == 2) rs_consume<STAGES, 2>(args, smem, full, empty, g, k_tiles, c, it);
+    else if (g.boxes == 3) rs_consume<STAGES, 3>(args, smem, full, empty, g, k_tiles, c, it);
+    else rs_consume<STAGES, 4>(args, smem, full, empty, g, k_tiles, c, it);
+  }
+}
 
 PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
@@ -848,6 +1179,49 @@ int encode_3d(CUtensorMap* map, const void* base, long long d0, long long d1, lo
   return r == CUDA_SUCCESS ? 0 : -11;
 }
 
+
+
+// A 3-d tensor map of plain elements (no swizzle) [d2][d1][d0], strides in bytes, box
+// [1][box1][box0]: the RS kernels' words and scales.
+int encode_plain_3d(CUtensorMap* map, CUtensorMapDataType type, const void* base, long long d0, long long d1,
+                    long long d2, long long s1_bytes, long long s2_bytes, int box0, int box1) {
+  auto fn = encode_fn();
+  if (fn == nullptr) return -10;
+  const cuuint64_t dims[3] = {cuuint64_t(d0), cuuint64_t(d1), cuuint64_t(d2)};
+  const cuuint64_t strides[2] = {cuuint64_t(s1_bytes), cuuint64_t(s2_bytes)};
+  const cuuint32_t box[3] = {cuuint32_t(box0), cuuint32_t(box1), 1};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUresult r = fn(map, type, 3, const_cast<void*>(base), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? 0 : -11;
+}
+
+template <int STAGES>
+int rs_launch(const CUtensorMap& ma, const CUtensorMap& mw, const CUtensorMap& ms, const Args& args, int grid_x,
+              cudaStream_t stream) {
+  static unsigned long long configured = 0;  // the shared-memory opt-in, per device
+  constexpr int bytes = rs_smem_bytes<STAGES>();
+  static_assert(bytes <= 227 * 1024, "the RS kernel's shared memory exceeds the opt-in limit");
+  const auto kernel = mx_rs_kernel<STAGES>;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const unsigned long long bit = device < 64 ? (1ull << device) : 0;
+  if (bit == 0 || !(configured & bit)) {
+    cudaFuncAttributes attr;
+    err = cudaFuncGetAttributes(&attr, kernel);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    if (attr.numRegs * kRsThreads < kRsProducerRegs * 128 + kRsConsumerRegs * 256) return -20;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    configured |= bit;
+  }
+  int sms = 0;  // one CTA per SM (its shared memory leaves room for one), at most one per tile
+  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  kernel<<<grid_x < sms ? grid_x : sms, kRsThreads, bytes, stream>>>(ma, mw, ms, args);
+  return static_cast<int>(cudaGetLastError());
+}
 
 template <int STAGES, int C, int BN>
 __host__ __device__ constexpr int smem_bytes() {
@@ -1005,6 +1379,47 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
   return -1;
 }
 
+// MXFP4 weights prepared for Hopper, upcast by the consumers (the RS kernel above): `stages` 3 or 4.
+// a: bf16 [slabs][rows][K] as for pmoe_grouped_gemm; words: int32 [L][w_rows][KP / 8] (4-plane
+// words), scales: int16 [L][KP / 32][w_rows] (folded), strides in elements; KP a multiple of 64 at
+// least K (words past K hold code 0). Exactly one of offsets (int64 [L + 1]) and counts (int32 [L]).
+// bias [L][w_rows] (float32 or bf16) or null; out: bf16, w_rows columns. The grid is one
+// dimension, at least (the experts' chunks of 256 rows) x cdiv(w_rows, 128), bounded by the host
+// from shapes. Strides of a in multiples of 8 elements and its data 16-byte aligned, the words' and
+// scales' strides multiples of 16 bytes, w_rows a multiple of 8, out's row stride a multiple of 8
+// elements and its data 16-byte aligned (16-byte stores). columns_first: the walk order
+// (`rs_locate_tile`).
+int pmoe_mx_rs_gemm(int stages, int grid_x, int grid_y, void* stream, const void* a, long long stride_as,
+                    long long stride_ar, int slabs, int rows, int K, const void* words, long long stride_we,
+                    long long stride_wn, const void* scales, long long stride_se, long long stride_sg, int L,
+                    int w_rows, int KP, const void* offsets, const void* counts, const void* bias,
+                    long long stride_be, int bias_kind, void* out, long long stride_os, long long stride_or,
+                    int columns_first) {
+  if ((offsets == nullptr) == (counts == nullptr)) return -12;
+  if (grid_y != 1 || grid_x < 1 || L < 1) return -13;
+  if (L > kMaxExperts) return -16;
+  if (KP % kBK != 0 || K > KP || K < 1 || w_rows % 8 != 0) return -24;
+  CUtensorMap ma, mw, ms;
+  int err = encode_3d(&ma, a, K, rows, slabs, stride_ar * 2, stride_as * 2, kRowsPerGroup);
+  if (err == 0)
+    err = encode_plain_3d(&mw, CU_TENSOR_MAP_DATA_TYPE_INT32, words, KP / 8, w_rows, L, stride_wn * 4, stride_we * 4,
+                          kBK / 8, kRsWRows);
+  if (err == 0)
+    err = encode_plain_3d(&ms, CU_TENSOR_MAP_DATA_TYPE_UINT16, scales, w_rows, KP / 32, L, stride_sg * 2,
+                          stride_se * 2, kRsWRows, kBK / 32);
+  if (err != 0) return err;
+  // K carries the weights' padded K (the k tiles); N the output columns (the weight's rows); act the walk
+  // order (`rs_locate_tile`).
+  if (columns_first < 0 || columns_first > 1) return -26;
+  const Args args{static_cast<const int64_t*>(offsets), static_cast<const int32_t*>(counts), L, rows, KP, w_rows,
+                  columns_first, 0, 0, 0.0f, 1.0f, 0.0f, bias, stride_be, bias_kind, static_cast<uint16_t*>(out),
+                  stride_os, stride_or, nullptr, nullptr, 0, 0, 0, 0, w_rows, nullptr, 0, 0};
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (stages == 3) return rs_launch<3>(ma, mw, ms, args, grid_x, st);
+  if (stages == 4) return rs_launch<4>(ma, mw, ms, args, grid_x, st);
+  return -25;
+}
+
 const char* pmoe_error_string(int code) {
   if (code == -1) return "unknown configuration";
   if (code == -10) return "cuTensorMapEncodeTiled is not available from the driver";
@@ -1020,6 +1435,9 @@ const char* pmoe_error_string(int code) {
   if (code == -21) return "a tile counter (the dynamic walk) needs a persistent configuration and bf16 weights";
   if (code == -22) return "the L2 policy of A's rows must be 0 (normal) or 1 (evict last)";
   if (code == -23) return "the load-policy mask must be 0-3 (1: the weight tile's loads carry their L2 policy, 2: A's rows')";
+  if (code == -24) return "the RS kernel needs KP a multiple of 64, 1 <= K <= KP and w_rows a multiple of 8";
+  if (code == -25) return "the RS kernel runs 3 or 4 stages";
+  if (code == -26) return "the RS kernel's walk order must be 0 (chunks first) or 1 (columns first)";
   if (code == -20) return "the kernel was compiled with fewer registers than its warpgroups share out (setmaxnreg)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }

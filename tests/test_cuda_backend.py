@@ -493,7 +493,7 @@ def test_rs_contiguous_launch_arguments(monkeypatch):
     h = q.hopper
     assert args == (grouped.RS_STAGES, a, 640, 64, 1, 10, 64, h.blocks, 264 * 8, 8, h.scales, 2 * 264, 264, 3, 264,
                     64, offsets, None, bias, 264, native.DTYPE_CODES[torch.bfloat16], out, 0, 264,
-                    int(grouped.RS_COLUMNS_FIRST))
+                    int(grouped.RS_COLUMNS_FIRST), grouped.PLAIN, -1, 0, 0.0, 1.0, 0.0)
 
 
 def test_rs_masked_launch_arguments(monkeypatch):
@@ -526,14 +526,56 @@ def test_rs_launch_refuses_what_the_kernel_cannot_take(monkeypatch):
         grouped.launch_rs(a.float(), q, out, offsets=off)
     with pytest.raises(NotImplementedError, match="out with a contiguous last dimension, other strides in multiples"):
         grouped.launch_rs(a, q, torch.empty(10, 20, dtype=torch.bfloat16)[:, :16], offsets=off)
-    with pytest.raises(NotImplementedError, match="rows .output columns. a multiple of 8"):
+    with pytest.raises(NotImplementedError, match="output columns a multiple of 8"):
         grouped.launch_rs(a, _rs_weight(N=12), torch.empty(10, 16, dtype=torch.bfloat16)[:, :12], offsets=off)
-    with pytest.raises(ValueError, match="out has 16 columns, the weight has 24 rows"):
+    with pytest.raises(ValueError, match="out has 16 columns, the weight's 24 rows give 24"):
         grouped.launch_rs(a, _rs_weight(N=24), out, offsets=off)
     with pytest.raises(NotImplementedError, match="float32 or bf16 bias"):
         grouped.launch_rs(a, q, out, offsets=off, bias=torch.zeros(3, 16, dtype=torch.float64))
     with pytest.raises(NotImplementedError, match="offsets as contiguous int64"):
         grouped.launch_rs(a, q, out, offsets=off.int())
+
+
+def test_rs_gated_pairs_launch_arguments(monkeypatch):
+    """swigluoai (interleaved gate / up rows) in the RS kernel's epilogue: half the weight's rows as
+    output columns, tiles of 64 of them, the activation's parameters; the split halves of silu are
+    refused (they run as GEMM1, then the activation op)."""
+    rec = _Recorder(monkeypatch)
+    q = _rs_weight(L=3, N=272, K=64, keep_canonical=False)
+    a = torch.randn(10, 64, dtype=torch.bfloat16)
+    out = torch.empty(10, 136, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
+    ep = ActivationEpilogue.of("swigluoai")
+    grouped.launch_rs(a, q, out, offsets=offsets, epilogue=ep)
+    (kernel, grid, args), = rec.calls
+    assert kernel == ("entry", "pmoe_mx_rs_gemm") and grid == ((1 + 3) * 3,)  # cdiv(136, 64) column tiles
+    (limit, alpha, beta, _, _), flags = ep.kernel_args(fast=True)
+    assert args[-6:] == (grouped.GATED_PAIRS, flags["ACT"], int(flags["HAS_LIMIT"]), limit, alpha, beta)
+    with pytest.raises(ValueError, match="out has 272 columns, the weight's 272 rows give 136"):
+        grouped.launch_rs(a, q, torch.empty(10, 272, dtype=torch.bfloat16), offsets=offsets, epilogue=ep)
+    with pytest.raises(NotImplementedError, match="interleaved gate / up rows"):
+        grouped.launch_rs(a, q, out, offsets=offsets, epilogue=ActivationEpilogue.of("silu"))
+
+
+def test_rs_epilogue_is_offered_only_when_enabled(monkeypatch):
+    """`fuses` with an RS weight: interleaved activations only, and only with `RS_EPILOGUE` on; `launch`
+    with an epilogue takes the RS kernel then, else (a weight with canonical bytes) the producer-upcast
+    kernel, which applies it."""
+    from padded_moe.activation import MoEActivation
+
+    rec = _Recorder(monkeypatch)
+    b = get_backend("cuda")
+    q = _rs_weight(L=3, N=16, K=64)
+    swiglu, silu = MoEActivation("swigluoai"), MoEActivation("silu")
+    monkeypatch.setattr(grouped, "RS_EPILOGUE", False)
+    assert not b.fuses(swiglu, q) and not b.fuses(silu, q)
+    a, out, off = torch.randn(10, 64, dtype=torch.bfloat16), torch.empty(10, 8, dtype=torch.bfloat16), \
+        torch.tensor([0, 4, 4, 9])
+    grouped.launch(a, q, out, offsets=off, epilogue=ActivationEpilogue.of("swigluoai"))
+    monkeypatch.setattr(grouped, "RS_EPILOGUE", True)
+    assert b.fuses(swiglu, q) and not b.fuses(silu, q)
+    grouped.launch(a, q, out, offsets=off, epilogue=ActivationEpilogue.of("swigluoai"))
+    assert [kernel for kernel, _, _ in rec.calls] == [("entry", "pmoe_grouped_gemm"), ("entry", "pmoe_mx_rs_gemm")]
 
 
 def test_unfolded_prepared_weights_need_their_canonical_bytes(monkeypatch):

@@ -423,9 +423,68 @@ def test_auto_takes_the_rs_kernel_for_prepared_mxfp4(monkeypatch):
         assert torch.isfinite(out).all() and err < 1e-2, f"relative difference {err:.3g}"
 
 
+@pytest.mark.parametrize("config", [None, ApplyMoEActivationConfig(clamp_limit=3.0)], ids=["default", "limit3"])
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
+def test_rs_gated_pairs_equal_two_steps(layout, bias_dtype, config):
+    """swigluoai in the RS kernel's epilogue (interleaved gate / up rows) against the RS kernel's plain
+    GEMM1 (itself against float64) followed by the activation op: the same rows written, within one
+    bf16 rounding; N past a 64-column tile."""
+    from padded_moe.activation import ActivationEpilogue
+    from padded_moe.kernels.native import grouped
+
+    q, meta, a, bias, out = _rs_case(ODD_COUNTS, 2880, 272, layout, bias_dtype, 31)
+    where = _where(layout, meta)
+    grouped.launch_rs(a, q, out, bias=bias, **where)
+    act = torch.full(out.shape[:-1] + (136,), SENTINEL, dtype=torch.bfloat16, device=DEV)
+    grouped.launch_rs(a, q, act, bias=bias, epilogue=ActivationEpilogue.of("swigluoai", config), **where)
+    ref = torch.full_like(act, SENTINEL)
+    apply_moe_activation("swigluoai", ref, out, activation_config=config, valid_token_counts=meta.activation_counts)
+    torch.cuda.synchronize()
+    check(a, q, meta, "w13", out, bias)
+    written = (ref != SENTINEL).any(-1)
+    assert ((act == SENTINEL).all(-1) == ~written).all()
+    diff = (act[written].double() - ref[written].double()).abs()
+    assert torch.isfinite(act[written]).all()
+    assert (diff / ref[written].double().abs().clamp(min=1e-2)).max().item() <= 2 ** -7
+
+
+def test_fused_experts_rs_epilogue_gpt_oss(monkeypatch):
+    """GPT-OSS's prepared MXFP4 experts (swigluoai, biases, dropped slots) on backend "cuda" with the RS
+    kernel's epilogue enabled and asked for: equal to the Triton path within bf16 rounding."""
+    from padded_moe.gemm import FUSE_ENV
+    from padded_moe.kernels.native import grouped
+    from padded_moe.mxfp4 import quantize_mxfp4
+
+    monkeypatch.setattr(grouped, "RS_EPILOGUE", True)
+    monkeypatch.setenv(FUSE_ENV, "1")
+    g = torch.Generator(device=DEV).manual_seed(15)
+    E, K, N, M, k = 16, 2880, 2880, 512, 4
+    w13 = quantize_mxfp4(torch.randn(E, 2 * N, K, generator=g, device=DEV) / K ** 0.5).prepare_for(keep_canonical=False)
+    w2 = quantize_mxfp4(torch.randn(E, K, N, generator=g, device=DEV) / N ** 0.5).prepare_for(keep_canonical=False)
+    b13 = torch.randn(E, 2 * N, generator=g, device=DEV).bfloat16() * 0.1
+    b2 = torch.randn(E, K, generator=g, device=DEV).bfloat16() * 0.1
+    x = torch.randn(M, K, generator=g, device=DEV).bfloat16()
+    tw, ids = torch.topk(torch.randn(M, E, generator=g, device=DEV).softmax(-1), k, dim=-1)
+    ids = ids.int()
+    ids[::7, 1] = -1
+    launches = []
+    real = grouped.launch_rs
+    monkeypatch.setattr(grouped, "launch_rs", lambda *a, **kw: launches.append(kw.get("epilogue")) or real(*a, **kw))
+    out = fused_experts(x, w13, w2, tw, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2,
+                        layout="grouped_contiguous", backend="cuda")
+    ref = fused_experts(x, w13, w2, tw, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2, backend="triton")
+    torch.cuda.synchronize()
+    assert len(launches) == 2 and launches[0] is not None and launches[1] is None
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert torch.isfinite(out).all() and err < 1e-2, f"relative difference {err:.3g}"
+
+
 def test_rs_sanitizer_small():
     """A small RS call of each layout (boxes of 1-4 rows' chunks, a second chunk, an empty expert,
-    K past a multiple of 64, N past a weight tile) for `compute-sanitizer --tool memcheck`."""
+    K past a multiple of 64, N past a weight tile), plain and with the gated epilogue, for
+    `compute-sanitizer --tool memcheck`."""
+    from padded_moe.activation import ActivationEpilogue
     from padded_moe.kernels.native import grouped
 
     for layout in GROUPED:
@@ -435,3 +494,8 @@ def test_rs_sanitizer_small():
             grouped.launch_rs(a, q, out, bias=bias, stages=stages, **_where(layout, meta))
             torch.cuda.synchronize()
             check(a, q, meta, "w13", out, bias)
+        q, meta, a, bias, out = _rs_case([5, 0, 70, 257, 130, 200], 160, 272, layout, torch.float32, 4)
+        act = torch.full(out.shape[:-1] + (136,), SENTINEL, dtype=torch.bfloat16, device=DEV)
+        grouped.launch_rs(a, q, act, bias=bias, epilogue=ActivationEpilogue.of("swigluoai"), **_where(layout, meta))
+        torch.cuda.synchronize()
+        assert torch.isfinite(act[(act != SENTINEL).any(-1)]).all()

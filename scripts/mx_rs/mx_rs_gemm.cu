@@ -71,10 +71,10 @@ __global__ void __launch_bounds__(kRsThreads, 1)
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRsConsumerRegs));
   const int c = group - 1;
-  if (g.boxes == 1) rs_consume<STAGES, 1>(args, smem, full, empty, g, k_tiles, c, 0);
-  else if (g.boxes == 2) rs_consume<STAGES, 2>(args, smem, full, empty, g, k_tiles, c, 0);
-  else if (g.boxes == 3) rs_consume<STAGES, 3>(args, smem, full, empty, g, k_tiles, c, 0);
-  else rs_consume<STAGES, 4>(args, smem, full, empty, g, k_tiles, c, 0);
+  if (g.boxes == 1) rs_consume<STAGES, 1, kPlain>(args, smem, full, empty, g, k_tiles, c, 0);
+  else if (g.boxes == 2) rs_consume<STAGES, 2, kPlain>(args, smem, full, empty, g, k_tiles, c, 0);
+  else if (g.boxes == 3) rs_consume<STAGES, 3, kPlain>(args, smem, full, empty, g, k_tiles, c, 0);
+  else rs_consume<STAGES, 4, kPlain>(args, smem, full, empty, g, k_tiles, c, 0);
 }
 
 template <int STAGES>
@@ -114,7 +114,7 @@ int mx_rs_gemm(int stages, void* stream, const void* a, int L, int T, int K, con
                           (long long)(K / 32) * Nw * 2, kRsWRows, kBK / 32);
   if (err != 0) return err;
   // The library's Args as pmoe_mx_rs_gemm fills them for GROUPED_MASKED slabs without a bias.
-  const Args args{nullptr, static_cast<const int32_t*>(counts), L, T, K, Nw, 1, 0, 0, 0.0f, 1.0f, 0.0f, nullptr, 0, 0,
+  const Args args{nullptr, static_cast<const int32_t*>(counts), L, T, K, Nw, 0, 0, 0, 0.0f, 1.0f, 0.0f, nullptr, 0, 0,
                   static_cast<uint16_t*>(out), (long long)T * Nw, Nw, nullptr, nullptr, 0, 0, 0, 0, Nw, nullptr, 0, 0};
   const int n_tiles = (Nw + kRsWRows - 1) / kRsWRows, chunks = (T + pass_rows<kRsBoxes>() - 1) / pass_rows<kRsBoxes>();
   const cudaStream_t st = static_cast<cudaStream_t>(stream);

@@ -8,7 +8,8 @@ tile once, and four tensor-core warpgroups of 64 rows each skip the rows past th
 (or, from the rows per expert where `grouped.default_config` picks them, tiles of (expert,
 128-row chunk, 256 weight rows) over two warpgroups).
 It applies the silu family of spec 01's activations (silu, swigluoai, swigluoai_uninterleave) in
-GEMM1's epilogue, except for the RS kernel's weights (`fuses`; `fused_experts` uses it unless `PADDED_MOE_FUSE_ACTIVATION=0`); the
+GEMM1's epilogue; for the RS kernel's weights only with interleaved gate / up rows, and only
+while `grouped.RS_EPILOGUE` is on (`fuses`; `fused_experts` uses it unless `PADDED_MOE_FUSE_ACTIVATION=0`); the
 other activations run as GEMM1 then the activation op. INDEXED (rows gathered through
 `sorted_ids`) and MXFP4 weights that neither the RS kernel nor the producer warps take are not offered (`supports` says
 False, and `backend="cuda"` on them is a NotImplementedError).
@@ -39,10 +40,10 @@ class CudaBackend(GemmBackend):
     fuses_activation = True
 
     def fuses(self, activation, weight=None) -> bool:
-        from padded_moe.kernels.native.grouped import EPILOGUE_ACTIVATIONS, takes_rs
+        from padded_moe.kernels.native.grouped import EPILOGUE_ACTIVATIONS, rs_fuses, takes_rs
 
-        # The RS kernel (prepared MXFP4) has no activation epilogue.
-        return activation.value in EPILOGUE_ACTIVATIONS and not takes_rs(weight)
+        # The RS kernel (prepared MXFP4) applies interleaved gate / up activations only, when enabled.
+        return rs_fuses(activation) if takes_rs(weight) else activation.value in EPILOGUE_ACTIVATIONS
 
     def available(self, device: torch.device) -> Optional[str]:
         from padded_moe.kernels import native

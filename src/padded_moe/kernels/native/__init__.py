@@ -225,6 +225,8 @@ def _declare_grouped(lib: ctypes.CDLL) -> None:
         P, LL, I,  # bias, expert stride, kind
         P, LL, LL,  # out, slab / row strides
         I,  # walk order: 1 column tiles first, 0 chunks first
+        I, I, I,  # epilogue mode (plain or gated pairs), activation id, has limit
+        F, F, F,  # limit, alpha, beta
     ]
     lib.pmoe_gg_num_configs.restype = I
     lib.pmoe_gg_block_n.argtypes = [I]

@@ -18,8 +18,9 @@ MXFP4 weights in their prepared form (`Mxfp4Tensor.prepare_for()`: 4-plane words
 epilogue): the consumer warpgroups upcast the words into wgmma's register operand, the weights on
 the MMA's M side and up to 256 of an expert's rows on its N side, so the weights are upcast once
 per 256 rows. Its results are those of the dequantized weight with fp32 accumulation and one
-rounding, as the Triton kernel's (bit-equal to it in the runs so far). No activation epilogue:
-the backend runs GEMM1 and the activation op for these weights (`CudaBackend.fuses`).
+rounding, as the Triton kernel's (bit-equal to it in the runs so far). Its activation epilogue
+takes interleaved gate / up rows (swigluoai) only and is off (`RS_EPILOGUE`): the backend runs
+GEMM1 and the activation op for these weights (`CudaBackend.fuses`).
 
 What the kernel needs, refused with `NotImplementedError` (the caller picked this kernel, so a
 call it cannot run is an unsupported combination, not bad input): bf16 `a`, `w` and `out` (or
@@ -51,6 +52,10 @@ RS_BLOCK_N = 128
 # The RS kernel's walk over an expert's tiles: column tiles first (True: the CTAs running together
 # share a chunk of rows) or chunks first (False).
 RS_COLUMNS_FIRST = True
+# Whether the backend applies gated activations with interleaved gate / up rows (swigluoai) in the
+# RS kernel's epilogue (`rs_fuses`). The epilogue is built and tested against the two steps on the
+# CPU side only so far: off until its GPU tests and timings have run.
+RS_EPILOGUE = False
 MAX_LOCAL_EXPERTS = 1024  # the experts' chunk prefix lives in shared memory (`kMaxExperts`)
 # The kernel's configurations, by index (`PMOE_GG_CONFIGS`): (pipeline stages, persistent, weight
 # rows per tile, consumer warpgroups). A tile has that many output columns (half as many with a
@@ -208,15 +213,17 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
            config: Optional[int] = None, dynamic: Optional[bool] = None) -> torch.Tensor:
     """Fill `out` at the rows of each expert (see the module docstring). Exactly one of `offsets`
     (`a` 2-D) and `counts` (`a` 3-D) is given; the caller (`expert_gemm`) has checked the shapes.
-    Prepared MXFP4 weights (`takes_rs`) without an epilogue, config or walk run `launch_rs`.
+    Prepared MXFP4 weights (`takes_rs`) without a config or walk, and without an epilogue or with
+    one `rs_fuses` takes, run `launch_rs`.
     `dynamic`: the tile walk of a persistent configuration with bf16 weights (None: `DYNAMIC_WALK`,
     and where that is None `DYNAMIC_CONFIGS`); True elsewhere is refused."""
     if (offsets is None) == (counts is None):
         raise ValueError("exactly one of offsets (GROUPED_CONTIGUOUS) and counts (GROUPED_MASKED) must be given")
     if config is not None and not (isinstance(config, int) and 0 <= config < len(CONFIGS)):
         raise ValueError(f"config must be an int in [0, {len(CONFIGS)}), got {config!r}")
-    if epilogue is None and config is None and dynamic is None and takes_rs(w):
-        return launch_rs(a, w, out, offsets=offsets, counts=counts, bias=bias)
+    if config is None and dynamic is None and takes_rs(w) \
+            and (epilogue is None or rs_fuses(epilogue.activation)):
+        return launch_rs(a, w, out, offsets=offsets, counts=counts, bias=bias, epilogue=epilogue)
     check(a, w, out, bias)
     if config is None:
         per_expert = a.shape[0] / max(w.shape[0], 1) if offsets is not None else a.shape[1]
@@ -273,12 +280,19 @@ def takes_rs(w) -> bool:
     return h is not None and h.planes == 4 and h.folded
 
 
+def rs_fuses(activation) -> bool:
+    """Whether the RS kernel's epilogue applies `activation` (a `MoEActivation`) where the backend
+    asks: the silu family with interleaved gate / up rows, while `RS_EPILOGUE` is on."""
+    return RS_EPILOGUE and activation.value in EPILOGUE_ACTIVATIONS and activation.interleaved
+
+
 def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Optional[torch.Tensor] = None,
-              counts: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+              counts: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, epilogue=None,
               stages: Optional[int] = None) -> torch.Tensor:
     """`launch` for prepared MXFP4 weights (`takes_rs`): `out[row] = a[row] @ W[e].T (+ bias[e])`
-    at each expert's rows, W the dequantized weight. Same layouts and arguments as `launch`
-    without an epilogue; `stages` 3 or 4 (None: `RS_STAGES`)."""
+    at each expert's rows, W the dequantized weight. Same layouts and arguments as `launch`;
+    `epilogue` (GEMM1) only with interleaved gate / up rows (swigluoai); `stages` 3 or 4 (None:
+    `RS_STAGES`)."""
     if (offsets is None) == (counts is None):
         raise ValueError("exactly one of offsets (GROUPED_CONTIGUOUS) and counts (GROUPED_MASKED) must be given")
     if stages is None:
@@ -297,14 +311,19 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
                     f"its data 16-byte aligned (TMA reads, 16-byte stores), got strides {tuple(t.stride())}")
     L, w_rows, K = w.shape
     words, scales = h.blocks, h.scales
-    if w_rows % 8:
-        _refuse(f"needs the weight's rows (output columns) a multiple of 8, got {w_rows}")
+    ep = _epilogue_args(epilogue, w_rows)
+    if ep[0] == GATED_SPLIT:
+        _refuse("applies gated activations in the RS kernel's epilogue only with interleaved gate / up rows "
+                f"(swigluoai); {epilogue.activation.value} runs as GEMM1, then the activation op")
+    width = w_rows if ep[0] == PLAIN else w_rows // 2
+    if width % 8:
+        _refuse(f"needs its output columns a multiple of 8, got {width}")
     if words.stride(-1) != 1 or scales.stride(-1) != 1 or any(st % 4 for st in words.stride()[:-1]) \
             or any(st % 8 for st in scales.stride()[:-1]) or words.data_ptr() % 16 or scales.data_ptr() % 16:
         _refuse(f"reads the prepared words and scales by TMA: rows contiguous, strides multiples of 16 bytes, data "
                 f"16-byte aligned; got strides {tuple(words.stride())} and {tuple(scales.stride())}")
-    if out.shape[-1] != w_rows:
-        raise ValueError(f"out has {out.shape[-1]} columns, the weight has {w_rows} rows")
+    if out.shape[-1] != width:
+        raise ValueError(f"out has {out.shape[-1]} columns, the weight's {w_rows} rows give {width}")
     if a.shape[-1] != K:
         raise ValueError(f"a has {a.shape[-1]} columns, the weight's K is {K}")
     if max(a.shape[:-1]) > _MAX_INT32:
@@ -320,7 +339,7 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
     # The tiles' bound from shapes, as `launch`'s: chunks of RS_CHUNK_ROWS rows times the weight's
     # tiles of RS_BLOCK_N rows; the kernel launches min(this, SMs) persistent CTAs.
     chunks = _chunk_bound(offsets is not None, rows, L, RS_CHUNK_ROWS)
-    grid = (chunks * cdiv(w_rows, RS_BLOCK_N),)
+    grid = (chunks * cdiv(width, RS_BLOCK_N if ep[0] == PLAIN else RS_BLOCK_N // 2),)
     if grid[0] >= 2 ** 31:
         _refuse(f"numbers its tiles in 31 bits; this call would need {grid[0]}")
     bias_kind = native.DTYPE_CODES[bias.dtype] if bias is not None else 0
@@ -328,5 +347,5 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
     launch_native(native.GROUPED.entry(RS_ENTRY), grid,
                   (stages, a, stride_as, stride_ar, slabs, rows, K, words, words.stride(0), words.stride(1), scales,
                    scales.stride(0), scales.stride(1), L, w_rows, h.k_padded, offsets, counts, bias, stride_be,
-                   bias_kind, out, stride_os, stride_or, int(RS_COLUMNS_FIRST)))
+                   bias_kind, out, stride_os, stride_or, int(RS_COLUMNS_FIRST), *ep))
     return out

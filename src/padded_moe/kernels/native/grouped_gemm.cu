@@ -425,6 +425,8 @@ struct Args {
   // Which TMA loads carry their L2 policy operand (`tma_load_3d`): a mask of kPolicyWeights (the
   // weight tile's) and kPolicyRows (A's rows); the others load without one.
   int load_policies;
+  // The RS kernels' walk within an expert (`rs_locate_tile`): column tiles first (1) or chunks first (0).
+  int rs_columns_first;
 };
 
 constexpr int kPolicyWeights = 1, kPolicyRows = 2;
@@ -1001,8 +1003,11 @@ __device__ __forceinline__ void rs_upcast(uint32_t words, uint32_t scales, int r
 }
 
 // A consumer warpgroup's tile: the k loop over the chunk's 64 NB rows, then the epilogue. `it`:
-// the k tiles this warpgroup consumed before (stage and parity of the ring).
-template <int STAGES, int NB>
+// the k tiles this warpgroup consumed before (stage and parity of the ring). EPI kPlain stores the
+// 128 weight rows' sums (plus bias) as output columns; kGatedPairs (swigluoai's interleave: weight
+// rows 2j gate, 2j + 1 up) stores 64 activation columns, computed from the staged bf16 sums, the
+// values the activation op would read from GEMM1's buffer.
+template <int STAGES, int NB, int EPI>
 __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                            const TileGeom& g, int k_tiles, int c, int it) {
   constexpr int NACC = NB * 32;  // m64n(64 NB): 64 NB / 2 floats per thread
@@ -1030,64 +1035,90 @@ __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint
   // The staging is free once both warpgroups have stored the previous tile from it.
   const uint32_t staging = base + STAGES * kRsStage;
   rs_consumers_sync();
-  // Accumulator fragment: i = 4b + 2h + p is weight row r0 + 8h (output column n0 + r0 + 8h) of
-  // the chunk's row 8b + 2q + p.
+  // Accumulator fragment: i = 4b + 2h + p is weight row w_row0 + r0 + 8h of the chunk's row
+  // 8b + 2q + p; staged at that row's column r0 + 8h.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int col = g.n0 + r0 + 8 * h;
-    const bool live = col < args.N;  // past the weight's rows: not stored, no bias to read
+    const int w_row = g.w_row0 + r0 + 8 * h;
+    const bool live = w_row < args.w_rows;  // past the weight's rows: not stored, no bias to read
 #pragma unroll
     for (int b = 0; b < NB * 8; ++b)
 #pragma unroll
       for (int p = 0; p < 2; ++p) {
-        const float v = live ? as_stored(args, g.e, col, acc[4 * b + 2 * h + p]) : 0.0f;
+        const float v = live ? as_stored(args, g.e, w_row, acc[4 * b + 2 * h + p]) : 0.0f;
         sts16(staging + (8 * b + 2 * q + p) * kRsOutRow + (r0 + 8 * h) * 2,
               __bfloat16_as_ushort(__float2bfloat16_rn(v)));
       }
   }
   rs_consumers_sync();
   const int rows = min(NB * kRowsPerGroup, g.count - g.m0);
-  const int pieces = min(kRsWRows, args.N - g.n0) / 8;  // 16-byte pieces of a row (N is a multiple of 8)
   uint16_t* out = args.out + g.slab * args.stride_os + (long long)(g.start + g.m0) * args.stride_or + g.n0;
-  for (int idx = threadIdx.x - 128; idx < rows * 16; idx += 256) {
-    const int row = idx / 16, piece = idx % 16;
-    if (piece < pieces)
-      *reinterpret_cast<uint4*>(out + row * args.stride_or + piece * 8) = lds128(staging + row * kRsOutRow + piece * 16);
+  if constexpr (EPI == kPlain) {
+    const int pieces = min(kRsWRows, args.N - g.n0) / 8;  // 16-byte pieces of a row (N is a multiple of 8)
+    for (int idx = threadIdx.x - 128; idx < rows * 16; idx += 256) {
+      const int row = idx / 16, piece = idx % 16;
+      if (piece < pieces)
+        *reinterpret_cast<uint4*>(out + row * args.stride_or + piece * 8) = lds128(staging + row * kRsOutRow + piece * 16);
+    }
+  } else {
+    // A piece: 8 activation columns from 16 staged sums (each 32-bit word a gate / up pair).
+    const int pieces = min(kRsWRows / 2, args.N - g.n0) / 8;
+    for (int idx = threadIdx.x - 128; idx < rows * 8; idx += 256) {
+      const int row = idx / 8, piece = idx % 8;
+      if (piece >= pieces) continue;
+      const uint4 lo = lds128(staging + row * kRsOutRow + piece * 32);
+      const uint4 hi = lds128(staging + row * kRsOutRow + piece * 32 + 16);
+      const uint32_t pair[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      uint32_t y[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float y0 = silu_family(args, bf16_float(pair[2 * j] & 0xffffu), bf16_float(pair[2 * j] >> 16));
+        const float y1 = silu_family(args, bf16_float(pair[2 * j + 1] & 0xffffu), bf16_float(pair[2 * j + 1] >> 16));
+        y[j] = bf16_pair(y0, y1);
+      }
+      *reinterpret_cast<uint4*>(out + row * args.stride_or + piece * 8) = make_uint4(y[0], y[1], y[2], y[3]);
+    }
   }
 }
 
-// RS tile `id` (`args.act` carries the walk order for the RS kernels): experts in order; within an
-// expert, column tiles fastest (1: the CTAs running together share a chunk's rows, which are 7x the
+// RS tile `id`: experts in order; within an expert (`args.rs_columns_first`), column tiles fastest (1: the CTAs running together share a chunk's rows, which are 7x the
 // bytes of a weight tile per k step) or chunks fastest (0, `locate_tile`'s order). Expert -1 past
 // the last tile.
 __device__ __forceinline__ Tile rs_locate_tile(const Args& args, const int* prefix, int id, int n_tiles) {
   const Tile t = locate_tile(prefix, args.L, id, n_tiles);
-  if (t.e < 0 || args.act == 0) return t;
+  if (t.e < 0 || args.rs_columns_first == 0) return t;
   const int chunks = prefix[t.e + 1] - prefix[t.e];
   const int local = t.col_tile * chunks + t.chunk;  // the tile's place within its expert
   return Tile{t.e, local / n_tiles, local % n_tiles};
 }
 
-// Where an RS tile's work lies: its expert's rows, the chunk's first row, the first weight row
-// (output column) and the 64-row boxes that hold rows.
+// Output columns of an RS tile: its 128 weight rows, or the 64 activation columns of their pairs.
+template <int EPI>
+__host__ __device__ constexpr int rs_tile_cols() {
+  return EPI == kPlain ? kRsWRows : kRsWRows / 2;
+}
+
+// Where an RS tile's work lies: its expert's rows, the chunk's first row, its first output column,
+// its first weight row and the 64-row boxes that hold rows.
+template <int EPI>
 __device__ __forceinline__ TileGeom rs_tile_geometry(const Args& args, const Tile& tile) {
   TileGeom g;
   g.e = tile.e;
   expert_rows(args, tile.e, g.slab, g.start, g.count);
   g.m0 = tile.chunk * pass_rows<kRsBoxes>();
-  g.n0 = tile.col_tile * kRsWRows;
-  g.w_row0 = g.n0;
-  g.w_row1 = g.n0;
+  g.n0 = tile.col_tile * rs_tile_cols<EPI>();
+  g.w_row0 = EPI == kPlain ? g.n0 : 2 * g.n0;
+  g.w_row1 = g.w_row0;
   g.boxes = min(kRsBoxes, (g.count - g.m0 + kRowsPerGroup - 1) / kRowsPerGroup);
   return g;
 }
 
-// Persistent: one CTA per SM walks tiles blockIdx.x, + gridDim.x, ... (`locate_tile` over chunks of
+// Persistent: one CTA per SM walks tiles blockIdx.x, + gridDim.x, ... (`rs_locate_tile` over chunks of
 // 256 rows and tiles of 128 weight rows), so the experts' chunk prefix is computed once per CTA
 // and the producer fills the next tile's first stages while the consumers store the last one.
 // `args.K` here is the weights' padded K (the k tiles); the rows' own K is in their tensor map,
 // which reads zeros past it.
-template <int STAGES>
+template <int STAGES, int EPI>
 __global__ void __launch_bounds__(kRsThreads, 1)
     mx_rs_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
                  const __grid_constant__ CUtensorMap map_s, const Args args) {
@@ -1096,7 +1127,7 @@ __global__ void __launch_bounds__(kRsThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * kRsStage + kRsStaging);
   uint64_t* empty = full + STAGES;
   int* prefix = reinterpret_cast<int*>(empty + STAGES);  // [L + 1]
-  const int n_tiles = (args.N + kRsWRows - 1) / kRsWRows;
+  const int n_tiles = (args.N + rs_tile_cols<EPI>() - 1) / rs_tile_cols<EPI>();
   const int k_tiles = args.K / kBK;
   if (threadIdx.x < 32) chunk_prefix<kRsBoxes>(args, prefix);
   if (threadIdx.x == 32) {
@@ -1118,7 +1149,7 @@ __global__ void __launch_bounds__(kRsThreads, 1)
     for (int id = blockIdx.x;; id += gridDim.x) {
       const Tile tile = rs_locate_tile(args, prefix, id, n_tiles);
       if (tile.e < 0) break;
-      const TileGeom g = rs_tile_geometry(args, tile);
+      const TileGeom g = rs_tile_geometry<EPI>(args, tile);
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const int s = it % STAGES;
         mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
@@ -1127,8 +1158,8 @@ __global__ void __launch_bounds__(kRsThreads, 1)
         for (int b = 0; b < g.boxes; ++b)
           tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, g.start + g.m0 + b * kRowsPerGroup, g.slab, 0,
                       false);
-        tma_load_3d(stage + kRsWordsOff, &map_w, &full[s], kt * (kBK / 8), g.n0, g.e, 0, false);
-        tma_load_3d(stage + kRsScalesOff, &map_s, &full[s], g.n0, kt * (kBK / 32), g.e, 0, false);
+        tma_load_3d(stage + kRsWordsOff, &map_w, &full[s], kt * (kBK / 8), g.w_row0, g.e, 0, false);
+        tma_load_3d(stage + kRsScalesOff, &map_s, &full[s], g.w_row0, kt * (kBK / 32), g.e, 0, false);
       }
     }
     return;
@@ -1139,14 +1170,14 @@ __global__ void __launch_bounds__(kRsThreads, 1)
   for (int id = blockIdx.x;; id += gridDim.x, it += k_tiles) {
     const Tile tile = rs_locate_tile(args, prefix, id, n_tiles);
     if (tile.e < 0) break;
-    TileGeom g = rs_tile_geometry(args, tile);
+    TileGeom g = rs_tile_geometry<EPI>(args, tile);
     // Warp-uniform by construction (from lane 0: the tile came from shared memory), so ptxas takes
     // the body's branch as non-divergent and keeps the wgmma descriptors on the uniform datapath.
     g.boxes = __shfl_sync(0xffffffffu, g.boxes, 0);
-    if (g.boxes == 1) rs_consume<STAGES, 1>(args, smem, full, empty, g, k_tiles, c, it);
-    else if (g.boxes == 2) rs_consume<STAGES, 2>(args, smem, full, empty, g, k_tiles, c, it);
-    else if (g.boxes == 3) rs_consume<STAGES, 3>(args, smem, full, empty, g, k_tiles, c, it);
-    else rs_consume<STAGES, 4>(args, smem, full, empty, g, k_tiles, c, it);
+    if (g.boxes == 1) rs_consume<STAGES, 1, EPI>(args, smem, full, empty, g, k_tiles, c, it);
+    else if (g.boxes == 2) rs_consume<STAGES, 2, EPI>(args, smem, full, empty, g, k_tiles, c, it);
+    else if (g.boxes == 3) rs_consume<STAGES, 3, EPI>(args, smem, full, empty, g, k_tiles, c, it);
+    else rs_consume<STAGES, 4, EPI>(args, smem, full, empty, g, k_tiles, c, it);
   }
 }
 
@@ -1196,13 +1227,13 @@ int encode_plain_3d(CUtensorMap* map, CUtensorMapDataType type, const void* base
   return r == CUDA_SUCCESS ? 0 : -11;
 }
 
-template <int STAGES>
+template <int STAGES, int EPI>
 int rs_launch(const CUtensorMap& ma, const CUtensorMap& mw, const CUtensorMap& ms, const Args& args, int grid_x,
               cudaStream_t stream) {
   static unsigned long long configured = 0;  // the shared-memory opt-in, per device
   constexpr int bytes = rs_smem_bytes<STAGES>();
   static_assert(bytes <= 227 * 1024, "the RS kernel's shared memory exceeds the opt-in limit");
-  const auto kernel = mx_rs_kernel<STAGES>;
+  const auto kernel = mx_rs_kernel<STAGES, EPI>;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -1383,22 +1414,24 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
 // a: bf16 [slabs][rows][K] as for pmoe_grouped_gemm; words: int32 [L][w_rows][KP / 8] (4-plane
 // words), scales: int16 [L][KP / 32][w_rows] (folded), strides in elements; KP a multiple of 64 at
 // least K (words past K hold code 0). Exactly one of offsets (int64 [L + 1]) and counts (int32 [L]).
-// bias [L][w_rows] (float32 or bf16) or null; out: bf16, w_rows columns. The grid is one
-// dimension, at least (the experts' chunks of 256 rows) x cdiv(w_rows, 128), bounded by the host
+// bias [L][w_rows] (float32 or bf16) or null. `mode` kPlain: out has w_rows columns; kGatedPairs
+// (act one of the silu family, with has_limit, limit, alpha, beta): gate rows 2j and up rows 2j + 1
+// give activation column j, out has w_rows / 2 columns. The grid is one dimension, at least (the
+// experts' chunks of 256 rows) x cdiv(out's columns, 128 plain or 64 gated), bounded by the host
 // from shapes. Strides of a in multiples of 8 elements and its data 16-byte aligned, the words' and
-// scales' strides multiples of 16 bytes, w_rows a multiple of 8, out's row stride a multiple of 8
-// elements and its data 16-byte aligned (16-byte stores). columns_first: the walk order
+// scales' strides multiples of 16 bytes, out's columns a multiple of 8, its row stride a multiple
+// of 8 elements and its data 16-byte aligned (16-byte stores). columns_first: the walk order
 // (`rs_locate_tile`).
 int pmoe_mx_rs_gemm(int stages, int grid_x, int grid_y, void* stream, const void* a, long long stride_as,
                     long long stride_ar, int slabs, int rows, int K, const void* words, long long stride_we,
                     long long stride_wn, const void* scales, long long stride_se, long long stride_sg, int L,
                     int w_rows, int KP, const void* offsets, const void* counts, const void* bias,
                     long long stride_be, int bias_kind, void* out, long long stride_os, long long stride_or,
-                    int columns_first) {
+                    int columns_first, int mode, int act, int has_limit, float limit, float alpha, float beta) {
   if ((offsets == nullptr) == (counts == nullptr)) return -12;
   if (grid_y != 1 || grid_x < 1 || L < 1) return -13;
   if (L > kMaxExperts) return -16;
-  if (KP % kBK != 0 || K > KP || K < 1 || w_rows % 8 != 0) return -24;
+  if (KP % kBK != 0 || K > KP || K < 1) return -24;
   CUtensorMap ma, mw, ms;
   int err = encode_3d(&ma, a, K, rows, slabs, stride_ar * 2, stride_as * 2, kRowsPerGroup);
   if (err == 0)
@@ -1408,15 +1441,21 @@ int pmoe_mx_rs_gemm(int stages, int grid_x, int grid_y, void* stream, const void
     err = encode_plain_3d(&ms, CU_TENSOR_MAP_DATA_TYPE_UINT16, scales, w_rows, KP / 32, L, stride_sg * 2,
                           stride_se * 2, kRsWRows, kBK / 32);
   if (err != 0) return err;
-  // K carries the weights' padded K (the k tiles); N the output columns (the weight's rows); act the walk
-  // order (`rs_locate_tile`).
   if (columns_first < 0 || columns_first > 1) return -26;
-  const Args args{static_cast<const int64_t*>(offsets), static_cast<const int32_t*>(counts), L, rows, KP, w_rows,
-                  columns_first, 0, 0, 0.0f, 1.0f, 0.0f, bias, stride_be, bias_kind, static_cast<uint16_t*>(out),
-                  stride_os, stride_or, nullptr, nullptr, 0, 0, 0, 0, w_rows, nullptr, 0, 0};
+  if (mode != kPlain && mode != kGatedPairs) return -27;
+  if (mode == kGatedPairs && act != kSilu && act != kSwigluoai && act != kSwigluoaiUninterleave) return -17;
+  const int N = mode == kPlain ? w_rows : w_rows / 2;  // output columns
+  if (N % 8 != 0) return -24;
+  // K carries the weights' padded K (the k tiles).
+  const Args args{static_cast<const int64_t*>(offsets), static_cast<const int32_t*>(counts), L, rows, KP, N,
+                  act, has_limit, 0, limit, alpha, beta, bias, stride_be, bias_kind, static_cast<uint16_t*>(out),
+                  stride_os, stride_or, nullptr, nullptr, 0, 0, 0, 0, w_rows, nullptr, 0, 0, columns_first};
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (stages == 3) return rs_launch<3>(ma, mw, ms, args, grid_x, st);
-  if (stages == 4) return rs_launch<4>(ma, mw, ms, args, grid_x, st);
+  const bool gated = mode == kGatedPairs;
+  if (stages == 3) return gated ? rs_launch<3, kGatedPairs>(ma, mw, ms, args, grid_x, st)
+                                : rs_launch<3, kPlain>(ma, mw, ms, args, grid_x, st);
+  if (stages == 4) return gated ? rs_launch<4, kGatedPairs>(ma, mw, ms, args, grid_x, st)
+                                : rs_launch<4, kPlain>(ma, mw, ms, args, grid_x, st);
   return -25;
 }
 
@@ -1435,9 +1474,10 @@ const char* pmoe_error_string(int code) {
   if (code == -21) return "a tile counter (the dynamic walk) needs a persistent configuration and bf16 weights";
   if (code == -22) return "the L2 policy of A's rows must be 0 (normal) or 1 (evict last)";
   if (code == -23) return "the load-policy mask must be 0-3 (1: the weight tile's loads carry their L2 policy, 2: A's rows')";
-  if (code == -24) return "the RS kernel needs KP a multiple of 64, 1 <= K <= KP and w_rows a multiple of 8";
+  if (code == -24) return "the RS kernel needs KP a multiple of 64, 1 <= K <= KP and its output columns a multiple of 8";
   if (code == -25) return "the RS kernel runs 3 or 4 stages";
   if (code == -26) return "the RS kernel's walk order must be 0 (chunks first) or 1 (columns first)";
+  if (code == -27) return "the RS kernel's epilogue is plain or gated with interleaved gate / up rows";
   if (code == -20) return "the kernel was compiled with fewer registers than its warpgroups share out (setmaxnreg)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }

@@ -1,15 +1,17 @@
-"""Probe (issue 12): the RS-form MXFP4 grouped GEMM (`scripts/mx_rs/mx_rs_gemm.cu`: consumer
-warpgroups upcast the prepared words into wgmma's register operand, tokens on the MMA's N side, up to
-256 of an expert's rows per tile) against the library's Triton kernel on the same prepared bytes,
-GROUPED_MASKED slabs.
+"""Probe (issue 12): the RS kernel for prepared MXFP4 weights (consumer warpgroups upcast the words
+into wgmma's register operand, tokens on the MMA's N side, up to 256 of an expert's rows per tile)
+against the library's Triton kernel on the same prepared bytes: its stand-alone walk
+(`scripts/mx_rs/mx_rs_gemm.cu`: the library's tile body, one CTA per tile of GROUPED_MASKED slabs,
+tiles decoded from blockIdx) and the library's own kernel (`grouped.launch_rs`: persistent CTAs) on
+the same slabs and on the same rows as one GROUPED_CONTIGUOUS buffer, in both walk orders.
 
 Per case (model preset, GEMM stage, rows): routed counts from top-k of random logits (`--tokens`)
 or equal counts (`--rows`, over `--experts` experts); slabs as large as the largest count, rows past
-each count NaN. Each kernel's output is checked against a float64 reference on the dequantized
-weights (every expert, max error relative to the reference's largest value, exits 1 past `TOL` or
-on a NaN in a valid row) and against the Triton kernel's; then the library's RS kernel
-(`grouped.launch_rs`) on the same slabs and on the same rows as one GROUPED_CONTIGUOUS buffer; times are `triton.testing.do_bench`
-medians (L2 flushed between calls), TFLOP/s counted on the valid rows.
+each count NaN. Each output is checked against a float64 reference on the dequantized weights
+(every expert, max error relative to the reference's largest value; exits 1 past `TOL` or on a NaN
+in a valid row), the stand-alone kernel's also against the Triton kernel's. On GPT-OSS's GEMM1 also
+the library kernel's gated epilogue (swigluoai) against its plain GEMM1 and the activation op. Times
+are `triton.testing.do_bench` medians (L2 flushed between calls), TFLOP/s counted on the valid rows.
 
     bash scripts/mx_rs/build.sh && python3 scripts/mx_rs_probe.py --tokens 1024,8192
 """
@@ -77,6 +79,34 @@ def _as_slabs(flat: torch.Tensor, counts: torch.Tensor, t_max: int) -> torch.Ten
     rows = torch.arange(t_max, device=flat.device)[None, :] < counts[:, None]
     out[rows] = flat
     return out
+
+
+def gated_case(label: str, a_flat, q, offsets, out_c, counts, ms_t: float) -> list:
+    """GPT-OSS's GEMM1 with swigluoai (interleaved gate / up rows) on the contiguous rows: the RS
+    kernel's gated epilogue against its plain GEMM1 followed by the activation op (outputs within one
+    bf16 rounding of each other, times of both)."""
+    from padded_moe.activation import ActivationEpilogue, apply_moe_activation
+
+    act_counts = torch.tensor([a_flat.shape[0]], device="cuda", dtype=torch.int32)
+    two = torch.full((a_flat.shape[0], out_c.shape[1] // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
+    fused = torch.full_like(two, float("nan"))
+
+    def run_two():
+        grouped.launch_rs(a_flat, q, out_c, offsets=offsets)
+        apply_moe_activation("swigluoai", two, out_c, valid_token_counts=act_counts)
+
+    def run_fused():
+        grouped.launch_rs(a_flat, q, fused, offsets=offsets, epilogue=ActivationEpilogue.of("swigluoai"))
+
+    run_two()
+    run_fused()
+    torch.cuda.synchronize()
+    diff = ((fused.double() - two.double()).abs() / two.double().abs().clamp(min=1e-2)).max().item()
+    for name, run in (("lib contiguous + activation op", run_two), ("lib contiguous, gated epilogue", run_fused)):
+        ms = triton.testing.do_bench(run, warmup=10, rep=80)
+        print(f"  {name:<30} {ms * 1e3:9.1f} us  triton GEMM / this time {ms_t / ms:5.3f}")
+    print(f"  gated epilogue vs two steps: max relative difference {diff:.1e}")
+    return [] if diff <= TOL else [f"{label} gated epilogue vs two steps: {diff:.1e}"]
 
 
 def main() -> None:
@@ -173,6 +203,9 @@ def main() -> None:
                           f"triton / this time {ms_t / ms:5.3f}")
                     if not err <= TOL:
                         bad.append(f"{label} {name}: {err:.1e}")
+                grouped.RS_COLUMNS_FIRST = True
+                if stage == "w13" and model.startswith("gpt-oss"):
+                    bad += gated_case(label, a_flat, q, offsets, out_c, counts, ms_t)
     if bad:
         raise SystemExit("errors past TOL:\n" + "\n".join(bad))
 

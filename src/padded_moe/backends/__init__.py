@@ -96,8 +96,8 @@ def auto_native(device: torch.device, w13, w2, activation, num_slots: int, num_l
     with an activation its epilogue applies and rows per local expert (`num_slots` = tokens x k
     over `num_local`) within the band `AUTO_NATIVE_ROWS` gives the experts' shape; or MXFP4
     weights that both run the RS kernel (`grouped.takes_rs`), any activation of spec 01, and rows
-    per local expert within the band `AUTO_RS_ROWS` gives the experts' shape. Shapes only, so a captured graph or a compiled
-    graph keeps the choice."""
+    per local expert within the band `AUTO_RS_ROWS` gives the experts' shape. Shapes only, so a
+    captured graph or a compiled graph keeps the choice."""
     if num_local < 1 or device.type != "cuda" or activation is None:
         return False
     if isinstance(w13, Mxfp4Tensor) or isinstance(w2, Mxfp4Tensor):
@@ -145,5 +145,4 @@ def resolve_backend(name: str, device: torch.device, layout, weight) -> GemmBack
 
 
 __all__ = ["AUTO_NATIVE_ROWS", "AUTO_RS_ROWS", "BACKENDS", "BACKEND_ENV", "GemmBackend", "auto_native",
-           "effective_backend",
-           "get_backend", "resolve_backend"]
+           "effective_backend", "get_backend", "resolve_backend"]

@@ -2,22 +2,23 @@
 
 It runs bf16 weights, MXFP4 weights in their prepared form (`grouped.takes_rs`: the RS kernel,
 whose consumer warpgroups upcast into wgmma's register operand) and other MXFP4 weights that hold
-their canonical bytes (upcast to bf16 in shared memory by the producer warps), on the grouped layouts (GROUPED_CONTIGUOUS, GROUPED_MASKED) on
-sm_90 GPUs: a CTA takes a tile of (expert, 256-row chunk, 128 weight rows), streams the weight
-tile once, and four tensor-core warpgroups of 64 rows each skip the rows past the expert's count
-(or, from the rows per expert where `grouped.default_config` picks them, tiles of (expert,
-128-row chunk, 256 weight rows) over two warpgroups).
+their canonical bytes (upcast to bf16 in shared memory by the producer warps), on the grouped
+layouts (GROUPED_CONTIGUOUS, GROUPED_MASKED) on sm_90 GPUs: a CTA takes a tile of (expert,
+256-row chunk, 128 weight rows), streams the weight tile once, and four tensor-core warpgroups of
+64 rows each skip the rows past the expert's count (or, from the rows per expert where
+`grouped.default_config` picks them, tiles of (expert, 128-row chunk, 256 weight rows) over two
+warpgroups).
 It applies the silu family of spec 01's activations (silu, swigluoai, swigluoai_uninterleave) in
-GEMM1's epilogue; for the RS kernel's weights only with interleaved gate / up rows, and only
-while `grouped.RS_EPILOGUE` is on (`fuses`; `fused_experts` uses it unless `PADDED_MOE_FUSE_ACTIVATION=0`); the
-other activations run as GEMM1 then the activation op. INDEXED (rows gathered through
-`sorted_ids`) and MXFP4 weights that neither the RS kernel nor the producer warps take are not offered (`supports` says
-False, and `backend="cuda"` on them is a NotImplementedError).
+GEMM1's epilogue; for the RS kernel's weights only with interleaved gate / up rows, and only while
+`grouped.RS_EPILOGUE` is on (`fuses`; `fused_experts` uses it unless
+`PADDED_MOE_FUSE_ACTIVATION=0`); the other activations run as GEMM1 then the activation op.
+INDEXED (rows gathered through `sorted_ids`) and MXFP4 weights that neither the RS kernel nor the
+producer warps take are not offered (`supports` says False, and `backend="cuda"` on them is a
+NotImplementedError).
 
 `resolve_backend("auto", ...)` never returns it; `fused_experts` picks it for "auto" only where
-`backends.auto_native` says so (measured expert shapes and rows per expert: on H100s the native
-kernel was faster than the Triton path only where experts' row counts sit just past a multiple of
-128, docs/benchmarks.md). It is chosen by name or by `PADDED_MOE_GEMM_BACKEND=cuda`.
+`backends.auto_native` says so (the expert shapes and rows per expert where it measured faster on
+whole calls, docs/benchmarks.md). It is chosen by name or by `PADDED_MOE_GEMM_BACKEND=cuda`.
 
 Graph-safe: the grid is bounded from shapes and the rows are read on the device.
 """

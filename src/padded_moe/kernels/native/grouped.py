@@ -14,10 +14,9 @@ sigmoid through the approximate tanh, as the Triton kernels do for 16-bit output
 the activation's width. Other rows of `out` are not written.
 
 MXFP4 weights in their prepared form (`Mxfp4Tensor.prepare_for()`: 4-plane words, folded scales;
-`takes_rs`) run the RS kernel instead (`launch_rs`, which `launch` calls for them without an
-epilogue): the consumer warpgroups upcast the words into wgmma's register operand, the weights on
-the MMA's M side and up to 256 of an expert's rows on its N side, so the weights are upcast once
-per 256 rows. Its results are those of the dequantized weight with fp32 accumulation and one
+`takes_rs`) run the RS kernel instead (`launch_rs`, which `launch` calls for them): the consumer
+warpgroups upcast the words into wgmma's register operand, the weights on the MMA's M side and up
+to 256 of an expert's rows on its N side, so the weights are upcast once per 256 rows. Its results are those of the dequantized weight with fp32 accumulation and one
 rounding, as the Triton kernel's (bit-equal to it in the runs so far). Its activation epilogue
 takes interleaved gate / up rows (swigluoai) only and is off (`RS_EPILOGUE`): the backend runs
 GEMM1 and the activation op for these weights (`CudaBackend.fuses`).
@@ -53,8 +52,9 @@ RS_BLOCK_N = 128
 # share a chunk of rows) or chunks first (False).
 RS_COLUMNS_FIRST = True
 # Whether the backend applies gated activations with interleaved gate / up rows (swigluoai) in the
-# RS kernel's epilogue (`rs_fuses`). The epilogue is built and tested against the two steps on the
-# CPU side only so far: off until its GPU tests and timings have run.
+# RS kernel's epilogue (`rs_fuses`). The epilogue compiles and its launch arguments are tested on the
+# CPU; its GPU tests (against the two steps) have not run yet: off until they pass and its timings
+# say it pays.
 RS_EPILOGUE = False
 MAX_LOCAL_EXPERTS = 1024  # the experts' chunk prefix lives in shared memory (`kMaxExperts`)
 # The kernel's configurations, by index (`PMOE_GG_CONFIGS`): (pipeline stages, persistent, weight
@@ -340,8 +340,8 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
     # tiles of RS_BLOCK_N rows; the kernel launches min(this, SMs) persistent CTAs.
     chunks = _chunk_bound(offsets is not None, rows, L, RS_CHUNK_ROWS)
     grid = (chunks * cdiv(width, RS_BLOCK_N if ep[0] == PLAIN else RS_BLOCK_N // 2),)
-    if grid[0] >= 2 ** 31:
-        _refuse(f"numbers its tiles in 31 bits; this call would need {grid[0]}")
+    if grid[0] >= 2 ** 30:  # tile ids are 32-bit; a persistent CTA's last step passes the bound
+        _refuse(f"numbers its tiles in 30 bits; this call would need {grid[0]}")
     bias_kind = native.DTYPE_CODES[bias.dtype] if bias is not None else 0
     stride_be = bias.stride(0) if bias is not None else 0
     launch_native(native.GROUPED.entry(RS_ENTRY), grid,

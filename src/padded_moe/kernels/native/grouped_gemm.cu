@@ -842,8 +842,8 @@ __global__ void __launch_bounds__(threads<C>(), 1)
 // p = 0..3: thread (lane % 4 = c)'s share of the A fragments of group g's two k16 steps (planes 0
 // and 1, then 2 and 3), so the upcast lands in k order and B is the rows' natural order. The
 // epilogue (bias added, one rounding) goes through shared memory of its own to store 16-byte
-// pieces of output rows. Measured against the Triton kernel on the same bytes: notes.md,
-// scripts/mx_rs_probe.py.
+// pieces of output rows, or, gated (kGatedPairs), the activation of each staged gate / up pair.
+// Measured against the Triton kernel on the same bytes: notes.md, scripts/mx_rs_probe.py.
 constexpr int kRsWRows = 128;                             // weight rows of a tile (64 per consumer)
 constexpr int kRsBoxes = 4;                               // 64-row boxes of a chunk: pass_rows<4>() rows
 constexpr int kRsWordsOff = kRsBoxes * kABox;             // [128 rows][8 words] int32
@@ -1081,9 +1081,9 @@ __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint
   }
 }
 
-// RS tile `id`: experts in order; within an expert (`args.rs_columns_first`), column tiles fastest (1: the CTAs running together share a chunk's rows, which are 7x the
-// bytes of a weight tile per k step) or chunks fastest (0, `locate_tile`'s order). Expert -1 past
-// the last tile.
+// RS tile `id`: experts in order; within an expert (`args.rs_columns_first`), column tiles fastest
+// (1: the CTAs running together share a chunk's rows, which are 7x the bytes of a weight tile per k
+// step) or chunks fastest (0, `locate_tile`'s order). Expert -1 past the last tile.
 __device__ __forceinline__ Tile rs_locate_tile(const Args& args, const int* prefix, int id, int n_tiles) {
   const Tile t = locate_tile(prefix, args.L, id, n_tiles);
   if (t.e < 0 || args.rs_columns_first == 0) return t;
@@ -1113,8 +1113,8 @@ __device__ __forceinline__ TileGeom rs_tile_geometry(const Args& args, const Til
   return g;
 }
 
-// Persistent: one CTA per SM walks tiles blockIdx.x, + gridDim.x, ... (`rs_locate_tile` over chunks of
-// 256 rows and tiles of 128 weight rows), so the experts' chunk prefix is computed once per CTA
+// Persistent: one CTA per SM walks tiles blockIdx.x, + gridDim.x, ... (`rs_locate_tile` over chunks
+// of 256 rows and tiles of 128 weight rows), so the experts' chunk prefix is computed once per CTA
 // and the producer fills the next tile's first stages while the consumers store the last one.
 // `args.K` here is the weights' padded K (the k tiles); the rows' own K is in their tensor map,
 // which reads zeros past it.

@@ -681,7 +681,10 @@ def test_gate_sums_match_the_float64_projection(monkeypatch, gen, dtype, M, E, D
     assert ((got.double() - exact).abs() <= tol)[ok].all()
     assert torch.isnan(got[~ok]).all() and (ok.sum(1) == E).sum() == M - (M > 2)
     if dtype != torch.float32:
-        assert (got == exact.to(dtype))[ok].double().mean() >= 0.98
+        # Nearly all: 2%, and at least one, may sit so close to a rounding boundary of the 16-bit
+        # format that the float32 sum's own error decides the side (32 logits in the smallest case).
+        misses = int((got != exact.to(dtype))[ok].sum())
+        assert misses <= max(1, 0.02 * int(ok.sum())), misses
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -162,10 +162,17 @@ def check(a: torch.Tensor, w, out: torch.Tensor, bias: Optional[torch.Tensor]) -
         _refuse(f"needs K (a's last dimension) a positive multiple of 8, got {K}")
     if out.shape[-1] % 2:
         _refuse(f"needs an even number of output columns, got {out.shape[-1]}")
+    _check_rows_experts_bias(a, w.shape[0], bias)
+
+
+def _check_rows_experts_bias(a: torch.Tensor, L: int, bias: Optional[torch.Tensor]) -> None:
+    """What both kernels refuse alike: more rows than 32-bit coordinates address, more than
+    MAX_LOCAL_EXPERTS experts, a bias of another dtype than float32 / bf16 or with a strided last
+    dimension."""
     if max(a.shape[:-1]) > _MAX_INT32:
         _refuse("addresses rows with 32-bit coordinates; a has more rows than that")
-    if w.shape[0] > MAX_LOCAL_EXPERTS:
-        _refuse(f"takes at most {MAX_LOCAL_EXPERTS} local experts, got {w.shape[0]}")
+    if L > MAX_LOCAL_EXPERTS:
+        _refuse(f"takes at most {MAX_LOCAL_EXPERTS} local experts, got {L}")
     if bias is not None:
         if bias.dtype not in (torch.float32, torch.bfloat16):
             _refuse(f"needs a float32 or bf16 bias, got {bias.dtype}")
@@ -326,13 +333,7 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
         raise ValueError(f"out has {out.shape[-1]} columns, the weight's {w_rows} rows give {width}")
     if a.shape[-1] != K:
         raise ValueError(f"a has {a.shape[-1]} columns, the weight's K is {K}")
-    if max(a.shape[:-1]) > _MAX_INT32:
-        _refuse("addresses rows with 32-bit coordinates; a has more rows than that")
-    if L > MAX_LOCAL_EXPERTS:
-        _refuse(f"takes at most {MAX_LOCAL_EXPERTS} local experts, got {L}")
-    if bias is not None and (bias.dtype not in (torch.float32, torch.bfloat16) or bias.stride(-1) != 1):
-        _refuse(f"needs a float32 or bf16 bias with a contiguous last dimension, got {bias.dtype} with strides "
-                f"{tuple(bias.stride())}")
+    _check_rows_experts_bias(a, L, bias)
     slabs, rows, stride_as, stride_ar, stride_os, stride_or = _rows_geometry(a, out, offsets, counts)
     if L == 0 or w_rows == 0 or rows == 0 or slabs == 0:
         return out

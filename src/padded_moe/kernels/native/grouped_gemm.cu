@@ -264,19 +264,15 @@ __device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
-// Shared-memory matrix descriptor of a K-major operand under the 128-byte swizzle: start address,
-// leading offset (unused by this swizzle, 16 bytes by convention), stride 1024 bytes between groups of
-// 8 rows, swizzle mode 1 (128B) in bits 62-63.
-__device__ __forceinline__ uint64_t smem_desc(const void* p) {
-  const uint64_t addr = smem_addr(p);
-  return ((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (1ull << 62);
+// Shared-memory matrix descriptor of a K-major operand under the 128-byte swizzle at the 32-bit
+// shared address `addr`: start address, leading offset (unused by this swizzle, 16 bytes by
+// convention), stride 1024 bytes between groups of 8 rows, swizzle mode 1 (128B) in bits 62-63.
+__device__ __forceinline__ uint64_t smem_desc_at(uint32_t addr) {
+  return ((uint64_t(addr) & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (1ull << 62);
 }
 
-// The same from a 32-bit shared address (arithmetic the compiler keeps on the uniform datapath when
-// the address is warp-uniform, so the wgmma's descriptor needs no register-to-uniform moves).
-__device__ __forceinline__ uint64_t smem_desc_at(uint32_t addr) {
-  return ((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (1ull << 62);
-}
+// The same at a generic pointer into shared memory.
+__device__ __forceinline__ uint64_t smem_desc(const void* p) { return smem_desc_at(smem_addr(p)); }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }

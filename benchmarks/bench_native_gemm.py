@@ -14,9 +14,11 @@ variant alike):
   GROUPED_CONTIGUOUS, and the native kernel on GROUPED_CONTIGUOUS with the activation in GEMM1's
   epilogue (its default; for MXFP4 weights, prepared here, "grouped, cuda" is the RS kernel, which
   runs the activation as its own op; "grouped, cuda, fused" turns its gated epilogue on,
-  `grouped.RS_EPILOGUE`), as a separate op (`PADDED_MOE_FUSE_ACTIVATION=0`), and in
-  configurations 0, 1 and 3 (the producer-upcast kernel, for MXFP4 too) (bf16: 0 and 3 in both tile walks, and walking from the counter with A's rows as
-  normal L2 lines) instead of its own choice by shape; for MXFP4 weights, where humming-kernels is
+  `grouped.RS_EPILOGUE`, and "chunks256" / "chunks320" force its chunks, `grouped.RS_WIDE`), as
+  a separate op (`PADDED_MOE_FUSE_ACTIVATION=0`), and in configurations 0, 1 and 3 (the
+  producer-upcast kernel, for MXFP4 too) (bf16: 0 and 3 in both tile walks, and walking from the
+  counter with A's rows as normal L2 lines) instead of its own choice by shape; for MXFP4 weights,
+  where humming-kernels is
   installed, also its GEMMs on GROUPED_CONTIGUOUS (backend "humming");
 
 with the floors of the call: the experts' weights that received rows over the copy bandwidth,
@@ -140,8 +142,13 @@ def call_variants(mx: bool, humming: bool = False) -> dict:
         variants["grouped, cuda c3"] = ("grouped_contiguous", "cuda", None, 3, False, None)
         variants["grouped, cuda c3 dyn"] = ("grouped_contiguous", "cuda", None, 3, True, None)
         variants["grouped, cuda c3 dyn, rows normal"] = ("grouped_contiguous", "cuda", None, 3, True, False)
-    if mx:  # the RS kernel with its gated epilogue (grouped.RS_EPILOGUE on for the capture)
-        variants["grouped, cuda, fused"] = ("grouped_contiguous", "cuda", "1", None, None, None)
+    if mx:  # the RS kernel: with its gated epilogue ("fused": grouped.RS_EPILOGUE on for the capture,
+        # off for the others), and with its chunks of 256 or 320 rows forced (grouped.RS_WIDE)
+        for fused in ("", ", fused"):
+            for chunks in ("", ", chunks256", ", chunks320"):
+                if fused or chunks:
+                    variants[f"grouped, cuda{fused}{chunks}"] = ("grouped_contiguous", "cuda", "1" if fused else None,
+                                                                 None, None, None)
     if mx and humming:
         variants["grouped, humming"] = ("grouped_contiguous", "humming", None, None, None, None)
     return variants
@@ -228,7 +235,9 @@ def main() -> None:
             graphs, outs, failed = {}, {}, {}
             for name, (lay, backend, fuse, config, dynamic, rows_last) in variants.items():
                 env = {} if fuse is None else {FUSE_ENV: fuse}
-                rs_epilogue = mock.patch.object(grouped, "RS_EPILOGUE", name == "grouped, cuda, fused")
+                wide = {"chunks256": False, "chunks320": True}.get(name.rsplit(", ", 1)[-1])
+                rs_epilogue = mock.patch.multiple(grouped, RS_EPILOGUE=name.startswith("grouped, cuda, fused"),
+                                                  RS_WIDE=wide)
                 try:
                     with mock.patch.dict(os.environ, env), forced_config(config, dynamic, rows_last), rs_epilogue:
                         graph, out = captured(lambda: fused_experts(  # noqa: B023

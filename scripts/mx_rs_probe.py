@@ -2,8 +2,9 @@
 into wgmma's register operand, tokens on the MMA's N side, up to 256 of an expert's rows per tile)
 against the library's Triton kernel on the same prepared bytes: its stand-alone walk
 (`scripts/mx_rs/mx_rs_gemm.cu`: the library's tile body, one CTA per tile of GROUPED_MASKED slabs,
-tiles decoded from blockIdx) and the library's own kernel (`grouped.launch_rs`: persistent CTAs) on
-the same slabs and on the same rows as one GROUPED_CONTIGUOUS buffer, in both walk orders.
+tiles decoded from blockIdx) and the library's own kernel (`grouped.launch_rs`, `LIB_WALKS`: both
+walk orders, chunks of 256 and of 320 rows) on the same slabs and on the same rows as one
+GROUPED_CONTIGUOUS buffer.
 
 Per case (model preset, GEMM stage, rows): routed counts from top-k of random logits (`--tokens`)
 or equal counts (`--rows`, over `--experts` experts); slabs as large as the largest count, rows past
@@ -37,6 +38,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_gemm import weight_pair  # noqa: E402
 
 TOL = 2.0**-7  # one bf16 rounding of the largest output
+# The library kernel's walks timed: (column tiles first, persistent CTAs, 320-row chunks). One CTA
+# per tile (persistent False) took 3-25% more time than persistent CTAs in every case of run 311.
+LIB_WALKS = ((True, True, False), (False, True, False), (True, True, True), (False, True, True))
 LIB = ROOT / ".mx_rs" / "libmx_rs.so"
 
 
@@ -91,22 +95,30 @@ def gated_case(label: str, a_flat, q, offsets, out_c, counts, ms_t: float) -> li
     two = torch.full((a_flat.shape[0], out_c.shape[1] // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
     fused = torch.full_like(two, float("nan"))
 
-    def run_two():
-        grouped.launch_rs(a_flat, q, out_c, offsets=offsets)
-        apply_moe_activation("swigluoai", two, out_c, valid_token_counts=act_counts)
+    bad = []
+    for wide in (False, True):
+        def run_two(wide=wide):
+            grouped.launch_rs(a_flat, q, out_c, offsets=offsets, wide=wide)
+            apply_moe_activation("swigluoai", two, out_c, valid_token_counts=act_counts)
 
-    def run_fused():
-        grouped.launch_rs(a_flat, q, fused, offsets=offsets, epilogue=ActivationEpilogue.of("swigluoai"))
+        def run_fused(wide=wide):
+            grouped.launch_rs(a_flat, q, fused, offsets=offsets, epilogue=ActivationEpilogue.of("swigluoai"), wide=wide)
 
-    run_two()
-    run_fused()
-    torch.cuda.synchronize()
-    diff = ((fused.double() - two.double()).abs() / two.double().abs().clamp(min=1e-2)).max().item()
-    for name, run in (("lib contiguous + activation op", run_two), ("lib contiguous, gated epilogue", run_fused)):
-        ms = triton.testing.do_bench(run, warmup=10, rep=80)
-        print(f"  {name:<30} {ms * 1e3:9.1f} us  triton GEMM / this time {ms_t / ms:5.3f}")
-    print(f"  gated epilogue vs two steps: max relative difference {diff:.1e}")
-    return [] if diff <= TOL else [f"{label} gated epilogue vs two steps: {diff:.1e}"]
+        two.fill_(float("nan"))
+        fused.fill_(float("nan"))
+        run_two()
+        run_fused()
+        torch.cuda.synchronize()
+        diff = ((fused.double() - two.double()).abs() / two.double().abs().clamp(min=1e-2)).max().item()
+        tag = ", 320-row chunks" if wide else ""
+        for name, run in ((f"lib contiguous + activation op{tag}", run_two), (f"lib contiguous, gated epilogue{tag}",
+                                                                               run_fused)):
+            ms = triton.testing.do_bench(run, warmup=10, rep=80)
+            print(f"  {name:<30} {ms * 1e3:9.1f} us  triton GEMM / this time {ms_t / ms:5.3f}")
+        print(f"  gated epilogue vs two steps{tag}: max relative difference {diff:.1e}")
+        if not diff <= TOL:
+            bad.append(f"{label} gated epilogue vs two steps{tag}: {diff:.1e}")
+    return bad
 
 
 def main() -> None:
@@ -120,6 +132,7 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(0)
     lib = load_library()
+    defaults = grouped.RS_COLUMNS_FIRST, grouped.RS_PERSISTENT, grouped.RS_WIDE
     be = get_backend("triton")
     bad = []
     for model in args.presets.split(","):
@@ -187,14 +200,19 @@ def main() -> None:
                 out_c = torch.full((a_flat.shape[0], n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
                 out_m = torch.full_like(out_t, float("nan"))
                 lib_cases = []
-                for first in (True, False):
-                    tag = "columns first" if first else "chunks first"
+                for first, persistent, wide in LIB_WALKS:
+                    tag = ", ".join(["columns first" if first else "chunks first"] + ([] if persistent else ["per tile"])
+                                    + (["320-row chunks"] if wide else []))
                     lib_cases += [
-                        (f"lib masked, {tag}", first, lambda: grouped.launch_rs(a, q, out_m, counts=c32), lambda: out_m),
-                        (f"lib contiguous, {tag}", first, lambda: grouped.launch_rs(a_flat, q, out_c, offsets=offsets),
+                        (f"lib masked, {tag}", (first, persistent, wide),
+                         lambda: grouped.launch_rs(a, q, out_m, counts=c32), lambda: out_m),
+                        (f"lib contiguous, {tag}", (first, persistent, wide),
+                         lambda: grouped.launch_rs(a_flat, q, out_c, offsets=offsets),
                          lambda: _as_slabs(out_c, counts, t_max))]
-                for name, first, run, got in lib_cases:
-                    grouped.RS_COLUMNS_FIRST = first
+                for name, (first, persistent, wide), run, got in lib_cases:
+                    grouped.RS_COLUMNS_FIRST, grouped.RS_PERSISTENT, grouped.RS_WIDE = first, persistent, wide
+                    out_m.fill_(float("nan"))
+                    out_c.fill_(float("nan"))
                     run()
                     torch.cuda.synchronize()
                     err = rel_err(got(), ref, counts)
@@ -203,7 +221,7 @@ def main() -> None:
                           f"triton / this time {ms_t / ms:5.3f}")
                     if not err <= TOL:
                         bad.append(f"{label} {name}: {err:.1e}")
-                grouped.RS_COLUMNS_FIRST = True
+                grouped.RS_COLUMNS_FIRST, grouped.RS_PERSISTENT, grouped.RS_WIDE = defaults
                 if stage == "w13" and model.startswith("gpt-oss"):
                     bad += gated_case(label, a_flat, q, offsets, out_c, counts, ms_t)
     if bad:

@@ -48,8 +48,10 @@ def test_forced_config_sets_the_configuration_and_the_walk():
 
 def test_variants_selected_by_name_with_the_base_always_timed():
     bf16, mx = bench_native_gemm.call_variants(False), bench_native_gemm.call_variants(True)
-    # MXFP4: no wide tiles or counter walks, and the RS kernel's gated epilogue
-    assert set(mx) - set(bf16) == {"grouped, cuda, fused"} and "grouped, cuda c3 dyn" not in mx
+    # MXFP4: no wide tiles or counter walks; the RS kernel with its gated epilogue and chunk sizes forced
+    rs_only = {f"grouped, cuda{fused}{chunks}" for fused in ("", ", fused") for chunks in ("", ", chunks256", ", chunks320")}
+    rs_only.remove("grouped, cuda")
+    assert set(mx) - set(bf16) == rs_only and "grouped, cuda c3 dyn" not in mx
     assert "grouped, cuda, fused" not in bf16
     assert bench_native_gemm.select_variants(bf16, set()) == bf16
     picked = bench_native_gemm.select_variants(bf16, {"auto", "grouped, cuda c0"})

@@ -493,7 +493,8 @@ def test_rs_contiguous_launch_arguments(monkeypatch):
     h = q.hopper
     assert args == (grouped.RS_STAGES, a, 640, 64, 1, 10, 64, h.blocks, 264 * 8, 8, h.scales, 2 * 264, 264, 3, 264,
                     64, offsets, None, bias, 264, native.DTYPE_CODES[torch.bfloat16], out, 0, 264,
-                    int(grouped.RS_COLUMNS_FIRST), grouped.PLAIN, -1, 0, 0.0, 1.0, 0.0)
+                    int(grouped.RS_COLUMNS_FIRST), int(grouped.RS_PERSISTENT), 4, grouped.PLAIN, -1, 0, 0.0, 1.0,
+                    0.0)
 
 
 def test_rs_masked_launch_arguments(monkeypatch):
@@ -503,11 +504,53 @@ def test_rs_masked_launch_arguments(monkeypatch):
     a = torch.randn(L, T, K, dtype=torch.bfloat16)
     out = torch.empty(L, T, N, dtype=torch.bfloat16)
     counts = torch.tensor([1, 0, 300, 3], dtype=torch.int32)
+    monkeypatch.setattr(grouped, "RS_COLUMNS_FIRST", False)
+    monkeypatch.setattr(grouped, "RS_PERSISTENT", False)
+    monkeypatch.setattr(grouped, "RS_WIDE", False)
     grouped.launch_rs(a, q, out, counts=counts, stages=3)
     (_, grid, args), = rec.calls
     assert grid == (4 * 2 * 1,)  # 4 slabs of two 256-row chunks, one weight tile
     assert args[:7] == (3, a, T * K, K, L, T, K)
     assert args[16:19] == (None, counts, None) and args[21:24] == (out, T * N, N)
+    assert args[24:27] == (0, 0, 4)  # chunks first, one CTA per tile, 4-box chunks
+
+
+def test_rs_wide_chunks_by_rows_per_expert(monkeypatch):
+    """Chunks of 5 boxes (320 rows, 3 stages) where the rows per expert lie in RS_WIDE_ROWS: a flat
+    buffer's rows over its experts, a slab's rows; the grid's bound counts 320-row chunks."""
+    rec = _Recorder(monkeypatch)
+    monkeypatch.setattr(grouped, "RS_WIDE", None)
+    lo, hi = grouped.RS_WIDE_ROWS
+    L, K, N = 4, 64, 16
+    q = _rs_weight(L=L, N=N, K=K)
+    for per_expert, wide in ((lo - 1, False), (lo, True), (hi - 1, True), (hi, False)):
+        rec.calls.clear()
+        a = torch.randn(L * per_expert, K, dtype=torch.bfloat16)
+        out = torch.empty(L * per_expert, N, dtype=torch.bfloat16)
+        offsets = torch.arange(L + 1, dtype=torch.int64) * per_expert
+        grouped.launch_rs(a, q, out, offsets=offsets)
+        (_, grid, args), = rec.calls
+        chunk = grouped.RS_WIDE_CHUNK_ROWS if wide else grouped.RS_CHUNK_ROWS
+        assert args[26] == (5 if wide else 4) and args[0] == (grouped.RS_WIDE_STAGES if wide else grouped.RS_STAGES)
+        assert grid == (-(-L * per_expert // chunk) + L,)
+        rec.calls.clear()
+        slabs = torch.randn(L, per_expert, K, dtype=torch.bfloat16)
+        grouped.launch_rs(slabs, q, torch.empty(L, per_expert, N, dtype=torch.bfloat16),
+                          counts=torch.full((L,), per_expert, dtype=torch.int32))
+        assert rec.calls[0][2][26] == (5 if wide else 4) and rec.calls[0][1] == (L * -(-per_expert // chunk),)
+    rec.calls.clear()
+    a = torch.randn(L * lo, K, dtype=torch.bfloat16)
+    out = torch.empty(L * lo, N, dtype=torch.bfloat16)
+    offsets = torch.arange(L + 1, dtype=torch.int64) * lo
+    grouped.launch_rs(a, q, out, offsets=offsets, wide=False, stages=4)
+    monkeypatch.setattr(grouped, "RS_WIDE", False)
+    grouped.launch_rs(a, q, out, offsets=offsets)
+    assert [call[2][26] for call in rec.calls] == [4, 4] and rec.calls[0][2][0] == 4
+    monkeypatch.setattr(grouped, "RS_WIDE", True)
+    with pytest.raises(ValueError, match="stages must be 3 with wide chunks"):
+        grouped.launch_rs(a[:8], q, out[:8], offsets=offsets.clamp(max=8), stages=4)
+    with pytest.raises(ValueError, match="3 with wide chunks; got 4"):
+        grouped.launch_rs(a, q, out, offsets=offsets, stages=4, wide=True)
 
 
 def test_rs_launch_refuses_what_the_kernel_cannot_take(monkeypatch):

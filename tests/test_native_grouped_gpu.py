@@ -68,6 +68,8 @@ def _counts_case(counts, K, N, layout, bias_dtype, seed):
 
 # Counts around every 64-row step of a chunk and past one chunk (128 or 256 rows), and empty experts.
 ODD_COUNTS = [0, 1, 63, 64, 65, 127, 128, 130, 191, 192, 193, 255, 256, 257, 0, 520]
+# The RS kernel's chunks also hold 320 rows (`grouped.RS_WIDE`): counts around that and its fifth box.
+RS_COUNTS = ODD_COUNTS + [319, 320, 321, 385]
 CONFIG_IDS = ["persistent", "one_cta_per_tile", "persistent_64_rows", "persistent_256_rows_two_consumers"]
 
 
@@ -333,16 +335,18 @@ def _where(layout, meta):
     return dict(offsets=meta.offsets) if layout == GemmLayout.GROUPED_CONTIGUOUS else dict(counts=meta.counts)
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["chunks256", "chunks320"])
 @pytest.mark.parametrize("K,N", [(64, 136), (96, 264), (2880, 2056), (4096, 8)])
 @pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
-def test_rs_odd_counts_and_shapes(K, N, bias_dtype, layout):
-    """Counts on either side of each 64-row box and of the 256-row chunk (0 to 520), K past a
-    multiple of 64 (the weight's padded k tile reads zero rows), N past the last 128-row weight tile,
-    against float64; rows past each count keep their poison."""
+def test_rs_odd_counts_and_shapes(K, N, bias_dtype, layout, wide, monkeypatch):
+    """Counts on either side of each 64-row box and of the 256- and 320-row chunks (0 to 520), K
+    past a multiple of 64 (the weight's padded k tile reads zero rows), N past the last 128-row
+    weight tile, against float64; rows past each count keep their poison."""
     from padded_moe.kernels.native import grouped
 
-    q, meta, a, bias, out = _rs_case(ODD_COUNTS, K, N, layout, bias_dtype, K + N)
+    monkeypatch.setattr(grouped, "RS_WIDE", wide)
+    q, meta, a, bias, out = _rs_case(RS_COUNTS, K, N, layout, bias_dtype, K + N)
     assert grouped.takes_rs(q)
     grouped.launch(a, q, out, bias=bias, **_where(layout, meta))
     torch.cuda.synchronize()
@@ -350,19 +354,21 @@ def test_rs_odd_counts_and_shapes(K, N, bias_dtype, layout):
 
 
 @pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
-def test_rs_stages_agree_bit_for_bit(layout):
-    """Three and four pipeline stages: the same MMAs in the same order, so the same bits."""
+def test_rs_stages_and_chunks_agree_bit_for_bit(layout):
+    """Three and four pipeline stages, and chunks of 256 or 320 rows: each output element sums the
+    same k16 MMAs in the same order, so the same bits."""
     from padded_moe.kernels.native import grouped
 
-    q, meta, a, bias, out = _rs_case([300, 7, 0, 64, 129], 640, 392, layout, torch.float32, 21,
+    q, meta, a, bias, out = _rs_case([300, 7, 0, 64, 129, 320, 590], 640, 392, layout, torch.float32, 21,
                                      keep_canonical=False)
     outs = []
-    for stages in (3, 4):
+    for stages, wide in ((3, False), (4, False), (3, True)):
         out.fill_(SENTINEL)
-        grouped.launch_rs(a, q, out, bias=bias, stages=stages, **_where(layout, meta))
+        grouped.launch_rs(a, q, out, bias=bias, stages=stages, wide=wide, **_where(layout, meta))
         outs.append(out.clone())
     torch.cuda.synchronize()
-    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    for other in outs[1:]:
+        assert torch.equal(outs[0].view(torch.int16), other.view(torch.int16))
     check(a, q, meta, "w13", outs[1], bias)
 
 
@@ -404,17 +410,19 @@ def test_auto_takes_the_rs_kernel_for_prepared_mxfp4(monkeypatch):
         assert torch.isfinite(out).all() and err < 1e-2, f"relative difference {err:.3g}"
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["chunks256", "chunks320"])
 @pytest.mark.parametrize("config", [None, ApplyMoEActivationConfig(clamp_limit=3.0)], ids=["default", "limit3"])
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
-def test_rs_gated_pairs_equal_two_steps(layout, bias_dtype, config):
+def test_rs_gated_pairs_equal_two_steps(layout, bias_dtype, config, wide, monkeypatch):
     """swigluoai in the RS kernel's epilogue (interleaved gate / up rows) against the RS kernel's plain
     GEMM1 (itself against float64) followed by the activation op: the same rows written, within one
-    bf16 rounding; N past a 64-column tile."""
+    bf16 rounding; N past a 64-column tile; chunks of 256 and of 320 rows."""
     from padded_moe.activation import ActivationEpilogue
     from padded_moe.kernels.native import grouped
 
-    q, meta, a, bias, out = _rs_case(ODD_COUNTS, 2880, 272, layout, bias_dtype, 31)
+    monkeypatch.setattr(grouped, "RS_WIDE", wide)
+    q, meta, a, bias, out = _rs_case(RS_COUNTS, 2880, 272, layout, bias_dtype, 31)
     where = _where(layout, meta)
     grouped.launch_rs(a, q, out, bias=bias, **where)
     act = torch.full(out.shape[:-1] + (136,), SENTINEL, dtype=torch.bfloat16, device=DEV)
@@ -462,21 +470,24 @@ def test_fused_experts_rs_epilogue_gpt_oss(monkeypatch):
 
 
 def test_rs_sanitizer_small():
-    """A small RS call of each layout (boxes of 1-4 rows' chunks, a second chunk, an empty expert,
-    K past a multiple of 64, N past a weight tile), plain and with the gated epilogue, for
+    """A small RS call of each layout (chunks of 1-5 boxes, a second chunk, an empty expert, K past a
+    multiple of 64, N past a weight tile), plain and with the gated epilogue, 256- and 320-row chunks, for
     `compute-sanitizer --tool memcheck`."""
     from padded_moe.activation import ActivationEpilogue
     from padded_moe.kernels.native import grouped
 
+    counts = [5, 0, 70, 257, 130, 200, 321]
     for layout in GROUPED:
-        q, meta, a, bias, out = _rs_case([5, 0, 70, 257, 130, 200], 160, 264, layout, torch.float32, 3)
-        for stages in (3, 4):
+        q, meta, a, bias, out = _rs_case(counts, 160, 264, layout, torch.float32, 3)
+        for stages, wide in ((3, False), (4, False), (3, True)):
             out.fill_(SENTINEL)
-            grouped.launch_rs(a, q, out, bias=bias, stages=stages, **_where(layout, meta))
+            grouped.launch_rs(a, q, out, bias=bias, stages=stages, wide=wide, **_where(layout, meta))
             torch.cuda.synchronize()
             check(a, q, meta, "w13", out, bias)
-        q, meta, a, bias, out = _rs_case([5, 0, 70, 257, 130, 200], 160, 272, layout, torch.float32, 4)
-        act = torch.full(out.shape[:-1] + (136,), SENTINEL, dtype=torch.bfloat16, device=DEV)
-        grouped.launch_rs(a, q, act, bias=bias, epilogue=ActivationEpilogue.of("swigluoai"), **_where(layout, meta))
-        torch.cuda.synchronize()
-        assert torch.isfinite(act[(act != SENTINEL).any(-1)]).all()
+        q, meta, a, bias, out = _rs_case(counts, 160, 272, layout, torch.float32, 4)
+        for wide in (False, True):
+            act = torch.full(out.shape[:-1] + (136,), SENTINEL, dtype=torch.bfloat16, device=DEV)
+            grouped.launch_rs(a, q, act, bias=bias, epilogue=ActivationEpilogue.of("swigluoai"), wide=wide,
+                              **_where(layout, meta))
+            torch.cuda.synchronize()
+            assert torch.isfinite(act[(act != SENTINEL).any(-1)]).all()

@@ -31,7 +31,8 @@ __global__ void __launch_bounds__(kRsThreads, 1)
                  const __grid_constant__ CUtensorMap map_s, const Args args, int n_tiles, int chunks) {
   extern __shared__ uint8_t raw_smem[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * kRsStage + kRsStaging);
+  using Chunk = RsChunk<4>;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * Chunk::kStage + Chunk::kStaging);
   uint64_t* empty = full + STAGES;
   // Tiles expert by expert, chunk by chunk, then weight tile (the library's columns-first order).
   const int id = blockIdx.x;
@@ -40,10 +41,10 @@ __global__ void __launch_bounds__(kRsThreads, 1)
   g.e = rest / chunks;
   if (g.e >= args.L) return;
   expert_rows(args, g.e, g.slab, g.start, g.count);
-  g.m0 = (rest % chunks) * pass_rows<kRsBoxes>();
+  g.m0 = (rest % chunks) * pass_rows<4>();
   if (g.m0 >= g.count) return;
   g.n0 = g.w_row0 = g.w_row1 = n_tile * kRsWRows;
-  g.boxes = min(kRsBoxes, (g.count - g.m0 + kRowsPerGroup - 1) / kRowsPerGroup);
+  g.boxes = min(4, (g.count - g.m0 + kRowsPerGroup - 1) / kRowsPerGroup);
   const int k_tiles = args.K / kBK;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -60,28 +61,25 @@ __global__ void __launch_bounds__(kRsThreads, 1)
     for (int kt = 0; kt < k_tiles; ++kt) {
       const int s = kt % STAGES;
       mbar_wait(&empty[s], ((kt / STAGES) & 1) ^ 1);
-      uint8_t* stage = smem + s * kRsStage;
+      uint8_t* stage = smem + s * Chunk::kStage;
       mbar_expect_tx(&full[s], g.boxes * kABox + kRsWordsBytes + kRsScalesBytes);
       for (int b = 0; b < g.boxes; ++b)
         tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, g.m0 + b * kRowsPerGroup, g.e, 0, false);
-      tma_load_3d(stage + kRsWordsOff, &map_w, &full[s], kt * (kBK / 8), g.n0, g.e, 0, false);
-      tma_load_3d(stage + kRsScalesOff, &map_s, &full[s], g.n0, kt * (kBK / 32), g.e, 0, false);
+      tma_load_3d(stage + Chunk::kWordsOff, &map_w, &full[s], kt * (kBK / 8), g.n0, g.e, 0, false);
+      tma_load_3d(stage + Chunk::kScalesOff, &map_s, &full[s], g.n0, kt * (kBK / 32), g.e, 0, false);
     }
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRsConsumerRegs));
   const int c = group - 1;
-  if (g.boxes == 1) rs_consume<STAGES, 1, kPlain>(args, smem, full, empty, g, k_tiles, c, 0);
-  else if (g.boxes == 2) rs_consume<STAGES, 2, kPlain>(args, smem, full, empty, g, k_tiles, c, 0);
-  else if (g.boxes == 3) rs_consume<STAGES, 3, kPlain>(args, smem, full, empty, g, k_tiles, c, 0);
-  else rs_consume<STAGES, 4, kPlain>(args, smem, full, empty, g, k_tiles, c, 0);
+  rs_consume_boxes<STAGES, kPlain, 4>(args, smem, full, empty, g, k_tiles, c, 0);
 }
 
 template <int STAGES>
 int probe_launch(const CUtensorMap& ma, const CUtensorMap& mw, const CUtensorMap& ms, const Args& args, int n_tiles,
                  int chunks, cudaStream_t st) {
   const auto kernel = probe_kernel<STAGES>;
-  constexpr int bytes = rs_smem_bytes<STAGES>();
+  constexpr int bytes = rs_smem_bytes<STAGES, 4>();
   cudaFuncAttributes attr;
   cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -116,7 +114,7 @@ int mx_rs_gemm(int stages, void* stream, const void* a, int L, int T, int K, con
   // The library's Args as pmoe_mx_rs_gemm fills them for GROUPED_MASKED slabs without a bias.
   const Args args{nullptr, static_cast<const int32_t*>(counts), L, T, K, Nw, 0, 0, 0, 0.0f, 1.0f, 0.0f, nullptr, 0, 0,
                   static_cast<uint16_t*>(out), (long long)T * Nw, Nw, nullptr, nullptr, 0, 0, 0, 0, Nw, nullptr, 0, 0};
-  const int n_tiles = (Nw + kRsWRows - 1) / kRsWRows, chunks = (T + pass_rows<kRsBoxes>() - 1) / pass_rows<kRsBoxes>();
+  const int n_tiles = (Nw + kRsWRows - 1) / kRsWRows, chunks = (T + pass_rows<4>() - 1) / pass_rows<4>();
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (stages == 3) return probe::probe_launch<3>(ma, mw, ms, args, n_tiles, chunks, st);
   if (stages == 4) return probe::probe_launch<4>(ma, mw, ms, args, n_tiles, chunks, st);

@@ -16,10 +16,11 @@ the activation's width. Other rows of `out` are not written.
 MXFP4 weights in their prepared form (`Mxfp4Tensor.prepare_for()`: 4-plane words, folded scales;
 `takes_rs`) run the RS kernel instead (`launch_rs`, which `launch` calls for them): the consumer
 warpgroups upcast the words into wgmma's register operand, the weights on the MMA's M side and up
-to 256 of an expert's rows on its N side, so the weights are upcast once per 256 rows. Its results are those of the dequantized weight with fp32 accumulation and one
-rounding, as the Triton kernel's (bit-equal to it in the runs so far). Its activation epilogue
-takes interleaved gate / up rows (swigluoai) only and is off (`RS_EPILOGUE`): the backend runs
-GEMM1 and the activation op for these weights (`CudaBackend.fuses`).
+to 256 (or 320: `RS_WIDE`) of an expert's rows on its N side, so the weights are upcast once per
+chunk of that many rows. Its results are those of the dequantized weight with fp32 accumulation and
+one rounding, as the Triton kernel's (bit-equal to it in the runs so far). Its activation epilogue
+takes interleaved gate / up rows (swigluoai) only (`RS_EPILOGUE`); for the other activations the
+backend runs GEMM1 and the activation op with these weights (`CudaBackend.fuses`).
 
 What the kernel needs, refused with `NotImplementedError` (the caller picked this kernel, so a
 call it cannot run is an unsupported combination, not bad input): bf16 `a`, `w` and `out` (or
@@ -48,14 +49,26 @@ RS_ENTRY = "pmoe_mx_rs_gemm"
 RS_STAGES = 4
 RS_CHUNK_ROWS = 256
 RS_BLOCK_N = 128
+# Wide chunks: 5 boxes of 64 rows (320 rows: the fifth box an MMA of its own), in RS_WIDE_STAGES
+# stages (shared memory holds no more). They upcast each weight once for an expert of 257-320 rows,
+# where 256-row chunks upcast it again for the few rows past 256. RS_WIDE None: taken where the rows
+# per expert (`rs_wide`) lie in RS_WIDE_ROWS, low bound included, high excluded; True / False:
+# always / never. Never until its GPU tests have run.
+RS_WIDE_CHUNK_ROWS = 320
+RS_WIDE_STAGES = 3
+RS_WIDE_ROWS = (224, 320)
+RS_WIDE = False
 # The RS kernel's walk over an expert's tiles: column tiles first (True: the CTAs running together
 # share a chunk of rows) or chunks first (False).
 RS_COLUMNS_FIRST = True
+# The RS kernel's CTAs: persistent (True: one per SM, each walking tiles b, b + SMs, ...) or one per
+# tile of the bound (False: the block scheduler hands out the tiles in order as SMs free up, so CTAs
+# whose tiles take different times do not drift apart).
+RS_PERSISTENT = True
 # Whether the backend applies gated activations with interleaved gate / up rows (swigluoai) in the
-# RS kernel's epilogue (`rs_fuses`). The epilogue compiles and its launch arguments are tested on the
-# CPU; its GPU tests (against the two steps) have not run yet: off until they pass and its timings
-# say it pays.
-RS_EPILOGUE = False
+# RS kernel's epilogue (`rs_fuses`): bit-equal to GEMM1 followed by the activation op, and 3-9% less
+# time than the two steps on GPT-OSS's GEMM1 (H100, scripts/mx_rs_probe.py). False: the two steps.
+RS_EPILOGUE = True
 MAX_LOCAL_EXPERTS = 1024  # the experts' chunk prefix lives in shared memory (`kMaxExperts`)
 # The kernel's configurations, by index (`PMOE_GG_CONFIGS`): (pipeline stages, persistent, weight
 # rows per tile, consumer warpgroups). A tile has that many output columns (half as many with a
@@ -293,19 +306,27 @@ def rs_fuses(activation) -> bool:
     return RS_EPILOGUE and activation.value in EPILOGUE_ACTIVATIONS and activation.interleaved
 
 
+def rs_wide(rows: int, L: int, flat: bool) -> bool:
+    """Whether the RS kernel runs wide chunks (`RS_WIDE`, else `RS_WIDE_ROWS`) for rows per expert
+    estimated from shapes: a flat buffer's rows over the L experts, a slab's rows."""
+    if RS_WIDE is not None:
+        return bool(RS_WIDE)
+    per_expert = rows / max(L, 1) if flat else rows
+    return RS_WIDE_ROWS[0] <= per_expert < RS_WIDE_ROWS[1]
+
+
 def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Optional[torch.Tensor] = None,
               counts: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, epilogue=None,
-              stages: Optional[int] = None) -> torch.Tensor:
+              stages: Optional[int] = None, wide: Optional[bool] = None) -> torch.Tensor:
     """`launch` for prepared MXFP4 weights (`takes_rs`): `out[row] = a[row] @ W[e].T (+ bias[e])`
     at each expert's rows, W the dequantized weight. Same layouts and arguments as `launch`;
-    `epilogue` (GEMM1) only with interleaved gate / up rows (swigluoai); `stages` 3 or 4 (None:
-    `RS_STAGES`)."""
+    `epilogue` (GEMM1) only with interleaved gate / up rows (swigluoai); `wide`: chunks of
+    RS_WIDE_CHUNK_ROWS rows instead of RS_CHUNK_ROWS (None: `rs_wide`); `stages` 3 or 4, 3 only for
+    wide chunks (None: `RS_STAGES`, `RS_WIDE_STAGES` for wide chunks)."""
     if (offsets is None) == (counts is None):
         raise ValueError("exactly one of offsets (GROUPED_CONTIGUOUS) and counts (GROUPED_MASKED) must be given")
-    if stages is None:
-        stages = RS_STAGES
-    if stages not in (3, 4):
-        raise ValueError(f"stages must be 3 or 4, got {stages!r}")
+    if stages not in (None, 3, 4) or (stages == 4 and wide):
+        raise ValueError(f"stages must be 3 or 4, 3 with wide chunks; got {stages!r} (wide={wide})")
     if not takes_rs(w):
         _refuse("runs MXFP4 weights in the RS kernel only in their prepared form with 4 planes and folded scales "
                 "(Mxfp4Tensor.prepare_for())")
@@ -337,9 +358,17 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
     slabs, rows, stride_as, stride_ar, stride_os, stride_or = _rows_geometry(a, out, offsets, counts)
     if L == 0 or w_rows == 0 or rows == 0 or slabs == 0:
         return out
-    # The tiles' bound from shapes, as `launch`'s: chunks of RS_CHUNK_ROWS rows times the weight's
-    # tiles of RS_BLOCK_N rows; the kernel launches min(this, SMs) persistent CTAs.
-    chunks = _chunk_bound(offsets is not None, rows, L, RS_CHUNK_ROWS)
+    if wide is None:
+        wide = rs_wide(rows, L, offsets is not None)
+    if stages is None:
+        stages = RS_WIDE_STAGES if wide else RS_STAGES
+    elif stages == 4 and wide:
+        raise ValueError(f"stages must be 3 with wide chunks (shared memory holds no more), got 4 (RS_WIDE_ROWS "
+                         f"{RS_WIDE_ROWS} chose wide chunks for these shapes)")
+    # The tiles' bound from shapes, as `launch`'s: chunks of RS_CHUNK_ROWS (wide: RS_WIDE_CHUNK_ROWS)
+    # rows times the weight's tiles of RS_BLOCK_N rows; the kernel launches min(this, SMs) persistent
+    # CTAs (`RS_PERSISTENT`), else this many.
+    chunks = _chunk_bound(offsets is not None, rows, L, RS_WIDE_CHUNK_ROWS if wide else RS_CHUNK_ROWS)
     grid = (chunks * cdiv(width, RS_BLOCK_N if ep[0] == PLAIN else RS_BLOCK_N // 2),)
     if grid[0] >= 2 ** 30:  # tile ids are 32-bit; a persistent CTA's last step passes the bound
         _refuse(f"numbers its tiles in 30 bits; this call would need {grid[0]}")
@@ -348,5 +377,6 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
     launch_native(native.GROUPED.entry(RS_ENTRY), grid,
                   (stages, a, stride_as, stride_ar, slabs, rows, K, words, words.stride(0), words.stride(1), scales,
                    scales.stride(0), scales.stride(1), L, w_rows, h.k_padded, offsets, counts, bias, stride_be,
-                   bias_kind, out, stride_os, stride_or, int(RS_COLUMNS_FIRST), *ep))
+                   bias_kind, out, stride_os, stride_or, int(RS_COLUMNS_FIRST), int(RS_PERSISTENT),
+                   5 if wide else 4, *ep))
     return out

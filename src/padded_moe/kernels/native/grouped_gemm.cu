@@ -841,22 +841,29 @@ __global__ void __launch_bounds__(threads<C>(), 1)
 // pieces of output rows, or, gated (kGatedPairs), the activation of each staged gate / up pair.
 // Measured against the Triton kernel on the same bytes: notes.md, scripts/mx_rs_probe.py.
 constexpr int kRsWRows = 128;                             // weight rows of a tile (64 per consumer)
-constexpr int kRsBoxes = 4;                               // 64-row boxes of a chunk: pass_rows<4>() rows
-constexpr int kRsWordsOff = kRsBoxes * kABox;             // [128 rows][8 words] int32
-constexpr int kRsWordsBytes = kRsWRows * (kBK / 8) * 4;   // 4096
-constexpr int kRsScalesOff = kRsWordsOff + kRsWordsBytes;  // [2 groups][128 rows] int16
-constexpr int kRsScalesBytes = (kBK / 32) * kRsWRows * 2;  // 512
-constexpr int kRsStage = (kRsScalesOff + kRsScalesBytes + 1023) / 1024 * 1024;
+constexpr int kRsWordsBytes = kRsWRows * (kBK / 8) * 4;   // [128 rows][8 words] int32: 4096
+constexpr int kRsScalesBytes = (kBK / 32) * kRsWRows * 2;  // [2 groups][128 rows] int16: 512
 constexpr int kRsOutRow = (kRsWRows + 8) * 2;  // epilogue staging row (bytes): 8 columns of padding spread the banks
-constexpr int kRsStaging = kRsBoxes * kRowsPerGroup * kRsOutRow;  // a tile's output, row-major
 constexpr int kRsThreads = 384;                // a producer warpgroup and two consumers
 constexpr int kRsProducerRegs = 40, kRsConsumerRegs = 232;
 
+// A chunk of B boxes of 64 rows (4: 256 rows; 5: 320, the fifth box an m64n64 MMA of its own, as
+// wgmma's N stops at 256): where a stage's rows, words and scales lie, a stage's bytes, and the
+// epilogue's staging of a tile's output (row-major).
+template <int B>
+struct RsChunk {
+  static_assert(B == 4 || B == 5, "RS chunks hold 4 or 5 boxes");
+  static constexpr int kWordsOff = B * kABox;
+  static constexpr int kScalesOff = kWordsOff + kRsWordsBytes;
+  static constexpr int kStage = (kScalesOff + kRsScalesBytes + 1023) / 1024 * 1024;
+  static constexpr int kStaging = B * kRowsPerGroup * kRsOutRow;
+};
+
 // Stages, the epilogue's staging (its own: the producer fills the next tile's stages meanwhile),
 // the barriers, the experts' chunk prefix, and the slack for aligning the stages to 1024 bytes.
-template <int STAGES>
+template <int STAGES, int B>
 __host__ __device__ constexpr int rs_smem_bytes() {
-  return STAGES * kRsStage + kRsStaging + 2 * STAGES * 8 + 4 * (kMaxExperts + 1) + 1024;
+  return STAGES * RsChunk<B>::kStage + RsChunk<B>::kStaging + 2 * STAGES * 8 + 4 * (kMaxExperts + 1) + 1024;
 }
 
 __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
@@ -998,41 +1005,52 @@ __device__ __forceinline__ void rs_upcast(uint32_t words, uint32_t scales, int r
   }
 }
 
-// A consumer warpgroup's tile: the k loop over the chunk's 64 NB rows, then the epilogue. `it`:
-// the k tiles this warpgroup consumed before (stage and parity of the ring). EPI kPlain stores the
-// 128 weight rows' sums (plus bias) as output columns; kGatedPairs (swigluoai's interleave: weight
-// rows 2j gate, 2j + 1 up) stores 64 activation columns, computed from the staged bf16 sums, the
-// values the activation op would read from GEMM1's buffer.
-template <int STAGES, int NB, int EPI>
+// A consumer warpgroup's tile: the k loop over the chunk's 64 NB rows (NB <= B, the chunk's boxes),
+// then the epilogue. `it`: the k tiles this warpgroup consumed before (stage and parity of the
+// ring). EPI kPlain stores the 128 weight rows' sums (plus bias) as output columns; kGatedPairs
+// (swigluoai's interleave: weight rows 2j gate, 2j + 1 up) stores 64 activation columns, computed
+// from the staged bf16 sums, the values the activation op would read from GEMM1's buffer.
+template <int STAGES, int NB, int EPI, int B>
 __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                            const TileGeom& g, int k_tiles, int c, int it) {
-  constexpr int NACC = NB * 32;  // m64n(64 NB): 64 NB / 2 floats per thread
+  using Chunk = RsChunk<B>;
+  constexpr int NB0 = NB < 4 ? NB : 4;  // boxes of the first MMA: m64n(64 NB0), 32 NB0 floats per thread
+  constexpr int NB1 = NB - NB0;         // 0, or the fifth box's m64n64
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, q = lane % 4;
   const int r0 = c * 64 + warp * 16 + lane / 4;
   const uint32_t base = smem_addr(smem);
-  float acc[NACC];
+  float acc[NB0 * 32];
+  float acc1[NB1 > 0 ? 32 : 1];
 #pragma unroll
-  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+  for (int i = 0; i < NB0 * 32; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i)
+    if constexpr (NB1 > 0) acc1[i] = 0.f;
   for (int kt = 0; kt < k_tiles; ++kt, ++it) {
     const int s = it % STAGES;
     mbar_wait(&full[s], (it / STAGES) & 1);
-    const uint32_t stage = base + s * kRsStage;
+    const uint32_t stage = base + s * Chunk::kStage;
     uint32_t f[16];
-    rs_upcast(stage + kRsWordsOff, stage + kRsScalesOff, r0, q, f);
+    rs_upcast(stage + Chunk::kWordsOff, stage + Chunk::kScalesOff, r0, q, f);
     const uint64_t db = smem_desc_at(stage);
     wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < kBK / 16; ++j) wgmma_rs(acc, f[4 * j], f[4 * j + 1], f[4 * j + 2], f[4 * j + 3], db + 2 * j);
+    for (int j = 0; j < kBK / 16; ++j) {
+      wgmma_rs(acc, f[4 * j], f[4 * j + 1], f[4 * j + 2], f[4 * j + 3], db + 2 * j);
+      if constexpr (NB1 > 0)
+        wgmma_rs(acc1, f[4 * j], f[4 * j + 1], f[4 * j + 2], f[4 * j + 3], smem_desc_at(stage + 4 * kABox) + 2 * j);
+    }
     wgmma_commit();
     wgmma_wait<0>();
     if (t == 0) mbar_arrive(&empty[s]);
   }
   fence_accumulators(acc);
+  if constexpr (NB1 > 0) fence_accumulators(acc1);
   // The staging is free once both warpgroups have stored the previous tile from it.
-  const uint32_t staging = base + STAGES * kRsStage;
+  const uint32_t staging = base + STAGES * Chunk::kStage;
   rs_consumers_sync();
-  // Accumulator fragment: i = 4b + 2h + p is weight row w_row0 + r0 + 8h of the chunk's row
-  // 8b + 2q + p; staged at that row's column r0 + 8h.
+  // Accumulator fragment: i = 4b + 2h + p (acc, then acc1 from b = 32) is weight row w_row0 + r0 + 8h
+  // of the chunk's row 8b + 2q + p; staged at that row's column r0 + 8h.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int w_row = g.w_row0 + r0 + 8 * h;
@@ -1041,7 +1059,8 @@ __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint
     for (int b = 0; b < NB * 8; ++b)
 #pragma unroll
       for (int p = 0; p < 2; ++p) {
-        const float v = live ? as_stored(args, g.e, w_row, acc[4 * b + 2 * h + p]) : 0.0f;
+        const float a = b < NB0 * 8 ? acc[4 * b + 2 * h + p] : acc1[(4 * b + 2 * h + p) % 32];
+        const float v = live ? as_stored(args, g.e, w_row, a) : 0.0f;
         sts16(staging + (8 * b + 2 * q + p) * kRsOutRow + (r0 + 8 * h) * 2,
               __bfloat16_as_ushort(__float2bfloat16_rn(v)));
       }
@@ -1077,6 +1096,17 @@ __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint
   }
 }
 
+// `rs_consume` compiled for each box count a tile may hold (1..B), chosen by the tile's.
+template <int STAGES, int EPI, int B>
+__device__ __forceinline__ void rs_consume_boxes(const Args& args, uint8_t* smem, uint64_t* full, uint64_t* empty,
+                                                 const TileGeom& g, int k_tiles, int c, int it) {
+  if (g.boxes == 1) rs_consume<STAGES, 1, EPI, B>(args, smem, full, empty, g, k_tiles, c, it);
+  else if (g.boxes == 2) rs_consume<STAGES, 2, EPI, B>(args, smem, full, empty, g, k_tiles, c, it);
+  else if (g.boxes == 3) rs_consume<STAGES, 3, EPI, B>(args, smem, full, empty, g, k_tiles, c, it);
+  else if (B == 4 || g.boxes == 4) rs_consume<STAGES, 4, EPI, B>(args, smem, full, empty, g, k_tiles, c, it);
+  else rs_consume<STAGES, (B > 4 ? 5 : 4), EPI, B>(args, smem, full, empty, g, k_tiles, c, it);
+}
+
 // RS tile `id`: experts in order; within an expert (`args.rs_columns_first`), column tiles fastest
 // (1: the CTAs running together share a chunk's rows, which are 7x the bytes of a weight tile per k
 // step) or chunks fastest (0, `locate_tile`'s order). Expert -1 past the last tile.
@@ -1096,36 +1126,38 @@ __host__ __device__ constexpr int rs_tile_cols() {
 
 // Where an RS tile's work lies: its expert's rows, the chunk's first row, its first output column,
 // its first weight row and the 64-row boxes that hold rows.
-template <int EPI>
+template <int EPI, int B>
 __device__ __forceinline__ TileGeom rs_tile_geometry(const Args& args, const Tile& tile) {
   TileGeom g;
   g.e = tile.e;
   expert_rows(args, tile.e, g.slab, g.start, g.count);
-  g.m0 = tile.chunk * pass_rows<kRsBoxes>();
+  g.m0 = tile.chunk * pass_rows<B>();
   g.n0 = tile.col_tile * rs_tile_cols<EPI>();
   g.w_row0 = EPI == kPlain ? g.n0 : 2 * g.n0;
   g.w_row1 = g.w_row0;
-  g.boxes = min(kRsBoxes, (g.count - g.m0 + kRowsPerGroup - 1) / kRowsPerGroup);
+  g.boxes = min(B, (g.count - g.m0 + kRowsPerGroup - 1) / kRowsPerGroup);
   return g;
 }
 
-// Persistent: one CTA per SM walks tiles blockIdx.x, + gridDim.x, ... (`rs_locate_tile` over chunks
-// of 256 rows and tiles of 128 weight rows), so the experts' chunk prefix is computed once per CTA
-// and the producer fills the next tile's first stages while the consumers store the last one.
+// CTA b walks tiles b, b + gridDim.x, ... (`rs_locate_tile` over chunks of B x 64 rows and tiles of
+// 128 weight rows). Persistent (one CTA per SM, `rs_launch`), the experts' chunk prefix is computed once
+// per CTA and the producer fills the next tile's first stages while the consumers store the last
+// one; with one CTA per tile, the grid's step ends the walk after one tile.
 // `args.K` here is the weights' padded K (the k tiles); the rows' own K is in their tensor map,
 // which reads zeros past it.
-template <int STAGES, int EPI>
+template <int STAGES, int EPI, int B>
 __global__ void __launch_bounds__(kRsThreads, 1)
     mx_rs_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
                  const __grid_constant__ CUtensorMap map_s, const Args args) {
+  using Chunk = RsChunk<B>;
   extern __shared__ uint8_t raw_smem[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * kRsStage + kRsStaging);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * Chunk::kStage + Chunk::kStaging);
   uint64_t* empty = full + STAGES;
   int* prefix = reinterpret_cast<int*>(empty + STAGES);  // [L + 1]
   const int n_tiles = (args.N + rs_tile_cols<EPI>() - 1) / rs_tile_cols<EPI>();
   const int k_tiles = args.K / kBK;
-  if (threadIdx.x < 32) chunk_prefix<kRsBoxes>(args, prefix);
+  if (threadIdx.x < 32) chunk_prefix<B>(args, prefix);
   if (threadIdx.x == 32) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
@@ -1145,17 +1177,17 @@ __global__ void __launch_bounds__(kRsThreads, 1)
     for (int id = blockIdx.x;; id += gridDim.x) {
       const Tile tile = rs_locate_tile(args, prefix, id, n_tiles);
       if (tile.e < 0) break;
-      const TileGeom g = rs_tile_geometry<EPI>(args, tile);
+      const TileGeom g = rs_tile_geometry<EPI, B>(args, tile);
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const int s = it % STAGES;
         mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
-        uint8_t* stage = smem + s * kRsStage;
+        uint8_t* stage = smem + s * Chunk::kStage;
         mbar_expect_tx(&full[s], g.boxes * kABox + kRsWordsBytes + kRsScalesBytes);
         for (int b = 0; b < g.boxes; ++b)
           tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, g.start + g.m0 + b * kRowsPerGroup, g.slab, 0,
                       false);
-        tma_load_3d(stage + kRsWordsOff, &map_w, &full[s], kt * (kBK / 8), g.w_row0, g.e, 0, false);
-        tma_load_3d(stage + kRsScalesOff, &map_s, &full[s], g.w_row0, kt * (kBK / 32), g.e, 0, false);
+        tma_load_3d(stage + Chunk::kWordsOff, &map_w, &full[s], kt * (kBK / 8), g.w_row0, g.e, 0, false);
+        tma_load_3d(stage + Chunk::kScalesOff, &map_s, &full[s], g.w_row0, kt * (kBK / 32), g.e, 0, false);
       }
     }
     return;
@@ -1166,14 +1198,11 @@ __global__ void __launch_bounds__(kRsThreads, 1)
   for (int id = blockIdx.x;; id += gridDim.x, it += k_tiles) {
     const Tile tile = rs_locate_tile(args, prefix, id, n_tiles);
     if (tile.e < 0) break;
-    TileGeom g = rs_tile_geometry<EPI>(args, tile);
+    TileGeom g = rs_tile_geometry<EPI, B>(args, tile);
     // Warp-uniform by construction (from lane 0: the tile came from shared memory), so ptxas takes
     // the body's branch as non-divergent and keeps the wgmma descriptors on the uniform datapath.
     g.boxes = __shfl_sync(0xffffffffu, g.boxes, 0);
-    if (g.boxes == 1) rs_consume<STAGES, 1, EPI>(args, smem, full, empty, g, k_tiles, c, it);
-    else if (g.boxes == 2) rs_consume<STAGES, 2, EPI>(args, smem, full, empty, g, k_tiles, c, it);
-    else if (g.boxes == 3) rs_consume<STAGES, 3, EPI>(args, smem, full, empty, g, k_tiles, c, it);
-    else rs_consume<STAGES, 4, EPI>(args, smem, full, empty, g, k_tiles, c, it);
+    rs_consume_boxes<STAGES, EPI, B>(args, smem, full, empty, g, k_tiles, c, it);
   }
 }
 
@@ -1223,13 +1252,13 @@ int encode_plain_3d(CUtensorMap* map, CUtensorMapDataType type, const void* base
   return r == CUDA_SUCCESS ? 0 : -11;
 }
 
-template <int STAGES, int EPI>
+template <int STAGES, int EPI, int B>
 int rs_launch(const CUtensorMap& ma, const CUtensorMap& mw, const CUtensorMap& ms, const Args& args, int grid_x,
-              cudaStream_t stream) {
+              bool persistent, cudaStream_t stream) {
   static unsigned long long configured = 0;  // the shared-memory opt-in, per device
-  constexpr int bytes = rs_smem_bytes<STAGES>();
+  constexpr int bytes = rs_smem_bytes<STAGES, B>();
   static_assert(bytes <= 227 * 1024, "the RS kernel's shared memory exceeds the opt-in limit");
-  const auto kernel = mx_rs_kernel<STAGES, EPI>;
+  const auto kernel = mx_rs_kernel<STAGES, EPI, B>;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -1243,10 +1272,13 @@ int rs_launch(const CUtensorMap& ma, const CUtensorMap& mw, const CUtensorMap& m
     if (err != cudaSuccess) return static_cast<int>(err);
     configured |= bit;
   }
-  int sms = 0;  // one CTA per SM (its shared memory leaves room for one), at most one per tile
+  // Persistent: one CTA per SM (its shared memory leaves room for one), at most one per tile. Else one
+  // CTA per tile of the bound: the block scheduler hands tiles to SMs in order as they free up, so
+  // CTAs whose tiles take different times do not drift apart (each computes the chunk prefix).
+  int sms = 0;
   err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return static_cast<int>(err);
-  kernel<<<grid_x < sms ? grid_x : sms, kRsThreads, bytes, stream>>>(ma, mw, ms, args);
+  kernel<<<persistent && sms < grid_x ? sms : grid_x, kRsThreads, bytes, stream>>>(ma, mw, ms, args);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -1423,7 +1455,8 @@ int pmoe_mx_rs_gemm(int stages, int grid_x, int grid_y, void* stream, const void
                     long long stride_wn, const void* scales, long long stride_se, long long stride_sg, int L,
                     int w_rows, int KP, const void* offsets, const void* counts, const void* bias,
                     long long stride_be, int bias_kind, void* out, long long stride_os, long long stride_or,
-                    int columns_first, int mode, int act, int has_limit, float limit, float alpha, float beta) {
+                    int columns_first, int persistent, int boxes, int mode, int act, int has_limit, float limit,
+                    float alpha, float beta) {
   if ((offsets == nullptr) == (counts == nullptr)) return -12;
   if (grid_y != 1 || grid_x < 1 || L < 1) return -13;
   if (L > kMaxExperts) return -16;
@@ -1437,7 +1470,7 @@ int pmoe_mx_rs_gemm(int stages, int grid_x, int grid_y, void* stream, const void
     err = encode_plain_3d(&ms, CU_TENSOR_MAP_DATA_TYPE_UINT16, scales, w_rows, KP / 32, L, stride_sg * 2,
                           stride_se * 2, kRsWRows, kBK / 32);
   if (err != 0) return err;
-  if (columns_first < 0 || columns_first > 1) return -26;
+  if (columns_first < 0 || columns_first > 1 || persistent < 0 || persistent > 1) return -26;
   if (mode != kPlain && mode != kGatedPairs) return -27;
   if (mode == kGatedPairs && act != kSilu && act != kSwigluoai && act != kSwigluoaiUninterleave) return -17;
   const int N = mode == kPlain ? w_rows : w_rows / 2;  // output columns
@@ -1447,11 +1480,14 @@ int pmoe_mx_rs_gemm(int stages, int grid_x, int grid_y, void* stream, const void
                   act, has_limit, 0, limit, alpha, beta, bias, stride_be, bias_kind, static_cast<uint16_t*>(out),
                   stride_os, stride_or, nullptr, nullptr, 0, 0, 0, 0, w_rows, nullptr, 0, 0, columns_first};
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const bool gated = mode == kGatedPairs;
-  if (stages == 3) return gated ? rs_launch<3, kGatedPairs>(ma, mw, ms, args, grid_x, st)
-                                : rs_launch<3, kPlain>(ma, mw, ms, args, grid_x, st);
-  if (stages == 4) return gated ? rs_launch<4, kGatedPairs>(ma, mw, ms, args, grid_x, st)
-                                : rs_launch<4, kPlain>(ma, mw, ms, args, grid_x, st);
+  const bool gated = mode == kGatedPairs, p = persistent == 1;
+  // Chunks of 5 boxes leave shared memory for 3 stages only.
+  if (boxes == 4 && stages == 3) return gated ? rs_launch<3, kGatedPairs, 4>(ma, mw, ms, args, grid_x, p, st)
+                                              : rs_launch<3, kPlain, 4>(ma, mw, ms, args, grid_x, p, st);
+  if (boxes == 4 && stages == 4) return gated ? rs_launch<4, kGatedPairs, 4>(ma, mw, ms, args, grid_x, p, st)
+                                              : rs_launch<4, kPlain, 4>(ma, mw, ms, args, grid_x, p, st);
+  if (boxes == 5 && stages == 3) return gated ? rs_launch<3, kGatedPairs, 5>(ma, mw, ms, args, grid_x, p, st)
+                                              : rs_launch<3, kPlain, 5>(ma, mw, ms, args, grid_x, p, st);
   return -25;
 }
 
@@ -1471,8 +1507,9 @@ const char* pmoe_error_string(int code) {
   if (code == -22) return "the L2 policy of A's rows must be 0 (normal) or 1 (evict last)";
   if (code == -23) return "the load-policy mask must be 0-3 (1: the weight tile's loads carry their L2 policy, 2: A's rows')";
   if (code == -24) return "the RS kernel needs KP a multiple of 64, 1 <= K <= KP and its output columns a multiple of 8";
-  if (code == -25) return "the RS kernel runs 3 or 4 stages";
-  if (code == -26) return "the RS kernel's walk order must be 0 (chunks first) or 1 (columns first)";
+  if (code == -25) return "the RS kernel runs chunks of 4 boxes in 3 or 4 stages, of 5 boxes in 3";
+  if (code == -26)
+    return "the RS kernel's walk order must be 0 (chunks first) or 1 (columns first), its persistence 0 or 1";
   if (code == -27) return "the RS kernel's epilogue is plain or gated with interleaved gate / up rows";
   if (code == -20) return "the kernel was compiled with fewer registers than its warpgroups share out (setmaxnreg)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));

@@ -14,7 +14,7 @@ variant alike):
   GROUPED_CONTIGUOUS, and the native kernel on GROUPED_CONTIGUOUS with the activation in GEMM1's
   epilogue (its default; for MXFP4 weights, prepared here, "grouped, cuda" is the RS kernel, which
   runs the activation as its own op; "grouped, cuda, fused" turns its gated epilogue on,
-  `grouped.RS_EPILOGUE`, and "chunks256" / "chunks320" force its chunks, `grouped.RS_WIDE`), as
+  `grouped.RS_EPILOGUE` and `RS_EPILOGUE_SPLIT`, and "chunks256" / "chunks320" force its chunks, `grouped.RS_WIDE`), as
   a separate op (`PADDED_MOE_FUSE_ACTIVATION=0`), and in configurations 0, 1 and 3 (the
   producer-upcast kernel, for MXFP4 too) (bf16: 0 and 3 in both tile walks, and walking from the
   counter with A's rows as normal L2 lines) instead of its own choice by shape; for MXFP4 weights,
@@ -236,8 +236,8 @@ def main() -> None:
             for name, (lay, backend, fuse, config, dynamic, rows_last) in variants.items():
                 env = {} if fuse is None else {FUSE_ENV: fuse}
                 wide = {"chunks256": False, "chunks320": True}.get(name.rsplit(", ", 1)[-1])
-                rs_epilogue = mock.patch.multiple(grouped, RS_EPILOGUE=name.startswith("grouped, cuda, fused"),
-                                                  RS_WIDE=wide)
+                fused = name.startswith("grouped, cuda, fused")
+                rs_epilogue = mock.patch.multiple(grouped, RS_EPILOGUE=fused, RS_EPILOGUE_SPLIT=fused, RS_WIDE=wide)
                 try:
                     with mock.patch.dict(os.environ, env), forced_config(config, dynamic, rows_last), rs_epilogue:
                         graph, out = captured(lambda: fused_experts(  # noqa: B023

@@ -10,8 +10,8 @@ Per case (model preset, GEMM stage, rows): routed counts from top-k of random lo
 or equal counts (`--rows`, over `--experts` experts); slabs as large as the largest count, rows past
 each count NaN. Each output is checked against a float64 reference on the dequantized weights
 (every expert, max error relative to the reference's largest value; exits 1 past `TOL` or on a NaN
-in a valid row), the stand-alone kernel's also against the Triton kernel's. On GPT-OSS's GEMM1 also
-the library kernel's gated epilogue (swigluoai) against its plain GEMM1 and the activation op. Times
+in a valid row), the stand-alone kernel's also against the Triton kernel's. On GEMM1 (silu family) also
+the library kernel's gated epilogue against its plain GEMM1 and the activation op. Times
 are `triton.testing.do_bench` medians (L2 flushed between calls), TFLOP/s counted on the valid rows.
 
     bash scripts/mx_rs/build.sh && python3 scripts/mx_rs_probe.py --tokens 1024,8192
@@ -85,10 +85,10 @@ def _as_slabs(flat: torch.Tensor, counts: torch.Tensor, t_max: int) -> torch.Ten
     return out
 
 
-def gated_case(label: str, a_flat, q, offsets, out_c, counts, ms_t: float) -> list:
-    """GPT-OSS's GEMM1 with swigluoai (interleaved gate / up rows) on the contiguous rows: the RS
-    kernel's gated epilogue against its plain GEMM1 followed by the activation op (outputs within one
-    bf16 rounding of each other, times of both)."""
+def gated_case(label: str, activation: str, a_flat, q, offsets, out_c, counts, ms_t: float) -> list:
+    """A model's GEMM1 with its activation (swigluoai: interleaved gate / up rows; silu: halves) on
+    the contiguous rows: the RS kernel's gated epilogue against its plain GEMM1 followed by the
+    activation op (outputs within one bf16 rounding of each other, times of both)."""
     from padded_moe.activation import ActivationEpilogue, apply_moe_activation
 
     act_counts = torch.tensor([a_flat.shape[0]], device="cuda", dtype=torch.int32)
@@ -99,10 +99,10 @@ def gated_case(label: str, a_flat, q, offsets, out_c, counts, ms_t: float) -> li
     for wide in (False, True):
         def run_two(wide=wide):
             grouped.launch_rs(a_flat, q, out_c, offsets=offsets, wide=wide)
-            apply_moe_activation("swigluoai", two, out_c, valid_token_counts=act_counts)
+            apply_moe_activation(activation, two, out_c, valid_token_counts=act_counts)
 
         def run_fused(wide=wide):
-            grouped.launch_rs(a_flat, q, fused, offsets=offsets, epilogue=ActivationEpilogue.of("swigluoai"), wide=wide)
+            grouped.launch_rs(a_flat, q, fused, offsets=offsets, epilogue=ActivationEpilogue.of(activation), wide=wide)
 
         two.fill_(float("nan"))
         fused.fill_(float("nan"))
@@ -222,8 +222,8 @@ def main() -> None:
                     if not err <= TOL:
                         bad.append(f"{label} {name}: {err:.1e}")
                 grouped.RS_COLUMNS_FIRST, grouped.RS_PERSISTENT, grouped.RS_WIDE = defaults
-                if stage == "w13" and model.startswith("gpt-oss"):
-                    bad += gated_case(label, a_flat, q, offsets, out_c, counts, ms_t)
+                if stage == "w13" and pre.activation in grouped.EPILOGUE_ACTIVATIONS:
+                    bad += gated_case(label, pre.activation, a_flat, q, offsets, out_c, counts, ms_t)
     if bad:
         raise SystemExit("errors past TOL:\n" + "\n".join(bad))
 

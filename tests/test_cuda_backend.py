@@ -579,10 +579,9 @@ def test_rs_launch_refuses_what_the_kernel_cannot_take(monkeypatch):
         grouped.launch_rs(a, q, out, offsets=off.int())
 
 
-def test_rs_gated_pairs_launch_arguments(monkeypatch):
-    """swigluoai (interleaved gate / up rows) in the RS kernel's epilogue: half the weight's rows as
-    output columns, tiles of 64 of them, the activation's parameters; the split halves of silu are
-    refused (they run as GEMM1, then the activation op)."""
+def test_rs_gated_launch_arguments(monkeypatch):
+    """swigluoai (interleaved gate / up rows) and silu (gate / up halves) in the RS kernel's epilogue:
+    half the weight's rows as output columns, tiles of 64 of them, the activation's parameters."""
     rec = _Recorder(monkeypatch)
     q = _rs_weight(L=3, N=272, K=64, keep_canonical=False)
     a = torch.randn(10, 64, dtype=torch.bfloat16)
@@ -596,14 +595,19 @@ def test_rs_gated_pairs_launch_arguments(monkeypatch):
     assert args[-6:] == (grouped.GATED_PAIRS, flags["ACT"], int(flags["HAS_LIMIT"]), limit, alpha, beta)
     with pytest.raises(ValueError, match="out has 272 columns, the weight's 272 rows give 136"):
         grouped.launch_rs(a, q, torch.empty(10, 272, dtype=torch.bfloat16), offsets=offsets, epilogue=ep)
-    with pytest.raises(NotImplementedError, match="interleaved gate / up rows"):
-        grouped.launch_rs(a, q, out, offsets=offsets, epilogue=ActivationEpilogue.of("silu"))
+    rec.calls.clear()
+    silu = ActivationEpilogue.of("silu")  # gate / up halves: the same tiles, gate rows j and up rows 136 + j
+    grouped.launch_rs(a, q, out, offsets=offsets, epilogue=silu)
+    (kernel, grid, args), = rec.calls
+    (limit, alpha, beta, _, _), flags = silu.kernel_args(fast=True)
+    assert grid == ((1 + 3) * 3,) and args[-6:] == (grouped.GATED_SPLIT, flags["ACT"], int(flags["HAS_LIMIT"]), limit,
+                                                    alpha, beta)
 
 
 def test_rs_epilogue_is_offered_only_when_enabled(monkeypatch):
-    """`fuses` with an RS weight: interleaved activations only, and only with `RS_EPILOGUE` on; `launch`
-    with an epilogue takes the RS kernel then, else (a weight with canonical bytes) the producer-upcast
-    kernel, which applies it."""
+    """`fuses` with an RS weight: only with `RS_EPILOGUE` on, gate / up halves only with
+    `RS_EPILOGUE_SPLIT` too; `launch` with an epilogue takes the RS kernel then, else (a weight with
+    canonical bytes) the producer-upcast kernel, which applies it."""
     from padded_moe.activation import MoEActivation
 
     rec = _Recorder(monkeypatch)
@@ -616,9 +620,12 @@ def test_rs_epilogue_is_offered_only_when_enabled(monkeypatch):
         torch.tensor([0, 4, 4, 9])
     grouped.launch(a, q, out, offsets=off, epilogue=ActivationEpilogue.of("swigluoai"))
     monkeypatch.setattr(grouped, "RS_EPILOGUE", True)
+    monkeypatch.setattr(grouped, "RS_EPILOGUE_SPLIT", False)
     assert b.fuses(swiglu, q) and not b.fuses(silu, q)
     grouped.launch(a, q, out, offsets=off, epilogue=ActivationEpilogue.of("swigluoai"))
     assert [kernel for kernel, _, _ in rec.calls] == [("entry", "pmoe_grouped_gemm"), ("entry", "pmoe_mx_rs_gemm")]
+    monkeypatch.setattr(grouped, "RS_EPILOGUE_SPLIT", True)
+    assert b.fuses(swiglu, q) and b.fuses(silu, q)
 
 
 def test_unfolded_prepared_weights_need_their_canonical_bytes(monkeypatch):
@@ -641,6 +648,7 @@ def test_rs_weights_run_gemm1_then_the_activation_op(monkeypatch):
     ids = torch.tensor([[0], [1], [1]], dtype=torch.int32)
     meta = build_layout("grouped_contiguous", ids, 2)
     q = _rs_weight(L=2, N=32, K=64, keep_canonical=False)
+    monkeypatch.setattr(grouped, "RS_EPILOGUE_SPLIT", False)
     out = expert_gemm(torch.randn(3, 64, dtype=torch.bfloat16), q, meta, backend="cuda", activation="silu")
     (kernel, _, args), = rec.calls
     assert kernel == ("entry", "pmoe_mx_rs_gemm") and args[21].shape == (3, 32) and out.shape == (3, 16)

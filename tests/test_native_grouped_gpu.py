@@ -413,11 +413,13 @@ def test_auto_takes_the_rs_kernel_for_prepared_mxfp4(monkeypatch):
 @pytest.mark.parametrize("wide", [False, True], ids=["chunks256", "chunks320"])
 @pytest.mark.parametrize("config", [None, ApplyMoEActivationConfig(clamp_limit=3.0)], ids=["default", "limit3"])
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", ["swigluoai", "silu"])
 @pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
-def test_rs_gated_pairs_equal_two_steps(layout, bias_dtype, config, wide, monkeypatch):
-    """swigluoai in the RS kernel's epilogue (interleaved gate / up rows) against the RS kernel's plain
-    GEMM1 (itself against float64) followed by the activation op: the same rows written, within one
-    bf16 rounding; N past a 64-column tile; chunks of 256 and of 320 rows."""
+def test_rs_gated_epilogue_equals_two_steps(layout, activation, bias_dtype, config, wide, monkeypatch):
+    """The silu family in the RS kernel's epilogue, swigluoai with interleaved gate / up rows and silu
+    with gate / up halves, against the RS kernel's plain GEMM1 (itself against float64) followed by the
+    activation op: the same rows written, within one bf16 rounding; N past a 64-column tile (and for
+    the halves, the up half starting mid-tile); chunks of 256 and of 320 rows."""
     from padded_moe.activation import ActivationEpilogue
     from padded_moe.kernels.native import grouped
 
@@ -426,9 +428,9 @@ def test_rs_gated_pairs_equal_two_steps(layout, bias_dtype, config, wide, monkey
     where = _where(layout, meta)
     grouped.launch_rs(a, q, out, bias=bias, **where)
     act = torch.full(out.shape[:-1] + (136,), SENTINEL, dtype=torch.bfloat16, device=DEV)
-    grouped.launch_rs(a, q, act, bias=bias, epilogue=ActivationEpilogue.of("swigluoai", config), **where)
+    grouped.launch_rs(a, q, act, bias=bias, epilogue=ActivationEpilogue.of(activation, config), **where)
     ref = torch.full_like(act, SENTINEL)
-    apply_moe_activation("swigluoai", ref, out, activation_config=config, valid_token_counts=meta.activation_counts)
+    apply_moe_activation(activation, ref, out, activation_config=config, valid_token_counts=meta.activation_counts)
     torch.cuda.synchronize()
     check(a, q, meta, "w13", out, bias)
     written = (ref != SENTINEL).any(-1)
@@ -438,14 +440,17 @@ def test_rs_gated_pairs_equal_two_steps(layout, bias_dtype, config, wide, monkey
     assert (diff / ref[written].double().abs().clamp(min=1e-2)).max().item() <= 2 ** -7
 
 
-def test_fused_experts_rs_epilogue_gpt_oss(monkeypatch):
-    """GPT-OSS's prepared MXFP4 experts (swigluoai, biases, dropped slots) on backend "cuda" with the RS
-    kernel's epilogue enabled and asked for: equal to the Triton path within bf16 rounding."""
+@pytest.mark.parametrize("activation", ["swigluoai", "silu"])
+def test_fused_experts_rs_epilogue(activation, monkeypatch):
+    """Prepared MXFP4 experts of GPT-OSS's shape (biases, dropped slots), swigluoai (interleaved) or
+    silu (halves), on backend "cuda" with the RS kernel's epilogue enabled and asked for: equal to the
+    Triton path within bf16 rounding."""
     from padded_moe.gemm import FUSE_ENV
     from padded_moe.kernels.native import grouped
     from padded_moe.mxfp4 import quantize_mxfp4
 
     monkeypatch.setattr(grouped, "RS_EPILOGUE", True)
+    monkeypatch.setattr(grouped, "RS_EPILOGUE_SPLIT", True)
     monkeypatch.setenv(FUSE_ENV, "1")
     g = torch.Generator(device=DEV).manual_seed(15)
     E, K, N, M, k = 16, 2880, 2880, 512, 4
@@ -460,9 +465,9 @@ def test_fused_experts_rs_epilogue_gpt_oss(monkeypatch):
     launches = []
     real = grouped.launch_rs
     monkeypatch.setattr(grouped, "launch_rs", lambda *a, **kw: launches.append(kw.get("epilogue")) or real(*a, **kw))
-    out = fused_experts(x, w13, w2, tw, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2,
+    out = fused_experts(x, w13, w2, tw, ids, activation=activation, w13_bias=b13, w2_bias=b2,
                         layout="grouped_contiguous", backend="cuda")
-    ref = fused_experts(x, w13, w2, tw, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2, backend="triton")
+    ref = fused_experts(x, w13, w2, tw, ids, activation=activation, w13_bias=b13, w2_bias=b2, backend="triton")
     torch.cuda.synchronize()
     assert len(launches) == 2 and launches[0] is not None and launches[1] is None
     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -485,9 +490,9 @@ def test_rs_sanitizer_small():
             torch.cuda.synchronize()
             check(a, q, meta, "w13", out, bias)
         q, meta, a, bias, out = _rs_case(counts, 160, 272, layout, torch.float32, 4)
-        for wide in (False, True):
+        for wide, activation in ((False, "swigluoai"), (True, "swigluoai"), (False, "silu"), (True, "silu")):
             act = torch.full(out.shape[:-1] + (136,), SENTINEL, dtype=torch.bfloat16, device=DEV)
-            grouped.launch_rs(a, q, act, bias=bias, epilogue=ActivationEpilogue.of("swigluoai"), wide=wide,
+            grouped.launch_rs(a, q, act, bias=bias, epilogue=ActivationEpilogue.of(activation), wide=wide,
                               **_where(layout, meta))
             torch.cuda.synchronize()
             assert torch.isfinite(act[(act != SENTINEL).any(-1)]).all()

@@ -9,8 +9,8 @@ layouts (GROUPED_CONTIGUOUS, GROUPED_MASKED) on sm_90 GPUs: a CTA takes a tile o
 `grouped.default_config` picks them, tiles of (expert, 128-row chunk, 256 weight rows) over two
 warpgroups).
 It applies the silu family of spec 01's activations (silu, swigluoai, swigluoai_uninterleave) in
-GEMM1's epilogue; for the RS kernel's weights only with interleaved gate / up rows, and only while
-`grouped.RS_EPILOGUE` is on (`fuses`; `fused_experts` uses it unless
+GEMM1's epilogue; for the RS kernel's weights while `grouped.RS_EPILOGUE` is on, with gate / up
+halves (not interleaved) only while `grouped.RS_EPILOGUE_SPLIT` is too (`fuses`; `fused_experts` uses it unless
 `PADDED_MOE_FUSE_ACTIVATION=0`); the other activations run as GEMM1 then the activation op.
 INDEXED (rows gathered through `sorted_ids`) and MXFP4 weights that neither the RS kernel nor the
 producer warps take are not offered (`supports` says False, and `backend="cuda"` on them is a

@@ -19,8 +19,9 @@ warpgroups upcast the words into wgmma's register operand, the weights on the MM
 to 256 (or 320: `RS_WIDE`) of an expert's rows on its N side, so the weights are upcast once per
 chunk of that many rows. Its results are those of the dequantized weight with fp32 accumulation and
 one rounding, as the Triton kernel's (bit-equal to it in the runs so far). Its activation epilogue
-takes interleaved gate / up rows (swigluoai) only (`RS_EPILOGUE`); for the other activations the
-backend runs GEMM1 and the activation op with these weights (`CudaBackend.fuses`).
+takes the silu family with interleaved gate / up rows (`RS_EPILOGUE`) or gate / up halves
+(`RS_EPILOGUE_SPLIT`); for the other activations the backend runs GEMM1 and the activation op with
+these weights (`CudaBackend.fuses`).
 
 What the kernel needs, refused with `NotImplementedError` (the caller picked this kernel, so a
 call it cannot run is an unsupported combination, not bad input): bf16 `a`, `w` and `out` (or
@@ -69,6 +70,9 @@ RS_PERSISTENT = True
 # RS kernel's epilogue (`rs_fuses`): bit-equal to GEMM1 followed by the activation op, and 3-9% less
 # time than the two steps on GPT-OSS's GEMM1 (H100, scripts/mx_rs_probe.py). False: the two steps.
 RS_EPILOGUE = True
+# The same for gate / up halves (silu: DeepSeek-V4, Qwen3-MoE, Mixtral): a tile's 64 gate rows and
+# its 64 up rows loaded as two boxes. Off until its GPU tests have run.
+RS_EPILOGUE_SPLIT = False
 MAX_LOCAL_EXPERTS = 1024  # the experts' chunk prefix lives in shared memory (`kMaxExperts`)
 # The kernel's configurations, by index (`PMOE_GG_CONFIGS`): (pipeline stages, persistent, weight
 # rows per tile, consumer warpgroups). A tile has that many output columns (half as many with a
@@ -302,8 +306,9 @@ def takes_rs(w) -> bool:
 
 def rs_fuses(activation) -> bool:
     """Whether the RS kernel's epilogue applies `activation` (a `MoEActivation`) where the backend
-    asks: the silu family with interleaved gate / up rows, while `RS_EPILOGUE` is on."""
-    return RS_EPILOGUE and activation.value in EPILOGUE_ACTIVATIONS and activation.interleaved
+    asks: the silu family while `RS_EPILOGUE` is on, with gate / up halves also `RS_EPILOGUE_SPLIT`."""
+    return (RS_EPILOGUE and activation.value in EPILOGUE_ACTIVATIONS
+            and (activation.interleaved or RS_EPILOGUE_SPLIT))
 
 
 def rs_wide(rows: int, L: int, flat: bool) -> bool:
@@ -320,7 +325,7 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
               stages: Optional[int] = None, wide: Optional[bool] = None) -> torch.Tensor:
     """`launch` for prepared MXFP4 weights (`takes_rs`): `out[row] = a[row] @ W[e].T (+ bias[e])`
     at each expert's rows, W the dequantized weight. Same layouts and arguments as `launch`;
-    `epilogue` (GEMM1) only with interleaved gate / up rows (swigluoai); `wide`: chunks of
+    `epilogue` (GEMM1) one of the silu family; `wide`: chunks of
     RS_WIDE_CHUNK_ROWS rows instead of RS_CHUNK_ROWS (None: `rs_wide`); `stages` 3 or 4, 3 only for
     wide chunks (None: `RS_STAGES`, `RS_WIDE_STAGES` for wide chunks)."""
     if (offsets is None) == (counts is None):
@@ -340,9 +345,6 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
     L, w_rows, K = w.shape
     words, scales = h.blocks, h.scales
     ep = _epilogue_args(epilogue, w_rows)
-    if ep[0] == GATED_SPLIT:
-        _refuse("applies gated activations in the RS kernel's epilogue only with interleaved gate / up rows "
-                f"(swigluoai); {epilogue.activation.value} runs as GEMM1, then the activation op")
     width = w_rows if ep[0] == PLAIN else w_rows // 2
     if width % 8:
         _refuse(f"needs its output columns a multiple of 8, got {width}")

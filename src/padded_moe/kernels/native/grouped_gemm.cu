@@ -838,7 +838,9 @@ __global__ void __launch_bounds__(threads<C>(), 1)
 // p = 0..3: thread (lane % 4 = c)'s share of the A fragments of group g's two k16 steps (planes 0
 // and 1, then 2 and 3), so the upcast lands in k order and B is the rows' natural order. The
 // epilogue (bias added, one rounding) goes through shared memory of its own to store 16-byte
-// pieces of output rows, or, gated (kGatedPairs), the activation of each staged gate / up pair.
+// pieces of output rows, or, gated, the activation of each staged gate / up pair: rows 2j and
+// 2j + 1 of a 128-row weight tile (kGatedPairs), or gate rows j and up rows N + j, a tile's 64 of
+// each loaded as two 64-row boxes that the two consumers take (kGatedSplit).
 // Measured against the Triton kernel on the same bytes: notes.md, scripts/mx_rs_probe.py.
 constexpr int kRsWRows = 128;                             // weight rows of a tile (64 per consumer)
 constexpr int kRsWordsBytes = kRsWRows * (kBK / 8) * 4;   // [128 rows][8 words] int32: 4096
@@ -984,7 +986,13 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[128], uint32_t a0, uint32_t 
 }
 
 // Thread (warp, lane)'s A fragments of one k tile, f[4 j + i] for k16 step j, from the stage's
-// words and scales of weight rows r0 and r0 + 8.
+// words and scales of weight rows r0 and r0 + 8. The scales of a stage: [2 groups][128 rows], or
+// with split gate / up halves (kGatedSplit: two loads of 64 rows) [2 halves][2 groups][64 rows].
+template <int EPI>
+__device__ __forceinline__ int rs_scale_at(int g, int r) {
+  return EPI == kGatedSplit ? (r / 64) * (kRsWRows) + g * 64 + r % 64 : g * kRsWRows + r;
+}
+template <int EPI>
 __device__ __forceinline__ void rs_upcast(uint32_t words, uint32_t scales, int r0, int q, uint32_t (&f)[16]) {
   uint32_t p[2][2][4];  // [row r0, r0 + 8][group][plane]
 #pragma unroll
@@ -992,7 +1000,7 @@ __device__ __forceinline__ void rs_upcast(uint32_t words, uint32_t scales, int r
 #pragma unroll
     for (int g = 0; g < 2; ++g) {
       const int r = r0 + 8 * h;
-      const uint32_t s = lds16(scales + (g * kRsWRows + r) * 2);
+      const uint32_t s = lds16(scales + rs_scale_at<EPI>(g, r) * 2);
       upcast(lds32(words + r * 32 + (4 * g + q) * 4), s | (s << 16), p[h][g]);
     }
 #pragma unroll
@@ -1008,8 +1016,9 @@ __device__ __forceinline__ void rs_upcast(uint32_t words, uint32_t scales, int r
 // A consumer warpgroup's tile: the k loop over the chunk's 64 NB rows (NB <= B, the chunk's boxes),
 // then the epilogue. `it`: the k tiles this warpgroup consumed before (stage and parity of the
 // ring). EPI kPlain stores the 128 weight rows' sums (plus bias) as output columns; kGatedPairs
-// (swigluoai's interleave: weight rows 2j gate, 2j + 1 up) stores 64 activation columns, computed
-// from the staged bf16 sums, the values the activation op would read from GEMM1's buffer.
+// (swigluoai's interleave: weight rows 2j gate, 2j + 1 up) and kGatedSplit (consumer 0 the gate
+// rows, consumer 1 the up rows) store 64 activation columns, computed from the staged bf16 sums,
+// the values the activation op would read from GEMM1's buffer.
 template <int STAGES, int NB, int EPI, int B>
 __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                            const TileGeom& g, int k_tiles, int c, int it) {
@@ -1031,7 +1040,7 @@ __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint
     mbar_wait(&full[s], (it / STAGES) & 1);
     const uint32_t stage = base + s * Chunk::kStage;
     uint32_t f[16];
-    rs_upcast(stage + Chunk::kWordsOff, stage + Chunk::kScalesOff, r0, q, f);
+    rs_upcast<EPI>(stage + Chunk::kWordsOff, stage + Chunk::kScalesOff, r0, q, f);
     const uint64_t db = smem_desc_at(stage);
     wgmma_fence();
 #pragma unroll
@@ -1053,8 +1062,10 @@ __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint
   // of the chunk's row 8b + 2q + p; staged at that row's column r0 + 8h.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int w_row = g.w_row0 + r0 + 8 * h;
-    const bool live = w_row < args.w_rows;  // past the weight's rows: not stored, no bias to read
+    // Split halves: consumer 0 holds gate rows w_row0.., consumer 1 up rows w_row1.. (`rs_tile_geometry`).
+    const int w_row = (EPI == kGatedSplit && c == 1 ? g.w_row1 - 64 : g.w_row0) + r0 + 8 * h;
+    // Past the weight's rows (or its gate half): not stored, no bias to read.
+    const bool live = w_row < (EPI == kGatedSplit && c == 0 ? args.up_row0 : args.w_rows);
 #pragma unroll
     for (int b = 0; b < NB * 8; ++b)
 #pragma unroll
@@ -1074,6 +1085,24 @@ __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint
       const int row = idx / 16, piece = idx % 16;
       if (piece < pieces)
         *reinterpret_cast<uint4*>(out + row * args.stride_or + piece * 8) = lds128(staging + row * kRsOutRow + piece * 16);
+    }
+  } else if constexpr (EPI == kGatedSplit) {
+    // A piece: 8 activation columns from the staged gate sums (columns 0..63) and up sums (64..127).
+    const int pieces = min(kRsWRows / 2, args.N - g.n0) / 8;
+    for (int idx = threadIdx.x - 128; idx < rows * 8; idx += 256) {
+      const int row = idx / 8, piece = idx % 8;
+      if (piece >= pieces) continue;
+      const uint4 gate = lds128(staging + row * kRsOutRow + piece * 16);
+      const uint4 up = lds128(staging + row * kRsOutRow + kRsWRows + piece * 16);
+      const uint32_t gw[4] = {gate.x, gate.y, gate.z, gate.w}, uw[4] = {up.x, up.y, up.z, up.w};
+      uint32_t y[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float y0 = silu_family(args, bf16_float(gw[j] & 0xffffu), bf16_float(uw[j] & 0xffffu));
+        const float y1 = silu_family(args, bf16_float(gw[j] >> 16), bf16_float(uw[j] >> 16));
+        y[j] = bf16_pair(y0, y1);
+      }
+      *reinterpret_cast<uint4*>(out + row * args.stride_or + piece * 8) = make_uint4(y[0], y[1], y[2], y[3]);
     }
   } else {
     // A piece: 8 activation columns from 16 staged sums (each 32-bit word a gate / up pair).
@@ -1133,8 +1162,9 @@ __device__ __forceinline__ TileGeom rs_tile_geometry(const Args& args, const Til
   expert_rows(args, tile.e, g.slab, g.start, g.count);
   g.m0 = tile.chunk * pass_rows<B>();
   g.n0 = tile.col_tile * rs_tile_cols<EPI>();
-  g.w_row0 = EPI == kPlain ? g.n0 : 2 * g.n0;
-  g.w_row1 = g.w_row0;
+  g.w_row0 = EPI == kGatedPairs ? 2 * g.n0 : g.n0;
+  // Split halves: the gate rows' 64 from w_row0, the up rows' from w_row1 (two loads per stage).
+  g.w_row1 = EPI == kGatedSplit ? args.up_row0 + g.n0 : g.w_row0;
   g.boxes = min(B, (g.count - g.m0 + kRowsPerGroup - 1) / kRowsPerGroup);
   return g;
 }
@@ -1186,8 +1216,15 @@ __global__ void __launch_bounds__(kRsThreads, 1)
         for (int b = 0; b < g.boxes; ++b)
           tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, g.start + g.m0 + b * kRowsPerGroup, g.slab, 0,
                       false);
+        // Split halves: maps of 64-row boxes (the entry's), gate rows then up rows.
         tma_load_3d(stage + Chunk::kWordsOff, &map_w, &full[s], kt * (kBK / 8), g.w_row0, g.e, 0, false);
         tma_load_3d(stage + Chunk::kScalesOff, &map_s, &full[s], g.w_row0, kt * (kBK / 32), g.e, 0, false);
+        if constexpr (EPI == kGatedSplit) {
+          tma_load_3d(stage + Chunk::kWordsOff + kRsWordsBytes / 2, &map_w, &full[s], kt * (kBK / 8), g.w_row1, g.e,
+                      0, false);
+          tma_load_3d(stage + Chunk::kScalesOff + kRsScalesBytes / 2, &map_s, &full[s], g.w_row1, kt * (kBK / 32),
+                      g.e, 0, false);
+        }
       }
     }
     return;
@@ -1280,6 +1317,16 @@ int rs_launch(const CUtensorMap& ma, const CUtensorMap& mw, const CUtensorMap& m
   if (err != cudaSuccess) return static_cast<int>(err);
   kernel<<<persistent && sms < grid_x ? sms : grid_x, kRsThreads, bytes, stream>>>(ma, mw, ms, args);
   return static_cast<int>(cudaGetLastError());
+}
+
+// `rs_launch` by chunk boxes and stages: chunks of 5 boxes leave shared memory for 3 stages only.
+template <int EPI>
+int rs_launch_chunks(int stages, int boxes, const CUtensorMap& ma, const CUtensorMap& mw, const CUtensorMap& ms,
+                     const Args& args, int grid_x, bool persistent, cudaStream_t stream) {
+  if (boxes == 4 && stages == 3) return rs_launch<3, EPI, 4>(ma, mw, ms, args, grid_x, persistent, stream);
+  if (boxes == 4 && stages == 4) return rs_launch<4, EPI, 4>(ma, mw, ms, args, grid_x, persistent, stream);
+  if (boxes == 5 && stages == 3) return rs_launch<3, EPI, 5>(ma, mw, ms, args, grid_x, persistent, stream);
+  return -25;
 }
 
 template <int STAGES, int C, int BN>
@@ -1442,11 +1489,12 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
 // a: bf16 [slabs][rows][K] as for pmoe_grouped_gemm; words: int32 [L][w_rows][KP / 8] (4-plane
 // words), scales: int16 [L][KP / 32][w_rows] (folded), strides in elements; KP a multiple of 64 at
 // least K (words past K hold code 0). Exactly one of offsets (int64 [L + 1]) and counts (int32 [L]).
-// bias [L][w_rows] (float32 or bf16) or null. `mode` kPlain: out has w_rows columns; kGatedPairs
-// (act one of the silu family, with has_limit, limit, alpha, beta): gate rows 2j and up rows 2j + 1
-// give activation column j, out has w_rows / 2 columns. The grid is one dimension, at least (the
-// experts' chunks of 256 rows) x cdiv(out's columns, 128 plain or 64 gated), bounded by the host
-// from shapes. Strides of a in multiples of 8 elements and its data 16-byte aligned, the words' and
+// bias [L][w_rows] (float32 or bf16) or null. `mode` kPlain: out has w_rows columns; gated (act one
+// of the silu family, with has_limit, limit, alpha, beta): gate rows 2j and up rows 2j + 1
+// (kGatedPairs), or gate row j and up row w_rows / 2 + j (kGatedSplit), give activation column j,
+// out has w_rows / 2 columns. `boxes`: 64-row boxes of a chunk, 4 (3 or 4 stages) or 5 (3 stages).
+// The grid is one dimension, at least (the experts' chunks of 64 x boxes rows) x cdiv(out's
+// columns, 128 plain or 64 gated), bounded by the host from shapes. Strides of a in multiples of 8 elements and its data 16-byte aligned, the words' and
 // scales' strides multiples of 16 bytes, out's columns a multiple of 8, its row stride a multiple
 // of 8 elements and its data 16-byte aligned (16-byte stores). columns_first: the walk order
 // (`rs_locate_tile`).
@@ -1461,34 +1509,33 @@ int pmoe_mx_rs_gemm(int stages, int grid_x, int grid_y, void* stream, const void
   if (grid_y != 1 || grid_x < 1 || L < 1) return -13;
   if (L > kMaxExperts) return -16;
   if (KP % kBK != 0 || K > KP || K < 1) return -24;
+  if (mode != kPlain && mode != kGatedPairs && mode != kGatedSplit) return -14;
+  // Split halves load a tile's gate and up rows as two boxes of 64 rows.
+  const int w_box = mode == kGatedSplit ? kRsWRows / 2 : kRsWRows;
   CUtensorMap ma, mw, ms;
   int err = encode_3d(&ma, a, K, rows, slabs, stride_ar * 2, stride_as * 2, kRowsPerGroup);
   if (err == 0)
     err = encode_plain_3d(&mw, CU_TENSOR_MAP_DATA_TYPE_INT32, words, KP / 8, w_rows, L, stride_wn * 4, stride_we * 4,
-                          kBK / 8, kRsWRows);
+                          kBK / 8, w_box);
   if (err == 0)
     err = encode_plain_3d(&ms, CU_TENSOR_MAP_DATA_TYPE_UINT16, scales, w_rows, KP / 32, L, stride_sg * 2,
-                          stride_se * 2, kRsWRows, kBK / 32);
+                          stride_se * 2, w_box, kBK / 32);
   if (err != 0) return err;
   if (columns_first < 0 || columns_first > 1 || persistent < 0 || persistent > 1) return -26;
-  if (mode != kPlain && mode != kGatedPairs) return -27;
-  if (mode == kGatedPairs && act != kSilu && act != kSwigluoai && act != kSwigluoaiUninterleave) return -17;
+  if (mode != kPlain && act != kSilu && act != kSwigluoai && act != kSwigluoaiUninterleave) return -17;
+  if (mode != kPlain && w_rows % 2 != 0) return -15;
   const int N = mode == kPlain ? w_rows : w_rows / 2;  // output columns
   if (N % 8 != 0) return -24;
   // K carries the weights' padded K (the k tiles).
   const Args args{static_cast<const int64_t*>(offsets), static_cast<const int32_t*>(counts), L, rows, KP, N,
-                  act, has_limit, 0, limit, alpha, beta, bias, stride_be, bias_kind, static_cast<uint16_t*>(out),
-                  stride_os, stride_or, nullptr, nullptr, 0, 0, 0, 0, w_rows, nullptr, 0, 0, columns_first};
+                  act, has_limit, mode == kGatedSplit ? N : 0, limit, alpha, beta, bias, stride_be, bias_kind,
+                  static_cast<uint16_t*>(out), stride_os, stride_or, nullptr, nullptr, 0, 0, 0, 0, w_rows, nullptr, 0, 0,
+                  columns_first};
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const bool gated = mode == kGatedPairs, p = persistent == 1;
-  // Chunks of 5 boxes leave shared memory for 3 stages only.
-  if (boxes == 4 && stages == 3) return gated ? rs_launch<3, kGatedPairs, 4>(ma, mw, ms, args, grid_x, p, st)
-                                              : rs_launch<3, kPlain, 4>(ma, mw, ms, args, grid_x, p, st);
-  if (boxes == 4 && stages == 4) return gated ? rs_launch<4, kGatedPairs, 4>(ma, mw, ms, args, grid_x, p, st)
-                                              : rs_launch<4, kPlain, 4>(ma, mw, ms, args, grid_x, p, st);
-  if (boxes == 5 && stages == 3) return gated ? rs_launch<3, kGatedPairs, 5>(ma, mw, ms, args, grid_x, p, st)
-                                              : rs_launch<3, kPlain, 5>(ma, mw, ms, args, grid_x, p, st);
-  return -25;
+  const bool p = persistent == 1;
+  if (mode == kPlain) return rs_launch_chunks<kPlain>(stages, boxes, ma, mw, ms, args, grid_x, p, st);
+  if (mode == kGatedPairs) return rs_launch_chunks<kGatedPairs>(stages, boxes, ma, mw, ms, args, grid_x, p, st);
+  return rs_launch_chunks<kGatedSplit>(stages, boxes, ma, mw, ms, args, grid_x, p, st);
 }
 
 const char* pmoe_error_string(int code) {
@@ -1510,7 +1557,6 @@ const char* pmoe_error_string(int code) {
   if (code == -25) return "the RS kernel runs chunks of 4 boxes in 3 or 4 stages, of 5 boxes in 3";
   if (code == -26)
     return "the RS kernel's walk order must be 0 (chunks first) or 1 (columns first), its persistence 0 or 1";
-  if (code == -27) return "the RS kernel's epilogue is plain or gated with interleaved gate / up rows";
   if (code == -20) return "the kernel was compiled with fewer registers than its warpgroups share out (setmaxnreg)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }

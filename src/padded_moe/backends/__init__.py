@@ -43,16 +43,17 @@ AUTO_NATIVE_ROWS = {
     (4096, 14336): (64, 80),
 }
 # `auto_native` for MXFP4 weights in their prepared form (`grouped.takes_rs`): the RS kernel (its
-# consumers upcast into wgmma's register operand, 256 of an expert's rows per tile) on
+# consumers upcast into wgmma's register operand, 256 or 320 of an expert's rows per tile) on
 # GROUPED_CONTIGUOUS, per expert shape (K, N) within a band of rows per local expert (low included,
 # high excluded), as AUTO_NATIVE_ROWS. Measured on whole calls (H100, bench_native_gemm.py, INDEXED
-# Triton time / this): DeepSeek-V4 (4096, 2048) 1.08-1.11x at 144 and 192 rows per expert, 0.86x
-# at 96. GPT-OSS (2880, 2880) is not listed: 0.93-0.95x at 128, 1.03-1.04x at 192, 0.92-0.94x at
-# 256, where about half the experts hold a few rows past 256, whose second chunk upcasts the
-# weights again for few rows, and the activation runs as its own op (the Triton GEMM applies it in
-# its epilogue). The GEMMs alone gain more (1.02-1.23x on those shapes, scripts/mx_rs_probe.py).
+# Triton time / this; the same path differs by up to 5-8% between variants of one run):
+# - DeepSeek-V4 (4096, 2048): 1.08-1.15x at 144 and 1.09-1.13x at 192 rows per expert, 0.86x at 96.
+# - GPT-OSS (2880, 2880), swigluoai in the RS kernel's epilogue: 1.11-1.15x at 192, 1.01-1.05x at 256
+#   (320-row chunks there: half the experts hold 257-305 rows), 0.93-0.97x at 128. Its GEMMs alone
+#   at 256: 1.13-1.19x with 320-row chunks (scripts/mx_rs_probe.py).
 AUTO_RS_ROWS = {
     (4096, 2048): (144, 256),
+    (2880, 2880): (192, 320),
 }
 
 

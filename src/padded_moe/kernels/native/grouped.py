@@ -54,11 +54,13 @@ RS_BLOCK_N = 128
 # stages (shared memory holds no more). They upcast each weight once for an expert of 257-320 rows,
 # where 256-row chunks upcast it again for the few rows past 256. RS_WIDE None: taken where the rows
 # per expert (`rs_wide`) lie in RS_WIDE_ROWS, low bound included, high excluded; True / False:
-# always / never. Never until its GPU tests have run.
+# always / never. Measured (H100, scripts/mx_rs_probe.py, GEMMs at 8192 tokens, Triton time / this):
+# GPT-OSS (mean 256 rows, max 285-305) 1.13-1.19x with them against 1.04-1.11x without; DeepSeek-V4
+# (mean 192, max 234-242) 0.98-1.15x with them against 1.10-1.24x without (3 stages, no row past 256).
 RS_WIDE_CHUNK_ROWS = 320
 RS_WIDE_STAGES = 3
 RS_WIDE_ROWS = (224, 320)
-RS_WIDE = False
+RS_WIDE = None
 # The RS kernel's walk over an expert's tiles: column tiles first (True: the CTAs running together
 # share a chunk of rows) or chunks first (False).
 RS_COLUMNS_FIRST = True
@@ -71,7 +73,9 @@ RS_PERSISTENT = True
 # time than the two steps on GPT-OSS's GEMM1 (H100, scripts/mx_rs_probe.py). False: the two steps.
 RS_EPILOGUE = True
 # The same for gate / up halves (silu: DeepSeek-V4, Qwen3-MoE, Mixtral): a tile's 64 gate rows and
-# its 64 up rows loaded as two boxes. Off until its GPU tests have run.
+# its 64 up rows loaded as two boxes. Bit-equal to the two steps too, but not faster on DeepSeek-V4's
+# whole calls (H100, bench_native_gemm.py: 1.06-1.09x INDEXED Triton against 1.11-1.13x for the two
+# steps; its GEMM1 alone 1% faster than the two steps), so off.
 RS_EPILOGUE_SPLIT = False
 MAX_LOCAL_EXPERTS = 1024  # the experts' chunk prefix lives in shared memory (`kMaxExperts`)
 # The kernel's configurations, by index (`PMOE_GG_CONFIGS`): (pipeline stages, persistent, weight

@@ -841,15 +841,17 @@ print('warnings', n); assert n == 1, n"
                 --no-masked --out "$OUT/bench-gemm-models" ;;
         rs)  # the RS kernel in the library (prepared MXFP4 on backend "cuda", grouped.launch_rs): the native GEMM's
             # CPU and GPU tests (float64 references, NaN padding, graph replay, auto's choice, the gated epilogue against
-            # the two steps), memcheck of the small RS calls, then whole calls (bench_native_gemm: INDEXED Triton, auto,
-            # grouped Triton, grouped RS, grouped RS with its gated epilogue) on the MXFP4 presets at RS_TOKENS
+            # the two steps, 256- and 320-row chunks), memcheck of the small RS calls, then whole calls (bench_native_gemm:
+            # INDEXED Triton, auto, grouped Triton, grouped RS, grouped RS with its gated epilogue in both chunk sizes)
+            # on the MXFP4 presets at RS_TOKENS
             STEP_TIMEOUT=300 step test-rs python3 -m pytest -q tests/test_cuda_backend.py tests/test_native.py \
                 tests/test_native_grouped_gpu.py
             STEP_TIMEOUT=150 step sanitizer-rs compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
                 -m gpu tests/test_native_grouped_gpu.py -k "rs_sanitizer"
             STEP_TIMEOUT=${RS_BENCH_S:-300} step bench-rs python3 benchmarks/bench_native_gemm.py --calls-only \
                 --presets gpt-oss-120b:mxfp4,dsv4-flash:mxfp4 --tokens "${RS_TOKENS:-2048,3072,4096,6144,8192}" \
-                --variants "auto;grouped, Triton;grouped, cuda;grouped, cuda, fused" --out "$OUT/bench-rs" ;;
+                --variants "auto;grouped, Triton;grouped, cuda;grouped, cuda, fused, chunks256;grouped, cuda, fused, chunks320" \
+                --out "$OUT/bench-rs" ;;
         mx-rs)  # the RS kernel's probe (scripts/mx_rs: the library's RS tile body under one CTA per tile, tiles from
             # blockIdx): build, a small case first (a hang or a wrong mapping stops there), then outputs against float64
             # and times against the Triton kernel and the library's RS kernel (masked and contiguous, both walk

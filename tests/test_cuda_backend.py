@@ -547,9 +547,9 @@ def test_rs_wide_chunks_by_rows_per_expert(monkeypatch):
     grouped.launch_rs(a, q, out, offsets=offsets)
     assert [call[2][26] for call in rec.calls] == [4, 4] and rec.calls[0][2][0] == 4
     monkeypatch.setattr(grouped, "RS_WIDE", True)
-    with pytest.raises(ValueError, match="stages must be 3 with wide chunks"):
+    with pytest.raises(ValueError, match="stages must be 3 with wide chunks .* chosen by RS_WIDE"):
         grouped.launch_rs(a[:8], q, out[:8], offsets=offsets.clamp(max=8), stages=4)
-    with pytest.raises(ValueError, match="3 with wide chunks; got 4"):
+    with pytest.raises(ValueError, match="3 with wide chunks .*, got 4; wide chunks asked for"):
         grouped.launch_rs(a, q, out, offsets=offsets, stages=4, wide=True)
 
 

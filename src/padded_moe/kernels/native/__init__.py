@@ -226,7 +226,7 @@ def _declare_grouped(lib: ctypes.CDLL) -> None:
         P, LL, LL,  # out, slab / row strides
         I, I,  # walk order (1 column tiles first, 0 chunks first), persistent (1) or one CTA per tile (0)
         I,  # 64-row boxes of a chunk (4 or 5)
-        I, I, I,  # epilogue mode (plain or gated pairs), activation id, has limit
+        I, I, I,  # epilogue mode (plain, gated halves or gated pairs), activation id, has limit
         F, F, F,  # limit, alpha, beta
     ]
     lib.pmoe_gg_num_configs.restype = I

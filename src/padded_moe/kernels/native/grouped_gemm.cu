@@ -1494,10 +1494,11 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
 // (kGatedPairs), or gate row j and up row w_rows / 2 + j (kGatedSplit), give activation column j,
 // out has w_rows / 2 columns. `boxes`: 64-row boxes of a chunk, 4 (3 or 4 stages) or 5 (3 stages).
 // The grid is one dimension, at least (the experts' chunks of 64 x boxes rows) x cdiv(out's
-// columns, 128 plain or 64 gated), bounded by the host from shapes. Strides of a in multiples of 8 elements and its data 16-byte aligned, the words' and
-// scales' strides multiples of 16 bytes, out's columns a multiple of 8, its row stride a multiple
-// of 8 elements and its data 16-byte aligned (16-byte stores). columns_first: the walk order
-// (`rs_locate_tile`).
+// columns, 128 plain or 64 gated), bounded by the host from shapes. Strides of a in multiples of 8
+// elements and its data 16-byte aligned, the words' and scales' strides multiples of 16 bytes,
+// out's columns a multiple of 8, its row stride a multiple of 8 elements and its data 16-byte
+// aligned (16-byte stores). columns_first: the walk order (`rs_locate_tile`); persistent: one CTA
+// per SM (1) or per tile of the grid (0).
 int pmoe_mx_rs_gemm(int stages, int grid_x, int grid_y, void* stream, const void* a, long long stride_as,
                     long long stride_ar, int slabs, int rows, int K, const void* words, long long stride_we,
                     long long stride_wn, const void* scales, long long stride_se, long long stride_sg, int L,

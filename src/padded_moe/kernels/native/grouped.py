@@ -376,7 +376,8 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
     # The tiles' bound from shapes, as `launch`'s: chunks of RS_CHUNK_ROWS (wide: RS_WIDE_CHUNK_ROWS)
     # rows times the weight's tiles of RS_BLOCK_N rows; the kernel launches min(this, SMs) persistent
     # CTAs (`RS_PERSISTENT`), else this many.
-    chunks = _chunk_bound(offsets is not None, rows, L, RS_WIDE_CHUNK_ROWS if wide else RS_CHUNK_ROWS)
+    chunk = RS_WIDE_CHUNK_ROWS if wide else RS_CHUNK_ROWS  # the kernel's chunks: chunk / GROUP_ROWS boxes
+    chunks = _chunk_bound(offsets is not None, rows, L, chunk)
     grid = (chunks * cdiv(width, RS_BLOCK_N if ep[0] == PLAIN else RS_BLOCK_N // 2),)
     if grid[0] >= 2 ** 30:  # tile ids are 32-bit; a persistent CTA's last step passes the bound
         _refuse(f"numbers its tiles in 30 bits; this call would need {grid[0]}")
@@ -386,5 +387,5 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
                   (stages, a, stride_as, stride_ar, slabs, rows, K, words, words.stride(0), words.stride(1), scales,
                    scales.stride(0), scales.stride(1), L, w_rows, h.k_padded, offsets, counts, bias, stride_be,
                    bias_kind, out, stride_os, stride_or, int(RS_COLUMNS_FIRST), int(RS_PERSISTENT),
-                   5 if wide else 4, *ep))
+                   chunk // GROUP_ROWS, *ep))
     return out

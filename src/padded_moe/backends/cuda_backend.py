@@ -10,8 +10,9 @@ layouts (GROUPED_CONTIGUOUS, GROUPED_MASKED) on sm_90 GPUs: a CTA takes a tile o
 warpgroups).
 It applies the silu family of spec 01's activations (silu, swigluoai, swigluoai_uninterleave) in
 GEMM1's epilogue; for the RS kernel's weights while `grouped.RS_EPILOGUE` is on, with gate / up
-halves (not interleaved) only while `grouped.RS_EPILOGUE_SPLIT` is too (`fuses`; `fused_experts` uses it unless
-`PADDED_MOE_FUSE_ACTIVATION=0`); the other activations run as GEMM1 then the activation op.
+halves (not interleaved) only while `grouped.RS_EPILOGUE_SPLIT` is too (`fuses`; `fused_experts`
+uses it unless `PADDED_MOE_FUSE_ACTIVATION=0`); the other activations run as GEMM1 then the
+activation op.
 INDEXED (rows gathered through `sorted_ids`) and MXFP4 weights that neither the RS kernel nor the
 producer warps take are not offered (`supports` says False, and `backend="cuda"` on them is a
 NotImplementedError).
@@ -43,7 +44,7 @@ class CudaBackend(GemmBackend):
     def fuses(self, activation, weight=None) -> bool:
         from padded_moe.kernels.native.grouped import EPILOGUE_ACTIVATIONS, rs_fuses, takes_rs
 
-        # The RS kernel (prepared MXFP4) applies interleaved gate / up activations only, when enabled.
+        # The RS kernel (prepared MXFP4): the activations its epilogue switches allow (`rs_fuses`).
         return rs_fuses(activation) if takes_rs(weight) else activation.value in EPILOGUE_ACTIVATIONS
 
     def available(self, device: torch.device) -> Optional[str]:

@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_us, captured, copy_bandwidth_gbs, matmul_tflops, print_table, write_report  # noqa: E402
+from profile_layer import kernel_times  # noqa: E402
 
 from padded_moe import fused_experts  # noqa: E402
 from padded_moe.backends import get_backend  # noqa: E402
@@ -154,6 +155,17 @@ def call_variants(mx: bool, humming: bool = False) -> dict:
     return variants
 
 
+def rs_switches(name: str):
+    """The RS kernel's switches for a whole-call variant: "grouped, cuda[, fused][, chunksN]" set
+    `grouped.RS_EPILOGUE` / `RS_EPILOGUE_SPLIT` (on only with ", fused") and `RS_WIDE`; every other
+    variant ("auto" included) keeps the library's defaults."""
+    if not name.startswith("grouped, cuda"):
+        return contextlib.nullcontext()
+    wide = {"chunks256": False, "chunks320": True}.get(name.rsplit(", ", 1)[-1])
+    fused = name.startswith("grouped, cuda, fused")
+    return mock.patch.multiple(grouped, RS_EPILOGUE=fused, RS_EPILOGUE_SPLIT=fused, RS_WIDE=wide)
+
+
 def select_variants(variants: dict, keep: set) -> dict:
     """The variants named in `keep` (all when it is empty) and always "indexed, Triton", the ratios'
     base; a name that is no variant of bf16 weights is a SystemExit naming the known ones."""
@@ -164,6 +176,14 @@ def select_variants(variants: dict, keep: set) -> dict:
     if not keep:
         return variants
     return {name: v for name, v in variants.items() if name == "indexed, Triton" or name in keep}
+
+
+def print_breakdown(title: str, totals: dict) -> None:
+    """One variant's kernels, longest first: µs per call and share of the call's kernel time."""
+    total = sum(totals.values())
+    print(f"\n{title}: {total:.1f} µs of kernels per call", flush=True)
+    for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"  {us:9.1f} µs {100 * us / total:5.1f}%  {name}", flush=True)
 
 
 GEMM_HEADERS = ["preset", "T", "rows/expert", "GEMM", "native config", "Triton us", "native us", "Triton TFLOP/s",
@@ -192,6 +212,8 @@ def main() -> None:
     p.add_argument("--calls-only", action="store_true", help="skip the GEMMs alone (whole calls only)")
     p.add_argument("--variants", default="", help="semicolon list of whole-call variants to time (default: all; "
                    "the names hold commas); 'indexed, Triton', the ratios' base, is always timed")
+    p.add_argument("--breakdown", action="store_true",
+                   help="after timing, print each whole-call variant's kernels (torch.profiler over graph replays)")
     args = p.parse_args()
     keep = {v.strip() for v in args.variants.split(";") if v.strip()}
     select_variants({}, keep)  # unknown names fail before any GPU work
@@ -235,9 +257,7 @@ def main() -> None:
             graphs, outs, failed = {}, {}, {}
             for name, (lay, backend, fuse, config, dynamic, rows_last) in variants.items():
                 env = {} if fuse is None else {FUSE_ENV: fuse}
-                wide = {"chunks256": False, "chunks320": True}.get(name.rsplit(", ", 1)[-1])
-                fused = name.startswith("grouped, cuda, fused")
-                rs_epilogue = mock.patch.multiple(grouped, RS_EPILOGUE=fused, RS_EPILOGUE_SPLIT=fused, RS_WIDE=wide)
+                rs_epilogue = rs_switches(name)
                 try:
                     with mock.patch.dict(os.environ, env), forced_config(config, dynamic, rows_last), rs_epilogue:
                         graph, out = captured(lambda: fused_experts(  # noqa: B023
@@ -256,6 +276,9 @@ def main() -> None:
             torch.cuda.synchronize()
             t = alternate(graphs, args.rounds)
             base = t["indexed, Triton"]
+            if args.breakdown:
+                for name, graph in graphs.items():
+                    print_breakdown(f"{item} T={T} {name}", kernel_times(graph.replay, 5))
             for name in variants:
                 if name in failed:
                     call_table.append([item, T, round(valid / E, 1), name, None, None, None, failed[name]])

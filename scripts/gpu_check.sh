@@ -112,6 +112,16 @@ for stage in "$@"; do
             STEP_TIMEOUT=100 step test-auto python3 -m pytest -q tests/test_cuda_backend.py tests/test_native.py
             STEP_TIMEOUT=460 step peers-auto env BUDGET_S=380 TIMEOUT_S=450 bash .peers/run.sh \
                 --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx,qwen3,mixtral,dsv4 ;;
+        rs-peers)  # the RS kernel as auto takes it (GPT-OSS prefill): GPU tests of auto and the RS path, GPT-OSS
+            # whole calls at 6144 / 8192 tokens with each variant's kernels (torch.profiler), then the peers
+            # harness's MXFP4 cases (.peers carried)
+            STEP_TIMEOUT=200 step test-rs-auto python3 -m pytest -q tests/test_cuda_backend.py tests/test_native.py \
+                tests/test_native_grouped_gpu.py -k "auto or rs"
+            STEP_TIMEOUT=200 step rs-calls python3 benchmarks/bench_native_gemm.py --calls-only --rounds 7 --breakdown \
+                --presets gpt-oss-120b:mxfp4 --tokens 6144,8192 --out "$OUT/bench/rs-calls" \
+                --variants "auto;grouped, Triton;grouped, cuda;grouped, cuda, fused"
+            STEP_TIMEOUT=260 step peers-mx env BUDGET_S=200 TIMEOUT_S=250 bash .peers/run.sh \
+                --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx ;;
         peers-dsv4-8192)  # the peers harness's DeepSeek-V4 bf16 case at 8192 tokens alone (.peers carried)
             STEP_TIMEOUT=210 step peers-dsv4-8192 env OUT="$OUT/peers-dsv4-8192" BUDGET_S=160 TIMEOUT_S=200 \
                 bash .peers/run.sh --tokens 8192 --cases dsv4 ;;

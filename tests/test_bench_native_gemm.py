@@ -68,3 +68,19 @@ def test_unknown_variants_fail_before_any_gpu_work(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_native_gemm.py", "--variants", "auto,grouped, Triton"])
     with pytest.raises(SystemExit, match="unknown"):
         bench_native_gemm.main()
+
+
+def test_rs_switches_leave_auto_at_the_library_defaults():
+    from padded_moe.kernels.native import grouped
+
+    defaults = (grouped.RS_EPILOGUE, grouped.RS_EPILOGUE_SPLIT, grouped.RS_WIDE)
+    for name in ("auto", "indexed, Triton", "grouped, Triton"):
+        with bench_native_gemm.rs_switches(name):
+            assert (grouped.RS_EPILOGUE, grouped.RS_EPILOGUE_SPLIT, grouped.RS_WIDE) == defaults
+    with bench_native_gemm.rs_switches("grouped, cuda"):
+        assert (grouped.RS_EPILOGUE, grouped.RS_EPILOGUE_SPLIT, grouped.RS_WIDE) == (False, False, None)
+    with bench_native_gemm.rs_switches("grouped, cuda, fused, chunks320"):
+        assert (grouped.RS_EPILOGUE, grouped.RS_EPILOGUE_SPLIT, grouped.RS_WIDE) == (True, True, True)
+    with bench_native_gemm.rs_switches("grouped, cuda, chunks256"):
+        assert (grouped.RS_EPILOGUE, grouped.RS_WIDE) == (False, False)
+    assert (grouped.RS_EPILOGUE, grouped.RS_EPILOGUE_SPLIT, grouped.RS_WIDE) == defaults

@@ -14,7 +14,9 @@ variant alike):
   GROUPED_CONTIGUOUS, and the native kernel on GROUPED_CONTIGUOUS with the activation in GEMM1's
   epilogue (its default; for MXFP4 weights, prepared here, "grouped, cuda" is the RS kernel, which
   runs the activation as its own op; "grouped, cuda, fused" turns its gated epilogue on,
-  `grouped.RS_EPILOGUE` and `RS_EPILOGUE_SPLIT`, and "chunks256" / "chunks320" force its chunks, `grouped.RS_WIDE`), as
+  `grouped.RS_EPILOGUE` and `RS_EPILOGUE_SPLIT`, "chunks256" / "chunks320" force its chunks, `grouped.RS_WIDE`,
+  "whole boxes" runs a partial box's MMA whole, `RS_TAIL_PIECES` off, and "dynamic" walks the tiles from a counter,
+  `RS_DYNAMIC`), as
   a separate op (`PADDED_MOE_FUSE_ACTIVATION=0`), and in configurations 0, 1 and 3 (the
   producer-upcast kernel, for MXFP4 too) (bf16: 0 and 3 in both tile walks, and walking from the
   counter with A's rows as normal L2 lines) instead of its own choice by shape; for MXFP4 weights,
@@ -143,27 +145,31 @@ def call_variants(mx: bool, humming: bool = False) -> dict:
         variants["grouped, cuda c3"] = ("grouped_contiguous", "cuda", None, 3, False, None)
         variants["grouped, cuda c3 dyn"] = ("grouped_contiguous", "cuda", None, 3, True, None)
         variants["grouped, cuda c3 dyn, rows normal"] = ("grouped_contiguous", "cuda", None, 3, True, False)
-    if mx:  # the RS kernel: with its gated epilogue ("fused": grouped.RS_EPILOGUE on for the capture,
-        # off for the others), and with its chunks of 256 or 320 rows forced (grouped.RS_WIDE)
+    if mx:  # the RS kernel (`rs_switches`): with its gated epilogue ("fused"), its chunks of 256 or 320
+        # rows forced, a partial box's MMA whole instead of in pieces, the tiles walked from the counter
         for fused in ("", ", fused"):
-            for chunks in ("", ", chunks256", ", chunks320"):
-                if fused or chunks:
-                    variants[f"grouped, cuda{fused}{chunks}"] = ("grouped_contiguous", "cuda", "1" if fused else None,
-                                                                 None, None, None)
+            for extra in ("", ", chunks256", ", chunks320", ", whole boxes", ", dynamic", ", whole boxes, dynamic"):
+                if fused or extra:
+                    variants[f"grouped, cuda{fused}{extra}"] = ("grouped_contiguous", "cuda", "1" if fused else None,
+                                                                None, None, None)
     if mx and humming:
         variants["grouped, humming"] = ("grouped_contiguous", "humming", None, None, None, None)
     return variants
 
 
 def rs_switches(name: str):
-    """The RS kernel's switches for a whole-call variant: "grouped, cuda[, fused][, chunksN]" set
-    `grouped.RS_EPILOGUE` / `RS_EPILOGUE_SPLIT` (on only with ", fused") and `RS_WIDE`; every other
-    variant ("auto" included) keeps the library's defaults."""
+    """The RS kernel's switches for a whole-call variant "grouped, cuda[, fused][, chunksN][, whole
+    boxes][, dynamic]": `grouped.RS_EPILOGUE` / `RS_EPILOGUE_SPLIT` on only with "fused", `RS_WIDE`
+    from "chunks256" / "chunks320" (else the rule), `RS_TAIL_PIECES` off with "whole boxes",
+    `RS_DYNAMIC` on with "dynamic"; every other variant ("auto" included) keeps the library's
+    defaults."""
     if not name.startswith("grouped, cuda"):
         return contextlib.nullcontext()
-    wide = {"chunks256": False, "chunks320": True}.get(name.rsplit(", ", 1)[-1])
-    fused = name.startswith("grouped, cuda, fused")
-    return mock.patch.multiple(grouped, RS_EPILOGUE=fused, RS_EPILOGUE_SPLIT=fused, RS_WIDE=wide)
+    parts = set(name.split(", ")[2:])
+    wide = True if "chunks320" in parts else False if "chunks256" in parts else None
+    fused = "fused" in parts
+    return mock.patch.multiple(grouped, RS_EPILOGUE=fused, RS_EPILOGUE_SPLIT=fused, RS_WIDE=wide,
+                               RS_TAIL_PIECES="whole boxes" not in parts, RS_DYNAMIC="dynamic" in parts)
 
 
 def select_variants(variants: dict, keep: set) -> dict:

@@ -494,7 +494,27 @@ def test_rs_contiguous_launch_arguments(monkeypatch):
     assert args == (grouped.RS_STAGES, a, 640, 64, 1, 10, 64, h.blocks, 264 * 8, 8, h.scales, 2 * 264, 264, 3, 264,
                     64, offsets, None, bias, 264, native.DTYPE_CODES[torch.bfloat16], out, 0, 264,
                     int(grouped.RS_COLUMNS_FIRST), int(grouped.RS_PERSISTENT), 4, grouped.PLAIN, -1, 0, 0.0, 1.0,
-                    0.0)
+                    0.0, int(grouped.RS_TAIL_PIECES), None)
+
+
+def test_rs_tail_pieces_and_dynamic_walk_arguments(monkeypatch):
+    """RS_TAIL_PIECES reaches the kernel as 0 / 1; RS_DYNAMIC passes a fresh zeroed int32 counter
+    (persistent launches only: with RS_PERSISTENT off it is refused before any launch)."""
+    rec = _Recorder(monkeypatch)
+    q = _rs_weight(L=3, N=264, K=64, keep_canonical=False)
+    a = torch.randn(10, 64, dtype=torch.bfloat16)
+    out = torch.empty(10, 264, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
+    monkeypatch.setattr(grouped, "RS_TAIL_PIECES", False)
+    monkeypatch.setattr(grouped, "RS_DYNAMIC", True)
+    grouped.launch_rs(a, q, out, offsets=offsets)
+    (_, _, args), = rec.calls
+    tail, counter = args[-2:]
+    assert tail == 0 and counter.dtype == torch.int32 and counter.tolist() == [0]
+    monkeypatch.setattr(grouped, "RS_PERSISTENT", False)
+    with pytest.raises(ValueError, match="RS_DYNAMIC walks the tiles of persistent CTAs"):
+        grouped.launch_rs(a, q, out, offsets=offsets)
+    assert len(rec.calls) == 1
 
 
 def test_rs_masked_launch_arguments(monkeypatch):
@@ -592,7 +612,7 @@ def test_rs_gated_launch_arguments(monkeypatch):
     (kernel, grid, args), = rec.calls
     assert kernel == ("entry", "pmoe_mx_rs_gemm") and grid == ((1 + 3) * 3,)  # cdiv(136, 64) column tiles
     (limit, alpha, beta, _, _), flags = ep.kernel_args(fast=True)
-    assert args[-6:] == (grouped.GATED_PAIRS, flags["ACT"], int(flags["HAS_LIMIT"]), limit, alpha, beta)
+    assert args[-8:-2] == (grouped.GATED_PAIRS, flags["ACT"], int(flags["HAS_LIMIT"]), limit, alpha, beta)
     with pytest.raises(ValueError, match="out has 272 columns, the weight's 272 rows give 136"):
         grouped.launch_rs(a, q, torch.empty(10, 272, dtype=torch.bfloat16), offsets=offsets, epilogue=ep)
     rec.calls.clear()
@@ -600,7 +620,7 @@ def test_rs_gated_launch_arguments(monkeypatch):
     grouped.launch_rs(a, q, out, offsets=offsets, epilogue=silu)
     (kernel, grid, args), = rec.calls
     (limit, alpha, beta, _, _), flags = silu.kernel_args(fast=True)
-    assert grid == ((1 + 3) * 3,) and args[-6:] == (grouped.GATED_SPLIT, flags["ACT"], int(flags["HAS_LIMIT"]), limit,
+    assert grid == ((1 + 3) * 3,) and args[-8:-2] == (grouped.GATED_SPLIT, flags["ACT"], int(flags["HAS_LIMIT"]), limit,
                                                     alpha, beta)
 
 

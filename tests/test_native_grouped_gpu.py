@@ -68,8 +68,9 @@ def _counts_case(counts, K, N, layout, bias_dtype, seed):
 
 # Counts around every 64-row step of a chunk and past one chunk (128 or 256 rows), and empty experts.
 ODD_COUNTS = [0, 1, 63, 64, 65, 127, 128, 130, 191, 192, 193, 255, 256, 257, 0, 520]
-# The RS kernel's chunks also hold 320 rows (`grouped.RS_WIDE`): counts around that and its fifth box.
-RS_COUNTS = ODD_COUNTS + [319, 320, 321, 385]
+# The RS kernel's chunks also hold 320 rows (`grouped.RS_WIDE`): counts around that and its fifth box,
+# and a partial box of each count of 16-row pieces (`grouped.RS_TAIL_PIECES`: 90 two, 100 three).
+RS_COUNTS = ODD_COUNTS + [319, 320, 321, 385, 90, 100]
 CONFIG_IDS = ["persistent", "one_cta_per_tile", "persistent_64_rows", "persistent_256_rows_two_consumers"]
 
 
@@ -354,15 +355,20 @@ def test_rs_odd_counts_and_shapes(K, N, bias_dtype, layout, wide, monkeypatch):
 
 
 @pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
-def test_rs_stages_and_chunks_agree_bit_for_bit(layout):
-    """Three and four pipeline stages, and chunks of 256 or 320 rows: each output element sums the
-    same k16 MMAs in the same order, so the same bits."""
+def test_rs_stages_and_chunks_agree_bit_for_bit(layout, monkeypatch):
+    """Three and four pipeline stages, chunks of 256 or 320 rows, a partial box in 16-row pieces or
+    whole (`RS_TAIL_PIECES`), tiles walked statically or from the counter (`RS_DYNAMIC`): each
+    output element sums the same k16 MMAs in the same order, so the same bits."""
     from padded_moe.kernels.native import grouped
 
-    q, meta, a, bias, out = _rs_case([300, 7, 0, 64, 129, 320, 590], 640, 392, layout, torch.float32, 21,
+    q, meta, a, bias, out = _rs_case([300, 7, 0, 64, 129, 320, 590, 90, 100], 640, 392, layout, torch.float32, 21,
                                      keep_canonical=False)
     outs = []
-    for stages, wide in ((3, False), (4, False), (3, True)):
+    for stages, wide, pieces, dynamic in ((3, False, True, False), (4, False, True, False), (3, True, True, False),
+                                          (4, False, False, False), (3, True, False, False), (4, False, True, True),
+                                          (3, True, True, True)):
+        monkeypatch.setattr(grouped, "RS_TAIL_PIECES", pieces)
+        monkeypatch.setattr(grouped, "RS_DYNAMIC", dynamic)
         out.fill_(SENTINEL)
         grouped.launch_rs(a, q, out, bias=bias, stages=stages, wide=wide, **_where(layout, meta))
         outs.append(out.clone())
@@ -474,9 +480,10 @@ def test_fused_experts_rs_epilogue(activation, monkeypatch):
     assert torch.isfinite(out).all() and err < 1e-2, f"relative difference {err:.3g}"
 
 
-def test_rs_sanitizer_small():
+def test_rs_sanitizer_small(monkeypatch):
     """A small RS call of each layout (chunks of 1-5 boxes, a second chunk, an empty expert, K past a
-    multiple of 64, N past a weight tile), plain and with the gated epilogue, 256- and 320-row chunks, for
+    multiple of 64, N past a weight tile), plain and with the gated epilogue, 256- and 320-row chunks,
+    partial boxes in pieces and whole, the static and the dynamic walk, for
     `compute-sanitizer --tool memcheck`."""
     from padded_moe.activation import ActivationEpilogue
     from padded_moe.kernels.native import grouped
@@ -484,13 +491,18 @@ def test_rs_sanitizer_small():
     counts = [5, 0, 70, 257, 130, 200, 321]
     for layout in GROUPED:
         q, meta, a, bias, out = _rs_case(counts, 160, 264, layout, torch.float32, 3)
-        for stages, wide in ((3, False), (4, False), (3, True)):
+        for stages, wide, pieces, dynamic in ((3, False, True, False), (4, False, False, False),
+                                              (3, True, True, True), (3, True, False, False)):
+            monkeypatch.setattr(grouped, "RS_TAIL_PIECES", pieces)
+            monkeypatch.setattr(grouped, "RS_DYNAMIC", dynamic)
             out.fill_(SENTINEL)
             grouped.launch_rs(a, q, out, bias=bias, stages=stages, wide=wide, **_where(layout, meta))
             torch.cuda.synchronize()
             check(a, q, meta, "w13", out, bias)
+        monkeypatch.setattr(grouped, "RS_TAIL_PIECES", True)
         q, meta, a, bias, out = _rs_case(counts, 160, 272, layout, torch.float32, 4)
         for wide, activation in ((False, "swigluoai"), (True, "swigluoai"), (False, "silu"), (True, "silu")):
+            monkeypatch.setattr(grouped, "RS_DYNAMIC", wide)  # the wide chunks walked from the counter
             act = torch.full(out.shape[:-1] + (136,), SENTINEL, dtype=torch.bfloat16, device=DEV)
             grouped.launch_rs(a, q, act, bias=bias, epilogue=ActivationEpilogue.of(activation), wide=wide,
                               **_where(layout, meta))

@@ -69,6 +69,12 @@ RS_COLUMNS_FIRST = True
 # whose tiles take different times do not drift apart). One CTA per tile took 3-25% more time in
 # every case measured (H100, scripts/mx_rs_probe.py, GPT-OSS and DeepSeek-V4 GEMMs).
 RS_PERSISTENT = True
+# The RS kernel's MMA of a chunk's last, partial box: in 16-row pieces (True: an m64n16 MMA per piece
+# that holds rows, so the box costs its rows rounded up to 16) or whole (False: rounded up to 64).
+RS_TAIL_PIECES = True
+# The persistent RS kernel's tile walk: from a counter zeroed before each launch (True: a CTA whose
+# tiles ran short takes the next one) or static (False: CTA b takes tiles b, b + SMs, ...).
+RS_DYNAMIC = False
 # Whether the backend applies gated activations with interleaved gate / up rows (swigluoai) in the
 # RS kernel's epilogue (`rs_fuses`): bit-equal to GEMM1 followed by the activation op, and 3-9% less
 # time than the two steps on GPT-OSS's GEMM1 (H100, scripts/mx_rs_probe.py). False: the two steps.
@@ -381,11 +387,15 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
     grid = (chunks * cdiv(width, RS_BLOCK_N if ep[0] == PLAIN else RS_BLOCK_N // 2),)
     if grid[0] >= 2 ** 30:  # tile ids are 32-bit; a persistent CTA's last step passes the bound
         _refuse(f"numbers its tiles in 30 bits; this call would need {grid[0]}")
+    if RS_DYNAMIC and not RS_PERSISTENT:
+        raise ValueError("RS_DYNAMIC walks the tiles of persistent CTAs: it needs RS_PERSISTENT")
     bias_kind = native.DTYPE_CODES[bias.dtype] if bias is not None else 0
     stride_be = bias.stride(0) if bias is not None else 0
+    # A fresh zeroed counter per launch (a memset, which a CUDA graph captures), as `launch`'s.
+    counter = torch.zeros(1, dtype=torch.int32, device=a.device) if RS_DYNAMIC else None
     launch_native(native.GROUPED.entry(RS_ENTRY), grid,
                   (stages, a, stride_as, stride_ar, slabs, rows, K, words, words.stride(0), words.stride(1), scales,
                    scales.stride(0), scales.stride(1), L, w_rows, h.k_padded, offsets, counts, bias, stride_be,
                    bias_kind, out, stride_os, stride_or, int(RS_COLUMNS_FIRST), int(RS_PERSISTENT),
-                   chunk // GROUP_ROWS, *ep))
+                   chunk // GROUP_ROWS, *ep, int(RS_TAIL_PIECES), counter))
     return out

@@ -423,6 +423,8 @@ struct Args {
   int load_policies;
   // The RS kernels' walk within an expert (`rs_locate_tile`): column tiles first (1) or chunks first (0).
   int rs_columns_first;
+  // The RS kernels' MMA of a chunk's last, partial box: in 16-row pieces (1) or whole (0); `rs_consume_boxes`.
+  int rs_tail_pieces;
 };
 
 constexpr int kPolicyWeights = 1, kPolicyRows = 2;
@@ -862,10 +864,12 @@ struct RsChunk {
 };
 
 // Stages, the epilogue's staging (its own: the producer fills the next tile's stages meanwhile),
-// the barriers, the experts' chunk prefix, and the slack for aligning the stages to 1024 bytes.
+// the barriers, the tile ids of the dynamic walk, the experts' chunk prefix, and the slack for
+// aligning the stages to 1024 bytes.
 template <int STAGES, int B>
 __host__ __device__ constexpr int rs_smem_bytes() {
-  return STAGES * RsChunk<B>::kStage + RsChunk<B>::kStaging + 2 * STAGES * 8 + 4 * (kMaxExperts + 1) + 1024;
+  return STAGES * RsChunk<B>::kStage + RsChunk<B>::kStaging + 2 * STAGES * 8 + 4 * STAGES + 4 * (kMaxExperts + 1) +
+         1024;
 }
 
 __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
@@ -888,6 +892,17 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
 }
 // The two consumer warpgroups (named barrier 1; the producer has left).
 __device__ __forceinline__ void rs_consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+// D[64 x 16] += A[64 x 16] (registers a0..a3) * B[16 x 16] (shared memory, K-major): a 16-row
+// piece of a chunk's last, partial box.
+__device__ __forceinline__ void wgmma_rs(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint64_t db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, 1, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+}
 
 // D[64 x 64] += A[64 x 16] (registers a0..a3) * B[16 x 64] (shared memory, K-major).
 __device__ __forceinline__ void wgmma_rs(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -1013,53 +1028,76 @@ __device__ __forceinline__ void rs_upcast(uint32_t words, uint32_t scales, int r
   }
 }
 
-// A consumer warpgroup's tile: the k loop over the chunk's 64 NB rows (NB <= B, the chunk's boxes),
-// then the epilogue. `it`: the k tiles this warpgroup consumed before (stage and parity of the
-// ring). EPI kPlain stores the 128 weight rows' sums (plus bias) as output columns; kGatedPairs
-// (swigluoai's interleave: weight rows 2j gate, 2j + 1 up) and kGatedSplit (consumer 0 the gate
-// rows, consumer 1 the up rows) store 64 activation columns, computed from the staged bf16 sums,
-// the values the activation op would read from GEMM1's buffer.
-template <int STAGES, int NB, int EPI, int B>
+// A consumer warpgroup's tile: the k loop over the chunk's rows, then the epilogue. NF full 64-row
+// boxes go through one m64n(64 NF) MMA, and the next box's first `tails` 16-row pieces (0..4, the
+// chunk's last rows; `rs_consume_boxes`) through an m64n16 MMA each, so a partial box costs the
+// MMA work of its rows rounded up to 16, not to 64. `it`: the k tiles this warpgroup consumed before
+// (stage and parity of the ring). EPI kPlain stores the 128 weight rows' sums (plus bias) as output
+// columns; kGatedPairs (swigluoai's interleave: weight rows 2j gate, 2j + 1 up) and kGatedSplit
+// (consumer 0 the gate rows, consumer 1 the up rows) store 64 activation columns, computed from the
+// staged bf16 sums, the values the activation op would read from GEMM1's buffer.
+constexpr int kRsPieceRows = 16, kRsPieces = kRowsPerGroup / kRsPieceRows;
+constexpr int kRsPieceBytes = kRsPieceRows * kBK * 2;  // two 8-row swizzle atoms: a piece starts on one
+
+// One k tile's MMAs of a consumer: the NF full boxes of the stage at `stage` in one m64n(64 NF),
+// then T 16-row pieces of the next box, retired before it returns.
+template <int NF, int T>
+__device__ __forceinline__ void rs_mma(float (&acc)[NF > 0 ? NF * 32 : 1], float (&acc_t)[kRsPieces][kRsPieceRows / 2],
+                                       const uint32_t (&f)[16], uint32_t stage) {
+  const uint64_t db = smem_desc_at(stage);
+  wgmma_fence();
+#pragma unroll
+  for (int j = 0; j < kBK / 16; ++j) {
+    if constexpr (NF > 0) wgmma_rs(acc, f[4 * j], f[4 * j + 1], f[4 * j + 2], f[4 * j + 3], db + 2 * j);
+#pragma unroll
+    for (int i = 0; i < T; ++i)
+      wgmma_rs(acc_t[i], f[4 * j], f[4 * j + 1], f[4 * j + 2], f[4 * j + 3],
+               smem_desc_at(stage + NF * kABox + i * kRsPieceBytes) + 2 * j);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+}
+
+template <int STAGES, int NF, int EPI, int B>
 __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint64_t* full, uint64_t* empty,
-                                           const TileGeom& g, int k_tiles, int c, int it) {
+                                           const TileGeom& g, int k_tiles, int c, int it, int tails) {
+  static_assert(NF >= 0 && NF <= 4, "wgmma's N stops at 256: four full boxes in one MMA");
   using Chunk = RsChunk<B>;
-  constexpr int NB0 = NB < 4 ? NB : 4;  // boxes of the first MMA: m64n(64 NB0), 32 NB0 floats per thread
-  constexpr int NB1 = NB - NB0;         // 0, or the fifth box's m64n64
+  constexpr int kPieces = kRsPieces;
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, q = lane % 4;
   const int r0 = c * 64 + warp * 16 + lane / 4;
   const uint32_t base = smem_addr(smem);
-  float acc[NB0 * 32];
-  float acc1[NB1 > 0 ? 32 : 1];
+  float acc[NF > 0 ? NF * 32 : 1];
+  float acc_t[kPieces][kRsPieceRows / 2];
 #pragma unroll
-  for (int i = 0; i < NB0 * 32; ++i) acc[i] = 0.f;
+  for (int i = 0; i < (NF > 0 ? NF * 32 : 1); ++i) acc[i] = 0.f;
 #pragma unroll
-  for (int i = 0; i < 32; ++i)
-    if constexpr (NB1 > 0) acc1[i] = 0.f;
+  for (int i = 0; i < kPieces; ++i)
+#pragma unroll
+    for (int j = 0; j < kRsPieceRows / 2; ++j) acc_t[i][j] = 0.f;
   for (int kt = 0; kt < k_tiles; ++kt, ++it) {
     const int s = it % STAGES;
     mbar_wait(&full[s], (it / STAGES) & 1);
     const uint32_t stage = base + s * Chunk::kStage;
     uint32_t f[16];
     rs_upcast<EPI>(stage + Chunk::kWordsOff, stage + Chunk::kScalesOff, r0, q, f);
-    const uint64_t db = smem_desc_at(stage);
-    wgmma_fence();
-#pragma unroll
-    for (int j = 0; j < kBK / 16; ++j) {
-      wgmma_rs(acc, f[4 * j], f[4 * j + 1], f[4 * j + 2], f[4 * j + 3], db + 2 * j);
-      if constexpr (NB1 > 0)
-        wgmma_rs(acc1, f[4 * j], f[4 * j + 1], f[4 * j + 2], f[4 * j + 3], smem_desc_at(stage + 4 * kABox) + 2 * j);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
+    // Each piece count its own MMA group (fence to wait), so no wgmma waits on a branch.
+    if (tails == 0) rs_mma<NF, 0>(acc, acc_t, f, stage);
+    else if (tails == 1) rs_mma<NF, 1>(acc, acc_t, f, stage);
+    else if (tails == 2) rs_mma<NF, 2>(acc, acc_t, f, stage);
+    else if (tails == 3) rs_mma<NF, 3>(acc, acc_t, f, stage);
+    else rs_mma<NF, 4>(acc, acc_t, f, stage);
     if (t == 0) mbar_arrive(&empty[s]);
   }
   fence_accumulators(acc);
-  if constexpr (NB1 > 0) fence_accumulators(acc1);
+#pragma unroll
+  for (int i = 0; i < kPieces; ++i) fence_accumulators(acc_t[i]);
   // The staging is free once both warpgroups have stored the previous tile from it.
   const uint32_t staging = base + STAGES * Chunk::kStage;
   rs_consumers_sync();
-  // Accumulator fragment: i = 4b + 2h + p (acc, then acc1 from b = 32) is weight row w_row0 + r0 + 8h
-  // of the chunk's row 8b + 2q + p; staged at that row's column r0 + 8h.
+  // Accumulator fragment: i = 4b + 2h + p is weight row w_row0 + r0 + 8h of the chunk's row
+  // 8b + 2q + p (acc: b < 8 NF; piece i's acc_t: b = 8 NF + 2i + b', b' = 0, 1); staged at that
+  // row's column r0 + 8h.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     // Split halves: consumer 0 holds gate rows w_row0.., consumer 1 up rows w_row1.. (`rs_tile_geometry`).
@@ -1067,17 +1105,21 @@ __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint
     // Past the weight's rows (or its gate half): not stored, no bias to read.
     const bool live = w_row < (EPI == kGatedSplit && c == 0 ? args.up_row0 : args.w_rows);
 #pragma unroll
-    for (int b = 0; b < NB * 8; ++b)
+    for (int b = 0; b < (NF + 1) * 8; ++b) {
+      const int piece = (b - 8 * NF) / 2;
+      if (b >= 8 * NF && piece >= tails) continue;
 #pragma unroll
       for (int p = 0; p < 2; ++p) {
-        const float a = b < NB0 * 8 ? acc[4 * b + 2 * h + p] : acc1[(4 * b + 2 * h + p) % 32];
+        const float a = b < 8 * NF ? acc[(4 * b + 2 * h + p) % (NF > 0 ? NF * 32 : 1)]
+                                   : acc_t[piece % kPieces][4 * (b % 2) + 2 * h + p];
         const float v = live ? as_stored(args, g.e, w_row, a) : 0.0f;
         sts16(staging + (8 * b + 2 * q + p) * kRsOutRow + (r0 + 8 * h) * 2,
               __bfloat16_as_ushort(__float2bfloat16_rn(v)));
       }
+    }
   }
   rs_consumers_sync();
-  const int rows = min(NB * kRowsPerGroup, g.count - g.m0);
+  const int rows = min(B * kRowsPerGroup, g.count - g.m0);
   uint16_t* out = args.out + g.slab * args.stride_os + (long long)(g.start + g.m0) * args.stride_or + g.n0;
   if constexpr (EPI == kPlain) {
     const int pieces = min(kRsWRows, args.N - g.n0) / 8;  // 16-byte pieces of a row (N is a multiple of 8)
@@ -1125,15 +1167,29 @@ __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint
   }
 }
 
-// `rs_consume` compiled for each box count a tile may hold (1..B), chosen by the tile's.
+// `rs_consume` compiled for each count of full boxes (0..4), chosen by the tile's rows: with
+// `args.rs_tail_pieces` 1, its full boxes and 16-row pieces of the rest; with 0, every box that holds
+// rows in the main MMA (a partial one whole) and a fifth box as four pieces.
 template <int STAGES, int EPI, int B>
 __device__ __forceinline__ void rs_consume_boxes(const Args& args, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                                  const TileGeom& g, int k_tiles, int c, int it) {
-  if (g.boxes == 1) rs_consume<STAGES, 1, EPI, B>(args, smem, full, empty, g, k_tiles, c, it);
-  else if (g.boxes == 2) rs_consume<STAGES, 2, EPI, B>(args, smem, full, empty, g, k_tiles, c, it);
-  else if (g.boxes == 3) rs_consume<STAGES, 3, EPI, B>(args, smem, full, empty, g, k_tiles, c, it);
-  else if (B == 4 || g.boxes == 4) rs_consume<STAGES, 4, EPI, B>(args, smem, full, empty, g, k_tiles, c, it);
-  else rs_consume<STAGES, (B > 4 ? 5 : 4), EPI, B>(args, smem, full, empty, g, k_tiles, c, it);
+  const int rows = min(B * kRowsPerGroup, g.count - g.m0);
+  int nf, tails;
+  if (args.rs_tail_pieces) {
+    nf = min(rows / kRowsPerGroup, 4);
+    tails = (rows - nf * kRowsPerGroup + 15) / 16;
+  } else {
+    nf = min(g.boxes, 4);
+    tails = g.boxes > 4 ? 4 : 0;
+  }
+  // Warp-uniform by construction (from lane 0), so ptxas takes the pieces' branches as non-divergent.
+  nf = __shfl_sync(0xffffffffu, nf, 0);
+  tails = __shfl_sync(0xffffffffu, tails, 0);
+  if (nf == 0) rs_consume<STAGES, 0, EPI, B>(args, smem, full, empty, g, k_tiles, c, it, tails);
+  else if (nf == 1) rs_consume<STAGES, 1, EPI, B>(args, smem, full, empty, g, k_tiles, c, it, tails);
+  else if (nf == 2) rs_consume<STAGES, 2, EPI, B>(args, smem, full, empty, g, k_tiles, c, it, tails);
+  else if (nf == 3) rs_consume<STAGES, 3, EPI, B>(args, smem, full, empty, g, k_tiles, c, it, tails);
+  else rs_consume<STAGES, 4, EPI, B>(args, smem, full, empty, g, k_tiles, c, it, tails);
 }
 
 // RS tile `id`: experts in order; within an expert (`args.rs_columns_first`), column tiles fastest
@@ -1172,7 +1228,10 @@ __device__ __forceinline__ TileGeom rs_tile_geometry(const Args& args, const Til
 // CTA b walks tiles b, b + gridDim.x, ... (`rs_locate_tile` over chunks of B x 64 rows and tiles of
 // 128 weight rows). Persistent (one CTA per SM, `rs_launch`), the experts' chunk prefix is computed once
 // per CTA and the producer fills the next tile's first stages while the consumers store the last
-// one; with one CTA per tile, the grid's step ends the walk after one tile.
+// one; with one CTA per tile, the grid's step ends the walk after one tile. With `args.tile_counter`
+// (persistent only) the producer takes each next tile id from that zeroed counter instead and
+// passes it to the consumers in the tile's first stage, so a CTA whose tiles ran short (partial
+// chunks) takes more of them, and the CTAs running together still hold neighbouring tiles.
 // `args.K` here is the weights' padded K (the k tiles); the rows' own K is in their tensor map,
 // which reads zeros past it.
 template <int STAGES, int EPI, int B>
@@ -1184,8 +1243,10 @@ __global__ void __launch_bounds__(kRsThreads, 1)
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * Chunk::kStage + Chunk::kStaging);
   uint64_t* empty = full + STAGES;
-  int* prefix = reinterpret_cast<int*>(empty + STAGES);  // [L + 1]
+  int* tile_ids = reinterpret_cast<int*>(empty + STAGES);  // dynamic walk: the tile a stage starts
+  int* prefix = tile_ids + STAGES;  // [L + 1]
   const int n_tiles = (args.N + rs_tile_cols<EPI>() - 1) / rs_tile_cols<EPI>();
+  const bool dynamic = args.tile_counter != nullptr;
   const int k_tiles = args.K / kBK;
   if (threadIdx.x < 32) chunk_prefix<B>(args, prefix);
   if (threadIdx.x == 32) {
@@ -1204,13 +1265,22 @@ __global__ void __launch_bounds__(kRsThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRsProducerRegs));
     if (threadIdx.x != 0) return;
     int it = 0;  // k tiles loaded so far: stage and parity
-    for (int id = blockIdx.x;; id += gridDim.x) {
+    for (int id = first_tile(args, dynamic);; id = dynamic ? atomicAdd(args.tile_counter, 1) : id + gridDim.x) {
       const Tile tile = rs_locate_tile(args, prefix, id, n_tiles);
-      if (tile.e < 0) break;
+      if (tile.e < 0) {
+        if (dynamic) {  // the consumers learn the end from the next stage's tile id
+          const int s = it % STAGES;
+          mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+          tile_ids[s] = id;
+          mbar_arrive(&full[s]);
+        }
+        break;
+      }
       const TileGeom g = rs_tile_geometry<EPI, B>(args, tile);
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const int s = it % STAGES;
         mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+        if (dynamic && kt == 0) tile_ids[s] = id;  // published by the expect_tx arrival below
         uint8_t* stage = smem + s * Chunk::kStage;
         mbar_expect_tx(&full[s], g.boxes * kABox + kRsWordsBytes + kRsScalesBytes);
         for (int b = 0; b < g.boxes; ++b)
@@ -1233,6 +1303,11 @@ __global__ void __launch_bounds__(kRsThreads, 1)
   const int c = group - 1;
   int it = 0;  // k tiles consumed so far
   for (int id = blockIdx.x;; id += gridDim.x, it += k_tiles) {
+    if (dynamic) {  // the tile's first stage carries its id (or, past the last tile, the end)
+      const int s = it % STAGES;
+      mbar_wait(&full[s], (it / STAGES) & 1);
+      id = tile_ids[s];
+    }
     const Tile tile = rs_locate_tile(args, prefix, id, n_tiles);
     if (tile.e < 0) break;
     TileGeom g = rs_tile_geometry<EPI, B>(args, tile);
@@ -1498,14 +1573,16 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
 // elements and its data 16-byte aligned, the words' and scales' strides multiples of 16 bytes,
 // out's columns a multiple of 8, its row stride a multiple of 8 elements and its data 16-byte
 // aligned (16-byte stores). columns_first: the walk order (`rs_locate_tile`); persistent: one CTA
-// per SM (1) or per tile of the grid (0).
+// per SM (1) or per tile of the grid (0); tail_pieces: a chunk's last, partial box in 16-row MMAs
+// (1) or whole (0) (`rs_consume_boxes`); tile_counter: null (the static walk), or a zeroed int32
+// from which a persistent launch takes its tiles (the dynamic walk).
 int pmoe_mx_rs_gemm(int stages, int grid_x, int grid_y, void* stream, const void* a, long long stride_as,
                     long long stride_ar, int slabs, int rows, int K, const void* words, long long stride_we,
                     long long stride_wn, const void* scales, long long stride_se, long long stride_sg, int L,
                     int w_rows, int KP, const void* offsets, const void* counts, const void* bias,
                     long long stride_be, int bias_kind, void* out, long long stride_os, long long stride_or,
                     int columns_first, int persistent, int boxes, int mode, int act, int has_limit, float limit,
-                    float alpha, float beta) {
+                    float alpha, float beta, int tail_pieces, void* tile_counter) {
   if ((offsets == nullptr) == (counts == nullptr)) return -12;
   if (grid_y != 1 || grid_x < 1 || L < 1) return -13;
   if (L > kMaxExperts) return -16;
@@ -1522,7 +1599,10 @@ int pmoe_mx_rs_gemm(int stages, int grid_x, int grid_y, void* stream, const void
     err = encode_plain_3d(&ms, CU_TENSOR_MAP_DATA_TYPE_UINT16, scales, w_rows, KP / 32, L, stride_sg * 2,
                           stride_se * 2, w_box, kBK / 32);
   if (err != 0) return err;
-  if (columns_first < 0 || columns_first > 1 || persistent < 0 || persistent > 1) return -26;
+  if (columns_first < 0 || columns_first > 1 || persistent < 0 || persistent > 1 || tail_pieces < 0 ||
+      tail_pieces > 1)
+    return -26;
+  if (tile_counter != nullptr && persistent != 1) return -21;
   if (mode != kPlain && act != kSilu && act != kSwigluoai && act != kSwigluoaiUninterleave) return -17;
   if (mode != kPlain && w_rows % 2 != 0) return -15;
   const int N = mode == kPlain ? w_rows : w_rows / 2;  // output columns
@@ -1530,8 +1610,8 @@ int pmoe_mx_rs_gemm(int stages, int grid_x, int grid_y, void* stream, const void
   // K carries the weights' padded K (the k tiles).
   const Args args{static_cast<const int64_t*>(offsets), static_cast<const int32_t*>(counts), L, rows, KP, N,
                   act, has_limit, mode == kGatedSplit ? N : 0, limit, alpha, beta, bias, stride_be, bias_kind,
-                  static_cast<uint16_t*>(out), stride_os, stride_or, nullptr, nullptr, 0, 0, 0, 0, w_rows, nullptr, 0, 0,
-                  columns_first};
+                  static_cast<uint16_t*>(out), stride_os, stride_or, nullptr, nullptr, 0, 0, 0, 0, w_rows,
+                  static_cast<int*>(tile_counter), 0, 0, columns_first, tail_pieces};
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const bool p = persistent == 1;
   if (mode == kPlain) return rs_launch_chunks<kPlain>(stages, boxes, ma, mw, ms, args, grid_x, p, st);
@@ -1551,13 +1631,16 @@ const char* pmoe_error_string(int code) {
   if (code == -17) return "the epilogue's activation is not of the silu family";
   if (code == -18) return "MXFP4 weights need their codes and scales and K a multiple of 32";
   if (code == -19) return "MXFP4 weights run in the 128-row configurations only";
-  if (code == -21) return "a tile counter (the dynamic walk) needs a persistent configuration and bf16 weights";
+  if (code == -21)
+    return "a tile counter (the dynamic walk) needs a persistent launch: a persistent configuration and bf16 weights, "
+           "or the RS kernel launched persistent";
   if (code == -22) return "the L2 policy of A's rows must be 0 (normal) or 1 (evict last)";
   if (code == -23) return "the load-policy mask must be 0-3 (1: the weight tile's loads carry their L2 policy, 2: A's rows')";
   if (code == -24) return "the RS kernel needs KP a multiple of 64, 1 <= K <= KP and its output columns a multiple of 8";
   if (code == -25) return "the RS kernel runs chunks of 4 boxes in 3 or 4 stages, of 5 boxes in 3";
   if (code == -26)
-    return "the RS kernel's walk order must be 0 (chunks first) or 1 (columns first), its persistence 0 or 1";
+    return "the RS kernel's walk order must be 0 (chunks first) or 1 (columns first), its persistence and tail "
+           "pieces 0 or 1";
   if (code == -20) return "the kernel was compiled with fewer registers than its warpgroups share out (setmaxnreg)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }

@@ -14,8 +14,7 @@ variant alike):
   GROUPED_CONTIGUOUS, and the native kernel on GROUPED_CONTIGUOUS with the activation in GEMM1's
   epilogue (its default; for MXFP4 weights, prepared here, "grouped, cuda" is the RS kernel, which
   runs the activation as its own op; "grouped, cuda, fused" turns its gated epilogue on,
-  `grouped.RS_EPILOGUE` and `RS_EPILOGUE_SPLIT`, "chunks64" / "chunks256" / "chunks320" force its chunks,
-  `grouped.RS_NARROW` and `RS_WIDE`,
+  `grouped.RS_EPILOGUE` and `RS_EPILOGUE_SPLIT`, "chunks256" / "chunks320" force its chunks, `grouped.RS_WIDE`,
   "whole boxes" runs a partial box's MMA whole, `RS_TAIL_PIECES` off, and "dynamic" walks the tiles from a counter,
   `RS_DYNAMIC`), as
   a separate op (`PADDED_MOE_FUSE_ACTIVATION=0`), and in configurations 0, 1 and 3 (the
@@ -149,8 +148,7 @@ def call_variants(mx: bool, humming: bool = False) -> dict:
     if mx:  # the RS kernel (`rs_switches`): with its gated epilogue ("fused"), its chunks of 256 or 320
         # rows forced, a partial box's MMA whole instead of in pieces, the tiles walked from the counter
         for fused in ("", ", fused"):
-            for extra in ("", ", chunks64", ", chunks256", ", chunks320", ", whole boxes", ", dynamic",
-                          ", whole boxes, dynamic"):
+            for extra in ("", ", chunks256", ", chunks320", ", whole boxes", ", dynamic", ", whole boxes, dynamic"):
                 if fused or extra:
                     variants[f"grouped, cuda{fused}{extra}"] = ("grouped_contiguous", "cuda", "1" if fused else None,
                                                                 None, None, None)
@@ -162,18 +160,15 @@ def call_variants(mx: bool, humming: bool = False) -> dict:
 def rs_switches(name: str):
     """The RS kernel's switches for a whole-call variant "grouped, cuda[, fused][, chunksN][, whole
     boxes][, dynamic]": `grouped.RS_EPILOGUE` / `RS_EPILOGUE_SPLIT` on only with "fused", `RS_WIDE`
-    and `RS_NARROW` from "chunks64" / "chunks256" / "chunks320" (else their rules), `RS_TAIL_PIECES`
-    off with "whole boxes",
+    from "chunks256" / "chunks320" (else the rule), `RS_TAIL_PIECES` off with "whole boxes",
     `RS_DYNAMIC` on with "dynamic"; every other variant ("auto" included) keeps the library's
     defaults."""
     if not name.startswith("grouped, cuda"):
         return contextlib.nullcontext()
     parts = set(name.split(", ")[2:])
-    chunks = {"chunks64", "chunks256", "chunks320"} & parts
-    wide = "chunks320" in parts if chunks else None
-    narrow = "chunks64" in parts if chunks else None
+    wide = True if "chunks320" in parts else False if "chunks256" in parts else None
     fused = "fused" in parts
-    return mock.patch.multiple(grouped, RS_EPILOGUE=fused, RS_EPILOGUE_SPLIT=fused, RS_WIDE=wide, RS_NARROW=narrow,
+    return mock.patch.multiple(grouped, RS_EPILOGUE=fused, RS_EPILOGUE_SPLIT=fused, RS_WIDE=wide,
                                RS_TAIL_PIECES="whole boxes" not in parts, RS_DYNAMIC="dynamic" in parts)
 
 

@@ -134,30 +134,6 @@ for stage in "$@"; do
                 --out "$OUT/bench/rs-tails" --variants "auto;grouped, cuda;grouped, cuda, whole boxes;grouped, cuda, \
 dynamic;grouped, cuda, fused;grouped, cuda, fused, whole boxes;grouped, cuda, fused, dynamic;grouped, cuda, fused, \
 whole boxes, dynamic" ;;
-        rs-narrow)  # the RS kernel's one-box chunks (grouped.RS_NARROW: 64 rows, 16-row loads, 8 / 12 stages): the
-            # RS GPU tests (every chunk kind), memcheck, then whole calls on the MXFP4 presets at 16 / 128 / 1024 tokens
-            STEP_TIMEOUT=300 step test-rs python3 -m pytest -q tests/test_cuda_backend.py \
-                tests/test_native_grouped_gpu.py -k "rs or auto"
-            STEP_TIMEOUT=150 step sanitizer-rs compute-sanitizer --tool memcheck --error-exitcode 9 \
-                python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k "rs_sanitizer"
-            STEP_TIMEOUT=240 step rs-narrow-calls python3 benchmarks/bench_native_gemm.py --calls-only --rounds 7 \
-                --breakdown --presets gpt-oss-120b:mxfp4,dsv4-flash:mxfp4 --tokens 16,128,1024 \
-                --out "$OUT/bench/rs-narrow" --variants "auto;grouped, Triton;grouped, cuda;grouped, cuda, fused;grouped, \
-cuda, chunks256;grouped, cuda, fused, dynamic" ;;
-        rs-next)  # rs-tails and rs-narrow in one call under the 600 s bound: the RS GPU tests (every chunk kind,
-            # pieces, walks), memcheck, then GPT-OSS whole calls at 8192 (pieces, counter walk) and 128 / 1024
-            # tokens (narrow chunks), 5 rounds, with each variant's kernels
-            STEP_TIMEOUT=270 step test-rs python3 -m pytest -q -x tests/test_native_grouped_gpu.py \
-                -k "rs or auto or sanitizer_small"
-            grep -q "test-rs rc=0" "$summary" || exit 1
-            STEP_TIMEOUT=110 step sanitizer-rs compute-sanitizer --tool memcheck --error-exitcode 9 \
-                python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k "rs_sanitizer"
-            STEP_TIMEOUT=90 step rs-tails-calls python3 benchmarks/bench_native_gemm.py --calls-only --rounds 5 \
-                --breakdown --presets gpt-oss-120b:mxfp4 --tokens 8192 --out "$OUT/bench/rs-tails" \
-                --variants "grouped, cuda, fused;grouped, cuda, fused, whole boxes;grouped, cuda, fused, dynamic"
-            STEP_TIMEOUT=90 step rs-narrow-calls python3 benchmarks/bench_native_gemm.py --calls-only --rounds 5 \
-                --breakdown --presets gpt-oss-120b:mxfp4 --tokens 128,1024 --out "$OUT/bench/rs-narrow" \
-                --variants "auto;grouped, cuda, fused;grouped, cuda, fused, chunks256" ;;
         peers-dsv4-8192)  # the peers harness's DeepSeek-V4 bf16 case at 8192 tokens alone (.peers carried)
             STEP_TIMEOUT=210 step peers-dsv4-8192 env OUT="$OUT/peers-dsv4-8192" BUDGET_S=160 TIMEOUT_S=200 \
                 bash .peers/run.sh --tokens 8192 --cases dsv4 ;;

@@ -50,7 +50,7 @@ def test_variants_selected_by_name_with_the_base_always_timed():
     bf16, mx = bench_native_gemm.call_variants(False), bench_native_gemm.call_variants(True)
     # MXFP4: no wide tiles or counter walks of the bf16 kernel; the RS kernel with its gated epilogue,
     # chunk sizes, whole partial boxes and its counter walk forced
-    extras = ("", ", chunks64", ", chunks256", ", chunks320", ", whole boxes", ", dynamic", ", whole boxes, dynamic")
+    extras = ("", ", chunks256", ", chunks320", ", whole boxes", ", dynamic", ", whole boxes, dynamic")
     rs_only = {f"grouped, cuda{fused}{extra}" for fused in ("", ", fused") for extra in extras}
     rs_only.remove("grouped, cuda")
     assert set(mx) - set(bf16) == rs_only and "grouped, cuda c3 dyn" not in mx
@@ -80,17 +80,15 @@ def test_rs_switches_leave_auto_at_the_library_defaults():
         with bench_native_gemm.rs_switches(name):
             assert (grouped.RS_EPILOGUE, grouped.RS_EPILOGUE_SPLIT, grouped.RS_WIDE) == defaults
     def state():
-        return (grouped.RS_EPILOGUE, grouped.RS_EPILOGUE_SPLIT, grouped.RS_WIDE, grouped.RS_NARROW,
-                grouped.RS_TAIL_PIECES, grouped.RS_DYNAMIC)
+        return (grouped.RS_EPILOGUE, grouped.RS_EPILOGUE_SPLIT, grouped.RS_WIDE, grouped.RS_TAIL_PIECES,
+                grouped.RS_DYNAMIC)
 
     with bench_native_gemm.rs_switches("grouped, cuda"):
-        assert state() == (False, False, None, None, True, False)
+        assert state() == (False, False, None, True, False)
     with bench_native_gemm.rs_switches("grouped, cuda, fused, chunks320"):
-        assert state() == (True, True, True, False, True, False)
+        assert state() == (True, True, True, True, False)
     with bench_native_gemm.rs_switches("grouped, cuda, chunks256"):
-        assert state() == (False, False, False, False, True, False)
-    with bench_native_gemm.rs_switches("grouped, cuda, chunks64"):
-        assert state() == (False, False, False, True, True, False)
+        assert state() == (False, False, False, True, False)
     with bench_native_gemm.rs_switches("grouped, cuda, fused, whole boxes, dynamic"):
-        assert state() == (True, True, None, None, False, True)
+        assert state() == (True, True, None, False, True)
     assert (grouped.RS_EPILOGUE, grouped.RS_EPILOGUE_SPLIT, grouped.RS_WIDE) == defaults

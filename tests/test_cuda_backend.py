@@ -481,7 +481,6 @@ def test_supports_and_fuses_with_rs_weights():
 
 def test_rs_contiguous_launch_arguments(monkeypatch):
     rec = _Recorder(monkeypatch)
-    monkeypatch.setattr(grouped, "RS_NARROW", False)
     q = _rs_weight(L=3, N=264, K=64, keep_canonical=False)
     a = torch.randn(10, 64, dtype=torch.bfloat16)
     out = torch.empty(10, 264, dtype=torch.bfloat16)
@@ -572,47 +571,6 @@ def test_rs_wide_chunks_by_rows_per_expert(monkeypatch):
         grouped.launch_rs(a[:8], q, out[:8], offsets=offsets.clamp(max=8), stages=4)
     with pytest.raises(ValueError, match="3 with wide chunks .*, got 4; wide chunks asked for"):
         grouped.launch_rs(a, q, out, offsets=offsets, stages=4, wide=True)
-
-
-def test_rs_narrow_chunks_below_their_rows_per_expert(monkeypatch):
-    """One-box chunks (64 rows, RS_NARROW_STAGES stages) below RS_NARROW_BELOW rows per expert, unless
-    wide chunks are asked for or forced; the grid's bound counts 64-row chunks; their stages 8 or 12."""
-    rec = _Recorder(monkeypatch)
-    monkeypatch.setattr(grouped, "RS_NARROW", None)
-    monkeypatch.setattr(grouped, "RS_WIDE", None)
-    below = grouped.RS_NARROW_BELOW
-    L, K, N = 4, 64, 16
-    q = _rs_weight(L=L, N=N, K=K)
-    for per_expert, narrow in ((1, True), (below - 1, True), (below, False)):
-        rec.calls.clear()
-        a = torch.randn(L * per_expert, K, dtype=torch.bfloat16)
-        out = torch.empty(L * per_expert, N, dtype=torch.bfloat16)
-        offsets = torch.arange(L + 1, dtype=torch.int64) * per_expert
-        grouped.launch_rs(a, q, out, offsets=offsets)
-        (_, grid, args), = rec.calls
-        chunk = grouped.RS_NARROW_CHUNK_ROWS if narrow else grouped.RS_CHUNK_ROWS
-        assert args[26] == chunk // grouped.GROUP_ROWS
-        assert args[0] == (grouped.RS_NARROW_STAGES if narrow else grouped.RS_STAGES)
-        assert grid == (-(-L * per_expert // chunk) + L,)
-    a = torch.randn(L * 3, K, dtype=torch.bfloat16)
-    out = torch.empty(L * 3, N, dtype=torch.bfloat16)
-    offsets = torch.arange(L + 1, dtype=torch.int64) * 3
-    rec.calls.clear()
-    grouped.launch_rs(a, q, out, offsets=offsets, stages=8)
-    grouped.launch_rs(a, q, out, offsets=offsets, wide=True)
-    monkeypatch.setattr(grouped, "RS_WIDE", True)
-    grouped.launch_rs(a, q, out, offsets=offsets)
-    wide = (grouped.RS_WIDE_STAGES, 5)
-    assert [(call[2][0], call[2][26]) for call in rec.calls] == [(8, 1), wide, wide]
-    with pytest.raises(ValueError, match="stages must be 8 or 12 with narrow chunks, got 4; narrow chunks asked for"):
-        grouped.launch_rs(a, q, out, offsets=offsets, narrow=True, stages=4)
-    monkeypatch.setattr(grouped, "RS_WIDE", None)
-    with pytest.raises(ValueError, match="8 or 12 with narrow chunks, got 3; narrow chunks chosen by RS_NARROW"):
-        grouped.launch_rs(a, q, out, offsets=offsets, stages=3)
-    with pytest.raises(ValueError, match="stages 8 and 12 are for narrow chunks"):
-        grouped.launch_rs(a, q, out, offsets=offsets, narrow=False, stages=12)
-    with pytest.raises(ValueError, match="wide or narrow, not both"):
-        grouped.launch_rs(a, q, out, offsets=offsets, narrow=True, wide=True)
 
 
 def test_rs_launch_refuses_what_the_kernel_cannot_take(monkeypatch):

@@ -336,30 +336,17 @@ def _where(layout, meta):
     return dict(offsets=meta.offsets) if layout == GemmLayout.GROUPED_CONTIGUOUS else dict(counts=meta.counts)
 
 
-def _chunks(rows):
-    """`launch_rs`'s chunk arguments for chunks of `rows` rows (64 narrow, 256, 320 wide)."""
-    return dict(wide=rows == 320, narrow=rows == 64)
-
-
-def _force_chunks(monkeypatch, rows):
-    """The RS kernel's chunks forced to `rows` rows for calls that leave them to the rules."""
-    from padded_moe.kernels.native import grouped
-
-    monkeypatch.setattr(grouped, "RS_WIDE", rows == 320)
-    monkeypatch.setattr(grouped, "RS_NARROW", rows == 64)
-
-
-@pytest.mark.parametrize("chunks", [256, 320, 64], ids=lambda r: f"chunks{r}")
+@pytest.mark.parametrize("wide", [False, True], ids=["chunks256", "chunks320"])
 @pytest.mark.parametrize("K,N", [(64, 136), (96, 264), (2880, 2056), (4096, 8)])
 @pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
-def test_rs_odd_counts_and_shapes(K, N, bias_dtype, layout, chunks, monkeypatch):
-    """Counts on either side of each 64-row box and of the 64-, 256- and 320-row chunks (0 to 520), K
+def test_rs_odd_counts_and_shapes(K, N, bias_dtype, layout, wide, monkeypatch):
+    """Counts on either side of each 64-row box and of the 256- and 320-row chunks (0 to 520), K
     past a multiple of 64 (the weight's padded k tile reads zero rows), N past the last 128-row
     weight tile, against float64; rows past each count keep their poison."""
     from padded_moe.kernels.native import grouped
 
-    _force_chunks(monkeypatch, chunks)
+    monkeypatch.setattr(grouped, "RS_WIDE", wide)
     q, meta, a, bias, out = _rs_case(RS_COUNTS, K, N, layout, bias_dtype, K + N)
     assert grouped.takes_rs(q)
     grouped.launch(a, q, out, bias=bias, **_where(layout, meta))
@@ -369,8 +356,7 @@ def test_rs_odd_counts_and_shapes(K, N, bias_dtype, layout, chunks, monkeypatch)
 
 @pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
 def test_rs_stages_and_chunks_agree_bit_for_bit(layout, monkeypatch):
-    """Three and four pipeline stages, chunks of 256 or 320 rows (and 64 in 8 or 12 stages), a partial
-    box in 16-row pieces or
+    """Three and four pipeline stages, chunks of 256 or 320 rows, a partial box in 16-row pieces or
     whole (`RS_TAIL_PIECES`), tiles walked statically or from the counter (`RS_DYNAMIC`): each
     output element sums the same k16 MMAs in the same order, so the same bits."""
     from padded_moe.kernels.native import grouped
@@ -378,13 +364,13 @@ def test_rs_stages_and_chunks_agree_bit_for_bit(layout, monkeypatch):
     q, meta, a, bias, out = _rs_case([300, 7, 0, 64, 129, 320, 590, 90, 100], 640, 392, layout, torch.float32, 21,
                                      keep_canonical=False)
     outs = []
-    for stages, chunks, pieces, dynamic in ((3, 256, True, False), (4, 256, True, False), (3, 320, True, False),
-                                            (4, 256, False, False), (3, 320, False, False), (4, 256, True, True),
-                                            (3, 320, True, True), (12, 64, True, False), (8, 64, True, True)):
+    for stages, wide, pieces, dynamic in ((3, False, True, False), (4, False, True, False), (3, True, True, False),
+                                          (4, False, False, False), (3, True, False, False), (4, False, True, True),
+                                          (3, True, True, True)):
         monkeypatch.setattr(grouped, "RS_TAIL_PIECES", pieces)
         monkeypatch.setattr(grouped, "RS_DYNAMIC", dynamic)
         out.fill_(SENTINEL)
-        grouped.launch_rs(a, q, out, bias=bias, stages=stages, **_chunks(chunks), **_where(layout, meta))
+        grouped.launch_rs(a, q, out, bias=bias, stages=stages, wide=wide, **_where(layout, meta))
         outs.append(out.clone())
     torch.cuda.synchronize()
     for other in outs[1:]:
@@ -430,12 +416,12 @@ def test_auto_takes_the_rs_kernel_for_prepared_mxfp4(monkeypatch):
         assert torch.isfinite(out).all() and err < 1e-2, f"relative difference {err:.3g}"
 
 
-@pytest.mark.parametrize("chunks", [256, 320, 64], ids=lambda r: f"chunks{r}")
+@pytest.mark.parametrize("wide", [False, True], ids=["chunks256", "chunks320"])
 @pytest.mark.parametrize("config", [None, ApplyMoEActivationConfig(clamp_limit=3.0)], ids=["default", "limit3"])
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("activation", ["swigluoai", "silu"])
 @pytest.mark.parametrize("layout", GROUPED, ids=lambda l: l.value)
-def test_rs_gated_epilogue_equals_two_steps(layout, activation, bias_dtype, config, chunks, monkeypatch):
+def test_rs_gated_epilogue_equals_two_steps(layout, activation, bias_dtype, config, wide, monkeypatch):
     """The silu family in the RS kernel's epilogue, swigluoai with interleaved gate / up rows and silu
     with gate / up halves, against the RS kernel's plain GEMM1 (itself against float64) followed by the
     activation op: the same rows written, within one bf16 rounding; N past a 64-column tile (and for
@@ -443,7 +429,7 @@ def test_rs_gated_epilogue_equals_two_steps(layout, activation, bias_dtype, conf
     from padded_moe.activation import ActivationEpilogue
     from padded_moe.kernels.native import grouped
 
-    _force_chunks(monkeypatch, chunks)
+    monkeypatch.setattr(grouped, "RS_WIDE", wide)
     q, meta, a, bias, out = _rs_case(RS_COUNTS, 2880, 272, layout, bias_dtype, 31)
     where = _where(layout, meta)
     grouped.launch_rs(a, q, out, bias=bias, **where)
@@ -496,8 +482,8 @@ def test_fused_experts_rs_epilogue(activation, monkeypatch):
 
 def test_rs_sanitizer_small(monkeypatch):
     """A small RS call of each layout (chunks of 1-5 boxes, a second chunk, an empty expert, K past a
-    multiple of 64, N past a weight tile), plain and with the gated epilogue, 64-, 256- and 320-row
-    chunks, partial boxes in pieces and whole, the static and the dynamic walk, for
+    multiple of 64, N past a weight tile), plain and with the gated epilogue, 256- and 320-row chunks,
+    partial boxes in pieces and whole, the static and the dynamic walk, for
     `compute-sanitizer --tool memcheck`."""
     from padded_moe.activation import ActivationEpilogue
     from padded_moe.kernels.native import grouped
@@ -505,21 +491,20 @@ def test_rs_sanitizer_small(monkeypatch):
     counts = [5, 0, 70, 257, 130, 200, 321]
     for layout in GROUPED:
         q, meta, a, bias, out = _rs_case(counts, 160, 264, layout, torch.float32, 3)
-        for stages, chunks, pieces, dynamic in ((3, 256, True, False), (4, 256, False, False), (3, 320, True, True),
-                                                (3, 320, False, False), (12, 64, True, False), (8, 64, True, True)):
+        for stages, wide, pieces, dynamic in ((3, False, True, False), (4, False, False, False),
+                                              (3, True, True, True), (3, True, False, False)):
             monkeypatch.setattr(grouped, "RS_TAIL_PIECES", pieces)
             monkeypatch.setattr(grouped, "RS_DYNAMIC", dynamic)
             out.fill_(SENTINEL)
-            grouped.launch_rs(a, q, out, bias=bias, stages=stages, **_chunks(chunks), **_where(layout, meta))
+            grouped.launch_rs(a, q, out, bias=bias, stages=stages, wide=wide, **_where(layout, meta))
             torch.cuda.synchronize()
             check(a, q, meta, "w13", out, bias)
         monkeypatch.setattr(grouped, "RS_TAIL_PIECES", True)
         q, meta, a, bias, out = _rs_case(counts, 160, 272, layout, torch.float32, 4)
-        for chunks, activation in ((256, "swigluoai"), (320, "swigluoai"), (64, "swigluoai"), (256, "silu"),
-                                   (320, "silu"), (64, "silu")):
-            monkeypatch.setattr(grouped, "RS_DYNAMIC", chunks == 320)  # the wide chunks walked from the counter
+        for wide, activation in ((False, "swigluoai"), (True, "swigluoai"), (False, "silu"), (True, "silu")):
+            monkeypatch.setattr(grouped, "RS_DYNAMIC", wide)  # the wide chunks walked from the counter
             act = torch.full(out.shape[:-1] + (136,), SENTINEL, dtype=torch.bfloat16, device=DEV)
-            grouped.launch_rs(a, q, act, bias=bias, epilogue=ActivationEpilogue.of(activation), **_chunks(chunks),
+            grouped.launch_rs(a, q, act, bias=bias, epilogue=ActivationEpilogue.of(activation), wide=wide,
                               **_where(layout, meta))
             torch.cuda.synchronize()
             assert torch.isfinite(act[(act != SENTINEL).any(-1)]).all()

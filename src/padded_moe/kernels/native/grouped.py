@@ -61,14 +61,6 @@ RS_WIDE_CHUNK_ROWS = 320
 RS_WIDE_STAGES = 3
 RS_WIDE_ROWS = (224, 320)
 RS_WIDE = None
-# Narrow chunks: one box of 64 rows, loaded in 16-row pieces (only those that hold rows), in a ring
-# of RS_NARROW_STAGES stages (8 or 12; their small stages leave room for a deep one), for experts of
-# few rows, whose tiles are the weights' bytes. RS_NARROW None: taken where the rows per expert
-# (`rs_narrow`) are below RS_NARROW_BELOW; True / False: always / never.
-RS_NARROW_CHUNK_ROWS = 64
-RS_NARROW_STAGES = 12
-RS_NARROW_BELOW = 64
-RS_NARROW = None
 # The RS kernel's walk over an expert's tiles: column tiles first (True: the CTAs running together
 # share a chunk of rows) or chunks first (False).
 RS_COLUMNS_FIRST = True
@@ -339,31 +331,18 @@ def rs_wide(rows: int, L: int, flat: bool) -> bool:
     return RS_WIDE_ROWS[0] <= per_expert < RS_WIDE_ROWS[1]
 
 
-def rs_narrow(rows: int, L: int, flat: bool) -> bool:
-    """Whether the RS kernel runs narrow chunks (`RS_NARROW`, else below `RS_NARROW_BELOW`) for rows
-    per expert estimated from shapes, as `rs_wide`."""
-    if RS_NARROW is not None:
-        return bool(RS_NARROW)
-    per_expert = rows / max(L, 1) if flat else rows
-    return per_expert < RS_NARROW_BELOW
-
-
 def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Optional[torch.Tensor] = None,
               counts: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, epilogue=None,
-              stages: Optional[int] = None, wide: Optional[bool] = None,
-              narrow: Optional[bool] = None) -> torch.Tensor:
+              stages: Optional[int] = None, wide: Optional[bool] = None) -> torch.Tensor:
     """`launch` for prepared MXFP4 weights (`takes_rs`): `out[row] = a[row] @ W[e].T (+ bias[e])`
     at each expert's rows, W the dequantized weight. Same layouts and arguments as `launch`;
-    `epilogue` (GEMM1) one of the silu family; `wide`: chunks of RS_WIDE_CHUNK_ROWS rows instead of
-    RS_CHUNK_ROWS (None: `rs_wide`); `narrow`: chunks of RS_NARROW_CHUNK_ROWS (None: `rs_narrow`;
-    not with wide ones); `stages` 3 or 4 (3 only for wide chunks; None: `RS_STAGES`,
-    `RS_WIDE_STAGES`), 8 or 12 for narrow chunks (None: `RS_NARROW_STAGES`)."""
+    `epilogue` (GEMM1) one of the silu family; `wide`: chunks of
+    RS_WIDE_CHUNK_ROWS rows instead of RS_CHUNK_ROWS (None: `rs_wide`); `stages` 3 or 4, 3 only for
+    wide chunks (None: `RS_STAGES`, `RS_WIDE_STAGES` for wide chunks)."""
     if (offsets is None) == (counts is None):
         raise ValueError("exactly one of offsets (GROUPED_CONTIGUOUS) and counts (GROUPED_MASKED) must be given")
-    if stages not in (None, 3, 4, 8, 12):
-        raise ValueError(f"stages must be 3 or 4 (8 or 12 for narrow chunks), got {stages!r}")
-    if wide and narrow:
-        raise ValueError("chunks are wide or narrow, not both: wide=True and narrow=True")
+    if stages not in (None, 3, 4):
+        raise ValueError(f"stages must be 3 or 4, got {stages!r}")
     if not takes_rs(w):
         _refuse("runs MXFP4 weights in the RS kernel only in their prepared form with 4 planes and folded scales "
                 "(Mxfp4Tensor.prepare_for())")
@@ -392,26 +371,18 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
     slabs, rows, stride_as, stride_ar, stride_os, stride_or = _rows_geometry(a, out, offsets, counts)
     if L == 0 or w_rows == 0 or rows == 0 or slabs == 0:
         return out
-    asked_wide, asked_narrow = wide, narrow
-    if narrow is None:  # wide chunks asked for, or forced by RS_WIDE, come first
-        narrow = not wide and RS_WIDE is not True and rs_narrow(rows, L, offsets is not None)
+    asked = wide
     if wide is None:
-        wide = not narrow and rs_wide(rows, L, offsets is not None)
+        wide = rs_wide(rows, L, offsets is not None)
     if stages is None:
-        stages = RS_NARROW_STAGES if narrow else RS_WIDE_STAGES if wide else RS_STAGES
-    elif narrow and stages not in (8, 12):
-        why = "asked for" if asked_narrow else "chosen by RS_NARROW / RS_NARROW_BELOW for these shapes"
-        raise ValueError(f"stages must be 8 or 12 with narrow chunks, got {stages}; narrow chunks {why}")
-    elif not narrow and stages not in (3, 4):
-        raise ValueError(f"stages 8 and 12 are for narrow chunks; these chunks take 3 or 4, got {stages}")
+        stages = RS_WIDE_STAGES if wide else RS_STAGES
     elif stages == 4 and wide:
-        why = "asked for" if asked_wide else "chosen by RS_WIDE / RS_WIDE_ROWS for these shapes"
+        why = "asked for" if asked else "chosen by RS_WIDE / RS_WIDE_ROWS for these shapes"
         raise ValueError(f"stages must be 3 with wide chunks (shared memory holds no more), got 4; wide chunks {why}")
-    # The tiles' bound from shapes, as `launch`'s: chunks of RS_CHUNK_ROWS (wide: RS_WIDE_CHUNK_ROWS,
-    # narrow: RS_NARROW_CHUNK_ROWS) rows times the weight's tiles of RS_BLOCK_N rows; the kernel
-    # launches min(this, SMs) persistent CTAs (`RS_PERSISTENT`), else this many.
-    chunk = RS_NARROW_CHUNK_ROWS if narrow else RS_WIDE_CHUNK_ROWS if wide else RS_CHUNK_ROWS
-    # the kernel's chunks: chunk / GROUP_ROWS boxes
+    # The tiles' bound from shapes, as `launch`'s: chunks of RS_CHUNK_ROWS (wide: RS_WIDE_CHUNK_ROWS)
+    # rows times the weight's tiles of RS_BLOCK_N rows; the kernel launches min(this, SMs) persistent
+    # CTAs (`RS_PERSISTENT`), else this many.
+    chunk = RS_WIDE_CHUNK_ROWS if wide else RS_CHUNK_ROWS  # the kernel's chunks: chunk / GROUP_ROWS boxes
     chunks = _chunk_bound(offsets is not None, rows, L, chunk)
     grid = (chunks * cdiv(width, RS_BLOCK_N if ep[0] == PLAIN else RS_BLOCK_N // 2),)
     if grid[0] >= 2 ** 30:  # tile ids are 32-bit; a persistent CTA's last step passes the bound

@@ -539,7 +539,6 @@ __device__ __forceinline__ Tile locate_tile(const int* prefix, int L, int id, in
 // boxes of A hold rows.
 struct TileGeom {
   int e, slab, start, count, m0, n0, w_row0, w_row1, boxes;
-  int loads;  // RS: the TMA loads of the chunk's rows (`RsChunk::kLoadRows` each)
 };
 
 template <int EPI, int C, int BN>
@@ -852,16 +851,12 @@ constexpr int kRsOutRow = (kRsWRows + 8) * 2;  // epilogue staging row (bytes): 
 constexpr int kRsThreads = 384;                // a producer warpgroup and two consumers
 constexpr int kRsProducerRegs = 40, kRsConsumerRegs = 232;
 
-// A chunk of B boxes of 64 rows (1: 64 rows, for experts of few rows, whose small stages leave room
-// for a deep ring; 4: 256 rows; 5: 320, the fifth box MMAs of its own, as wgmma's N stops at 256):
-// where a stage's rows, words and scales lie, a stage's bytes, and the epilogue's staging of a
-// tile's output (row-major).
+// A chunk of B boxes of 64 rows (4: 256 rows; 5: 320, the fifth box an m64n64 MMA of its own, as
+// wgmma's N stops at 256): where a stage's rows, words and scales lie, a stage's bytes, and the
+// epilogue's staging of a tile's output (row-major).
 template <int B>
 struct RsChunk {
-  static_assert(B == 1 || B == 4 || B == 5, "RS chunks hold 1, 4 or 5 boxes");
-  // Rows of the chunk's TMA loads: one-box chunks (few rows per expert) load 16-row pieces, only
-  // those that hold rows; the others whole boxes.
-  static constexpr int kLoadRows = B == 1 ? 16 : kRowsPerGroup;
+  static_assert(B == 4 || B == 5, "RS chunks hold 4 or 5 boxes");
   static constexpr int kWordsOff = B * kABox;
   static constexpr int kScalesOff = kWordsOff + kRsWordsBytes;
   static constexpr int kStage = (kScalesOff + kRsScalesBytes + 1023) / 1024 * 1024;
@@ -1180,7 +1175,7 @@ __device__ __forceinline__ void rs_consume_boxes(const Args& args, uint8_t* smem
                                                  const TileGeom& g, int k_tiles, int c, int it) {
   const int rows = min(B * kRowsPerGroup, g.count - g.m0);
   int nf, tails;
-  if (args.rs_tail_pieces || B == 1) {  // one-box chunks load only the pieces that hold rows
+  if (args.rs_tail_pieces) {
     nf = min(rows / kRowsPerGroup, 4);
     tails = (rows - nf * kRowsPerGroup + 15) / 16;
   } else {
@@ -1191,12 +1186,10 @@ __device__ __forceinline__ void rs_consume_boxes(const Args& args, uint8_t* smem
   nf = __shfl_sync(0xffffffffu, nf, 0);
   tails = __shfl_sync(0xffffffffu, tails, 0);
   if (nf == 0) rs_consume<STAGES, 0, EPI, B>(args, smem, full, empty, g, k_tiles, c, it, tails);
-  else if (nf == 1 || B == 1) rs_consume<STAGES, 1, EPI, B>(args, smem, full, empty, g, k_tiles, c, it, tails);
-  else if constexpr (B > 1) {
-    if (nf == 2) rs_consume<STAGES, 2, EPI, B>(args, smem, full, empty, g, k_tiles, c, it, tails);
-    else if (nf == 3) rs_consume<STAGES, 3, EPI, B>(args, smem, full, empty, g, k_tiles, c, it, tails);
-    else rs_consume<STAGES, 4, EPI, B>(args, smem, full, empty, g, k_tiles, c, it, tails);
-  }
+  else if (nf == 1) rs_consume<STAGES, 1, EPI, B>(args, smem, full, empty, g, k_tiles, c, it, tails);
+  else if (nf == 2) rs_consume<STAGES, 2, EPI, B>(args, smem, full, empty, g, k_tiles, c, it, tails);
+  else if (nf == 3) rs_consume<STAGES, 3, EPI, B>(args, smem, full, empty, g, k_tiles, c, it, tails);
+  else rs_consume<STAGES, 4, EPI, B>(args, smem, full, empty, g, k_tiles, c, it, tails);
 }
 
 // RS tile `id`: experts in order; within an expert (`args.rs_columns_first`), column tiles fastest
@@ -1229,8 +1222,6 @@ __device__ __forceinline__ TileGeom rs_tile_geometry(const Args& args, const Til
   // Split halves: the gate rows' 64 from w_row0, the up rows' from w_row1 (two loads per stage).
   g.w_row1 = EPI == kGatedSplit ? args.up_row0 + g.n0 : g.w_row0;
   g.boxes = min(B, (g.count - g.m0 + kRowsPerGroup - 1) / kRowsPerGroup);
-  const int load_rows = RsChunk<B>::kLoadRows;
-  g.loads = min(B * kRowsPerGroup / load_rows, (g.count - g.m0 + load_rows - 1) / load_rows);
   return g;
 }
 
@@ -1291,10 +1282,10 @@ __global__ void __launch_bounds__(kRsThreads, 1)
         mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
         if (dynamic && kt == 0) tile_ids[s] = id;  // published by the expect_tx arrival below
         uint8_t* stage = smem + s * Chunk::kStage;
-        mbar_expect_tx(&full[s], g.loads * Chunk::kLoadRows * kBK * 2 + kRsWordsBytes + kRsScalesBytes);
-        for (int b = 0; b < g.loads; ++b)
-          tma_load_3d(stage + b * Chunk::kLoadRows * kBK * 2, &map_a, &full[s], kt * kBK,
-                      g.start + g.m0 + b * Chunk::kLoadRows, g.slab, 0, false);
+        mbar_expect_tx(&full[s], g.boxes * kABox + kRsWordsBytes + kRsScalesBytes);
+        for (int b = 0; b < g.boxes; ++b)
+          tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, g.start + g.m0 + b * kRowsPerGroup, g.slab, 0,
+                      false);
         // Split halves: maps of 64-row boxes (the entry's), gate rows then up rows.
         tma_load_3d(stage + Chunk::kWordsOff, &map_w, &full[s], kt * (kBK / 8), g.w_row0, g.e, 0, false);
         tma_load_3d(stage + Chunk::kScalesOff, &map_s, &full[s], g.w_row0, kt * (kBK / 32), g.e, 0, false);
@@ -1403,13 +1394,10 @@ int rs_launch(const CUtensorMap& ma, const CUtensorMap& mw, const CUtensorMap& m
   return static_cast<int>(cudaGetLastError());
 }
 
-// `rs_launch` by chunk boxes and stages: chunks of 5 boxes leave shared memory for 3 stages only;
-// one-box chunks run a deep ring of 8 or 12.
+// `rs_launch` by chunk boxes and stages: chunks of 5 boxes leave shared memory for 3 stages only.
 template <int EPI>
 int rs_launch_chunks(int stages, int boxes, const CUtensorMap& ma, const CUtensorMap& mw, const CUtensorMap& ms,
                      const Args& args, int grid_x, bool persistent, cudaStream_t stream) {
-  if (boxes == 1 && stages == 8) return rs_launch<8, EPI, 1>(ma, mw, ms, args, grid_x, persistent, stream);
-  if (boxes == 1 && stages == 12) return rs_launch<12, EPI, 1>(ma, mw, ms, args, grid_x, persistent, stream);
   if (boxes == 4 && stages == 3) return rs_launch<3, EPI, 4>(ma, mw, ms, args, grid_x, persistent, stream);
   if (boxes == 4 && stages == 4) return rs_launch<4, EPI, 4>(ma, mw, ms, args, grid_x, persistent, stream);
   if (boxes == 5 && stages == 3) return rs_launch<3, EPI, 5>(ma, mw, ms, args, grid_x, persistent, stream);
@@ -1579,8 +1567,7 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
 // bias [L][w_rows] (float32 or bf16) or null. `mode` kPlain: out has w_rows columns; gated (act one
 // of the silu family, with has_limit, limit, alpha, beta): gate rows 2j and up rows 2j + 1
 // (kGatedPairs), or gate row j and up row w_rows / 2 + j (kGatedSplit), give activation column j,
-// out has w_rows / 2 columns. `boxes`: 64-row boxes of a chunk, 4 (3 or 4 stages), 5 (3 stages) or 1
-// (8 or 12 stages).
+// out has w_rows / 2 columns. `boxes`: 64-row boxes of a chunk, 4 (3 or 4 stages) or 5 (3 stages).
 // The grid is one dimension, at least (the experts' chunks of 64 x boxes rows) x cdiv(out's
 // columns, 128 plain or 64 gated), bounded by the host from shapes. Strides of a in multiples of 8
 // elements and its data 16-byte aligned, the words' and scales' strides multiples of 16 bytes,
@@ -1604,8 +1591,7 @@ int pmoe_mx_rs_gemm(int stages, int grid_x, int grid_y, void* stream, const void
   // Split halves load a tile's gate and up rows as two boxes of 64 rows.
   const int w_box = mode == kGatedSplit ? kRsWRows / 2 : kRsWRows;
   CUtensorMap ma, mw, ms;
-  // One-box chunks load their rows in 16-row pieces (`RsChunk::kLoadRows`).
-  int err = encode_3d(&ma, a, K, rows, slabs, stride_ar * 2, stride_as * 2, boxes == 1 ? 16 : kRowsPerGroup);
+  int err = encode_3d(&ma, a, K, rows, slabs, stride_ar * 2, stride_as * 2, kRowsPerGroup);
   if (err == 0)
     err = encode_plain_3d(&mw, CU_TENSOR_MAP_DATA_TYPE_INT32, words, KP / 8, w_rows, L, stride_wn * 4, stride_we * 4,
                           kBK / 8, w_box);
@@ -1651,7 +1637,7 @@ const char* pmoe_error_string(int code) {
   if (code == -22) return "the L2 policy of A's rows must be 0 (normal) or 1 (evict last)";
   if (code == -23) return "the load-policy mask must be 0-3 (1: the weight tile's loads carry their L2 policy, 2: A's rows')";
   if (code == -24) return "the RS kernel needs KP a multiple of 64, 1 <= K <= KP and its output columns a multiple of 8";
-  if (code == -25) return "the RS kernel runs chunks of 4 boxes in 3 or 4 stages, of 5 boxes in 3, of 1 box in 8 or 12";
+  if (code == -25) return "the RS kernel runs chunks of 4 boxes in 3 or 4 stages, of 5 boxes in 3";
   if (code == -26)
     return "the RS kernel's walk order must be 0 (chunks first) or 1 (columns first), its persistence and tail "
            "pieces 0 or 1";

@@ -491,15 +491,17 @@ def test_rs_contiguous_launch_arguments(monkeypatch):
     assert kernel == ("entry", "pmoe_mx_rs_gemm")
     assert grid == ((1 + 3) * 3,)  # (cdiv(10, 256) + 3 experts) chunks x cdiv(264, 128) weight tiles
     h = q.hopper
-    assert args == (grouped.RS_STAGES, a, 640, 64, 1, 10, 64, h.blocks, 264 * 8, 8, h.scales, 2 * 264, 264, 3, 264,
-                    64, offsets, None, bias, 264, native.DTYPE_CODES[torch.bfloat16], out, 0, 264,
-                    int(grouped.RS_COLUMNS_FIRST), int(grouped.RS_PERSISTENT), 4, grouped.PLAIN, -1, 0, 0.0, 1.0,
-                    0.0, int(grouped.RS_TAIL_PIECES), None)
+    assert args[:-1] == (grouped.RS_STAGES, a, 640, 64, 1, 10, 64, h.blocks, 264 * 8, 8, h.scales, 2 * 264, 264, 3,
+                         264, 64, offsets, None, bias, 264, native.DTYPE_CODES[torch.bfloat16], out, 0, 264,
+                         int(grouped.RS_COLUMNS_FIRST), int(grouped.RS_PERSISTENT), 4, grouped.PLAIN, -1, 0, 0.0, 1.0,
+                         0.0, int(grouped.RS_TAIL_PIECES))
+    counter = args[-1]  # the tile counter of the dynamic walk (RS_DYNAMIC), else None
+    assert counter is None if not grouped.RS_DYNAMIC else counter.tolist() == [0]
 
 
 def test_rs_tail_pieces_and_dynamic_walk_arguments(monkeypatch):
-    """RS_TAIL_PIECES reaches the kernel as 0 / 1; RS_DYNAMIC passes a fresh zeroed int32 counter
-    (persistent launches only: with RS_PERSISTENT off it is refused before any launch)."""
+    """RS_TAIL_PIECES reaches the kernel as 0 / 1; RS_DYNAMIC passes a fresh zeroed int32 counter to
+    persistent launches (one CTA per tile, RS_PERSISTENT off, walks nothing: no counter)."""
     rec = _Recorder(monkeypatch)
     q = _rs_weight(L=3, N=264, K=64, keep_canonical=False)
     a = torch.randn(10, 64, dtype=torch.bfloat16)
@@ -512,9 +514,12 @@ def test_rs_tail_pieces_and_dynamic_walk_arguments(monkeypatch):
     tail, counter = args[-2:]
     assert tail == 0 and counter.dtype == torch.int32 and counter.tolist() == [0]
     monkeypatch.setattr(grouped, "RS_PERSISTENT", False)
-    with pytest.raises(ValueError, match="RS_DYNAMIC walks the tiles of persistent CTAs"):
-        grouped.launch_rs(a, q, out, offsets=offsets)
-    assert len(rec.calls) == 1
+    grouped.launch_rs(a, q, out, offsets=offsets)
+    assert rec.calls[1][2][-1] is None and rec.calls[1][2][25] == 0
+    monkeypatch.setattr(grouped, "RS_PERSISTENT", True)
+    monkeypatch.setattr(grouped, "RS_DYNAMIC", False)
+    grouped.launch_rs(a, q, out, offsets=offsets)
+    assert rec.calls[2][2][-1] is None and rec.calls[2][2][25] == 1
 
 
 def test_rs_masked_launch_arguments(monkeypatch):

@@ -832,8 +832,9 @@ __global__ void __launch_bounds__(threads<C>(), 1)
 // brings a 64-wide k tile of the chunk's rows (bf16 boxes, 128-byte swizzle: wgmma's B operand),
 // the tile's words ([128 rows][8] int32) and folded scales ([2 groups][128 rows] int16) by TMA into
 // a ring of stages; two consumer warpgroups of 64 weight rows each read their words from shared
-// memory, upcast them (`mx_words.cuh`) into the A registers of m64nNk16, N = the chunk's rows
-// rounded up to 64 (four compiled bodies, chosen per tile), and retire their MMAs before the next
+// memory, upcast them (`mx_words.cuh`) into the A registers of m64nNk16, N = the chunk's full
+// 64-row boxes (a body compiled per count, chosen per tile), plus an m64n16 per 16-row piece of the
+// rest (`rs_consume`), and retire their MMAs before the next
 // upcast: ptxas serializes wgmma when other instructions write a wgmma's input registers inside a
 // pipeline stage (C7513), so the overlap is between the two warpgroups (one upcasts while the
 // other's MMAs run). Word 4g + c of a weight row holds the bf16 pairs (elements 32g + 2c + 8p, +1),
@@ -1028,14 +1029,6 @@ __device__ __forceinline__ void rs_upcast(uint32_t words, uint32_t scales, int r
   }
 }
 
-// A consumer warpgroup's tile: the k loop over the chunk's rows, then the epilogue. NF full 64-row
-// boxes go through one m64n(64 NF) MMA, and the next box's first `tails` 16-row pieces (0..4, the
-// chunk's last rows; `rs_consume_boxes`) through an m64n16 MMA each, so a partial box costs the
-// MMA work of its rows rounded up to 16, not to 64. `it`: the k tiles this warpgroup consumed before
-// (stage and parity of the ring). EPI kPlain stores the 128 weight rows' sums (plus bias) as output
-// columns; kGatedPairs (swigluoai's interleave: weight rows 2j gate, 2j + 1 up) and kGatedSplit
-// (consumer 0 the gate rows, consumer 1 the up rows) store 64 activation columns, computed from the
-// staged bf16 sums, the values the activation op would read from GEMM1's buffer.
 constexpr int kRsPieceRows = 16, kRsPieces = kRowsPerGroup / kRsPieceRows;
 constexpr int kRsPieceBytes = kRsPieceRows * kBK * 2;  // two 8-row swizzle atoms: a piece starts on one
 
@@ -1058,6 +1051,14 @@ __device__ __forceinline__ void rs_mma(float (&acc)[NF > 0 ? NF * 32 : 1], float
   wgmma_wait<0>();
 }
 
+// A consumer warpgroup's tile: the k loop over the chunk's rows, then the epilogue. NF full 64-row
+// boxes go through one m64n(64 NF) MMA, and the next box's first `tails` 16-row pieces (0..4, the
+// chunk's last rows; `rs_consume_boxes`) through an m64n16 MMA each, so a partial box costs the
+// MMA work of its rows rounded up to 16, not to 64. `it`: the k tiles this warpgroup consumed before
+// (stage and parity of the ring). EPI kPlain stores the 128 weight rows' sums (plus bias) as output
+// columns; kGatedPairs (swigluoai's interleave: weight rows 2j gate, 2j + 1 up) and kGatedSplit
+// (consumer 0 the gate rows, consumer 1 the up rows) store 64 activation columns, computed from the
+// staged bf16 sums, the values the activation op would read from GEMM1's buffer.
 template <int STAGES, int NF, int EPI, int B>
 __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                            const TileGeom& g, int k_tiles, int c, int it, int tails) {
@@ -1081,7 +1082,8 @@ __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint
     const uint32_t stage = base + s * Chunk::kStage;
     uint32_t f[16];
     rs_upcast<EPI>(stage + Chunk::kWordsOff, stage + Chunk::kScalesOff, r0, q, f);
-    // Each piece count its own MMA group (fence to wait), so no wgmma waits on a branch.
+    // A group (fence to wait) compiled per piece count: a wgmma under a branch inside one group
+    // would make ptxas inject warpgroup.arrive before it (C7519).
     if (tails == 0) rs_mma<NF, 0>(acc, acc_t, f, stage);
     else if (tails == 1) rs_mma<NF, 1>(acc, acc_t, f, stage);
     else if (tails == 2) rs_mma<NF, 2>(acc, acc_t, f, stage);

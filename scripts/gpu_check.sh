@@ -134,19 +134,19 @@ for stage in "$@"; do
                 --out "$OUT/bench/rs-tails" --variants "auto;grouped, cuda;grouped, cuda, whole boxes;grouped, cuda, \
 dynamic;grouped, cuda, fused;grouped, cuda, fused, whole boxes;grouped, cuda, fused, dynamic;grouped, cuda, fused, \
 whole boxes, dynamic" ;;
-        rs-final)  # the RS kernel's pieces and counter walk as defaults: its GPU tests, memcheck, whole calls at
-            # the RS rows of both MXFP4 presets (pieces / whole boxes, static / counter), then the peers' MXFP4 cases
+        rs-final)  # the RS kernel's pieces and counter walk as defaults: its GPU tests, memcheck, the peers' MXFP4
+            # cases, then whole calls at the RS rows of both MXFP4 presets (pieces / whole boxes, static / counter)
             STEP_TIMEOUT=200 step test-rs python3 -m pytest -q -x tests/test_native_grouped_gpu.py \
                 -k "rs or auto or sanitizer_small"
             grep -q "test-rs rc=0" "$summary" || exit 1
             STEP_TIMEOUT=90 step sanitizer-rs compute-sanitizer --tool memcheck --error-exitcode 9 \
                 python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k "rs_sanitizer"
+            STEP_TIMEOUT=200 step peers-mx env BUDGET_S=150 TIMEOUT_S=190 bash .peers/run.sh \
+                --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx
             STEP_TIMEOUT=120 step rs-final-calls python3 benchmarks/bench_native_gemm.py --calls-only --rounds 5 \
                 --presets gpt-oss-120b:mxfp4,dsv4-flash:mxfp4 --tokens 6144,8192 --out "$OUT/bench/rs-final" \
                 --variants "auto;grouped, cuda;grouped, cuda, whole boxes;grouped, cuda, whole boxes, dynamic;grouped, \
-cuda, fused;grouped, cuda, fused, whole boxes, dynamic"
-            STEP_TIMEOUT=200 step peers-mx env BUDGET_S=150 TIMEOUT_S=190 bash .peers/run.sh \
-                --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx ;;
+cuda, fused;grouped, cuda, fused, whole boxes, dynamic" ;;
         peers-dsv4-8192)  # the peers harness's DeepSeek-V4 bf16 case at 8192 tokens alone (.peers carried)
             STEP_TIMEOUT=210 step peers-dsv4-8192 env OUT="$OUT/peers-dsv4-8192" BUDGET_S=160 TIMEOUT_S=200 \
                 bash .peers/run.sh --tokens 8192 --cases dsv4 ;;

@@ -48,9 +48,10 @@ AUTO_NATIVE_ROWS = {
 # high excluded), as AUTO_NATIVE_ROWS. Measured on whole calls (H100, bench_native_gemm.py, INDEXED
 # Triton time / this; the same path differs by up to 5-8% between variants of one run):
 # - DeepSeek-V4 (4096, 2048): 1.08-1.15x at 144 and 1.09-1.13x at 192 rows per expert, 0.86x at 96.
-# - GPT-OSS (2880, 2880), swigluoai in the RS kernel's epilogue: 1.11-1.15x at 192, 1.01-1.05x at 256
-#   (320-row chunks there: half the experts hold 257-305 rows), 0.93-0.97x at 128. Its GEMMs alone
-#   at 256: 1.13-1.19x with 320-row chunks (scripts/mx_rs_probe.py).
+# - GPT-OSS (2880, 2880), swigluoai in the RS kernel's epilogue: 1.07-1.15x at 192, 1.08-1.10x at 256
+#   (320-row chunks there: half the experts hold 257-305 rows; their last box in 16-row pieces,
+#   `grouped.RS_TAIL_PIECES`), 0.93-0.97x at 128. Its GEMMs alone at 256: 1.13-1.19x with 320-row
+#   chunks (scripts/mx_rs_probe.py).
 AUTO_RS_ROWS = {
     (4096, 2048): (144, 256),
     (2880, 2880): (192, 320),

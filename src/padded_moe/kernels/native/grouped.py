@@ -71,13 +71,16 @@ RS_COLUMNS_FIRST = True
 RS_PERSISTENT = True
 # The RS kernel's MMA of a chunk's last, partial box: in 16-row pieces (True: an m64n16 MMA per piece
 # that holds rows, so the box costs its rows rounded up to 16) or whole (False: rounded up to 64).
-# GPT-OSS at 8192 tokens (H100, whole calls with the epilogue, bench_native_gemm.py): 3630 µs in
-# pieces against 3780 whole (kernel time 3532 against 3582).
+# Whole calls on an H100 (bench_native_gemm.py, INDEXED Triton time / this): GPT-OSS at 8192 tokens
+# (256 rows per expert, half the experts 1-49 rows into a fifth box) 1.08-1.09x in pieces against
+# 1.02-1.05x whole; DeepSeek-V4 at 144 and 192 rows within 1% either way.
 RS_TAIL_PIECES = True
 # The persistent RS kernel's tile walk (RS_PERSISTENT): from a counter zeroed before each launch (True: a CTA whose
-# tiles ran short takes the next one) or static (False: CTA b takes tiles b, b + SMs, ...). GPT-OSS
-# at 8192 tokens (as above): 3600 µs from the counter against 3630 static (kernel time 3416 against
-# 3532): chunks of 4 or 5 boxes make tile times differ, which the static walk leaves to the tail.
+# tiles ran short takes the next one) or static (False: CTA b takes tiles b, b + SMs, ...). Chunks of
+# 4 or 5 boxes make tile times differ, which the static walk leaves to the tail; measured (as above)
+# within -2% to +1% of the static walk's time on whole calls (GPT-OSS 8192: 3600 against 3630 µs in
+# one run, 4000 against 3970 in another; DeepSeek-V4 144 / 192 rows 1.00 / 0.98x), with kernel times
+# 3% lower at GPT-OSS 8192 (torch.profiler, 3416 against 3532 µs): on, at the noise's edge.
 RS_DYNAMIC = True
 # Whether the backend applies gated activations with interleaved gate / up rows (swigluoai) in the
 # RS kernel's epilogue (`rs_fuses`): bit-equal to GEMM1 followed by the activation op, and 3-9% less

@@ -263,9 +263,9 @@ def main() -> None:
             graphs, outs, failed = {}, {}, {}
             for name, (lay, backend, fuse, config, dynamic, rows_last) in variants.items():
                 env = {} if fuse is None else {FUSE_ENV: fuse}
-                rs_epilogue = rs_switches(name)
+                rs_settings = rs_switches(name)
                 try:
-                    with mock.patch.dict(os.environ, env), forced_config(config, dynamic, rows_last), rs_epilogue:
+                    with mock.patch.dict(os.environ, env), forced_config(config, dynamic, rows_last), rs_settings:
                         graph, out = captured(lambda: fused_experts(  # noqa: B023
                             x, w13, w2, tw, ids, activation=layer.activation,
                             activation_config=layer.activation_config, layout=lay, backend=backend,

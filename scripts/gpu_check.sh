@@ -122,18 +122,6 @@ for stage in "$@"; do
                 --variants "auto;grouped, Triton;grouped, cuda;grouped, cuda, fused"
             STEP_TIMEOUT=260 step peers-mx env BUDGET_S=200 TIMEOUT_S=250 bash .peers/run.sh \
                 --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx ;;
-        rs-tails)  # the RS kernel's partial boxes in 16-row pieces (grouped.RS_TAIL_PIECES) and its counter walk
-            # (RS_DYNAMIC): the native GEMM's GPU tests (every RS mode bit-equal), memcheck, then whole calls on
-            # the MXFP4 presets at their RS rows with each variant's kernels
-            STEP_TIMEOUT=300 step test-native-grouped python3 -m pytest -q tests/test_native.py \
-                tests/test_cuda_backend.py tests/test_native_grouped_gpu.py
-            STEP_TIMEOUT=150 step sanitizer-rs compute-sanitizer --tool memcheck --error-exitcode 9 \
-                python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k "rs_sanitizer"
-            STEP_TIMEOUT=240 step rs-tails-calls python3 benchmarks/bench_native_gemm.py --calls-only --rounds 7 \
-                --breakdown --presets gpt-oss-120b:mxfp4,dsv4-flash:mxfp4 --tokens 6144,8192 \
-                --out "$OUT/bench/rs-tails" --variants "auto;grouped, cuda;grouped, cuda, whole boxes;grouped, cuda, \
-dynamic;grouped, cuda, fused;grouped, cuda, fused, whole boxes;grouped, cuda, fused, dynamic;grouped, cuda, fused, \
-whole boxes, dynamic" ;;
         rs-final)  # the RS kernel's pieces and counter walk as defaults: its GPU tests, memcheck, the peers' MXFP4
             # cases, then whole calls at the RS rows of both MXFP4 presets (pieces / whole boxes, static / counter)
             STEP_TIMEOUT=200 step test-rs python3 -m pytest -q -x tests/test_native_grouped_gpu.py \

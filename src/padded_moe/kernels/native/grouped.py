@@ -75,9 +75,10 @@ RS_PERSISTENT = True
 # (256 rows per expert, half the experts 1-49 rows into a fifth box) 1.08-1.09x in pieces against
 # 1.02-1.05x whole; DeepSeek-V4 at 144 and 192 rows within 1% either way.
 RS_TAIL_PIECES = True
-# The persistent RS kernel's tile walk (RS_PERSISTENT): from a counter zeroed before each launch (True: a CTA whose
-# tiles ran short takes the next one) or static (False: CTA b takes tiles b, b + SMs, ...). Chunks of
-# 4 or 5 boxes make tile times differ, which the static walk leaves to the tail; measured (as above)
+# The persistent RS kernel's tile walk (RS_PERSISTENT): from a counter zeroed before each launch
+# (True: a CTA whose tiles ran short takes the next one) or static (False: CTA b takes tiles b,
+# b + SMs, ...). Chunks of 4 or 5 boxes make tile times differ, which the static walk leaves to the
+# tail; measured (as above)
 # within -2% to +1% of the static walk's time on whole calls (GPT-OSS 8192: 3600 against 3630 µs in
 # one run, 4000 against 3970 in another; DeepSeek-V4 144 / 192 rows 1.00 / 0.98x), with kernel times
 # 3% lower at GPT-OSS 8192 (torch.profiler, 3416 against 3532 µs): on, at the noise's edge.

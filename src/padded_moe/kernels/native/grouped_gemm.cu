@@ -578,6 +578,23 @@ template <bool PERSISTENT>
 __device__ __forceinline__ int next_tile(const Args& args, bool dynamic, int id) {
   return dynamic ? atomicAdd(args.tile_counter, 1) : static_next<PERSISTENT>(id);
 }
+// The dynamic walk's end, from the producer: the id past the last tile, in the next stage, for the
+// consumers (`stage_tile_id`) to stop on.
+template <int STAGES>
+__device__ __forceinline__ void publish_walk_end(uint64_t* full, uint64_t* empty, int* tile_ids, int it, int id) {
+  const int s = it % STAGES;
+  mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+  tile_ids[s] = id;
+  mbar_arrive(&full[s]);
+}
+// A consumer's next tile in the dynamic walk: the id its first stage carries (or, past the last tile,
+// the end).
+template <int STAGES>
+__device__ __forceinline__ int stage_tile_id(uint64_t* full, const int* tile_ids, int it) {
+  const int s = it % STAGES;
+  mbar_wait(&full[s], (it / STAGES) & 1);
+  return tile_ids[s];
+}
 
 // The MXFP4 producer warpgroup: thread r owns row r of every weight tile (rows 0..63 the first box,
 // 64..127 the second), keeps kMxDepth k tiles of its codes in flight (`mx_fetch`) and the scales
@@ -694,12 +711,7 @@ __global__ void __launch_bounds__(threads<C>(), 1)
       for (int id = first_tile(args, dynamic);; id = next_tile<PERSISTENT>(args, dynamic, id)) {
         const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
         if (tile.e < 0) {
-          if (dynamic) {  // the consumers learn the end from the next stage's tile id
-            const int s = it % STAGES;
-            mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
-            tile_ids[s] = id;
-            mbar_arrive(&full[s]);
-          }
+          if (dynamic) publish_walk_end<STAGES>(full, empty, tile_ids, it, id);
           break;
         }
         const TileGeom g = tile_geometry<EPI, C, BN>(args, tile);
@@ -729,11 +741,7 @@ __global__ void __launch_bounds__(threads<C>(), 1)
   const bool dynamic = dynamic_walk<PERSISTENT, MX>(args);
   int it = 0;  // k tiles consumed so far: stage and parity
   for (int id = blockIdx.x;; id = static_next<PERSISTENT>(id)) {
-    if (dynamic) {  // the tile's first stage carries its id (or, past the last tile, the end)
-      const int s = it % STAGES;
-      mbar_wait(&full[s], (it / STAGES) & 1);
-      id = tile_ids[s];
-    }
+    if (dynamic) id = stage_tile_id<STAGES>(full, tile_ids, it);
     const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
     if (tile.e < 0) break;
     const TileGeom g = tile_geometry<EPI, C, BN>(args, tile);
@@ -1267,15 +1275,11 @@ __global__ void __launch_bounds__(kRsThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRsProducerRegs));
     if (threadIdx.x != 0) return;
     int it = 0;  // k tiles loaded so far: stage and parity
-    for (int id = first_tile(args, dynamic);; id = dynamic ? atomicAdd(args.tile_counter, 1) : id + gridDim.x) {
+    // The static step is the grid's in both launches (one CTA per tile: past the bound after one).
+    for (int id = first_tile(args, dynamic);; id = next_tile<true>(args, dynamic, id)) {
       const Tile tile = rs_locate_tile(args, prefix, id, n_tiles);
       if (tile.e < 0) {
-        if (dynamic) {  // the consumers learn the end from the next stage's tile id
-          const int s = it % STAGES;
-          mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
-          tile_ids[s] = id;
-          mbar_arrive(&full[s]);
-        }
+        if (dynamic) publish_walk_end<STAGES>(full, empty, tile_ids, it, id);
         break;
       }
       const TileGeom g = rs_tile_geometry<EPI, B>(args, tile);
@@ -1305,11 +1309,7 @@ __global__ void __launch_bounds__(kRsThreads, 1)
   const int c = group - 1;
   int it = 0;  // k tiles consumed so far
   for (int id = blockIdx.x;; id += gridDim.x, it += k_tiles) {
-    if (dynamic) {  // the tile's first stage carries its id (or, past the last tile, the end)
-      const int s = it % STAGES;
-      mbar_wait(&full[s], (it / STAGES) & 1);
-      id = tile_ids[s];
-    }
+    if (dynamic) id = stage_tile_id<STAGES>(full, tile_ids, it);
     const Tile tile = rs_locate_tile(args, prefix, id, n_tiles);
     if (tile.e < 0) break;
     TileGeom g = rs_tile_geometry<EPI, B>(args, tile);

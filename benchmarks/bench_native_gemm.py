@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_us, captured, copy_bandwidth_gbs, matmul_tflops, print_table, write_report  # noqa: E402
-from profile_layer import kernel_times  # noqa: E402
+from profile_layer import kernel_times, print_kernel_times  # noqa: E402
 
 from padded_moe import fused_experts  # noqa: E402
 from padded_moe.backends import get_backend  # noqa: E402
@@ -184,14 +184,6 @@ def select_variants(variants: dict, keep: set) -> dict:
     return {name: v for name, v in variants.items() if name == "indexed, Triton" or name in keep}
 
 
-def print_breakdown(title: str, totals: dict) -> None:
-    """One variant's kernels, longest first: µs per call and share of the call's kernel time."""
-    total = sum(totals.values())
-    print(f"\n{title}: {total:.1f} µs of kernels per call", flush=True)
-    for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:10]:
-        print(f"  {us:9.1f} µs {100 * us / total:5.1f}%  {name}", flush=True)
-
-
 GEMM_HEADERS = ["preset", "T", "rows/expert", "GEMM", "native config", "Triton us", "native us", "Triton TFLOP/s",
                 "native TFLOP/s", "Triton/native", "rel diff"]
 CALL_HEADERS = ["preset", "T", "rows/expert", "variant", "us", "indexed Triton/this", "this/floor", "rel diff vs indexed Triton"]
@@ -284,7 +276,7 @@ def main() -> None:
             base = t["indexed, Triton"]
             if args.breakdown:
                 for name, graph in graphs.items():
-                    print_breakdown(f"{item} T={T} {name}", kernel_times(graph.replay, 5))
+                    print_kernel_times(f"{item} T={T} {name}", kernel_times(graph.replay, 5), top=10, per="call")
             for name in variants:
                 if name in failed:
                     call_table.append([item, T, round(valid / E, 1), name, None, None, None, failed[name]])

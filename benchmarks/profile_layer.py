@@ -32,6 +32,15 @@ def kernel_times(fn, calls: int) -> dict:
     return totals
 
 
+def print_kernel_times(title: str, totals: dict, top: int = 15, per: str = "forward", suffix: str = "") -> None:
+    """`totals` (µs per kernel, `kernel_times`), longest first: µs per `per` and share of the kernel
+    time, under "title: N µs of kernels per `per`" and `suffix`."""
+    total = sum(totals.values())
+    print(f"\n{title}: {total:.1f} µs of kernels per {per}{suffix}", flush=True)
+    for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {us:9.1f} µs {100 * us / total:5.1f}%  {name}", flush=True)
+
+
 def graph_time(graph: torch.cuda.CUDAGraph, replays: int = 50) -> float:
     """Median µs of one replay over 5 samples of `replays` back-to-back replays."""
     samples = []
@@ -69,11 +78,7 @@ def main() -> None:
             graph, _ = capture_warm(fn)
             fn = graph.replay
             replay = f", graph replay {graph_time(graph):.1f} µs"
-        totals = kernel_times(fn, args.calls)
-        total = sum(totals.values())
-        print(f"\n{args.preset} {args.weights} tokens={m}: {total:.1f} µs of kernels per forward{replay}")
-        for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:15]:
-            print(f"  {us:9.1f} µs {100 * us / total:5.1f}%  {name}")
+        print_kernel_times(f"{args.preset} {args.weights} tokens={m}", kernel_times(fn, args.calls), suffix=replay)
 
 if __name__ == "__main__":
     main()

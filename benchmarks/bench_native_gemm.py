@@ -146,9 +146,11 @@ def call_variants(mx: bool, humming: bool = False) -> dict:
         variants["grouped, cuda c3 dyn"] = ("grouped_contiguous", "cuda", None, 3, True, None)
         variants["grouped, cuda c3 dyn, rows normal"] = ("grouped_contiguous", "cuda", None, 3, True, False)
     if mx:  # the RS kernel (`rs_switches`): with its gated epilogue ("fused"), its chunks of 256 or 320
-        # rows forced, a partial box's MMA whole instead of in pieces, the tiles walked from the counter
+        # rows forced, a partial box's MMA whole instead of in pieces, the tiles walked from the counter,
+        # GEMM1 gathering the token rows
         for fused in ("", ", fused"):
-            for extra in ("", ", chunks256", ", chunks320", ", whole boxes", ", dynamic", ", whole boxes, dynamic"):
+            for extra in ("", ", chunks256", ", chunks320", ", whole boxes", ", dynamic", ", whole boxes, dynamic",
+                          ", dynamic, gather"):
                 if fused or extra:
                     variants[f"grouped, cuda{fused}{extra}"] = ("grouped_contiguous", "cuda", "1" if fused else None,
                                                                 None, None, None)
@@ -159,17 +161,18 @@ def call_variants(mx: bool, humming: bool = False) -> dict:
 
 def rs_switches(name: str):
     """The RS kernel's switches for a whole-call variant "grouped, cuda[, fused][, chunksN][, whole
-    boxes][, dynamic]": `grouped.RS_EPILOGUE` / `RS_EPILOGUE_SPLIT` on only with "fused", `RS_WIDE`
-    from "chunks256" / "chunks320" (else the rule), `RS_TAIL_PIECES` off with "whole boxes",
-    `RS_DYNAMIC` on with "dynamic"; every other variant ("auto" included) keeps the library's
-    defaults."""
+    boxes][, dynamic][, gather]": `grouped.RS_EPILOGUE` / `RS_EPILOGUE_SPLIT` on only with "fused",
+    `RS_WIDE` from "chunks256" / "chunks320" (else the rule), `RS_TAIL_PIECES` off with "whole boxes",
+    `RS_DYNAMIC` on with "dynamic", `RS_GATHER` (GEMM1 reading the token rows, no permuted copy) on
+    with "gather"; every other variant ("auto" included) keeps the library's defaults."""
     if not name.startswith("grouped, cuda"):
         return contextlib.nullcontext()
     parts = set(name.split(", ")[2:])
     wide = True if "chunks320" in parts else False if "chunks256" in parts else None
     fused = "fused" in parts
     return mock.patch.multiple(grouped, RS_EPILOGUE=fused, RS_EPILOGUE_SPLIT=fused, RS_WIDE=wide,
-                               RS_TAIL_PIECES="whole boxes" not in parts, RS_DYNAMIC="dynamic" in parts)
+                               RS_TAIL_PIECES="whole boxes" not in parts, RS_DYNAMIC="dynamic" in parts,
+                               RS_GATHER="gather" in parts)
 
 
 def select_variants(variants: dict, keep: set) -> dict:

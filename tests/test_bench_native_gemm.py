@@ -49,8 +49,9 @@ def test_forced_config_sets_the_configuration_and_the_walk():
 def test_variants_selected_by_name_with_the_base_always_timed():
     bf16, mx = bench_native_gemm.call_variants(False), bench_native_gemm.call_variants(True)
     # MXFP4: no wide tiles or counter walks of the bf16 kernel; the RS kernel with its gated epilogue,
-    # chunk sizes, whole partial boxes and its counter walk forced
-    extras = ("", ", chunks256", ", chunks320", ", whole boxes", ", dynamic", ", whole boxes, dynamic")
+    # chunk sizes, whole partial boxes, its counter walk and GEMM1's gathered rows forced
+    extras = ("", ", chunks256", ", chunks320", ", whole boxes", ", dynamic", ", whole boxes, dynamic",
+              ", dynamic, gather")
     rs_only = {f"grouped, cuda{fused}{extra}" for fused in ("", ", fused") for extra in extras}
     rs_only.remove("grouped, cuda")
     assert set(mx) - set(bf16) == rs_only and "grouped, cuda c3 dyn" not in mx
@@ -81,14 +82,16 @@ def test_rs_switches_leave_auto_at_the_library_defaults():
             assert (grouped.RS_EPILOGUE, grouped.RS_EPILOGUE_SPLIT, grouped.RS_WIDE) == defaults
     def state():
         return (grouped.RS_EPILOGUE, grouped.RS_EPILOGUE_SPLIT, grouped.RS_WIDE, grouped.RS_TAIL_PIECES,
-                grouped.RS_DYNAMIC)
+                grouped.RS_DYNAMIC, grouped.RS_GATHER)
 
     with bench_native_gemm.rs_switches("grouped, cuda"):
-        assert state() == (False, False, None, True, False)
+        assert state() == (False, False, None, True, False, False)
     with bench_native_gemm.rs_switches("grouped, cuda, fused, chunks320"):
-        assert state() == (True, True, True, True, False)
+        assert state() == (True, True, True, True, False, False)
     with bench_native_gemm.rs_switches("grouped, cuda, chunks256"):
-        assert state() == (False, False, False, True, False)
+        assert state() == (False, False, False, True, False, False)
     with bench_native_gemm.rs_switches("grouped, cuda, fused, whole boxes, dynamic"):
-        assert state() == (True, True, None, False, True)
+        assert state() == (True, True, None, False, True, False)
+    with bench_native_gemm.rs_switches("grouped, cuda, dynamic, gather"):
+        assert state() == (False, False, None, True, True, True)
     assert (grouped.RS_EPILOGUE, grouped.RS_EPILOGUE_SPLIT, grouped.RS_WIDE) == defaults

@@ -491,12 +491,13 @@ def test_rs_contiguous_launch_arguments(monkeypatch):
     assert kernel == ("entry", "pmoe_mx_rs_gemm")
     assert grid == ((1 + 3) * 3,)  # (cdiv(10, 256) + 3 experts) chunks x cdiv(264, 128) weight tiles
     h = q.hopper
-    assert args[:-1] == (grouped.RS_STAGES, a, 640, 64, 1, 10, 64, h.blocks, 264 * 8, 8, h.scales, 2 * 264, 264, 3,
+    assert args[:-4] == (grouped.RS_STAGES, a, 640, 64, 1, 10, 64, h.blocks, 264 * 8, 8, h.scales, 2 * 264, 264, 3,
                          264, 64, offsets, None, bias, 264, native.DTYPE_CODES[torch.bfloat16], out, 0, 264,
                          int(grouped.RS_COLUMNS_FIRST), int(grouped.RS_PERSISTENT), 4, grouped.PLAIN, -1, 0, 0.0, 1.0,
                          0.0, int(grouped.RS_TAIL_PIECES))
-    counter = args[-1]  # the tile counter of the dynamic walk (RS_DYNAMIC), else None
+    counter = args[-4]  # the tile counter of the dynamic walk (RS_DYNAMIC), else None
     assert counter is None if not grouped.RS_DYNAMIC else counter.tolist() == [0]
+    assert args[-3:] == (None, 1, 0)  # rows from a's tensor map, not gathered
 
 
 def test_rs_tail_pieces_and_dynamic_walk_arguments(monkeypatch):
@@ -511,15 +512,15 @@ def test_rs_tail_pieces_and_dynamic_walk_arguments(monkeypatch):
     monkeypatch.setattr(grouped, "RS_DYNAMIC", True)
     grouped.launch_rs(a, q, out, offsets=offsets)
     (_, _, args), = rec.calls
-    tail, counter = args[-2:]
+    tail, counter = args[-5:-3]
     assert tail == 0 and counter.dtype == torch.int32 and counter.tolist() == [0]
     monkeypatch.setattr(grouped, "RS_PERSISTENT", False)
     grouped.launch_rs(a, q, out, offsets=offsets)
-    assert rec.calls[1][2][-1] is None and rec.calls[1][2][25] == 0
+    assert rec.calls[1][2][-4] is None and rec.calls[1][2][25] == 0
     monkeypatch.setattr(grouped, "RS_PERSISTENT", True)
     monkeypatch.setattr(grouped, "RS_DYNAMIC", False)
     grouped.launch_rs(a, q, out, offsets=offsets)
-    assert rec.calls[2][2][-1] is None and rec.calls[2][2][25] == 1
+    assert rec.calls[2][2][-4] is None and rec.calls[2][2][25] == 1
 
 
 def test_rs_masked_launch_arguments(monkeypatch):
@@ -617,7 +618,7 @@ def test_rs_gated_launch_arguments(monkeypatch):
     (kernel, grid, args), = rec.calls
     assert kernel == ("entry", "pmoe_mx_rs_gemm") and grid == ((1 + 3) * 3,)  # cdiv(136, 64) column tiles
     (limit, alpha, beta, _, _), flags = ep.kernel_args(fast=True)
-    assert args[-8:-2] == (grouped.GATED_PAIRS, flags["ACT"], int(flags["HAS_LIMIT"]), limit, alpha, beta)
+    assert args[-11:-5] == (grouped.GATED_PAIRS, flags["ACT"], int(flags["HAS_LIMIT"]), limit, alpha, beta)
     with pytest.raises(ValueError, match="out has 272 columns, the weight's 272 rows give 136"):
         grouped.launch_rs(a, q, torch.empty(10, 272, dtype=torch.bfloat16), offsets=offsets, epilogue=ep)
     rec.calls.clear()
@@ -625,8 +626,8 @@ def test_rs_gated_launch_arguments(monkeypatch):
     grouped.launch_rs(a, q, out, offsets=offsets, epilogue=silu)
     (kernel, grid, args), = rec.calls
     (limit, alpha, beta, _, _), flags = silu.kernel_args(fast=True)
-    assert grid == ((1 + 3) * 3,) and args[-8:-2] == (grouped.GATED_SPLIT, flags["ACT"], int(flags["HAS_LIMIT"]), limit,
-                                                    alpha, beta)
+    assert grid == ((1 + 3) * 3,) and args[-11:-5] == (grouped.GATED_SPLIT, flags["ACT"], int(flags["HAS_LIMIT"]),
+                                                     limit, alpha, beta)
 
 
 def test_rs_epilogue_is_offered_only_when_enabled(monkeypatch):
@@ -703,3 +704,113 @@ def test_auto_native_takes_rs_weights_of_the_listed_shapes_and_rows(monkeypatch)
                                     128 * 4, 4)  # another expert shape
     monkeypatch.setattr(type(b), "available", lambda self, device: "no nvcc")
     assert not backends.auto_native(gpu, w13, w2, gelu, 128 * 4, 4)
+
+
+# ---- GEMM1 gathering its rows from the tokens (`launch_rs`'s gather_src, `CudaBackend.gathers`) ----
+
+def test_rs_gather_launch_arguments(monkeypatch):
+    """Gathered rows: `a` the token rows (one slab of T rows, its own row stride), `rows` the flat
+    buffer's (out's, at most the slots `gather_src` holds), and the slots, top_k and T last."""
+    rec = _Recorder(monkeypatch)
+    q = _rs_weight(L=3, N=264, K=64, keep_canonical=False)
+    x = torch.randn(5, 72, dtype=torch.bfloat16)[:, :64]  # a row stride wider than K
+    src = torch.tensor([0, 4, 7, 9, 1, 2, 3, 5, 6, 8], dtype=torch.int32)
+    out = torch.empty(12, 264, dtype=torch.bfloat16)  # a capacity buffer: more rows than slots
+    offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
+    grouped.launch_rs(x, q, out, offsets=offsets, gather_src=src, top_k=2)
+    (_, grid, args), = rec.calls
+    assert args[1:7] == (x, 5 * 72, 72, 1, 10, 64)  # a, slab / row strides, one slab, rows = the 10 slots, K
+    assert args[21:24] == (out, 0, 264) and args[-3:] == (src, 2, 5)
+    assert grid == ((1 + 3) * 3,)  # the bound counts the flat buffer's 10 rows
+    rec.calls.clear()
+    grouped.launch(x, q, out, offsets=offsets, gather_src=src, top_k=2)  # `launch` passes them on
+    assert rec.calls[0][2][-3:] == (src, 2, 5)
+    grouped.launch_rs(x[:0], q, out, offsets=offsets, gather_src=src, top_k=2)  # no tokens: nothing to launch
+    assert len(rec.calls) == 1
+
+
+def test_rs_gather_refusals(monkeypatch):
+    _Recorder(monkeypatch)
+    q = _rs_weight(L=3, N=16, K=64)
+    x, out = torch.randn(5, 64, dtype=torch.bfloat16), torch.empty(10, 16, dtype=torch.bfloat16)
+    off, src = torch.tensor([0, 4, 4, 9]), torch.arange(10, dtype=torch.int32)
+    with pytest.raises(ValueError, match="rows of a flat GROUPED_CONTIGUOUS buffer: give offsets"):
+        grouped.launch_rs(x.view(1, 5, 64), q, out.view(1, 10, 16), counts=torch.tensor([3, 0, 1], dtype=torch.int32),
+                          gather_src=src, top_k=2)
+    with pytest.raises(ValueError, match="contiguous 1-D int32 tensor .* got torch.int64"):
+        grouped.launch_rs(x, q, out, offsets=off, gather_src=src.long(), top_k=2)
+    with pytest.raises(ValueError, match="top_k must be a positive int, got 0"):
+        grouped.launch_rs(x, q, out, offsets=off, gather_src=src, top_k=0)
+    with pytest.raises(ValueError, match="token rows .* got shape"):
+        grouped.launch_rs(x.view(1, 5, 64), q, out, offsets=off, gather_src=src, top_k=2)
+    with pytest.raises(NotImplementedError, match="gathers rows in the RS kernel only"):
+        grouped.launch(x, q, out, offsets=off, gather_src=src, top_k=2, config=0)
+
+
+def test_gathers_only_rs_weights_on_the_contiguous_layout(monkeypatch):
+    b = get_backend("cuda")
+    q = _rs_weight()
+    monkeypatch.setattr(grouped, "RS_GATHER", True)
+    assert b.gathers(GemmLayout.GROUPED_CONTIGUOUS, q)
+    assert not b.gathers(GemmLayout.GROUPED_MASKED, q) and not b.gathers(GemmLayout.INDEXED, q)
+    assert not b.gathers(GemmLayout.GROUPED_CONTIGUOUS, Mxfp4Tensor(q.blocks, q.scales))
+    assert not b.gathers(GemmLayout.GROUPED_CONTIGUOUS, torch.zeros(3, 16, 64, dtype=torch.bfloat16))
+    assert not get_backend("triton").gathers(GemmLayout.GROUPED_CONTIGUOUS, q)
+    monkeypatch.setattr(grouped, "RS_GATHER", False)
+    assert not b.gathers(GemmLayout.GROUPED_CONTIGUOUS, q)
+
+
+def test_expert_gemm_gather(monkeypatch):
+    """`expert_gemm(gather=True)`: the token rows go to the kernel with the layout's slots; GEMM1 of
+    a grouped_contiguous layout only, `a` the M token rows, a backend that gathers."""
+    rec = _Recorder(monkeypatch)
+    b = get_backend("cuda")
+    monkeypatch.setattr(type(b), "available", lambda self, device: None)
+    monkeypatch.setattr(grouped, "RS_GATHER", True)
+    ids = torch.tensor([[0, 1], [1, -1], [1, 0]], dtype=torch.int32)
+    meta = build_layout("grouped_contiguous", ids, 2)
+    q = _rs_weight(L=2, N=32, K=64, keep_canonical=False)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    out = expert_gemm(x, q, meta, backend="cuda", gather=True)
+    (kernel, _, args), = rec.calls
+    assert kernel == ("entry", "pmoe_mx_rs_gemm") and args[1] is x and args[-3:] == (meta.src, 2, 3)
+    assert out.shape == (6, 32) and args[21] is out
+    with pytest.raises(TypeError, match="gather must be a bool"):
+        expert_gemm(x, q, meta, backend="cuda", gather=1)
+    with pytest.raises(ValueError, match="GEMM1's rows .* got stage 'w2'"):
+        expert_gemm(torch.randn(3, 32, dtype=torch.bfloat16), _rs_weight(L=2, N=64, K=32), meta, stage="w2",
+                    backend="cuda", gather=True)
+    with pytest.raises(ValueError, match=r"token rows \[M = 3, K\] when gathering, got \(6, 64\)"):
+        expert_gemm(torch.randn(6, 64, dtype=torch.bfloat16), q, meta, backend="cuda", gather=True)
+    masked = build_layout("grouped_masked", ids, 2)
+    with pytest.raises(ValueError, match="grouped_contiguous layout .* got grouped_masked"):
+        expert_gemm(x, q, masked, backend="cuda", gather=True)
+    monkeypatch.setattr(grouped, "RS_GATHER", False)
+    with pytest.raises(NotImplementedError, match="backend 'cuda' does not read GEMM1's rows from their tokens"):
+        expert_gemm(x, q, meta, backend="cuda", gather=True)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the kernels are not run: buffers hold garbage
+def test_fused_experts_skips_the_permuted_copy_where_gemm1_gathers(monkeypatch):
+    """With `RS_GATHER`, `fused_experts` on backend "cuda" hands GEMM1 the hidden states themselves
+    and the layout's slots, and makes no permuted copy; without it, GEMM1 reads the permuted rows."""
+    from padded_moe import experts, fused_experts
+
+    rec = _Recorder(monkeypatch)
+    b = get_backend("cuda")
+    monkeypatch.setattr(type(b), "available", lambda self, device: None)
+    permutes = []
+    real = experts.permute
+    monkeypatch.setattr(experts, "permute", lambda *a, **kw: permutes.append(1) or real(*a, **kw))
+    w13, w2 = _rs_weight(L=2, N=128, K=64, keep_canonical=False), _rs_weight(L=2, N=64, K=64, keep_canonical=False)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 1], [1, -1], [1, 0]], dtype=torch.int32)
+    tw = torch.full((3, 2), 0.5)
+    for gather in (True, False):
+        monkeypatch.setattr(grouped, "RS_GATHER", gather)
+        rec.calls.clear()
+        permutes.clear()
+        fused_experts(x, w13, w2, tw, ids, activation="swigluoai", layout="grouped_contiguous", backend="cuda")
+        gemm1, gemm2 = (args for _, _, args in rec.calls)
+        assert (gemm1[1] is x) == gather and len(permutes) == (0 if gather else 1)
+        assert (gemm1[-3] is not None) == gather and gemm2[-3] is None

@@ -446,20 +446,12 @@ def test_rs_gated_epilogue_equals_two_steps(layout, activation, bias_dtype, conf
     assert (diff / ref[written].double().abs().clamp(min=1e-2)).max().item() <= 2 ** -7
 
 
-@pytest.mark.parametrize("activation", ["swigluoai", "silu"])
-def test_fused_experts_rs_epilogue(activation, monkeypatch):
-    """Prepared MXFP4 experts of GPT-OSS's shape (biases, dropped slots), swigluoai (interleaved) or
-    silu (halves), on backend "cuda" with the RS kernel's epilogue enabled and asked for: equal to the
-    Triton path within bf16 rounding."""
-    from padded_moe.gemm import FUSE_ENV
-    from padded_moe.kernels.native import grouped
+def _gpt_oss_experts(seed, M, E=16, K=2880, N=2880, k=4):
+    """Prepared MXFP4 experts of GPT-OSS's shape with biases, M token rows and their top-k routing
+    with dropped slots: (x, w13, w2, b13, b2, topk weights, topk ids)."""
     from padded_moe.mxfp4 import quantize_mxfp4
 
-    monkeypatch.setattr(grouped, "RS_EPILOGUE", True)
-    monkeypatch.setattr(grouped, "RS_EPILOGUE_SPLIT", True)
-    monkeypatch.setenv(FUSE_ENV, "1")
-    g = torch.Generator(device=DEV).manual_seed(15)
-    E, K, N, M, k = 16, 2880, 2880, 512, 4
+    g = torch.Generator(device=DEV).manual_seed(seed)
     w13 = quantize_mxfp4(torch.randn(E, 2 * N, K, generator=g, device=DEV) / K ** 0.5).prepare_for(keep_canonical=False)
     w2 = quantize_mxfp4(torch.randn(E, K, N, generator=g, device=DEV) / N ** 0.5).prepare_for(keep_canonical=False)
     b13 = torch.randn(E, 2 * N, generator=g, device=DEV).bfloat16() * 0.1
@@ -468,6 +460,21 @@ def test_fused_experts_rs_epilogue(activation, monkeypatch):
     tw, ids = torch.topk(torch.randn(M, E, generator=g, device=DEV).softmax(-1), k, dim=-1)
     ids = ids.int()
     ids[::7, 1] = -1
+    return x, w13, w2, b13, b2, tw, ids
+
+
+@pytest.mark.parametrize("activation", ["swigluoai", "silu"])
+def test_fused_experts_rs_epilogue(activation, monkeypatch):
+    """Prepared MXFP4 experts of GPT-OSS's shape (biases, dropped slots), swigluoai (interleaved) or
+    silu (halves), on backend "cuda" with the RS kernel's epilogue enabled and asked for: equal to the
+    Triton path within bf16 rounding."""
+    from padded_moe.gemm import FUSE_ENV
+    from padded_moe.kernels.native import grouped
+
+    monkeypatch.setattr(grouped, "RS_EPILOGUE", True)
+    monkeypatch.setattr(grouped, "RS_EPILOGUE_SPLIT", True)
+    monkeypatch.setenv(FUSE_ENV, "1")
+    x, w13, w2, b13, b2, tw, ids = _gpt_oss_experts(15, 512)
     launches = []
     real = grouped.launch_rs
     monkeypatch.setattr(grouped, "launch_rs", lambda *a, **kw: launches.append(kw.get("epilogue")) or real(*a, **kw))
@@ -508,3 +515,105 @@ def test_rs_sanitizer_small(monkeypatch):
                               **_where(layout, meta))
             torch.cuda.synchronize()
             assert torch.isfinite(act[(act != SENTINEL).any(-1)]).all()
+
+
+# ---- the RS kernel gathering GEMM1's rows from the tokens (`launch_rs`'s gather_src) ----
+
+def _gather_case(K, N, seed, *, tokens=300, k=3, L=9, valid=None, row_pad=0):
+    """Token rows `x` (NaN in the tokens at/after `valid`; rows `row_pad` elements apart) routed top-k
+    over L experts, skewed so that experts hold 0 to several hundred slots, with dropped (-1) and
+    out-of-range ids; the GROUPED_CONTIGUOUS layout, its permuted rows, prepared MXFP4 weights
+    and a float32 bias."""
+    from padded_moe.mxfp4 import quantize_mxfp4
+
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    weights = torch.tensor([8.0, 0.0, 1.0, 3.0, 0.3, 2.0, 5.0, 1.5, 0.05][:L], device=DEV)
+    ids = torch.multinomial(weights.expand(tokens, L), k, generator=g).int()
+    ids[::11, 0] = -1
+    ids[5::13, k - 1] = L + 2  # out of range: dropped by the layout's guard
+    x_rows = torch.randn(tokens, K + row_pad, generator=g, device=DEV).bfloat16()
+    x = x_rows[:, :K]
+    vt = None
+    if valid is not None:
+        x[valid:] = float("nan")
+        vt = torch.tensor([valid], dtype=torch.int32, device=DEV)
+    meta = build_layout(GemmLayout.GROUPED_CONTIGUOUS, ids, L, valid_tokens=vt)
+    from padded_moe.layouts import permute
+
+    w = torch.randn(L, N, K, generator=g, device=DEV) / K ** 0.5
+    q = quantize_mxfp4(w).prepare_for(keep_canonical=True)
+    bias = torch.randn(L, N, generator=g, device=DEV)
+    return x, permute(x, meta), meta, q, bias
+
+
+@pytest.mark.parametrize("K,N,valid,row_pad", [(2880, 272, None, 0), (200, 144, 250, 64), (64, 16, None, 8)])
+def test_rs_gather_equals_permuted_rows(K, N, valid, row_pad, monkeypatch):
+    """GEMM1 reading each row from its token (cp.async by the producer warpgroup into the swizzled
+    boxes) against the same kernel on the permuted copy: the same bits in every row, plain and with
+    both gated epilogues, for every chunk kind, stage count, piece mode and walk; the permuted result
+    itself against float64. Tokens past `valid_tokens` hold NaN (never read), K past a multiple of
+    64 reads zeros, token rows with a row stride wider than K."""
+    from padded_moe.activation import ActivationEpilogue
+    from padded_moe.kernels.native import grouped
+
+    x, xp, meta, q, bias = _gather_case(K, N, K + N, valid=valid, row_pad=row_pad)
+    rows = meta.num_slots
+    for stages, wide, pieces, dynamic in ((4, False, True, True), (3, False, True, False), (3, True, True, True),
+                                          (4, False, False, False), (3, True, False, False)):
+        monkeypatch.setattr(grouped, "RS_TAIL_PIECES", pieces)
+        monkeypatch.setattr(grouped, "RS_DYNAMIC", dynamic)
+        for epilogue, width in ((None, N), (ActivationEpilogue.of("swigluoai"), N // 2),
+                                (ActivationEpilogue.of("silu"), N // 2)):
+            outs = []
+            for a, gather in ((xp, {}), (x, dict(gather_src=meta.src, top_k=meta.top_k))):
+                out = torch.full((rows, width), SENTINEL, dtype=torch.bfloat16, device=DEV)
+                grouped.launch_rs(a, q, out, offsets=meta.offsets, bias=bias, epilogue=epilogue, stages=stages,
+                                  wide=wide, **gather)
+                outs.append(out)
+            torch.cuda.synchronize()
+            assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), \
+                (stages, wide, pieces, dynamic, epilogue)
+            if epilogue is None and stages == 4 and pieces:
+                check(xp, q, meta, "w13", outs[1], bias)
+
+
+def test_fused_experts_gathers_gemm1_rows(monkeypatch):
+    """`fused_experts` on backend "cuda" with prepared MXFP4 experts of GPT-OSS's shape (swigluoai,
+    biases, dropped slots): with `RS_GATHER` GEMM1 reads the token rows (no `permute` call) and the
+    result has the same bits as with the permuted copy."""
+    from padded_moe import experts
+    from padded_moe.kernels.native import grouped
+
+    x, w13, w2, b13, b2, tw, ids = _gpt_oss_experts(16, 1024)
+    permutes = []
+    real = experts.permute
+    monkeypatch.setattr(experts, "permute", lambda *a, **kw: permutes.append(1) or real(*a, **kw))
+    outs = []
+    for gather in (False, True):
+        monkeypatch.setattr(grouped, "RS_GATHER", gather)
+        permutes.clear()
+        with experts.eager_cache_off():  # no launch plan: the second call must not replay the first's launches
+            outs.append(fused_experts(x, w13, w2, tw, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2,
+                                      layout="grouped_contiguous", backend="cuda"))
+        assert len(permutes) == (0 if gather else 1)
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[1]).all()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
+def test_rs_sanitizer_gathered(monkeypatch):
+    """Small gathering RS calls (every chunk kind, both walks, plain and gated, NaN tokens past
+    valid_tokens, padded token rows) for `compute-sanitizer --tool memcheck`."""
+    from padded_moe.activation import ActivationEpilogue
+    from padded_moe.kernels.native import grouped
+
+    x, xp, meta, q, bias = _gather_case(160, 272, 5, tokens=200, valid=180, row_pad=8)
+    for stages, wide, dynamic in ((3, False, False), (4, False, True), (3, True, True)):
+        monkeypatch.setattr(grouped, "RS_DYNAMIC", dynamic)
+        for epilogue, width in ((None, 272), (ActivationEpilogue.of("swigluoai"), 136),
+                                (ActivationEpilogue.of("silu"), 136)):
+            out = torch.full((meta.num_slots, width), SENTINEL, dtype=torch.bfloat16, device=DEV)
+            grouped.launch_rs(x, q, out, offsets=meta.offsets, bias=bias, epilogue=epilogue, stages=stages,
+                              wide=wide, gather_src=meta.src, top_k=meta.top_k)
+            torch.cuda.synchronize()
+            assert torch.isfinite(out[(out != SENTINEL).any(-1)]).all()

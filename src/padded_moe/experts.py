@@ -432,16 +432,18 @@ def _pipeline(hidden_states, w13, w2, topk_weights, topk_ids, step: _Step, cfg: 
     meta = build_layout_resolved(layout, topk_ids, num_experts, num_local, table, valid_tokens=valid_tokens,
                                  scratch=buffers, expected_m=expected_m)
     act, gemm2, out = (allocate(name) for name in ("act", "gemm2", "out"))
-    x = permute(hidden_states, meta)
     impl = resolve_backend(backend, device, meta.layout, w13)
+    # A backend that reads GEMM1's rows from their tokens needs no permuted copy.
+    gather = impl.gathers(meta.layout, w13)
+    x = hidden_states if gather else permute(hidden_states, meta)
     mode = fuse_activation_mode()
     if isinstance(step.activation, MoEActivation) and impl.fuses(step.activation, w13) \
             and (mode == "on" or (mode == "auto" and impl.epilogue_pays(x, w13, meta, step.activation))):
         expert_gemm(x, w13, meta, stage="w13", bias=w13_bias, out=act, backend=backend,
-                    activation=step.activation, activation_config=cfg)
+                    activation=step.activation, activation_config=cfg, gather=gather)
     else:
         gemm1 = allocate("gemm1")
-        expert_gemm(x, w13, meta, stage="w13", bias=w13_bias, out=gemm1, backend=backend)
+        expert_gemm(x, w13, meta, stage="w13", bias=w13_bias, out=gemm1, backend=backend, gather=gather)
         if isinstance(step.activation, MoEActivation):
             apply_moe_activation(step.activation, act, gemm1, activation_config=cfg,
                                  valid_token_counts=meta.activation_counts)

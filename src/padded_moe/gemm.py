@@ -11,6 +11,11 @@ once to `out`'s dtype:
   untouched.
 - GROUPED_MASKED: `a` is `[L, T_max, K]`; rows `t < counts[e]` only; `out` is `[L, T_max, Nout]`.
 
+`gather=True` (stage "w13", GROUPED_CONTIGUOUS): `a` is the token rows `[M, K]` and each row of the
+layout is read from its token (`layout_meta.src[row] // k`) as the GEMM loads it, so no permuted
+copy is made; `out` as without it. Only backends whose `gathers` says so take it (the CUDA
+backend's RS kernel, prepared MXFP4 weights); `fused_experts` uses it where offered.
+
 `out=None` allocates with `torch.empty`, so rows the layout does not cover hold garbage; pass a
 buffer when they must keep a value.
 
@@ -35,7 +40,7 @@ from padded_moe._validation import (FLOAT_DTYPES, INDEX_DTYPES, require_dtype, r
                                     require_rank, require_same_device, require_shape, require_tensor)
 from padded_moe.activation import ActivationEpilogue, ApplyMoEActivationConfig, MoEActivation, apply_moe_activation
 from padded_moe.backends import resolve_backend
-from padded_moe.layouts import LayoutMeta, LayoutMetaBase
+from padded_moe.layouts import GemmLayout, LayoutMeta, LayoutMetaBase
 from padded_moe.mxfp4 import Mxfp4Tensor
 
 STAGES = ("w13", "w2")
@@ -106,10 +111,12 @@ def expert_gemm(a: torch.Tensor, w: Union[torch.Tensor, Mxfp4Tensor], layout_met
                 stage: str = "w13", bias: Optional[torch.Tensor] = None,
                 out: Optional[torch.Tensor] = None, backend: str = "auto",
                 activation: Union[None, str, MoEActivation] = None,
-                activation_config: Optional[ApplyMoEActivationConfig] = None) -> torch.Tensor:
+                activation_config: Optional[ApplyMoEActivationConfig] = None, gather: bool = False) -> torch.Tensor:
     """One expert GEMM over `layout_meta`'s layout; returns `out` (see the module docstring)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    if not isinstance(gather, bool):
+        raise TypeError(f"gather must be a bool, got {type(gather).__name__}")
     epilogue = None
     if activation is not None:
         if stage != "w13":
@@ -129,27 +136,47 @@ def expert_gemm(a: torch.Tensor, w: Union[torch.Tensor, Mxfp4Tensor], layout_met
             raise ValueError(f"w's rows must be even (gate and up) for gated {epilogue.activation.value}, "
                              f"got {n_out}")
         width = n_out // 2
-    out_shape = layout_meta.gemm_out_shape(a, stage, width)
+    out_shape = _gather_out_shape(a, layout_meta, stage, width) if gather \
+        else layout_meta.gemm_out_shape(a, stage, width)
     if out is None:
         out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
     else:
         _check_out(out, out_shape, a, layout_meta)
     impl = resolve_backend(backend, a.device, layout_meta.layout, w)
+    rows_from = {}
+    if gather:
+        if not impl.gathers(layout_meta.layout, w):
+            raise NotImplementedError(f"backend {impl.name!r} does not read GEMM1's rows from their tokens with "
+                                      f"these weights (GemmBackend.gathers); permute the rows and pass gather=False")
+        rows_from = {"gather": True}
     out_rows = out
-    if layout_meta.CAPACITY_ROWS and out.shape[0] != a.shape[0]:
+    if layout_meta.CAPACITY_ROWS and out.shape[0] != a.shape[0] and not gather:
         # Capacity buffers of different sizes: every valid row is < M*k <= both.
         rows = min(a.shape[0], out.shape[0])
         a, out_rows = a[:rows], out[:rows]
     if epilogue is None:
-        impl.gemm(a, w, layout_meta, stage=stage, bias=bias, out=out_rows)
+        impl.gemm(a, w, layout_meta, stage=stage, bias=bias, out=out_rows, **rows_from)
     elif impl.fuses(epilogue.activation, w):
-        impl.gemm_activation(a, w, layout_meta, bias=bias, out=out_rows, epilogue=epilogue)
+        impl.gemm_activation(a, w, layout_meta, bias=bias, out=out_rows, epilogue=epilogue, **rows_from)
     else:  # GEMM1 into an intermediate, then the activation op on the layout's valid rows
         h = torch.empty(out_rows.shape[:-1] + (n_out,), dtype=a.dtype, device=a.device)
-        impl.gemm(a, w, layout_meta, stage=stage, bias=bias, out=h)
+        impl.gemm(a, w, layout_meta, stage=stage, bias=bias, out=h, **rows_from)
         apply_moe_activation(epilogue.activation, out_rows, h, activation_config=activation_config,
                              valid_token_counts=layout_meta.activation_counts)
     return out
+
+
+def _gather_out_shape(a: torch.Tensor, meta: LayoutMeta, stage: str, width: int) -> tuple[int, int]:
+    """`out`'s shape when GEMM1 reads its rows from the tokens (`gather`): the layout's M*k rows."""
+    if stage != "w13":
+        raise ValueError(f"gather reads GEMM1's rows (stage 'w13'), got stage {stage!r}")
+    if meta.layout is not GemmLayout.GROUPED_CONTIGUOUS:
+        raise ValueError(f"gather reads the token rows of a grouped_contiguous layout (indexed GEMM1 reads them "
+                         f"always), got {meta.layout.value}")
+    require_rank("a", a, (2,))
+    if a.shape[0] != meta.num_tokens:
+        raise ValueError(f"a must be the token rows [M = {meta.num_tokens}, K] when gathering, got {tuple(a.shape)}")
+    return (meta.num_slots, width)
 
 
 def _check_out(out, out_shape: tuple[int, ...], a: torch.Tensor, meta: LayoutMeta) -> None:

@@ -46,6 +46,12 @@ class GemmBackend(ABC):
              bias: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """Fill `out` at the layout's valid rows; leave every other row untouched."""
 
+    def gathers(self, layout: GemmLayout, weight: Weight) -> bool:
+        """Whether GEMM1 on `layout` with `weight` reads each row from its token itself: `gemm` /
+        `gemm_activation` then take `gather=True` with `a` the token rows `[num_tokens, K]`, and
+        the pipeline skips the permuted copy. None here."""
+        return False
+
     def fuses(self, activation, weight: Optional[Weight] = None) -> bool:
         """Whether `gemm_activation` takes `activation` (a `MoEActivation`) with `weight` (None:
         any weight the backend supports); callers run GEMM1 and the activation op for the others.

@@ -62,14 +62,21 @@ class CudaBackend(GemmBackend):
             return weight.holds_canonical or takes_rs(weight)
         return isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16
 
-    def gemm(self, a, w, meta, *, stage, bias, out, epilogue=None):
+    def gathers(self, layout, weight) -> bool:
+        from padded_moe.kernels.native import grouped
+
+        # The RS kernel's producer copies each row from its token (`grouped.RS_GATHER`).
+        return grouped.RS_GATHER and layout is GemmLayout.GROUPED_CONTIGUOUS and grouped.takes_rs(weight)
+
+    def gemm(self, a, w, meta, *, stage, bias, out, epilogue=None, gather=False):
         from padded_moe.kernels.native import grouped
 
         if meta.layout is GemmLayout.GROUPED_CONTIGUOUS:
-            grouped.launch(a, w, out, offsets=meta.offsets, bias=bias, epilogue=epilogue)
+            rows = dict(gather_src=meta.src, top_k=meta.top_k) if gather else {}
+            grouped.launch(a, w, out, offsets=meta.offsets, bias=bias, epilogue=epilogue, **rows)
         else:
             grouped.launch(a, w, out, counts=meta.counts, bias=bias, epilogue=epilogue)
         return out
 
-    def gemm_activation(self, a, w, meta, *, bias, out, epilogue):
-        return self.gemm(a, w, meta, stage="w13", bias=bias, out=out, epilogue=epilogue)
+    def gemm_activation(self, a, w, meta, *, bias, out, epilogue, gather=False):
+        return self.gemm(a, w, meta, stage="w13", bias=bias, out=out, epilogue=epilogue, gather=gather)

@@ -229,6 +229,7 @@ def _declare_grouped(lib: ctypes.CDLL) -> None:
         I, I, I,  # epilogue mode (plain, gated halves or gated pairs), activation id, has limit
         F, F, F,  # limit, alpha, beta
         I, P,  # the last box in 16-row pieces (1) or whole (0); tile counter (dynamic walk) or null
+        P, I, I,  # gathered rows: slot per row (int32) or null, slots per token, token rows of a
     ]
     lib.pmoe_gg_num_configs.restype = I
     lib.pmoe_gg_block_n.argtypes = [I]

@@ -83,6 +83,10 @@ RS_TAIL_PIECES = True
 # one run, 4000 against 3970 in another; DeepSeek-V4 144 / 192 rows 1.00 / 0.98x), with kernel times
 # 3% lower at GPT-OSS 8192 (torch.profiler, 3416 against 3532 µs): on, at the noise's edge.
 RS_DYNAMIC = True
+# Whether the backend's GEMM1 with the RS kernel on GROUPED_CONTIGUOUS reads each row from its token
+# (`launch_rs`'s `gather_src`: cp.async by the producer warpgroup) instead of a permuted copy of the
+# hidden states (`CudaBackend.gathers`; `fused_experts` then skips `permute`).
+RS_GATHER = False
 # Whether the backend applies gated activations with interleaved gate / up rows (swigluoai) in the
 # RS kernel's epilogue (`rs_fuses`): bit-equal to GEMM1 followed by the activation op, and 3-9% less
 # time than the two steps on GPT-OSS's GEMM1 (H100, scripts/mx_rs_probe.py). False: the two steps.
@@ -253,11 +257,12 @@ def _chunk_bound(flat: bool, rows: int, L: int, chunk: int) -> int:
 
 def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Tensor] = None,
            counts: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, epilogue=None,
-           config: Optional[int] = None, dynamic: Optional[bool] = None) -> torch.Tensor:
+           config: Optional[int] = None, dynamic: Optional[bool] = None, gather_src: Optional[torch.Tensor] = None,
+           top_k: int = 1) -> torch.Tensor:
     """Fill `out` at the rows of each expert (see the module docstring). Exactly one of `offsets`
     (`a` 2-D) and `counts` (`a` 3-D) is given; the caller (`expert_gemm`) has checked the shapes.
     Prepared MXFP4 weights (`takes_rs`) without a config or walk, and without an epilogue or with
-    one `rs_fuses` takes, run `launch_rs`.
+    one `rs_fuses` takes, run `launch_rs`, which alone gathers rows (`gather_src`, `top_k`).
     `dynamic`: the tile walk of a persistent configuration with bf16 weights (None: `DYNAMIC_WALK`,
     and where that is None `DYNAMIC_CONFIGS`); True elsewhere is refused."""
     if (offsets is None) == (counts is None):
@@ -266,7 +271,11 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
         raise ValueError(f"config must be an int in [0, {len(CONFIGS)}), got {config!r}")
     if config is None and dynamic is None and takes_rs(w) \
             and (epilogue is None or rs_fuses(epilogue.activation)):
-        return launch_rs(a, w, out, offsets=offsets, counts=counts, bias=bias, epilogue=epilogue)
+        return launch_rs(a, w, out, offsets=offsets, counts=counts, bias=bias, epilogue=epilogue,
+                         gather_src=gather_src, top_k=top_k)
+    if gather_src is not None:
+        _refuse("gathers rows in the RS kernel only: prepared MXFP4 weights (takes_rs), no config or walk, and no "
+                "epilogue or one rs_fuses takes")
     check(a, w, out, bias)
     if config is None:
         per_expert = a.shape[0] / max(w.shape[0], 1) if offsets is not None else a.shape[1]
@@ -341,14 +350,20 @@ def rs_wide(rows: int, L: int, flat: bool) -> bool:
 
 def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Optional[torch.Tensor] = None,
               counts: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, epilogue=None,
-              stages: Optional[int] = None, wide: Optional[bool] = None) -> torch.Tensor:
+              stages: Optional[int] = None, wide: Optional[bool] = None, gather_src: Optional[torch.Tensor] = None,
+              top_k: int = 1) -> torch.Tensor:
     """`launch` for prepared MXFP4 weights (`takes_rs`): `out[row] = a[row] @ W[e].T (+ bias[e])`
     at each expert's rows, W the dequantized weight. Same layouts and arguments as `launch`;
     `epilogue` (GEMM1) one of the silu family; `wide`: chunks of
     RS_WIDE_CHUNK_ROWS rows instead of RS_CHUNK_ROWS (None: `rs_wide`); `stages` 3 or 4, 3 only for
-    wide chunks (None: `RS_STAGES`, `RS_WIDE_STAGES` for wide chunks)."""
+    wide chunks (None: `RS_STAGES`, `RS_WIDE_STAGES` for wide chunks).
+    `gather_src` (int32, GROUPED_CONTIGUOUS only: the layout's `src`): `a` holds the token rows
+    `[T, K]` and row r of `out` is computed from `a[gather_src[r] // top_k]` (a slot outside
+    [0, T * top_k) as a row of zeros), read as the kernel loads it: no permuted copy."""
     if (offsets is None) == (counts is None):
         raise ValueError("exactly one of offsets (GROUPED_CONTIGUOUS) and counts (GROUPED_MASKED) must be given")
+    if gather_src is not None:
+        _check_gather(a, gather_src, top_k, offsets)
     if stages not in (None, 3, 4):
         raise ValueError(f"stages must be 3 or 4, got {stages!r}")
     if not takes_rs(w):
@@ -376,7 +391,16 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
     if a.shape[-1] != K:
         raise ValueError(f"a has {a.shape[-1]} columns, the weight's K is {K}")
     _check_rows_experts_bias(a, L, bias)
-    slabs, rows, stride_as, stride_ar, stride_os, stride_or = _rows_geometry(a, out, offsets, counts)
+    if gather_src is None:
+        slabs, rows, stride_as, stride_ar, stride_os, stride_or = _rows_geometry(a, out, offsets, counts)
+        gather = (None, 1, 0)
+    else:  # a: the token rows; the flat buffer's rows are out's, each with its slot in gather_src
+        _, out_rows, _, _, stride_os, stride_or = _rows_geometry(out, out, offsets, counts)
+        slabs, rows, stride_ar = 1, min(out_rows, gather_src.shape[0]), a.stride(0)
+        stride_as = a.shape[0] * stride_ar
+        gather = (gather_src, top_k, a.shape[0])
+        if a.shape[0] == 0:
+            return out
     if L == 0 or w_rows == 0 or rows == 0 or slabs == 0:
         return out
     asked = wide
@@ -404,5 +428,24 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
                   (stages, a, stride_as, stride_ar, slabs, rows, K, words, words.stride(0), words.stride(1), scales,
                    scales.stride(0), scales.stride(1), L, w_rows, h.k_padded, offsets, counts, bias, stride_be,
                    bias_kind, out, stride_os, stride_or, int(RS_COLUMNS_FIRST), int(RS_PERSISTENT),
-                   chunk // GROUP_ROWS, *ep, int(RS_TAIL_PIECES), counter))
+                   chunk // GROUP_ROWS, *ep, int(RS_TAIL_PIECES), counter, *gather))
     return out
+
+
+def _check_gather(a: torch.Tensor, src: torch.Tensor, top_k: object, offsets: Optional[torch.Tensor]) -> None:
+    """What gathered rows need (`launch_rs`'s `gather_src`): a flat layout, int32 slots, a positive
+    top_k, token rows `a` 2-D and slots that 32 bits count (the 16-byte pieces the kernel copies need
+    K a multiple of 8: an MXFP4 weight's is one of 32)."""
+    if offsets is None:
+        raise ValueError("gather_src gathers the rows of a flat GROUPED_CONTIGUOUS buffer: give offsets, not counts")
+    if not isinstance(src, torch.Tensor) or src.dtype != torch.int32 or src.dim() != 1 or not src.is_contiguous():
+        got = f"{src.dtype} {tuple(src.shape)}" if isinstance(src, torch.Tensor) else type(src).__name__
+        raise ValueError(f"gather_src must be a contiguous 1-D int32 tensor (the layout's src), got {got}")
+    if src.device != a.device:
+        raise ValueError(f"gather_src must be on a's device {a.device}, got {src.device}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    if a.dim() != 2:
+        raise ValueError(f"a must be the token rows [T, K] when gathering, got shape {tuple(a.shape)}")
+    if a.shape[0] * top_k > _MAX_INT32:
+        _refuse(f"counts gathered slots in 32 bits; {a.shape[0]} tokens x top_k {top_k} is more")

@@ -110,6 +110,11 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
+// `count` arrivals at once.
+__device__ __forceinline__ void mbar_arrive_count(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n"
@@ -425,6 +430,14 @@ struct Args {
   int rs_columns_first;
   // The RS kernels' MMA of a chunk's last, partial box: in 16-row pieces (1) or whole (0); `rs_consume_boxes`.
   int rs_tail_pieces;
+  // The RS kernel gathering its rows (GROUPED_CONTIGUOUS): null, the rows come from A's tensor map;
+  // else row r of the flat buffer is token row gather_src[r] / gather_div of `gather_a` (rows of
+  // gather_stride elements, gather_k of them read, zeros past), a slot outside [0, gather_slots)
+  // zeros (`rs_gather_producer`).
+  const int32_t* gather_src;
+  const uint16_t* gather_a;
+  long long gather_stride;
+  int gather_div, gather_slots, gather_k;
 };
 
 constexpr int kPolicyWeights = 1, kPolicyRows = 2;
@@ -580,12 +593,17 @@ __device__ __forceinline__ int next_tile(const Args& args, bool dynamic, int id)
 }
 // The dynamic walk's end, from the producer: the id past the last tile, in the next stage, for the
 // consumers (`stage_tile_id`) to stop on.
+// `arrivals`: what the full barrier counts per stage (the gathering RS producer's threads too).
 template <int STAGES>
-__device__ __forceinline__ void publish_walk_end(uint64_t* full, uint64_t* empty, int* tile_ids, int it, int id) {
+__device__ __forceinline__ void publish_walk_end(uint64_t* full, uint64_t* empty, int* tile_ids, int it, int id,
+                                                 uint32_t arrivals = 1) {
   const int s = it % STAGES;
   mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
   tile_ids[s] = id;
-  mbar_arrive(&full[s]);
+  if (arrivals == 1)
+    mbar_arrive(&full[s]);
+  else
+    mbar_arrive_count(&full[s], arrivals);
 }
 // A consumer's next tile in the dynamic walk: the id its first stage carries (or, past the last tile,
 // the end).
@@ -873,12 +891,13 @@ struct RsChunk {
 };
 
 // Stages, the epilogue's staging (its own: the producer fills the next tile's stages meanwhile),
-// the barriers, the tile ids of the dynamic walk, the experts' chunk prefix, and the slack for
-// aligning the stages to 1024 bytes.
+// the barriers, the tile ids of the dynamic walk, the experts' chunk prefix, the gathering
+// producer's tile id and token rows (`rs_gather_producer`), and the slack for aligning the stages
+// to 1024 bytes.
 template <int STAGES, int B>
 __host__ __device__ constexpr int rs_smem_bytes() {
   return STAGES * RsChunk<B>::kStage + RsChunk<B>::kStaging + 2 * STAGES * 8 + 4 * STAGES + 4 * (kMaxExperts + 1) +
-         1024;
+         4 * (1 + B * kRowsPerGroup) + 1024;
 }
 
 __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
@@ -1087,6 +1106,8 @@ __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint
   for (int kt = 0; kt < k_tiles; ++kt, ++it) {
     const int s = it % STAGES;
     mbar_wait(&full[s], (it / STAGES) & 1);
+    // Gathered rows came by cp.async (the generic proxy); wgmma reads them through the async proxy.
+    if (args.gather_src != nullptr) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     const uint32_t stage = base + s * Chunk::kStage;
     uint32_t f[16];
     rs_upcast<EPI>(stage + Chunk::kWordsOff, stage + Chunk::kScalesOff, r0, q, f);
@@ -1235,6 +1256,94 @@ __device__ __forceinline__ TileGeom rs_tile_geometry(const Args& args, const Til
   return g;
 }
 
+// A stage's weight tile: its words and folded scales, by TMA onto the stage's full barrier (split
+// halves: maps of 64-row boxes, the gate rows' then the up rows').
+template <int EPI, int B>
+__device__ __forceinline__ void rs_load_weights(uint8_t* stage, const CUtensorMap& map_w, const CUtensorMap& map_s,
+                                                uint64_t* full, const TileGeom& g, int kt) {
+  using Chunk = RsChunk<B>;
+  tma_load_3d(stage + Chunk::kWordsOff, &map_w, full, kt * (kBK / 8), g.w_row0, g.e, 0, false);
+  tma_load_3d(stage + Chunk::kScalesOff, &map_s, full, g.w_row0, kt * (kBK / 32), g.e, 0, false);
+  if constexpr (EPI == kGatedSplit) {
+    tma_load_3d(stage + Chunk::kWordsOff + kRsWordsBytes / 2, &map_w, full, kt * (kBK / 8), g.w_row1, g.e, 0, false);
+    tma_load_3d(stage + Chunk::kScalesOff + kRsScalesBytes / 2, &map_s, full, g.w_row1, kt * (kBK / 32), g.e, 0,
+                false);
+  }
+}
+
+// The gathering producer's full barrier: thread 0's arrival (with the weights' bytes) and one per
+// thread of the warpgroup when its copies have landed.
+constexpr uint32_t kRsGatherArrivals = 1 + 128;
+// The producer warpgroup alone (named barrier 2; the consumers use 1).
+__device__ __forceinline__ void rs_producers_sync() { asm volatile("bar.sync 2, 128;" ::: "memory"); }
+// An arrival on `bar` once the thread's earlier cp.async copies have landed (counted in the barrier's
+// expected arrivals: noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// The RS producer warpgroup when the kernel gathers its rows (`args.gather_src`, GEMM1 on
+// GROUPED_CONTIGUOUS without the permuted copy): a stage's rows come by cp.async from the token
+// rows, thread t copying 16-byte piece t % 8 of rows t / 8, + 16, ... into the 128-byte swizzle a
+// TMA box would have (piece j of row r at j ^ (r % 8) within the row's 128 bytes), and arrive on
+// the stage's full barrier as they land, so no thread waits for its own copies; thread 0 takes the
+// tiles (the static walk or the counter) and loads the weight tile by TMA. Per tile the threads
+// share its id (`walk`) and the chunk's token rows (`table`: a row's token, -1 for zeros) through
+// shared memory between two barriers of the warpgroup. A chunk's rows past the expert's are not
+// loaded: their output columns are never stored.
+template <int STAGES, int EPI, int B>
+__device__ __forceinline__ void rs_gather_producer(const Args& args, const CUtensorMap& map_w, const CUtensorMap& map_s,
+                                                   uint8_t* smem, uint64_t* full, uint64_t* empty, int* tile_ids,
+                                                   const int* prefix, int* walk, int* table, int n_tiles,
+                                                   int k_tiles) {
+  using Chunk = RsChunk<B>;
+  const int t = threadIdx.x, lane = t % 32, piece = t % 8;
+  const bool dynamic = args.tile_counter != nullptr;
+  int it = 0;  // k tiles loaded so far: stage and parity
+  int id = 0;
+  for (bool first = true;; first = false) {
+    if (t == 0) {
+      id = first ? first_tile(args, dynamic) : next_tile<true>(args, dynamic, id);
+      *walk = id;
+    }
+    rs_producers_sync();
+    id = *walk;
+    const Tile tile = rs_locate_tile(args, prefix, id, n_tiles);
+    if (tile.e < 0) {
+      if (dynamic && t == 0) publish_walk_end<STAGES>(full, empty, tile_ids, it, id, kRsGatherArrivals);
+      break;
+    }
+    const TileGeom g = rs_tile_geometry<EPI, B>(args, tile);
+    const int rows = min(B * kRowsPerGroup, g.count - g.m0);
+    for (int r = t; r < rows; r += 128) {
+      const int slot = args.gather_src[g.start + g.m0 + r];
+      table[r] = slot >= 0 && slot < args.gather_slots ? slot / args.gather_div : -1;
+    }
+    rs_producers_sync();
+    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      const int s = it % STAGES;
+      if (lane == 0) mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+      __syncwarp();
+      uint8_t* stage = smem + s * Chunk::kStage;
+      if (t == 0) {
+        if (dynamic && kt == 0) tile_ids[s] = id;  // published by the arrivals below
+        mbar_expect_tx(&full[s], kRsWordsBytes + kRsScalesBytes);
+        rs_load_weights<EPI, B>(stage, map_w, map_s, &full[s], g, kt);
+      }
+      const int k = kt * kBK + piece * 8;  // the rows' K is a multiple of 8: a piece is all in or all out
+      const uint32_t rows_at = smem_addr(stage);
+      for (int r = t / 8; r < rows; r += 16) {
+        const int token = table[r];
+        const bool in = token >= 0 && k < args.gather_k;
+        cp_async16(rows_at + (r / kRowsPerGroup) * kABox + (r % kRowsPerGroup) * 128 + ((piece ^ (r % 8)) * 16),
+                   in ? args.gather_a + token * args.gather_stride + k : args.gather_a, in);
+      }
+      cp_async_arrive_noinc(&full[s]);
+    }
+  }
+  cp_async_wait<0>();  // nothing in flight when the thread exits
+}
+
 // CTA b walks tiles b, b + gridDim.x, ... (`rs_locate_tile` over chunks of B x 64 rows and tiles of
 // 128 weight rows). Persistent (one CTA per SM, `rs_launch`), the experts' chunk prefix is computed once
 // per CTA and the producer fills the next tile's first stages while the consumers store the last
@@ -1255,13 +1364,16 @@ __global__ void __launch_bounds__(kRsThreads, 1)
   uint64_t* empty = full + STAGES;
   int* tile_ids = reinterpret_cast<int*>(empty + STAGES);  // dynamic walk: the tile a stage starts
   int* prefix = tile_ids + STAGES;  // [L + 1]
+  int* walk = prefix + kMaxExperts + 1;  // the gathering producer's tile id and token rows
+  int* table = walk + 1;
   const int n_tiles = (args.N + rs_tile_cols<EPI>() - 1) / rs_tile_cols<EPI>();
   const bool dynamic = args.tile_counter != nullptr;
+  const bool gather = args.gather_src != nullptr;
   const int k_tiles = args.K / kBK;
   if (threadIdx.x < 32) chunk_prefix<B>(args, prefix);
   if (threadIdx.x == 32) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 1);
+      mbar_init(&full[s], gather ? kRsGatherArrivals : 1);
       mbar_init(&empty[s], 2);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -1273,6 +1385,11 @@ __global__ void __launch_bounds__(kRsThreads, 1)
   const int group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   if (group == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRsProducerRegs));
+    if (gather) {
+      rs_gather_producer<STAGES, EPI, B>(args, map_w, map_s, smem, full, empty, tile_ids, prefix, walk, table,
+                                         n_tiles, k_tiles);
+      return;
+    }
     if (threadIdx.x != 0) return;
     int it = 0;  // k tiles loaded so far: stage and parity
     // The static step is the grid's in both launches (one CTA per tile: past the bound after one).
@@ -1292,15 +1409,7 @@ __global__ void __launch_bounds__(kRsThreads, 1)
         for (int b = 0; b < g.boxes; ++b)
           tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, g.start + g.m0 + b * kRowsPerGroup, g.slab, 0,
                       false);
-        // Split halves: maps of 64-row boxes (the entry's), gate rows then up rows.
-        tma_load_3d(stage + Chunk::kWordsOff, &map_w, &full[s], kt * (kBK / 8), g.w_row0, g.e, 0, false);
-        tma_load_3d(stage + Chunk::kScalesOff, &map_s, &full[s], g.w_row0, kt * (kBK / 32), g.e, 0, false);
-        if constexpr (EPI == kGatedSplit) {
-          tma_load_3d(stage + Chunk::kWordsOff + kRsWordsBytes / 2, &map_w, &full[s], kt * (kBK / 8), g.w_row1, g.e,
-                      0, false);
-          tma_load_3d(stage + Chunk::kScalesOff + kRsScalesBytes / 2, &map_s, &full[s], g.w_row1, kt * (kBK / 32),
-                      g.e, 0, false);
-        }
+        rs_load_weights<EPI, B>(stage, map_w, map_s, &full[s], g, kt);
       }
     }
     return;
@@ -1577,15 +1686,23 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
 // aligned (16-byte stores). columns_first: the walk order (`rs_locate_tile`); persistent: one CTA
 // per SM (1) or per tile of the grid (0); tail_pieces: a chunk's last, partial box in 16-row MMAs
 // (1) or whole (0) (`rs_consume_boxes`); tile_counter: null (the static walk), or a zeroed int32
-// from which a persistent launch takes its tiles (the dynamic walk).
+// from which a persistent launch takes its tiles (the dynamic walk). gather_src: null, or (GEMM1 on
+// GROUPED_CONTIGUOUS, one slab) int32 [rows]: a holds gather_tokens token rows [gather_tokens][K] (K a
+// multiple of 8) and row r of the flat buffer is a's row gather_src[r] / gather_div (a slot outside
+// [0, gather_tokens x gather_div) reads zeros); `rows` is then out's.
 int pmoe_mx_rs_gemm(int stages, int grid_x, int grid_y, void* stream, const void* a, long long stride_as,
                     long long stride_ar, int slabs, int rows, int K, const void* words, long long stride_we,
                     long long stride_wn, const void* scales, long long stride_se, long long stride_sg, int L,
                     int w_rows, int KP, const void* offsets, const void* counts, const void* bias,
                     long long stride_be, int bias_kind, void* out, long long stride_os, long long stride_or,
                     int columns_first, int persistent, int boxes, int mode, int act, int has_limit, float limit,
-                    float alpha, float beta, int tail_pieces, void* tile_counter) {
+                    float alpha, float beta, int tail_pieces, void* tile_counter, const void* gather_src,
+                    int gather_div, int gather_tokens) {
   if ((offsets == nullptr) == (counts == nullptr)) return -12;
+  const bool gather = gather_src != nullptr;
+  if (gather && (offsets == nullptr || slabs != 1 || gather_div < 1 || gather_tokens < 1 || K % 8 != 0 ||
+                 stride_ar % 8 != 0 || static_cast<long long>(gather_tokens) * gather_div > 0x7fffffffLL))
+    return -27;
   if (grid_y != 1 || grid_x < 1 || L < 1) return -13;
   if (L > kMaxExperts) return -16;
   if (KP % kBK != 0 || K > KP || K < 1) return -24;
@@ -1593,7 +1710,8 @@ int pmoe_mx_rs_gemm(int stages, int grid_x, int grid_y, void* stream, const void
   // Split halves load a tile's gate and up rows as two boxes of 64 rows.
   const int w_box = mode == kGatedSplit ? kRsWRows / 2 : kRsWRows;
   CUtensorMap ma, mw, ms;
-  int err = encode_3d(&ma, a, K, rows, slabs, stride_ar * 2, stride_as * 2, kRowsPerGroup);
+  // Gathering: the map (prefetched, never loaded from) covers the token rows.
+  int err = encode_3d(&ma, a, K, gather ? gather_tokens : rows, slabs, stride_ar * 2, stride_as * 2, kRowsPerGroup);
   if (err == 0)
     err = encode_plain_3d(&mw, CU_TENSOR_MAP_DATA_TYPE_INT32, words, KP / 8, w_rows, L, stride_wn * 4, stride_we * 4,
                           kBK / 8, w_box);
@@ -1613,7 +1731,9 @@ int pmoe_mx_rs_gemm(int stages, int grid_x, int grid_y, void* stream, const void
   const Args args{static_cast<const int64_t*>(offsets), static_cast<const int32_t*>(counts), L, rows, KP, N,
                   act, has_limit, mode == kGatedSplit ? N : 0, limit, alpha, beta, bias, stride_be, bias_kind,
                   static_cast<uint16_t*>(out), stride_os, stride_or, nullptr, nullptr, 0, 0, 0, 0, w_rows,
-                  static_cast<int*>(tile_counter), 0, 0, columns_first, tail_pieces};
+                  static_cast<int*>(tile_counter), 0, 0, columns_first, tail_pieces,
+                  static_cast<const int32_t*>(gather_src), static_cast<const uint16_t*>(a), stride_ar, gather_div,
+                  gather_tokens * gather_div, K};
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const bool p = persistent == 1;
   if (mode == kPlain) return rs_launch_chunks<kPlain>(stages, boxes, ma, mw, ms, args, grid_x, p, st);
@@ -1640,6 +1760,9 @@ const char* pmoe_error_string(int code) {
   if (code == -23) return "the load-policy mask must be 0-3 (1: the weight tile's loads carry their L2 policy, 2: A's rows')";
   if (code == -24) return "the RS kernel needs KP a multiple of 64, 1 <= K <= KP and its output columns a multiple of 8";
   if (code == -25) return "the RS kernel runs chunks of 4 boxes in 3 or 4 stages, of 5 boxes in 3";
+  if (code == -27)
+    return "gathered rows need offsets (one slab), gather_div and gather_tokens positive, K and a's row stride "
+           "multiples of 8, and gather_tokens x gather_div below 2^31";
   if (code == -26)
     return "the RS kernel's walk order must be 0 (chunks first) or 1 (columns first), its persistence and tail "
            "pieces 0 or 1";

@@ -145,6 +145,7 @@ def call_variants(mx: bool, humming: bool = False) -> dict:
         variants["grouped, cuda c3"] = ("grouped_contiguous", "cuda", None, 3, False, None)
         variants["grouped, cuda c3 dyn"] = ("grouped_contiguous", "cuda", None, 3, True, None)
         variants["grouped, cuda c3 dyn, rows normal"] = ("grouped_contiguous", "cuda", None, 3, True, False)
+        variants["grouped, cuda, gather"] = ("grouped_contiguous", "cuda", None, None, None, None)  # `rs_switches`
     if mx:  # the RS kernel (`rs_switches`): with its gated epilogue ("fused"), its chunks of 256 or 320
         # rows forced, a partial box's MMA whole instead of in pieces, the tiles walked from the counter,
         # GEMM1 gathering the token rows
@@ -163,8 +164,9 @@ def rs_switches(name: str):
     """The RS kernel's switches for a whole-call variant "grouped, cuda[, fused][, chunksN][, whole
     boxes][, dynamic][, gather]": `grouped.RS_EPILOGUE` / `RS_EPILOGUE_SPLIT` on only with "fused",
     `RS_WIDE` from "chunks256" / "chunks320" (else the rule), `RS_TAIL_PIECES` off with "whole boxes",
-    `RS_DYNAMIC` on with "dynamic", `RS_GATHER` (GEMM1 reading the token rows, no permuted copy) on
-    with "gather"; every other variant ("auto" included) keeps the library's defaults."""
+    `RS_DYNAMIC` on with "dynamic", `RS_GATHER` and `GATHER_BF16` (GEMM1 reading the token rows, no
+    permuted copy) on with "gather"; every other variant ("auto" included) keeps the library's
+    defaults."""
     if not name.startswith("grouped, cuda"):
         return contextlib.nullcontext()
     parts = set(name.split(", ")[2:])
@@ -172,7 +174,7 @@ def rs_switches(name: str):
     fused = "fused" in parts
     return mock.patch.multiple(grouped, RS_EPILOGUE=fused, RS_EPILOGUE_SPLIT=fused, RS_WIDE=wide,
                                RS_TAIL_PIECES="whole boxes" not in parts, RS_DYNAMIC="dynamic" in parts,
-                               RS_GATHER="gather" in parts)
+                               RS_GATHER="gather" in parts, GATHER_BF16="gather" in parts)
 
 
 def select_variants(variants: dict, keep: set) -> dict:

@@ -135,18 +135,21 @@ for stage in "$@"; do
                 --presets gpt-oss-120b:mxfp4,dsv4-flash:mxfp4 --tokens 6144,8192 --out "$OUT/bench/rs-final" \
                 --variants "auto;grouped, cuda;grouped, cuda, whole boxes;grouped, cuda, whole boxes, dynamic;grouped, \
 cuda, fused;grouped, cuda, fused, whole boxes, dynamic" ;;
-        rs-gather)  # GEMM1 gathering its rows in the RS kernel: the RS GPU tests (gathered rows bit-equal to the
-            # permuted copy's in every mode), memcheck, then whole calls at 8192 tokens of both MXFP4 presets with
-            # and without the gather, with each variant's kernels (RS_TESTS: another -k for the tests)
-            STEP_TIMEOUT=240 step test-rs python3 -m pytest -q -x tests/test_native_grouped_gpu.py \
-                -k "${RS_TESTS:-rs or auto or sanitizer_small or gather}"
-            grep -q "test-rs rc=0" "$summary" || exit 1
-            STEP_TIMEOUT=120 step sanitizer-rs compute-sanitizer --tool memcheck --error-exitcode 9 \
-                python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k "rs_sanitizer"
-            STEP_TIMEOUT=200 step rs-gather-calls python3 benchmarks/bench_native_gemm.py --calls-only --rounds 5 \
-                --breakdown --presets gpt-oss-120b:mxfp4,dsv4-flash:mxfp4 --tokens 8192 --out "$OUT/bench/rs-gather" \
+        gather)  # GEMM1 gathering its rows (RS and bf16 kernels): the gather GPU tests (bit-equal to the permuted
+            # copy's in every mode and configuration; GATHER_TESTS: another -k), memcheck, then whole calls at 8192
+            # tokens (MXFP4 presets and DeepSeek-V4 bf16) with and without the gather, with each variant's kernels
+            STEP_TIMEOUT=240 step test-gather python3 -m pytest -q -x tests/test_native_grouped_gpu.py \
+                -k "${GATHER_TESTS:-rs or auto or sanitizer_small or gather}"
+            grep -q "test-gather rc=0" "$summary" || exit 1
+            STEP_TIMEOUT=150 step sanitizer-gather compute-sanitizer --tool memcheck --error-exitcode 9 \
+                python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k "rs_sanitizer or sanitizer_gathered"
+            STEP_TIMEOUT=200 step gather-calls-mx python3 benchmarks/bench_native_gemm.py --calls-only --rounds 5 \
+                --breakdown --presets gpt-oss-120b:mxfp4,dsv4-flash:mxfp4 --tokens 8192 --out "$OUT/bench/gather-mx" \
                 --variants "auto;grouped, cuda, dynamic;grouped, cuda, dynamic, gather;grouped, cuda, fused, dynamic;\
-grouped, cuda, fused, dynamic, gather" ;;
+grouped, cuda, fused, dynamic, gather"
+            STEP_TIMEOUT=150 step gather-calls-bf16 python3 benchmarks/bench_native_gemm.py --calls-only --rounds 5 \
+                --breakdown --presets dsv4-flash --tokens 8192 --out "$OUT/bench/gather-bf16" \
+                --variants "auto;grouped, cuda;grouped, cuda, gather" ;;
         peers-dsv4-8192)  # the peers harness's DeepSeek-V4 bf16 case at 8192 tokens alone (.peers carried)
             STEP_TIMEOUT=210 step peers-dsv4-8192 env OUT="$OUT/peers-dsv4-8192" BUDGET_S=160 TIMEOUT_S=200 \
                 bash .peers/run.sh --tokens 8192 --cases dsv4 ;;

@@ -55,7 +55,7 @@ def test_variants_selected_by_name_with_the_base_always_timed():
     rs_only = {f"grouped, cuda{fused}{extra}" for fused in ("", ", fused") for extra in extras}
     rs_only.remove("grouped, cuda")
     assert set(mx) - set(bf16) == rs_only and "grouped, cuda c3 dyn" not in mx
-    assert "grouped, cuda, fused" not in bf16
+    assert "grouped, cuda, fused" not in bf16 and "grouped, cuda, gather" in bf16
     assert bench_native_gemm.select_variants(bf16, set()) == bf16
     picked = bench_native_gemm.select_variants(bf16, {"auto", "grouped, cuda c0"})
     assert list(picked) == ["indexed, Triton", "auto", "grouped, cuda c0"]
@@ -82,7 +82,7 @@ def test_rs_switches_leave_auto_at_the_library_defaults():
             assert (grouped.RS_EPILOGUE, grouped.RS_EPILOGUE_SPLIT, grouped.RS_WIDE) == defaults
     def state():
         return (grouped.RS_EPILOGUE, grouped.RS_EPILOGUE_SPLIT, grouped.RS_WIDE, grouped.RS_TAIL_PIECES,
-                grouped.RS_DYNAMIC, grouped.RS_GATHER)
+                grouped.RS_DYNAMIC, grouped.RS_GATHER and grouped.GATHER_BF16)
 
     with bench_native_gemm.rs_switches("grouped, cuda"):
         assert state() == (False, False, None, True, False, False)

@@ -166,9 +166,10 @@ def test_contiguous_launch_arguments(monkeypatch):
     assert kernel == ("entry", "pmoe_grouped_gemm") and grid == ((1 + 3) * 3,)  # (cdiv(10, 256) + 3 chunks) x 3
     (config, a_, s_as, s_ar, slabs, rows, w_, s_we, s_wn, L, w_rows, off, cnt, b_, s_be, bkind, o_, s_os, s_or, K,
      N, *rest) = args
-    ep, mx, counter = rest[:6], rest[6:13], rest[13:]
+    ep, mx, counter, gather = rest[:6], rest[6:13], rest[13:16], rest[16:]
     assert (config, slabs, rows, s_ar, s_as) == (0, 1, 10, 64, 640)
     assert counter == [None, 1, 3]  # configuration 0: the static walk, A's rows evict-last, both policies carried
+    assert gather == [None, 1, 0]  # rows from a's tensor map
     assert a_ is a and w_ is w and o_ is out and off is offsets and cnt is None and b_ is bias
     assert (s_we, s_wn, L, w_rows, s_be, bkind, s_or, K, N) == (260 * 64, 64, 3, 260, 260,
                                                                  native.DTYPE_CODES[torch.float32], 260, 64, 260)
@@ -275,7 +276,7 @@ def test_mxfp4_launch_arguments(monkeypatch):
     (_, grid, args), = rec.calls
     assert args[6:11] == (None, 0, 0, 3, 16) and (args[19], args[20]) == (64, 8)
     assert args[21] == grouped.GATED_PAIRS
-    assert args[27:] == (1, q.blocks, q.scales, 16 * 32, 32, 16 * 2, 2, None, 1, 3)  # no tile counter
+    assert args[27:] == (1, q.blocks, q.scales, 16 * 32, 32, 16 * 2, 2, None, 1, 3, None, 1, 0)  # no tile counter
 
 
 def test_backend_env_turns_auto_into_the_named_backend(monkeypatch):
@@ -373,30 +374,30 @@ def test_the_dynamic_walk_passes_a_fresh_zeroed_counter(monkeypatch):
     q = quantize_mxfp4(torch.randn(3, 260, 64))
     assert grouped.DYNAMIC_WALK is None and grouped.DYNAMIC_CONFIGS == (grouped.WIDE_CONFIG,)
     grouped.launch(a, w, out, offsets=offsets, config=grouped.WIDE_CONFIG)  # by default: from the counter
-    assert rec.calls[-1][2][-3] is not None
+    assert rec.calls[-1][2][-6] is not None
     grouped.launch(a, w, out, offsets=offsets, config=0)
-    assert rec.calls[-1][2][-3] is None
+    assert rec.calls[-1][2][-6] is None
     monkeypatch.setattr(grouped, "DYNAMIC_WALK", False)
     grouped.launch(a, w, out, offsets=offsets, config=grouped.WIDE_CONFIG)
-    assert rec.calls[-1][2][-3] is None
+    assert rec.calls[-1][2][-6] is None
     grouped.launch(a, w, out, offsets=offsets, config=0)
-    assert rec.calls[-1][2][-3] is None
+    assert rec.calls[-1][2][-6] is None
     for config in (0, 2, 3):
         grouped.launch(a, w, out, offsets=offsets, config=config, dynamic=True)
-        counter = rec.calls[-1][2][-3]
+        counter = rec.calls[-1][2][-6]
         assert counter.dtype == torch.int32 and counter.shape == (1,) and int(counter) == 0
-    first = rec.calls[-1][2][-3]
+    first = rec.calls[-1][2][-6]
     grouped.launch(a, w, out, offsets=offsets, config=3, dynamic=True)
-    assert rec.calls[-1][2][-3] is not first  # never shared between launches
+    assert rec.calls[-1][2][-6] is not first  # never shared between launches
     monkeypatch.setattr(grouped, "DYNAMIC_WALK", True)
     grouped.launch(a, w, out, offsets=offsets)
-    assert rec.calls[-1][2][-3] is not None
+    assert rec.calls[-1][2][-6] is not None
     grouped.launch(a, w, out, offsets=offsets, dynamic=False)
-    assert rec.calls[-1][2][-3] is None
+    assert rec.calls[-1][2][-6] is None
     grouped.launch(a, w, out, offsets=offsets, config=1)  # one CTA per tile: nothing to walk
-    assert rec.calls[-1][2][-3] is None
+    assert rec.calls[-1][2][-6] is None
     grouped.launch(a, q, out, offsets=offsets)  # MXFP4: the producer warps walk statically
-    assert rec.calls[-1][2][-3] is None
+    assert rec.calls[-1][2][-6] is None
     with pytest.raises(NotImplementedError, match="one CTA per tile with bf16"):
         grouped.launch(a, w, out, offsets=offsets, config=1, dynamic=True)
     with pytest.raises(NotImplementedError, match="persistent with MXFP4"):
@@ -408,10 +409,10 @@ def test_rows_l2_policy_follows_the_setting(monkeypatch):
     a, w, out = _tensors(L=3, N=260, K=64, rows=10)
     offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
     grouped.launch(a, w, out, offsets=offsets)
-    assert rec.calls[-1][2][-2] == 1
+    assert rec.calls[-1][2][-5] == 1
     monkeypatch.setattr(grouped, "ROWS_EVICT_LAST", False)
     grouped.launch(a, w, out, offsets=offsets)
-    assert rec.calls[-1][2][-2] == 0
+    assert rec.calls[-1][2][-5] == 0
 
 
 def test_load_policies_per_configuration(monkeypatch):
@@ -425,10 +426,10 @@ def test_load_policies_per_configuration(monkeypatch):
     assert [grouped.load_policies(c) for c in range(len(grouped.CONFIGS))] == [both, both, both, 0]
     for config in range(len(grouped.CONFIGS)):
         grouped.launch(a, w, out, offsets=offsets, config=config)
-        assert rec.calls[-1][2][-1] == grouped.load_policies(config)
+        assert rec.calls[-1][2][-4] == grouped.load_policies(config)
     monkeypatch.setitem(grouped.LOAD_POLICIES, 0, grouped.POLICY_ROWS)
     grouped.launch(a, w, out, offsets=offsets, config=0)
-    assert rec.calls[-1][2][-1] == grouped.POLICY_ROWS
+    assert rec.calls[-1][2][-4] == grouped.POLICY_ROWS
 
 
 def test_the_measured_defaults():
@@ -743,21 +744,46 @@ def test_rs_gather_refusals(monkeypatch):
         grouped.launch_rs(x, q, out, offsets=off, gather_src=src, top_k=0)
     with pytest.raises(ValueError, match="token rows .* got shape"):
         grouped.launch_rs(x.view(1, 5, 64), q, out, offsets=off, gather_src=src, top_k=2)
-    with pytest.raises(NotImplementedError, match="gathers rows in the RS kernel only"):
+    with pytest.raises(NotImplementedError, match="gathers rows with bf16 weights, or with MXFP4 weights in the RS"):
         grouped.launch(x, q, out, offsets=off, gather_src=src, top_k=2, config=0)
 
 
-def test_gathers_only_rs_weights_on_the_contiguous_layout(monkeypatch):
+def test_gathers_rs_and_bf16_weights_on_the_contiguous_layout(monkeypatch):
+    """`gathers`: GROUPED_CONTIGUOUS only, RS weights while `RS_GATHER` is on, bf16 weights while
+    `GATHER_BF16` is; never MXFP4 weights the producer warps upcast."""
     b = get_backend("cuda")
-    q = _rs_weight()
+    q, bf16 = _rs_weight(), torch.zeros(3, 16, 64, dtype=torch.bfloat16)
     monkeypatch.setattr(grouped, "RS_GATHER", True)
-    assert b.gathers(GemmLayout.GROUPED_CONTIGUOUS, q)
+    monkeypatch.setattr(grouped, "GATHER_BF16", False)
+    assert b.gathers(GemmLayout.GROUPED_CONTIGUOUS, q) and not b.gathers(GemmLayout.GROUPED_CONTIGUOUS, bf16)
     assert not b.gathers(GemmLayout.GROUPED_MASKED, q) and not b.gathers(GemmLayout.INDEXED, q)
     assert not b.gathers(GemmLayout.GROUPED_CONTIGUOUS, Mxfp4Tensor(q.blocks, q.scales))
-    assert not b.gathers(GemmLayout.GROUPED_CONTIGUOUS, torch.zeros(3, 16, 64, dtype=torch.bfloat16))
     assert not get_backend("triton").gathers(GemmLayout.GROUPED_CONTIGUOUS, q)
     monkeypatch.setattr(grouped, "RS_GATHER", False)
-    assert not b.gathers(GemmLayout.GROUPED_CONTIGUOUS, q)
+    monkeypatch.setattr(grouped, "GATHER_BF16", True)
+    assert not b.gathers(GemmLayout.GROUPED_CONTIGUOUS, q) and b.gathers(GemmLayout.GROUPED_CONTIGUOUS, bf16)
+    assert not b.gathers(GemmLayout.GROUPED_MASKED, bf16)
+    assert not b.gathers(GemmLayout.GROUPED_CONTIGUOUS, bf16.float())
+    assert not b.gathers(GemmLayout.GROUPED_CONTIGUOUS, Mxfp4Tensor(q.blocks, q.scales))
+
+
+def test_bf16_gather_launch_arguments(monkeypatch):
+    """bf16 weights gathering: the token rows as `a` (one slab), the flat buffer's rows from `out`
+    (which also pick the configuration), the slots, top_k and T last."""
+    rec = _Recorder(monkeypatch)
+    w = torch.randn(3, 260, 64, dtype=torch.bfloat16)
+    x = torch.randn(5, 72, dtype=torch.bfloat16)[:, :64]
+    src = torch.arange(10, dtype=torch.int32)
+    out = torch.empty(10, 260, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
+    grouped.launch(x, w, out, offsets=offsets, gather_src=src, top_k=2)
+    (kernel, grid, args), = rec.calls
+    assert kernel == ("entry", "pmoe_grouped_gemm") and grid == ((1 + 3) * 3,)
+    assert args[:6] == (grouped.default_config(10 / 3, False), x, 5 * 72, 72, 1, 10) and args[-3:] == (src, 2, 5)
+    grouped.launch(torch.randn(10, 64, dtype=torch.bfloat16), w, out, offsets=offsets)
+    assert rec.calls[1][2][-3:] == (None, 1, 0)
+    with pytest.raises(NotImplementedError, match="gathers rows with bf16 weights"):
+        grouped.launch(x, quantize_mxfp4(torch.randn(3, 260, 64)), out, offsets=offsets, gather_src=src, top_k=2)
 
 
 def test_expert_gemm_gather(monkeypatch):

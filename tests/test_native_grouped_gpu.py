@@ -446,14 +446,17 @@ def test_rs_gated_epilogue_equals_two_steps(layout, activation, bias_dtype, conf
     assert (diff / ref[written].double().abs().clamp(min=1e-2)).max().item() <= 2 ** -7
 
 
-def _gpt_oss_experts(seed, M, E=16, K=2880, N=2880, k=4):
-    """Prepared MXFP4 experts of GPT-OSS's shape with biases, M token rows and their top-k routing
-    with dropped slots: (x, w13, w2, b13, b2, topk weights, topk ids)."""
+def _gpt_oss_experts(seed, M, E=16, K=2880, N=2880, k=4, mx=True):
+    """Prepared MXFP4 experts (`mx`; else bf16) of GPT-OSS's shape with biases, M token rows and their
+    top-k routing with dropped slots: (x, w13, w2, b13, b2, topk weights, topk ids)."""
     from padded_moe.mxfp4 import quantize_mxfp4
 
+    def weight(*shape):
+        w = torch.randn(*shape, generator=g, device=DEV) / shape[-1] ** 0.5
+        return quantize_mxfp4(w).prepare_for(keep_canonical=False) if mx else w.bfloat16()
+
     g = torch.Generator(device=DEV).manual_seed(seed)
-    w13 = quantize_mxfp4(torch.randn(E, 2 * N, K, generator=g, device=DEV) / K ** 0.5).prepare_for(keep_canonical=False)
-    w2 = quantize_mxfp4(torch.randn(E, K, N, generator=g, device=DEV) / N ** 0.5).prepare_for(keep_canonical=False)
+    w13, w2 = weight(E, 2 * N, K), weight(E, K, N)
     b13 = torch.randn(E, 2 * N, generator=g, device=DEV).bfloat16() * 0.1
     b2 = torch.randn(E, K, generator=g, device=DEV).bfloat16() * 0.1
     x = torch.randn(M, K, generator=g, device=DEV).bfloat16()
@@ -519,11 +522,11 @@ def test_rs_sanitizer_small(monkeypatch):
 
 # ---- the RS kernel gathering GEMM1's rows from the tokens (`launch_rs`'s gather_src) ----
 
-def _gather_case(K, N, seed, *, tokens=300, k=3, L=9, valid=None, row_pad=0):
+def _gather_case(K, N, seed, *, tokens=300, k=3, L=9, valid=None, row_pad=0, mx=True):
     """Token rows `x` (NaN in the tokens at/after `valid`; rows `row_pad` elements apart) routed top-k
     over L experts, skewed so that experts hold 0 to several hundred slots, with dropped (-1) and
     out-of-range ids; the GROUPED_CONTIGUOUS layout, its permuted rows, prepared MXFP4 weights
-    and a float32 bias."""
+    (`mx`; else bf16) and a float32 bias."""
     from padded_moe.mxfp4 import quantize_mxfp4
 
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -541,12 +544,12 @@ def _gather_case(K, N, seed, *, tokens=300, k=3, L=9, valid=None, row_pad=0):
     from padded_moe.layouts import permute
 
     w = torch.randn(L, N, K, generator=g, device=DEV) / K ** 0.5
-    q = quantize_mxfp4(w).prepare_for(keep_canonical=True)
+    q = quantize_mxfp4(w).prepare_for(keep_canonical=True) if mx else w.bfloat16()
     bias = torch.randn(L, N, generator=g, device=DEV)
     return x, permute(x, meta), meta, q, bias
 
 
-@pytest.mark.parametrize("K,N,valid,row_pad", [(2880, 272, None, 0), (200, 144, 250, 64), (64, 16, None, 8)])
+@pytest.mark.parametrize("K,N,valid,row_pad", [(2880, 272, None, 0), (224, 144, 250, 64), (64, 16, None, 8)])
 def test_rs_gather_equals_permuted_rows(K, N, valid, row_pad, monkeypatch):
     """GEMM1 reading each row from its token (cp.async by the producer warpgroup into the swizzled
     boxes) against the same kernel on the permuted copy: the same bits in every row, plain and with
@@ -577,20 +580,46 @@ def test_rs_gather_equals_permuted_rows(K, N, valid, row_pad, monkeypatch):
                 check(xp, q, meta, "w13", outs[1], bias)
 
 
-def test_fused_experts_gathers_gemm1_rows(monkeypatch):
-    """`fused_experts` on backend "cuda" with prepared MXFP4 experts of GPT-OSS's shape (swigluoai,
-    biases, dropped slots): with `RS_GATHER` GEMM1 reads the token rows (no `permute` call) and the
-    result has the same bits as with the permuted copy."""
+@pytest.mark.parametrize("K,N,valid,row_pad", [(4096, 272, None, 0), (200, 144, 250, 64)])
+def test_gather_bf16_equals_permuted_rows(K, N, valid, row_pad):
+    """bf16 weights: every configuration and walk reading each row from its token against the same
+    configuration on the permuted copy, plain and with both gated epilogues: the same bits; the
+    permuted result itself against float64."""
+    from padded_moe.activation import ActivationEpilogue
+    from padded_moe.kernels.native import grouped
+
+    x, xp, meta, w, bias = _gather_case(K, N, K + N, valid=valid, row_pad=row_pad, mx=False)
+    for config in range(len(grouped.CONFIGS)):
+        for dynamic in ((False, True) if grouped.CONFIGS[config][1] else (False,)):
+            for epilogue, width in ((None, N), (ActivationEpilogue.of("swigluoai"), N // 2),
+                                    (ActivationEpilogue.of("silu"), N // 2)):
+                outs = []
+                for a, gather in ((xp, {}), (x, dict(gather_src=meta.src, top_k=meta.top_k))):
+                    out = torch.full((meta.num_slots, width), SENTINEL, dtype=torch.bfloat16, device=DEV)
+                    grouped.launch(a, w, out, offsets=meta.offsets, bias=bias, epilogue=epilogue, config=config,
+                                   dynamic=dynamic, **gather)
+                    outs.append(out)
+                torch.cuda.synchronize()
+                assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), (config, dynamic, epilogue)
+                if epilogue is None and not dynamic:
+                    check(xp, w, meta, "w13", outs[1], bias)
+
+
+@pytest.mark.parametrize("mx", [True, False], ids=["rs", "bf16"])
+def test_fused_experts_gathers_gemm1_rows(mx, monkeypatch):
+    """`fused_experts` on backend "cuda" with experts of GPT-OSS's shape (prepared MXFP4: the RS
+    kernel, or bf16; swigluoai, biases, dropped slots): with `RS_GATHER` / `GATHER_BF16` GEMM1 reads
+    the token rows (no `permute` call) and the result has the same bits as with the permuted copy."""
     from padded_moe import experts
     from padded_moe.kernels.native import grouped
 
-    x, w13, w2, b13, b2, tw, ids = _gpt_oss_experts(16, 1024)
+    x, w13, w2, b13, b2, tw, ids = _gpt_oss_experts(16, 1024, mx=mx)
     permutes = []
     real = experts.permute
     monkeypatch.setattr(experts, "permute", lambda *a, **kw: permutes.append(1) or real(*a, **kw))
     outs = []
     for gather in (False, True):
-        monkeypatch.setattr(grouped, "RS_GATHER", gather)
+        monkeypatch.setattr(grouped, "RS_GATHER" if mx else "GATHER_BF16", gather)
         permutes.clear()
         with experts.eager_cache_off():  # no launch plan: the second call must not replay the first's launches
             outs.append(fused_experts(x, w13, w2, tw, ids, activation="swigluoai", w13_bias=b13, w2_bias=b2,
@@ -601,11 +630,22 @@ def test_fused_experts_gathers_gemm1_rows(monkeypatch):
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
-def test_rs_sanitizer_gathered(monkeypatch):
-    """Small gathering RS calls (every chunk kind, both walks, plain and gated, NaN tokens past
-    valid_tokens, padded token rows) for `compute-sanitizer --tool memcheck`."""
+def test_sanitizer_gathered(monkeypatch):
+    """Small gathering calls, RS (every chunk kind, both walks) and bf16 (every configuration and
+    walk), plain and gated, NaN tokens past valid_tokens, padded token rows, for
+    `compute-sanitizer --tool memcheck`."""
     from padded_moe.activation import ActivationEpilogue
     from padded_moe.kernels.native import grouped
+
+    x, xp, meta, w, bias = _gather_case(160, 272, 6, tokens=200, valid=180, row_pad=8, mx=False)
+    for config in range(len(grouped.CONFIGS)):
+        for dynamic in ((False, True) if grouped.CONFIGS[config][1] else (False,)):
+            for epilogue, width in ((None, 272), (ActivationEpilogue.of("swigluoai"), 136)):
+                out = torch.full((meta.num_slots, width), SENTINEL, dtype=torch.bfloat16, device=DEV)
+                grouped.launch(x, w, out, offsets=meta.offsets, bias=bias, epilogue=epilogue, config=config,
+                               dynamic=dynamic, gather_src=meta.src, top_k=meta.top_k)
+                torch.cuda.synchronize()
+                assert torch.isfinite(out[(out != SENTINEL).any(-1)]).all()
 
     x, xp, meta, q, bias = _gather_case(160, 272, 5, tokens=200, valid=180, row_pad=8)
     for stages, wide, dynamic in ((3, False, False), (4, False, True), (3, True, True)):

@@ -65,8 +65,13 @@ class CudaBackend(GemmBackend):
     def gathers(self, layout, weight) -> bool:
         from padded_moe.kernels.native import grouped
 
-        # The RS kernel's producer copies each row from its token (`grouped.RS_GATHER`).
-        return grouped.RS_GATHER and layout is GemmLayout.GROUPED_CONTIGUOUS and grouped.takes_rs(weight)
+        # The producer warpgroup copies each row from its token: in the RS kernel (`grouped.RS_GATHER`) or
+        # with bf16 weights (`grouped.GATHER_BF16`).
+        if layout is not GemmLayout.GROUPED_CONTIGUOUS:
+            return False
+        if isinstance(weight, Mxfp4Tensor):
+            return grouped.RS_GATHER and grouped.takes_rs(weight)
+        return grouped.GATHER_BF16 and isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16
 
     def gemm(self, a, w, meta, *, stage, bias, out, epilogue=None, gather=False):
         from padded_moe.kernels.native import grouped

@@ -253,6 +253,7 @@ def _declare_grouped(lib: ctypes.CDLL) -> None:
         P,  # tile counter (the dynamic walk) or null
         I,  # A's rows evict last (1) or normal (0) in L2
         I,  # which TMA loads carry their L2 policy: 1 the weight tile's, 2 A's rows' (a mask)
+        P, I, I,  # gathered rows: slot per row (int32) or null, slots per token, token rows of a
     ]
 
 

@@ -83,10 +83,11 @@ RS_TAIL_PIECES = True
 # one run, 4000 against 3970 in another; DeepSeek-V4 144 / 192 rows 1.00 / 0.98x), with kernel times
 # 3% lower at GPT-OSS 8192 (torch.profiler, 3416 against 3532 µs): on, at the noise's edge.
 RS_DYNAMIC = True
-# Whether the backend's GEMM1 with the RS kernel on GROUPED_CONTIGUOUS reads each row from its token
-# (`launch_rs`'s `gather_src`: cp.async by the producer warpgroup) instead of a permuted copy of the
-# hidden states (`CudaBackend.gathers`; `fused_experts` then skips `permute`).
+# Whether the backend's GEMM1 on GROUPED_CONTIGUOUS reads each row from its token (`gather_src`: cp.async
+# by the producer warpgroup) instead of a permuted copy of the hidden states (`CudaBackend.gathers`;
+# `fused_experts` then skips `permute`): in the RS kernel (RS_GATHER), with bf16 weights (GATHER_BF16).
 RS_GATHER = False
+GATHER_BF16 = False
 # Whether the backend applies gated activations with interleaved gate / up rows (swigluoai) in the
 # RS kernel's epilogue (`rs_fuses`): bit-equal to GEMM1 followed by the activation op, and 3-9% less
 # time than the two steps on GPT-OSS's GEMM1 (H100, scripts/mx_rs_probe.py). False: the two steps.
@@ -262,7 +263,8 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
     """Fill `out` at the rows of each expert (see the module docstring). Exactly one of `offsets`
     (`a` 2-D) and `counts` (`a` 3-D) is given; the caller (`expert_gemm`) has checked the shapes.
     Prepared MXFP4 weights (`takes_rs`) without a config or walk, and without an epilogue or with
-    one `rs_fuses` takes, run `launch_rs`, which alone gathers rows (`gather_src`, `top_k`).
+    one `rs_fuses` takes, run `launch_rs`. `gather_src`, `top_k`: as `launch_rs`'s (`a` the token
+    rows), with bf16 weights or in the RS kernel.
     `dynamic`: the tile walk of a persistent configuration with bf16 weights (None: `DYNAMIC_WALK`,
     and where that is None `DYNAMIC_CONFIGS`); True elsewhere is refused."""
     if (offsets is None) == (counts is None):
@@ -273,12 +275,14 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
             and (epilogue is None or rs_fuses(epilogue.activation)):
         return launch_rs(a, w, out, offsets=offsets, counts=counts, bias=bias, epilogue=epilogue,
                          gather_src=gather_src, top_k=top_k)
-    if gather_src is not None:
-        _refuse("gathers rows in the RS kernel only: prepared MXFP4 weights (takes_rs), no config or walk, and no "
-                "epilogue or one rs_fuses takes")
+    if gather_src is not None and isinstance(w, Mxfp4Tensor):
+        _refuse("gathers rows with bf16 weights, or with MXFP4 weights in the RS kernel only: prepared (takes_rs), no "
+                "config or walk, and no epilogue or one rs_fuses takes")
     check(a, w, out, bias)
+    slabs, rows, stride_as, stride_ar, stride_os, stride_or, gather = _geometry(a, out, offsets, counts, gather_src,
+                                                                                top_k)
     if config is None:
-        per_expert = a.shape[0] / max(w.shape[0], 1) if offsets is not None else a.shape[1]
+        per_expert = rows / max(w.shape[0], 1) if offsets is not None else rows
         config = default_config(per_expert, isinstance(w, Mxfp4Tensor))
     block_n = CONFIGS[config][2]
     if isinstance(w, Mxfp4Tensor) and not runs_mxfp4(config):
@@ -296,7 +300,6 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
     width = w_rows if ep[0] == PLAIN else w_rows // 2
     if N != width:
         raise ValueError(f"out has {N} columns, the weight's {w_rows} rows give {width}")
-    slabs, rows, stride_as, stride_ar, stride_os, stride_or = _rows_geometry(a, out, offsets, counts)
     if L == 0 or N == 0 or rows == 0 or slabs == 0:
         return out
     bias_kind = native.DTYPE_CODES[bias.dtype] if bias is not None else 0
@@ -321,7 +324,7 @@ def launch(a: torch.Tensor, w, out: torch.Tensor, *, offsets: Optional[torch.Ten
     launch_native(native.GROUPED.entry(ENTRY), grid,
                   (config, a, stride_as, stride_ar, slabs, rows, *dense, L, w_rows, offsets, counts, bias, stride_be,
                    bias_kind, out, stride_os, stride_or, K, N, *ep, *mx, counter, int(ROWS_EVICT_LAST),
-                   load_policies(config)))
+                   load_policies(config), *gather))
     return out
 
 
@@ -362,8 +365,6 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
     [0, T * top_k) as a row of zeros), read as the kernel loads it: no permuted copy."""
     if (offsets is None) == (counts is None):
         raise ValueError("exactly one of offsets (GROUPED_CONTIGUOUS) and counts (GROUPED_MASKED) must be given")
-    if gather_src is not None:
-        _check_gather(a, gather_src, top_k, offsets)
     if stages not in (None, 3, 4):
         raise ValueError(f"stages must be 3 or 4, got {stages!r}")
     if not takes_rs(w):
@@ -391,16 +392,8 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
     if a.shape[-1] != K:
         raise ValueError(f"a has {a.shape[-1]} columns, the weight's K is {K}")
     _check_rows_experts_bias(a, L, bias)
-    if gather_src is None:
-        slabs, rows, stride_as, stride_ar, stride_os, stride_or = _rows_geometry(a, out, offsets, counts)
-        gather = (None, 1, 0)
-    else:  # a: the token rows; the flat buffer's rows are out's, each with its slot in gather_src
-        _, out_rows, _, _, stride_os, stride_or = _rows_geometry(out, out, offsets, counts)
-        slabs, rows, stride_ar = 1, min(out_rows, gather_src.shape[0]), a.stride(0)
-        stride_as = a.shape[0] * stride_ar
-        gather = (gather_src, top_k, a.shape[0])
-        if a.shape[0] == 0:
-            return out
+    slabs, rows, stride_as, stride_ar, stride_os, stride_or, gather = _geometry(a, out, offsets, counts, gather_src,
+                                                                                top_k)
     if L == 0 or w_rows == 0 or rows == 0 or slabs == 0:
         return out
     asked = wide
@@ -430,6 +423,19 @@ def launch_rs(a: torch.Tensor, w: Mxfp4Tensor, out: torch.Tensor, *, offsets: Op
                    bias_kind, out, stride_os, stride_or, int(RS_COLUMNS_FIRST), int(RS_PERSISTENT),
                    chunk // GROUP_ROWS, *ep, int(RS_TAIL_PIECES), counter, *gather))
     return out
+
+
+def _geometry(a: torch.Tensor, out: torch.Tensor, offsets, counts, gather_src: Optional[torch.Tensor],
+              top_k: int) -> tuple:
+    """`_rows_geometry`'s (slabs, rows, a's and out's strides) and the kernels' gather arguments (the
+    slots, top_k and a's token rows; none when the rows are a's own). Gathering, `a` holds the token
+    rows and the flat buffer's rows are out's, each with its slot in `gather_src`."""
+    if gather_src is None:
+        return (*_rows_geometry(a, out, offsets, counts), (None, 1, 0))
+    _check_gather(a, gather_src, top_k, offsets)
+    _, out_rows, _, _, stride_os, stride_or = _rows_geometry(out, out, offsets, counts)
+    rows = min(out_rows, gather_src.shape[0]) if a.shape[0] else 0
+    return 1, rows, a.shape[0] * a.stride(0), a.stride(0), stride_os, stride_or, (gather_src, top_k, a.shape[0])
 
 
 def _check_gather(a: torch.Tensor, src: torch.Tensor, top_k: object, offsets: Optional[torch.Tensor]) -> None:

@@ -68,7 +68,9 @@ __host__ __device__ constexpr int stage_bytes() {
 // thread (65536 over the CTA's threads, in steps of 8) is shared out as producer x 128 + consumer x
 // 128 C. Four consumers of m64n128 (64 accumulators) need about 100; two of m64n256 (128
 // accumulators) about 200. The TMA producer spilled at 40 (its tile walk), the MXFP4 producer below
-// 64 when it held its k tiles in registers. ptxas reports no spills at these values.
+// 64 when it held its k tiles in registers. ptxas reports no spills at these values but in the
+// gathering producer (`gather_producer`) of the two-consumer configuration: 16 bytes, stored and
+// loaded once per tile (its setup), none per k tile (SASS).
 template <int C>
 struct Regs {
   static constexpr int launch = (65536 / threads<C>()) / 8 * 8;
@@ -430,10 +432,10 @@ struct Args {
   int rs_columns_first;
   // The RS kernels' MMA of a chunk's last, partial box: in 16-row pieces (1) or whole (0); `rs_consume_boxes`.
   int rs_tail_pieces;
-  // The RS kernel gathering its rows (GROUPED_CONTIGUOUS): null, the rows come from A's tensor map;
+  // GEMM1 gathering its rows (GROUPED_CONTIGUOUS, bf16 or RS): null, the rows come from A's tensor map;
   // else row r of the flat buffer is token row gather_src[r] / gather_div of `gather_a` (rows of
   // gather_stride elements, gather_k of them read, zeros past), a slot outside [0, gather_slots)
-  // zeros (`rs_gather_producer`).
+  // zeros (`gather_producer`).
   const int32_t* gather_src;
   const uint16_t* gather_a;
   long long gather_stride;
@@ -672,6 +674,93 @@ __device__ __forceinline__ void mx_producer(const Args& args, const CUtensorMap&
   cp_async_wait<0>();  // nothing in flight when the thread exits
 }
 
+// A stage's bf16 weight tile (after the C boxes of rows): its two boxes of BN / 2 weight rows (gate
+// and up halves, or the tile's two halves), by TMA onto the stage's full barrier.
+template <int BN, int C>
+__device__ __forceinline__ void load_weight_tile(uint8_t* stage, const CUtensorMap& map_w, uint64_t* full,
+                                                 const TileGeom& g, int kt, uint64_t policy, bool hinted) {
+  tma_load_3d(stage + C * kABox, &map_w, full, kt * kBK, g.w_row0, g.e, policy, hinted);
+  tma_load_3d(stage + C * kABox + BN * kBK, &map_w, full, kt * kBK, g.w_row1, g.e, policy, hinted);
+}
+
+// ---- GEMM1 gathering its rows from the tokens (`Args::gather_src`: GROUPED_CONTIGUOUS without the
+// permuted copy), in either kernel ----
+
+// A gathering producer's full barrier: thread 0's arrival (with the weight tile's bytes) and one per
+// thread of the warpgroup when its copies have landed.
+constexpr uint32_t kGatherArrivals = 1 + 128;
+// The producer warpgroup alone (named barrier 2; the RS consumers use 1).
+__device__ __forceinline__ void producers_sync() { asm volatile("bar.sync 2, 128;" ::: "memory"); }
+// An arrival on `bar` once the thread's earlier cp.async copies have landed (counted in the barrier's
+// expected arrivals: noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// The producer warpgroup of a kernel that gathers its rows: a stage's rows come by cp.async from
+// the token rows, thread t copying 16-byte piece t % 8 of rows t / 8, + 16, ... into the 128-byte
+// swizzle a TMA box would have (piece j of row r at j ^ (r % 8) within the row's 128 bytes), and
+// arrive on the stage's full barrier as they land, so no thread waits for its own copies; thread 0
+// takes the tiles (the static walk or the counter) and loads the weight tile by TMA. Per tile the
+// threads share its id (`walk`) and the chunk's token rows (`table`: a row's token, -1 for zeros)
+// through shared memory between two barriers of the warpgroup. A chunk's rows past the expert's are
+// not loaded: their output columns are never stored. The kernel's own parts: `locate(id)`, the
+// tile's geometry (e < 0 past the last tile); `load_weights(stage, bar, g, kt)`, the weight tile's
+// TMA loads of `weight_bytes`; stages of STAGE_BYTES, their 64-row boxes first, CHUNK_ROWS rows.
+template <int STAGES, bool PERSISTENT, int STAGE_BYTES, int CHUNK_ROWS, class Locate, class LoadWeights>
+__device__ __forceinline__ void gather_producer(const Args& args, uint8_t* smem, uint64_t* full, uint64_t* empty,
+                                                int* tile_ids, int* walk, int* table, int k_tiles, bool dynamic,
+                                                uint32_t weight_bytes, Locate locate, LoadWeights load_weights) {
+  const int t = threadIdx.x, lane = t % 32, piece = t % 8;
+  int it = 0;  // k tiles loaded so far: stage and parity
+  int id = 0;
+  for (bool first = true;; first = false) {
+    if (t == 0) {
+      id = first ? first_tile(args, dynamic) : next_tile<PERSISTENT>(args, dynamic, id);
+      *walk = id;
+    }
+    producers_sync();
+    id = *walk;
+    const TileGeom g = locate(id);
+    if (g.e < 0) {
+      if (dynamic && t == 0) publish_walk_end<STAGES>(full, empty, tile_ids, it, id, kGatherArrivals);
+      break;
+    }
+    const int rows = min(CHUNK_ROWS, g.count - g.m0);
+    for (int r = t; r < rows; r += 128) {
+      const int slot = args.gather_src[g.start + g.m0 + r];
+      table[r] = slot >= 0 && slot < args.gather_slots ? slot / args.gather_div : -1;
+    }
+    producers_sync();
+    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      const int s = it % STAGES;
+      if (lane == 0) mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+      __syncwarp();
+      uint8_t* stage = smem + s * STAGE_BYTES;
+      if (t == 0) {
+        if (dynamic && kt == 0) tile_ids[s] = id;  // published by the arrivals below
+        mbar_expect_tx(&full[s], weight_bytes);
+        load_weights(stage, &full[s], g, kt);
+      }
+      const int k = kt * kBK + piece * 8;  // the rows' K is a multiple of 8: a piece is all in or all out
+      const uint32_t rows_at = smem_addr(stage);
+      for (int r = t / 8; r < rows; r += 16) {
+        const int token = table[r];
+        const bool in = token >= 0 && k < args.gather_k;
+        cp_async16(rows_at + (r / kRowsPerGroup) * kABox + (r % kRowsPerGroup) * 128 + ((piece ^ (r % 8)) * 16),
+                   in ? args.gather_a + token * args.gather_stride + k : args.gather_a, in);
+      }
+      cp_async_arrive_noinc(&full[s]);
+    }
+  }
+  cp_async_wait<0>();  // nothing in flight when the thread exits
+}
+
+// Gathered rows came by cp.async (the generic proxy); wgmma reads them through the async proxy.
+__device__ __forceinline__ void gathered_rows_fence(const Args& args) {
+  if (args.gather_src != nullptr) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // PERSISTENT: one CTA per SM walks tiles blockIdx.x, + gridDim.x, ...; the producer runs ahead
 // into the next tile while the consumers store the last one. Otherwise one CTA per tile (the grid
 // bounds the tiles; CTAs past the last exit).
@@ -692,6 +781,10 @@ __global__ void __launch_bounds__(threads<C>(), 1)
   int* prefix = tile_ids + STAGES;  // [L + 1]
   uint8_t* staging =  // MX: kMxDepth slots of raw codes, 16-byte aligned for cp.async
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(prefix + kMaxExperts + 1) + 15) & ~uintptr_t(15));
+  // Gathering (bf16 weights only, so never with the MX staging): the producer's tile id and token rows.
+  static_assert(4 * (1 + C * kRowsPerGroup) <= kMxDepth * kMxSlotBytes, "the gather table fits the MX staging");
+  int* walk = reinterpret_cast<int*>(staging);
+  int* table = walk + 1;
 
   constexpr int tile_cols = EPI == kPlain ? BN : BN / 2;  // output columns of a tile
   const int n_tiles = (args.N + tile_cols - 1) / tile_cols;
@@ -700,8 +793,8 @@ __global__ void __launch_bounds__(threads<C>(), 1)
   if (threadIdx.x == 32) {
     for (int s = 0; s < STAGES; ++s) {
       // MX: the TMA bytes of A with their expect_tx arrival, and one arrival per producer warp
-      // once its rows of B are stored.
-      mbar_init(&full[s], MX ? 5 : 1);
+      // once its rows of B are stored; gathering: `gather_producer`'s.
+      mbar_init(&full[s], MX ? 5 : (args.gather_src != nullptr ? kGatherArrivals : 1));
       mbar_init(&empty[s], C);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -721,10 +814,22 @@ __global__ void __launch_bounds__(threads<C>(), 1)
       mx_producer<STAGES, PERSISTENT, EPI, C>(args, map_a, smem, full, empty, prefix, staging, n_tiles, k_tiles);
     } else {
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs<C>::producer));
+      const bool dynamic = dynamic_walk<PERSISTENT, MX>(args);
+      if (args.gather_src != nullptr) {
+        gather_producer<STAGES, PERSISTENT, kStageBytes, C * kRowsPerGroup>(
+            args, smem, full, empty, tile_ids, walk, table, k_tiles, dynamic, kBBox,
+            [&](int id) {
+              const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
+              return tile.e < 0 ? TileGeom{-1} : tile_geometry<EPI, C, BN>(args, tile);
+            },
+            [&](uint8_t* stage, uint64_t* bar, const TileGeom& g, int kt) {
+              load_weight_tile<BN, C>(stage, map_w, bar, g, kt, l2_policy<false>(), args.load_policies & kPolicyWeights);
+            });
+        return;
+      }
       if (threadIdx.x != 0) return;
       const uint64_t weights_policy = l2_policy<false>(), rows_policy = rows_l2_policy(args);
       const bool hint_weights = args.load_policies & kPolicyWeights, hint_rows = args.load_policies & kPolicyRows;
-      const bool dynamic = dynamic_walk<PERSISTENT, MX>(args);
       int it = 0;  // k tiles loaded so far: stage and parity
       for (int id = first_tile(args, dynamic);; id = next_tile<PERSISTENT>(args, dynamic, id)) {
         const Tile tile = locate_tile(prefix, args.L, id, n_tiles);
@@ -739,9 +844,7 @@ __global__ void __launch_bounds__(threads<C>(), 1)
           if (dynamic && kt == 0) tile_ids[s] = id;  // published by the expect_tx arrival below
           uint8_t* stage = smem + s * kStageBytes;
           mbar_expect_tx(&full[s], kBBox + g.boxes * kABox);
-          tma_load_3d(stage + C * kABox, &map_w, &full[s], kt * kBK, g.w_row0, g.e, weights_policy, hint_weights);
-          tma_load_3d(stage + C * kABox + kBBox / 2, &map_w, &full[s], kt * kBK, g.w_row1, g.e,
-                      weights_policy, hint_weights);
+          load_weight_tile<BN, C>(stage, map_w, &full[s], g, kt, weights_policy, hint_weights);
           for (int b = 0; b < g.boxes; ++b)
             tma_load_3d(stage + b * kABox, &map_a, &full[s], kt * kBK, g.start + g.m0 + b * kRowsPerGroup, g.slab,
                         rows_policy, hint_rows);
@@ -775,6 +878,7 @@ __global__ void __launch_bounds__(threads<C>(), 1)
     for (int kt = 0; kt < k_tiles; ++kt, ++it) {
       const int s = it % STAGES;
       mbar_wait(&full[s], (it / STAGES) & 1);
+      gathered_rows_fence(args);
       const uint8_t* stage = smem + s * kStageBytes;
       const uint64_t da = smem_desc(stage + c * kABox);
       const uint64_t db = smem_desc(stage + C * kABox);
@@ -876,6 +980,8 @@ constexpr int kRsWordsBytes = kRsWRows * (kBK / 8) * 4;   // [128 rows][8 words]
 constexpr int kRsScalesBytes = (kBK / 32) * kRsWRows * 2;  // [2 groups][128 rows] int16: 512
 constexpr int kRsOutRow = (kRsWRows + 8) * 2;  // epilogue staging row (bytes): 8 columns of padding spread the banks
 constexpr int kRsThreads = 384;                // a producer warpgroup and two consumers
+// The producer's registers: the gathering producer of the split-halves kernels spills 16 bytes,
+// once per tile (its setup), none per k tile (SASS); the others do not spill.
 constexpr int kRsProducerRegs = 40, kRsConsumerRegs = 232;
 
 // A chunk of B boxes of 64 rows (4: 256 rows; 5: 320, the fifth box an m64n64 MMA of its own, as
@@ -892,7 +998,7 @@ struct RsChunk {
 
 // Stages, the epilogue's staging (its own: the producer fills the next tile's stages meanwhile),
 // the barriers, the tile ids of the dynamic walk, the experts' chunk prefix, the gathering
-// producer's tile id and token rows (`rs_gather_producer`), and the slack for aligning the stages
+// producer's tile id and token rows (`gather_producer`), and the slack for aligning the stages
 // to 1024 bytes.
 template <int STAGES, int B>
 __host__ __device__ constexpr int rs_smem_bytes() {
@@ -1106,8 +1212,7 @@ __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint
   for (int kt = 0; kt < k_tiles; ++kt, ++it) {
     const int s = it % STAGES;
     mbar_wait(&full[s], (it / STAGES) & 1);
-    // Gathered rows came by cp.async (the generic proxy); wgmma reads them through the async proxy.
-    if (args.gather_src != nullptr) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    gathered_rows_fence(args);
     const uint32_t stage = base + s * Chunk::kStage;
     uint32_t f[16];
     rs_upcast<EPI>(stage + Chunk::kWordsOff, stage + Chunk::kScalesOff, r0, q, f);
@@ -1271,79 +1376,6 @@ __device__ __forceinline__ void rs_load_weights(uint8_t* stage, const CUtensorMa
   }
 }
 
-// The gathering producer's full barrier: thread 0's arrival (with the weights' bytes) and one per
-// thread of the warpgroup when its copies have landed.
-constexpr uint32_t kRsGatherArrivals = 1 + 128;
-// The producer warpgroup alone (named barrier 2; the consumers use 1).
-__device__ __forceinline__ void rs_producers_sync() { asm volatile("bar.sync 2, 128;" ::: "memory"); }
-// An arrival on `bar` once the thread's earlier cp.async copies have landed (counted in the barrier's
-// expected arrivals: noinc).
-__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-// The RS producer warpgroup when the kernel gathers its rows (`args.gather_src`, GEMM1 on
-// GROUPED_CONTIGUOUS without the permuted copy): a stage's rows come by cp.async from the token
-// rows, thread t copying 16-byte piece t % 8 of rows t / 8, + 16, ... into the 128-byte swizzle a
-// TMA box would have (piece j of row r at j ^ (r % 8) within the row's 128 bytes), and arrive on
-// the stage's full barrier as they land, so no thread waits for its own copies; thread 0 takes the
-// tiles (the static walk or the counter) and loads the weight tile by TMA. Per tile the threads
-// share its id (`walk`) and the chunk's token rows (`table`: a row's token, -1 for zeros) through
-// shared memory between two barriers of the warpgroup. A chunk's rows past the expert's are not
-// loaded: their output columns are never stored.
-template <int STAGES, int EPI, int B>
-__device__ __forceinline__ void rs_gather_producer(const Args& args, const CUtensorMap& map_w, const CUtensorMap& map_s,
-                                                   uint8_t* smem, uint64_t* full, uint64_t* empty, int* tile_ids,
-                                                   const int* prefix, int* walk, int* table, int n_tiles,
-                                                   int k_tiles) {
-  using Chunk = RsChunk<B>;
-  const int t = threadIdx.x, lane = t % 32, piece = t % 8;
-  const bool dynamic = args.tile_counter != nullptr;
-  int it = 0;  // k tiles loaded so far: stage and parity
-  int id = 0;
-  for (bool first = true;; first = false) {
-    if (t == 0) {
-      id = first ? first_tile(args, dynamic) : next_tile<true>(args, dynamic, id);
-      *walk = id;
-    }
-    rs_producers_sync();
-    id = *walk;
-    const Tile tile = rs_locate_tile(args, prefix, id, n_tiles);
-    if (tile.e < 0) {
-      if (dynamic && t == 0) publish_walk_end<STAGES>(full, empty, tile_ids, it, id, kRsGatherArrivals);
-      break;
-    }
-    const TileGeom g = rs_tile_geometry<EPI, B>(args, tile);
-    const int rows = min(B * kRowsPerGroup, g.count - g.m0);
-    for (int r = t; r < rows; r += 128) {
-      const int slot = args.gather_src[g.start + g.m0 + r];
-      table[r] = slot >= 0 && slot < args.gather_slots ? slot / args.gather_div : -1;
-    }
-    rs_producers_sync();
-    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-      const int s = it % STAGES;
-      if (lane == 0) mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
-      __syncwarp();
-      uint8_t* stage = smem + s * Chunk::kStage;
-      if (t == 0) {
-        if (dynamic && kt == 0) tile_ids[s] = id;  // published by the arrivals below
-        mbar_expect_tx(&full[s], kRsWordsBytes + kRsScalesBytes);
-        rs_load_weights<EPI, B>(stage, map_w, map_s, &full[s], g, kt);
-      }
-      const int k = kt * kBK + piece * 8;  // the rows' K is a multiple of 8: a piece is all in or all out
-      const uint32_t rows_at = smem_addr(stage);
-      for (int r = t / 8; r < rows; r += 16) {
-        const int token = table[r];
-        const bool in = token >= 0 && k < args.gather_k;
-        cp_async16(rows_at + (r / kRowsPerGroup) * kABox + (r % kRowsPerGroup) * 128 + ((piece ^ (r % 8)) * 16),
-                   in ? args.gather_a + token * args.gather_stride + k : args.gather_a, in);
-      }
-      cp_async_arrive_noinc(&full[s]);
-    }
-  }
-  cp_async_wait<0>();  // nothing in flight when the thread exits
-}
-
 // CTA b walks tiles b, b + gridDim.x, ... (`rs_locate_tile` over chunks of B x 64 rows and tiles of
 // 128 weight rows). Persistent (one CTA per SM, `rs_launch`), the experts' chunk prefix is computed once
 // per CTA and the producer fills the next tile's first stages while the consumers store the last
@@ -1373,7 +1405,7 @@ __global__ void __launch_bounds__(kRsThreads, 1)
   if (threadIdx.x < 32) chunk_prefix<B>(args, prefix);
   if (threadIdx.x == 32) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], gather ? kRsGatherArrivals : 1);
+      mbar_init(&full[s], gather ? kGatherArrivals : 1);
       mbar_init(&empty[s], 2);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -1386,8 +1418,15 @@ __global__ void __launch_bounds__(kRsThreads, 1)
   if (group == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRsProducerRegs));
     if (gather) {
-      rs_gather_producer<STAGES, EPI, B>(args, map_w, map_s, smem, full, empty, tile_ids, prefix, walk, table,
-                                         n_tiles, k_tiles);
+      gather_producer<STAGES, true, Chunk::kStage, B * kRowsPerGroup>(
+          args, smem, full, empty, tile_ids, walk, table, k_tiles, dynamic, kRsWordsBytes + kRsScalesBytes,
+          [&](int id) {
+            const Tile tile = rs_locate_tile(args, prefix, id, n_tiles);
+            return tile.e < 0 ? TileGeom{-1} : rs_tile_geometry<EPI, B>(args, tile);
+          },
+          [&](uint8_t* stage, uint64_t* bar, const TileGeom& g, int kt) {
+            rs_load_weights<EPI, B>(stage, map_w, map_s, bar, g, kt);
+          });
       return;
     }
     if (threadIdx.x != 0) return;
@@ -1635,7 +1674,8 @@ int pmoe_gg_max_experts() { return kMaxExperts; }
 // multiples of 16 bytes. `tile_counter`: null (the static walk), or a zeroed int32 for the
 // dynamic one (persistent configurations, bf16 weights); the kernel leaves it past the tile count.
 // `rows_evict_last`: A's rows with the L2 policy evict-last (1) or normal (0). `load_policies`: a
-// mask of which TMA loads carry their policy, 1 the weight tile's and 2 A's rows' (0-3).
+// mask of which TMA loads carry their policy, 1 the weight tile's and 2 A's rows' (0-3). gather_src
+// (bf16 weights), gather_div, gather_tokens: as pmoe_mx_rs_gemm's.
 int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const void* a, long long stride_as,
                       long long stride_ar, int slabs, int rows, const void* w, long long stride_we,
                       long long stride_wn, int L, int w_rows, const void* offsets, const void* counts,
@@ -1643,8 +1683,13 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
                       long long stride_or, int K, int N, int mode, int act, int has_limit, float limit,
                       float alpha, float beta, int w_kind, const void* q_blocks, const void* q_scales,
                       long long stride_qe, long long stride_qn, long long stride_se, long long stride_sn,
-                      int* tile_counter, int rows_evict_last, int load_policies) {
+                      int* tile_counter, int rows_evict_last, int load_policies, const void* gather_src,
+                      int gather_div, int gather_tokens) {
   if ((offsets == nullptr) == (counts == nullptr)) return -12;
+  const bool gather = gather_src != nullptr;
+  if (gather && (w_kind != 0 || offsets == nullptr || slabs != 1 || gather_div < 1 || gather_tokens < 1 ||
+                 K % 8 != 0 || stride_ar % 8 != 0 || static_cast<long long>(gather_tokens) * gather_div > 0x7fffffffLL))
+    return -27;
   if (grid_y != 1 || grid_x < 1 || N % 2 != 0 || L < 1) return -13;
   if (L > kMaxExperts) return -16;
   if (mode < kPlain || mode > kGatedPairs) return -14;
@@ -1655,13 +1700,16 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
   if (rows_evict_last < 0 || rows_evict_last > 1) return -22;
   if (load_policies < 0 || load_policies > (kPolicyWeights | kPolicyRows)) return -23;
   CUtensorMap ma;
-  const int err = encode_3d(&ma, a, K, rows, slabs, stride_ar * 2, stride_as * 2, kRowsPerGroup);
+  // Gathering: the map (prefetched, never loaded from) covers the token rows.
+  const int err = encode_3d(&ma, a, K, gather ? gather_tokens : rows, slabs, stride_ar * 2, stride_as * 2,
+                            kRowsPerGroup);
   if (err != 0) return err;
   const Args args{static_cast<const int64_t*>(offsets), static_cast<const int32_t*>(counts), L, rows, K, N, act,
                   has_limit, N, limit, alpha, beta, bias, stride_be, bias_kind, static_cast<uint16_t*>(out),
                   stride_os, stride_or, static_cast<const uint8_t*>(q_blocks), static_cast<const uint8_t*>(q_scales),
                   stride_qe, stride_qn, stride_se, stride_sn, w_rows, tile_counter,
-                  rows_evict_last, load_policies};
+                  rows_evict_last, load_policies, 0, 0, static_cast<const int32_t*>(gather_src),
+                  static_cast<const uint16_t*>(a), stride_ar, gather_div, gather_tokens * gather_div, K};
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   int i = 0;
 #define RUN(S, P, B, C) \
@@ -1761,8 +1809,8 @@ const char* pmoe_error_string(int code) {
   if (code == -24) return "the RS kernel needs KP a multiple of 64, 1 <= K <= KP and its output columns a multiple of 8";
   if (code == -25) return "the RS kernel runs chunks of 4 boxes in 3 or 4 stages, of 5 boxes in 3";
   if (code == -27)
-    return "gathered rows need offsets (one slab), gather_div and gather_tokens positive, K and a's row stride "
-           "multiples of 8, and gather_tokens x gather_div below 2^31";
+    return "gathered rows need bf16 or RS weights, offsets (one slab), gather_div and gather_tokens positive, K and "
+           "a's row stride multiples of 8, and gather_tokens x gather_div below 2^31";
   if (code == -26)
     return "the RS kernel's walk order must be 0 (chunks first) or 1 (columns first), its persistence and tail "
            "pieces 0 or 1";

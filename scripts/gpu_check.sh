@@ -142,7 +142,7 @@ cuda, fused;grouped, cuda, fused, whole boxes, dynamic" ;;
                 -k "${GATHER_TESTS:-rs or auto or sanitizer_small or gather}"
             grep -q "test-gather rc=0" "$summary" || exit 1
             STEP_TIMEOUT=150 step sanitizer-gather compute-sanitizer --tool memcheck --error-exitcode 9 \
-                python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k "rs_sanitizer or sanitizer_gathered"
+                python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k "sanitizer"
             STEP_TIMEOUT=200 step gather-calls-mx python3 benchmarks/bench_native_gemm.py --calls-only --rounds 5 \
                 --breakdown --presets gpt-oss-120b:mxfp4,dsv4-flash:mxfp4 --tokens 8192 --out "$OUT/bench/gather-mx" \
                 --variants "auto;grouped, cuda, dynamic;grouped, cuda, dynamic, gather;grouped, cuda, fused, dynamic;\

@@ -136,8 +136,9 @@ for stage in "$@"; do
                 --variants "auto;grouped, cuda;grouped, cuda, whole boxes;grouped, cuda, whole boxes, dynamic;grouped, \
 cuda, fused;grouped, cuda, fused, whole boxes, dynamic" ;;
         gather)  # GEMM1 gathering its rows (RS and bf16 kernels): the gather GPU tests (bit-equal to the permuted
-            # copy's in every mode and configuration; GATHER_TESTS: another -k), memcheck, then whole calls at 8192
-            # tokens (MXFP4 presets and DeepSeek-V4 bf16) with and without the gather, with each variant's kernels
+            # copy's in every mode and configuration; GATHER_TESTS: another -k), memcheck, whole calls at 8192 tokens
+            # of the MXFP4 presets with and without the gather (each variant's kernels), the peers' GPT-OSS case at
+            # 128 and 8192 tokens (.peers carried), then DeepSeek-V4 bf16 whole calls with and without
             STEP_TIMEOUT=240 step test-gather python3 -m pytest -q -x tests/test_native_grouped_gpu.py \
                 -k "${GATHER_TESTS:-rs or auto or sanitizer_small or gather}"
             grep -q "test-gather rc=0" "$summary" || exit 1
@@ -147,6 +148,11 @@ cuda, fused;grouped, cuda, fused, whole boxes, dynamic" ;;
                 --breakdown --presets gpt-oss-120b:mxfp4,dsv4-flash:mxfp4 --tokens 8192 --out "$OUT/bench/gather-mx" \
                 --variants "auto;grouped, cuda, dynamic;grouped, cuda, dynamic, gather;grouped, cuda, fused, dynamic;\
 grouped, cuda, fused, dynamic, gather"
+            # the peers' GPT-OSS case at the token counts where #12's target is not met yet (.peers carried)
+            if [ -d .peers ]; then
+                STEP_TIMEOUT=150 step peers-gather env BUDGET_S=110 TIMEOUT_S=140 bash .peers/run.sh \
+                    --tokens 128,8192 --cases gptoss
+            fi
             STEP_TIMEOUT=150 step gather-calls-bf16 python3 benchmarks/bench_native_gemm.py --calls-only --rounds 5 \
                 --breakdown --presets dsv4-flash --tokens 8192 --out "$OUT/bench/gather-bf16" \
                 --variants "auto;grouped, cuda;grouped, cuda, gather" ;;

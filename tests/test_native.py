@@ -96,19 +96,31 @@ def test_built_grouped_library_entry_points(fresh_loader):
     assert [lib.pmoe_gg_pass_rows(c) for c in configs] == [grouped.chunk_rows(c) for c in configs[:-1]] + [0]
     assert lib.pmoe_gg_max_experts() == grouped.MAX_LOCAL_EXPERTS
     code = lib.pmoe_grouped_gemm(0, 1, 1, None, None, 0, 0, 1, 1, None, 0, 0, 1, 128, None, None, None, 0, 0, None, 0,
-                                 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 0, None, None, 0, 0, 0, 0, None, 1, 3)
+                                 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 0, None, None, 0, 0, 0, 0, None, 1, 3, None, 1,
+                                 0)
     assert lib.pmoe_error_string(code).decode() == "exactly one of offsets and counts must be given"
     offsets = ctypes.c_void_p(8)  # never read: the arguments are refused first
     code = lib.pmoe_grouped_gemm(0, 1, 1, None, None, 0, 0, 1, 1, None, 0, 0, 1, 128, offsets, None, None, 0, 0, None,
-                                 0, 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 1, None, None, 0, 0, 0, 0, None, 1, 3)
+                                 0, 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 1, None, None, 0, 0, 0, 0, None, 1, 3, None, 1,
+                                 0)
     assert lib.pmoe_error_string(code).decode() == "MXFP4 weights need their codes and scales and K a multiple of 32"
+    # gathered rows with MXFP4 weights in the producer-upcast kernel: refused
     code = lib.pmoe_grouped_gemm(0, 1, 1, None, None, 0, 0, 1, 1, None, 0, 0, 1, 128, offsets, None, None, 0, 0, None,
-                                 0, 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 0, None, None, 0, 0, 0, 0, None, 2, 3)
+                                 0, 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 1, None, None, 0, 0, 0, 0, None, 1, 3, offsets,
+                                 2, 5)
+    assert lib.pmoe_error_string(code).decode().startswith("gathered rows need bf16 or RS weights, offsets")
+    counts = ctypes.c_void_p(8)  # the RS kernel: gathered rows of a batched (counts) buffer, refused
+    code = lib.pmoe_mx_rs_gemm(4, 1, 1, None, None, 0, 64, 1, 1, 64, None, 0, 0, None, 0, 0, 1, 128, 64, None, counts,
+                               None, 0, 0, None, 0, 0, 1, 1, 4, 0, -1, 0, 0.0, 1.0, 0.0, 1, None, offsets, 2, 5)
+    assert lib.pmoe_error_string(code).decode().startswith("gathered rows need bf16 or RS weights, offsets")
+    code = lib.pmoe_grouped_gemm(0, 1, 1, None, None, 0, 0, 1, 1, None, 0, 0, 1, 128, offsets, None, None, 0, 0, None,
+                                 0, 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 0, None, None, 0, 0, 0, 0, None, 2, 3, None, 1,
+                                 0)
     assert lib.pmoe_error_string(code).decode() == "the L2 policy of A's rows must be 0 (normal) or 1 (evict last)"
     for mask in (-1, 4):
         code = lib.pmoe_grouped_gemm(0, 1, 1, None, None, 0, 0, 1, 1, None, 0, 0, 1, 128, offsets, None, None, 0, 0,
                                      None, 0, 0, 64, 128, 0, -1, 0, 0.0, 1.0, 0.0, 0, None, None, 0, 0, 0, 0, None, 1,
-                                     mask)
+                                     mask, None, 1, 0)
         assert lib.pmoe_error_string(code).decode() == (
             "the load-policy mask must be 0-3 (1: the weight tile's loads carry their L2 policy, 2: A's rows')")
     assert native.GROUPED.entry("pmoe_grouped_gemm") is native.GROUPED.entry("pmoe_grouped_gemm")

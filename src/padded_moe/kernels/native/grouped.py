@@ -86,6 +86,11 @@ RS_DYNAMIC = True
 # Whether the backend's GEMM1 on GROUPED_CONTIGUOUS reads each row from its token (`gather_src`: cp.async
 # by the producer warpgroup) instead of a permuted copy of the hidden states (`CudaBackend.gathers`;
 # `fused_experts` then skips `permute`): in the RS kernel (RS_GATHER), with bf16 weights (GATHER_BF16).
+# Bit-equal to the permuted path, but slower: whole calls at 8192 tokens on an H100
+# (bench_native_gemm.py, INDEXED Triton time / this) 0.68-0.70x gathering against 1.07-1.12x from
+# the permuted copy (GPT-OSS and DeepSeek-V4 MXFP4), DeepSeek-V4 bf16 0.69x against 1.09x: GEMM1 took
+# 2.1-2.4x its time, whether a thread's copies arrived on completion or after waiting for its
+# group, so the cp.async feed itself is short of the TMA boxes' rate. Off.
 RS_GATHER = False
 GATHER_BF16 = False
 # Whether the backend applies gated activations with interleaved gate / up rows (swigluoai) in the

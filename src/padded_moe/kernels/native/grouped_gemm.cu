@@ -687,30 +687,38 @@ __device__ __forceinline__ void load_weight_tile(uint8_t* stage, const CUtensorM
 // permuted copy), in either kernel ----
 
 // A gathering producer's full barrier: thread 0's arrival (with the weight tile's bytes) and one per
-// thread of the warpgroup when its copies have landed.
-constexpr uint32_t kGatherArrivals = 1 + 128;
+// warp of the warpgroup once its copies have landed.
+constexpr uint32_t kGatherArrivals = 1 + 4;
 // The producer warpgroup alone (named barrier 2; the RS consumers use 1).
 __device__ __forceinline__ void producers_sync() { asm volatile("bar.sync 2, 128;" ::: "memory"); }
-// An arrival on `bar` once the thread's earlier cp.async copies have landed (counted in the barrier's
-// expected arrivals: noinc).
-__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+
+// A warp's copies of k tile `done` have landed (its threads waited for their groups): made visible
+// to wgmma (the async proxy), then the warp's arrival on that stage's full barrier.
+template <int STAGES>
+__device__ __forceinline__ void gather_landed(uint64_t* full, int done) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) mbar_arrive(&full[done % STAGES]);
 }
 
 // The producer warpgroup of a kernel that gathers its rows: a stage's rows come by cp.async from
 // the token rows, thread t copying 16-byte piece t % 8 of rows t / 8, + 16, ... into the 128-byte
-// swizzle a TMA box would have (piece j of row r at j ^ (r % 8) within the row's 128 bytes), and
-// arrive on the stage's full barrier as they land, so no thread waits for its own copies; thread 0
-// takes the tiles (the static walk or the counter) and loads the weight tile by TMA. Per tile the
-// threads share its id (`walk`) and the chunk's token rows (`table`: a row's token, -1 for zeros)
-// through shared memory between two barriers of the warpgroup. A chunk's rows past the expert's are
-// not loaded: their output columns are never stored. The kernel's own parts: `locate(id)`, the
-// tile's geometry (e < 0 past the last tile); `load_weights(stage, bar, g, kt)`, the weight tile's
-// TMA loads of `weight_bytes`; stages of STAGE_BYTES, their 64-row boxes first, CHUNK_ROWS rows.
+// swizzle a TMA box would have (piece j of row r at j ^ (r % 8) within the row's 128 bytes), one
+// commit group per k tile; STAGES - 1 k tiles stay in flight per thread, and once a k tile's group
+// has landed the warp fences and arrives on its stage (`gather_landed`). Thread 0 takes the tiles
+// (the static walk or the counter) and loads the weight tile by TMA. Per tile the threads share its
+// id (`walk`) and the chunk's token rows (`table`: a row's token, -1 for zeros) through shared
+// memory between two barriers of the warpgroup. A chunk's rows past the expert's are not loaded:
+// their output columns are never stored. The kernel's own parts: `locate(id)`, the tile's geometry
+// (e < 0 past the last tile); `load_weights(stage, bar, g, kt)`, the weight tile's TMA loads of
+// `weight_bytes`; stages of STAGE_BYTES, their 64-row boxes first, CHUNK_ROWS rows.
 template <int STAGES, bool PERSISTENT, int STAGE_BYTES, int CHUNK_ROWS, class Locate, class LoadWeights>
 __device__ __forceinline__ void gather_producer(const Args& args, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                                 int* tile_ids, int* walk, int* table, int k_tiles, bool dynamic,
                                                 uint32_t weight_bytes, Locate locate, LoadWeights load_weights) {
+  // In flight: at most STAGES - 1 k tiles, so the stage a thread waits to refill (k tile it - STAGES)
+  // has had its arrivals (k tiles up to it - STAGES + 1 have).
+  constexpr int kInFlight = STAGES - 1;
   const int t = threadIdx.x, lane = t % 32, piece = t % 8;
   int it = 0;  // k tiles loaded so far: stage and parity
   int id = 0;
@@ -722,10 +730,7 @@ __device__ __forceinline__ void gather_producer(const Args& args, uint8_t* smem,
     producers_sync();
     id = *walk;
     const TileGeom g = locate(id);
-    if (g.e < 0) {
-      if (dynamic && t == 0) publish_walk_end<STAGES>(full, empty, tile_ids, it, id, kGatherArrivals);
-      break;
-    }
+    if (g.e < 0) break;
     const int rows = min(CHUNK_ROWS, g.count - g.m0);
     for (int r = t; r < rows; r += 128) {
       const int slot = args.gather_src[g.start + g.m0 + r];
@@ -738,7 +743,7 @@ __device__ __forceinline__ void gather_producer(const Args& args, uint8_t* smem,
       __syncwarp();
       uint8_t* stage = smem + s * STAGE_BYTES;
       if (t == 0) {
-        if (dynamic && kt == 0) tile_ids[s] = id;  // published by the arrivals below
+        if (dynamic && kt == 0) tile_ids[s] = id;  // published by the arrivals
         mbar_expect_tx(&full[s], weight_bytes);
         load_weights(stage, &full[s], g, kt);
       }
@@ -750,15 +755,16 @@ __device__ __forceinline__ void gather_producer(const Args& args, uint8_t* smem,
         cp_async16(rows_at + (r / kRowsPerGroup) * kABox + (r % kRowsPerGroup) * 128 + ((piece ^ (r % 8)) * 16),
                    in ? args.gather_a + token * args.gather_stride + k : args.gather_a, in);
       }
-      cp_async_arrive_noinc(&full[s]);
+      cp_async_commit();
+      if (it >= kInFlight - 1) {
+        cp_async_wait<kInFlight - 1>();  // k tile it - kInFlight + 1's group has landed
+        gather_landed<STAGES>(full, it - kInFlight + 1);
+      }
     }
   }
-  cp_async_wait<0>();  // nothing in flight when the thread exits
-}
-
-// Gathered rows came by cp.async (the generic proxy); wgmma reads them through the async proxy.
-__device__ __forceinline__ void gathered_rows_fence(const Args& args) {
-  if (args.gather_src != nullptr) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  cp_async_wait<0>();  // the last k tiles' groups
+  for (int done = max(it - kInFlight + 1, 0); done < it; ++done) gather_landed<STAGES>(full, done);
+  if (dynamic && t == 0) publish_walk_end<STAGES>(full, empty, tile_ids, it, id, kGatherArrivals);
 }
 
 // PERSISTENT: one CTA per SM walks tiles blockIdx.x, + gridDim.x, ...; the producer runs ahead
@@ -878,7 +884,6 @@ __global__ void __launch_bounds__(threads<C>(), 1)
     for (int kt = 0; kt < k_tiles; ++kt, ++it) {
       const int s = it % STAGES;
       mbar_wait(&full[s], (it / STAGES) & 1);
-      gathered_rows_fence(args);
       const uint8_t* stage = smem + s * kStageBytes;
       const uint64_t da = smem_desc(stage + c * kABox);
       const uint64_t db = smem_desc(stage + C * kABox);
@@ -1212,7 +1217,6 @@ __device__ __forceinline__ void rs_consume(const Args& args, uint8_t* smem, uint
   for (int kt = 0; kt < k_tiles; ++kt, ++it) {
     const int s = it % STAGES;
     mbar_wait(&full[s], (it / STAGES) & 1);
-    gathered_rows_fence(args);
     const uint32_t stage = base + s * Chunk::kStage;
     uint32_t f[16];
     rs_upcast<EPI>(stage + Chunk::kWordsOff, stage + Chunk::kScalesOff, r0, q, f);

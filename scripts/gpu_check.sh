@@ -140,7 +140,7 @@ cuda, fused;grouped, cuda, fused, whole boxes, dynamic" ;;
             # of the MXFP4 presets with and without the gather (each variant's kernels), the peers' GPT-OSS case at
             # 128 and 8192 tokens (.peers carried), then DeepSeek-V4 bf16 whole calls with and without
             STEP_TIMEOUT=240 step test-gather python3 -m pytest -q -x tests/test_native_grouped_gpu.py \
-                -k "${GATHER_TESTS:-rs or auto or sanitizer_small or gather}"
+                -k "${GATHER_TESTS:-rs or auto or sanitizer_small or gather or every_config}"
             grep -q "test-gather rc=0" "$summary" || exit 1
             STEP_TIMEOUT=150 step sanitizer-gather compute-sanitizer --tool memcheck --error-exitcode 9 \
                 python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py -k "sanitizer"

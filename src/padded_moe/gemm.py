@@ -13,8 +13,9 @@ once to `out`'s dtype:
 
 `gather=True` (stage "w13", GROUPED_CONTIGUOUS): `a` is the token rows `[M, K]` and each row of the
 layout is read from its token (`layout_meta.src[row] // k`) as the GEMM loads it, so no permuted
-copy is made; `out` as without it. Only backends whose `gathers` says so take it (the CUDA
-backend's RS kernel, prepared MXFP4 weights); `fused_experts` uses it where offered.
+copy is made; `out` as without it. Only backends whose `gathers` says so take it (the CUDA backend
+while `grouped.RS_GATHER` / `GATHER_BF16` are on: both off, measured slower than the permuted copy);
+`fused_experts` uses it where offered.
 
 `out=None` allocates with `torch.empty`, so rows the layout does not cover hold garbage; pass a
 buffer when they must keep a value.

@@ -49,7 +49,7 @@ class GemmBackend(ABC):
     def gathers(self, layout: GemmLayout, weight: Weight) -> bool:
         """Whether GEMM1 on `layout` with `weight` reads each row from its token itself: `gemm` /
         `gemm_activation` then take `gather=True` with `a` the token rows `[num_tokens, K]`, and
-        the pipeline skips the permuted copy. None here."""
+        the pipeline skips the permuted copy. False here."""
         return False
 
     def fuses(self, activation, weight: Optional[Weight] = None) -> bool:

@@ -13,6 +13,8 @@ GEMM1's epilogue; for the RS kernel's weights while `grouped.RS_EPILOGUE` is on,
 halves (not interleaved) only while `grouped.RS_EPILOGUE_SPLIT` is too (`fuses`; `fused_experts`
 uses it unless `PADDED_MOE_FUSE_ACTIVATION=0`); the other activations run as GEMM1 then the
 activation op.
+GEMM1 on GROUPED_CONTIGUOUS can read its rows from the tokens instead of the permuted copy
+(`gathers`: `grouped.RS_GATHER`, `grouped.GATHER_BF16`), off: measured slower.
 INDEXED (rows gathered through `sorted_ids`) and MXFP4 weights that neither the RS kernel nor the
 producer warps take are not offered (`supports` says False, and `backend="cuda"` on them is a
 NotImplementedError).

@@ -444,9 +444,9 @@ def _geometry(a: torch.Tensor, out: torch.Tensor, offsets, counts, gather_src: O
 
 
 def _check_gather(a: torch.Tensor, src: torch.Tensor, top_k: object, offsets: Optional[torch.Tensor]) -> None:
-    """What gathered rows need (`launch_rs`'s `gather_src`): a flat layout, int32 slots, a positive
-    top_k, token rows `a` 2-D and slots that 32 bits count (the 16-byte pieces the kernel copies need
-    K a multiple of 8: an MXFP4 weight's is one of 32)."""
+    """What gathered rows need (`gather_src`): a flat layout, int32 slots, a positive top_k, token
+    rows `a` 2-D and slots that 32 bits count. The 16-byte pieces the kernels copy need K a multiple
+    of 8: `check` refuses other K for bf16 weights, and an MXFP4 weight's K is one of 32."""
     if offsets is None:
         raise ValueError("gather_src gathers the rows of a flat GROUPED_CONTIGUOUS buffer: give offsets, not counts")
     if not isinstance(src, torch.Tensor) or src.dtype != torch.int32 or src.dim() != 1 or not src.is_contiguous():

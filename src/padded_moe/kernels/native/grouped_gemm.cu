@@ -595,7 +595,7 @@ __device__ __forceinline__ int next_tile(const Args& args, bool dynamic, int id)
 }
 // The dynamic walk's end, from the producer: the id past the last tile, in the next stage, for the
 // consumers (`stage_tile_id`) to stop on.
-// `arrivals`: what the full barrier counts per stage (the gathering RS producer's threads too).
+// `arrivals`: what the full barrier counts per stage (1, or a gathering producer's kGatherArrivals).
 template <int STAGES>
 __device__ __forceinline__ void publish_walk_end(uint64_t* full, uint64_t* empty, int* tile_ids, int it, int id,
                                                  uint32_t arrivals = 1) {
@@ -985,8 +985,9 @@ constexpr int kRsWordsBytes = kRsWRows * (kBK / 8) * 4;   // [128 rows][8 words]
 constexpr int kRsScalesBytes = (kBK / 32) * kRsWRows * 2;  // [2 groups][128 rows] int16: 512
 constexpr int kRsOutRow = (kRsWRows + 8) * 2;  // epilogue staging row (bytes): 8 columns of padding spread the banks
 constexpr int kRsThreads = 384;                // a producer warpgroup and two consumers
-// The producer's registers: the gathering producer of the split-halves kernels spills 16 bytes,
-// once per tile (its setup), none per k tile (SASS); the others do not spill.
+// The producer's registers: the gathering producer (`gather_producer`) of the plain and pairs
+// kernels spills 20 bytes, stored and loaded in each tile's setup, none per k tile (SASS); the other
+// paths do not spill.
 constexpr int kRsProducerRegs = 40, kRsConsumerRegs = 232;
 
 // A chunk of B boxes of 64 rows (4: 256 rows; 5: 320, the fifth box an m64n64 MMA of its own, as
@@ -1624,6 +1625,13 @@ int launch_config(int w_kind, int mode, const CUtensorMap& ma, const void* w, lo
   return launch_mode<STAGES, PERSISTENT, false, BN, C>(mode, ma, mw, args, grid_x, stream);
 }
 
+// What gathered rows need of an entry's arguments (error -27): a flat layout (offsets, one slab),
+// slots per token and token rows, K and the rows' stride in 16-byte pieces, slots that 32 bits count.
+bool gather_fits(const void* offsets, int slabs, int gather_div, int gather_tokens, int K, long long stride_ar) {
+  return offsets != nullptr && slabs == 1 && gather_div >= 1 && gather_tokens >= 1 && K % 8 == 0 &&
+         stride_ar % 8 == 0 && static_cast<long long>(gather_tokens) * gather_div <= 0x7fffffffLL;
+}
+
 }  // namespace
 
 extern "C" {
@@ -1691,9 +1699,7 @@ int pmoe_grouped_gemm(int config, int grid_x, int grid_y, void* stream, const vo
                       int gather_div, int gather_tokens) {
   if ((offsets == nullptr) == (counts == nullptr)) return -12;
   const bool gather = gather_src != nullptr;
-  if (gather && (w_kind != 0 || offsets == nullptr || slabs != 1 || gather_div < 1 || gather_tokens < 1 ||
-                 K % 8 != 0 || stride_ar % 8 != 0 || static_cast<long long>(gather_tokens) * gather_div > 0x7fffffffLL))
-    return -27;
+  if (gather && (w_kind != 0 || !gather_fits(offsets, slabs, gather_div, gather_tokens, K, stride_ar))) return -27;
   if (grid_y != 1 || grid_x < 1 || N % 2 != 0 || L < 1) return -13;
   if (L > kMaxExperts) return -16;
   if (mode < kPlain || mode > kGatedPairs) return -14;
@@ -1752,9 +1758,7 @@ int pmoe_mx_rs_gemm(int stages, int grid_x, int grid_y, void* stream, const void
                     int gather_div, int gather_tokens) {
   if ((offsets == nullptr) == (counts == nullptr)) return -12;
   const bool gather = gather_src != nullptr;
-  if (gather && (offsets == nullptr || slabs != 1 || gather_div < 1 || gather_tokens < 1 || K % 8 != 0 ||
-                 stride_ar % 8 != 0 || static_cast<long long>(gather_tokens) * gather_div > 0x7fffffffLL))
-    return -27;
+  if (gather && !gather_fits(offsets, slabs, gather_div, gather_tokens, K, stride_ar)) return -27;
   if (grid_y != 1 || grid_x < 1 || L < 1) return -13;
   if (L > kMaxExperts) return -16;
   if (KP % kBK != 0 || K > KP || K < 1) return -24;

@@ -405,6 +405,12 @@ grouped, cuda, fused, dynamic, gather"
         mx-decode-cuda)  # the hand-written sm_90 MXFP4 decode GEMM (mma.sync) against the library's decode kernels,
             # cold L2 (issue 12's decode target); needs scripts/mx_decode_cuda/build.sh's library carried (.mx_decode_cuda)
             STEP_TIMEOUT=${MXD_TIMEOUT:-300} step mx-decode-cuda python3 scripts/mx_decode_cuda_probe.py --out "$OUT/mx-decode-cuda.json" ;;
+        decode-ncu)  # Nsight Compute sections and stall reasons of the library's prepared-MXFP4 GEMMs (Triton) in a
+            # GPT-OSS layer call at DECODE_TOKENS (128: 4 rows per expert, where #12's target is short), GEMM1 and GEMM2
+            STEP_TIMEOUT=200 step ncu-decode ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+                --section WarpStateStats --section SchedulerStats --section LaunchStats \
+                --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:_expert_gemm" \
+                --launch-skip 4 --launch-count 2 python3 scripts/ncu_small.py layer gpt-oss-120b:mxfp4 "${DECODE_TOKENS:-128}" ;;
         mx-decode-ncu)  # Nsight Compute sections and stall reasons of configurations of that kernel and of the
             # library's decode GEMM1 (GPT-OSS; MXD_TOKENS and MXD_CONFIGS choose the call and the configurations)
             ncu_sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy

@@ -1,7 +1,7 @@
 """Drive one small kernel for Nsight Compute (`ncu`): a few warm-up calls, then the profiled ones.
 
     ncu --kernel-name regex:NAME python3 scripts/ncu_small.py act|unpermute|mx [ROWS]
-    ncu --kernel-name regex:_expert_gemm python3 scripts/ncu_small.py layer PRESET TOKENS [CONFIG]
+    ncu --kernel-name regex:_expert_gemm python3 scripts/ncu_small.py layer PRESET[:mxfp4] TOKENS [CONFIG]
     ncu python3 scripts/ncu_small.py mm M N K   (a dense bf16 matmul: the tensor-pipe reference)
     ncu -k regex:"_expert_gemm|grouped_gemm" python3 scripts/ncu_small.py native PRESET TOKENS STAGE
         (one GEMM on GROUPED_CONTIGUOUS: Triton, then the native kernel: configuration 0 static, then
@@ -52,15 +52,16 @@ elif case == "mx":  # prepared MXFP4 w13 of GPT-OSS (E=128, K=2880, N=5760), ROW
     out = torch.empty(E * r, N, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         expert_gemm(a, q, meta, out=out)
-elif case == "layer":  # FusedMoE.experts of a bf16 preset at TOKENS tokens with its own router: 3 calls
-    # CONFIG: a GemmConfig short name in place of the bf16 medium table entry
+elif case == "layer":  # FusedMoE.experts of a preset (":mxfp4": MXFP4 weights, prepared) at TOKENS tokens
+    # with its own router: 3 calls. CONFIG: a GemmConfig short name in place of the bf16 medium table entry
     from padded_moe.kernels import gemm as kg
     from padded_moe.layer import FusedMoE
 
     if len(sys.argv) > 4:
         kg.TUNED[("bf16", "medium")] = kg.GemmConfig.from_short(sys.argv[4])
 
-    layer = FusedMoE.from_preset(sys.argv[2], weight_format="bf16", device="cuda", dtype=torch.bfloat16)
+    preset, _, fmt = sys.argv[2].partition(":")
+    layer = FusedMoE.from_preset(preset, weight_format=fmt or "bf16", device="cuda", dtype=torch.bfloat16)
     layer.randomize(seed=0, std=0.02)
     x = torch.randn(int(sys.argv[3]), layer.hidden_size, device="cuda", dtype=torch.bfloat16)
     tw, ids = layer.route(layer.gate(x), None)

@@ -549,6 +549,18 @@ def _gather_case(K, N, seed, *, tokens=300, k=3, L=9, valid=None, row_pad=0, mx=
     return x, permute(x, meta), meta, q, bias
 
 
+def _permuted_and_gathered(launch, x, xp, meta, w, width, **kw):
+    """`launch(a, w, out, ...)` on the permuted rows `xp`, then gathering them from the tokens `x`:
+    the two outputs, each poisoned before its launch."""
+    outs = []
+    for a, gather in ((xp, {}), (x, dict(gather_src=meta.src, top_k=meta.top_k))):
+        out = torch.full((meta.num_slots, width), SENTINEL, dtype=torch.bfloat16, device=DEV)
+        launch(a, w, out, offsets=meta.offsets, **gather, **kw)
+        outs.append(out)
+    torch.cuda.synchronize()
+    return outs
+
+
 @pytest.mark.parametrize("K,N,valid,row_pad", [(2880, 272, None, 0), (224, 144, 250, 64), (64, 16, None, 8)])
 def test_rs_gather_equals_permuted_rows(K, N, valid, row_pad, monkeypatch):
     """GEMM1 reading each row from its token (cp.async by the producer warpgroup into the swizzled
@@ -560,20 +572,14 @@ def test_rs_gather_equals_permuted_rows(K, N, valid, row_pad, monkeypatch):
     from padded_moe.kernels.native import grouped
 
     x, xp, meta, q, bias = _gather_case(K, N, K + N, valid=valid, row_pad=row_pad)
-    rows = meta.num_slots
     for stages, wide, pieces, dynamic in ((4, False, True, True), (3, False, True, False), (3, True, True, True),
                                           (4, False, False, False), (3, True, False, False)):
         monkeypatch.setattr(grouped, "RS_TAIL_PIECES", pieces)
         monkeypatch.setattr(grouped, "RS_DYNAMIC", dynamic)
         for epilogue, width in ((None, N), (ActivationEpilogue.of("swigluoai"), N // 2),
                                 (ActivationEpilogue.of("silu"), N // 2)):
-            outs = []
-            for a, gather in ((xp, {}), (x, dict(gather_src=meta.src, top_k=meta.top_k))):
-                out = torch.full((rows, width), SENTINEL, dtype=torch.bfloat16, device=DEV)
-                grouped.launch_rs(a, q, out, offsets=meta.offsets, bias=bias, epilogue=epilogue, stages=stages,
-                                  wide=wide, **gather)
-                outs.append(out)
-            torch.cuda.synchronize()
+            outs = _permuted_and_gathered(grouped.launch_rs, x, xp, meta, q, width, bias=bias, epilogue=epilogue,
+                                          stages=stages, wide=wide)
             assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), \
                 (stages, wide, pieces, dynamic, epilogue)
             if epilogue is None and stages == 4 and pieces:
@@ -593,13 +599,8 @@ def test_gather_bf16_equals_permuted_rows(K, N, valid, row_pad):
         for dynamic in ((False, True) if grouped.CONFIGS[config][1] else (False,)):
             for epilogue, width in ((None, N), (ActivationEpilogue.of("swigluoai"), N // 2),
                                     (ActivationEpilogue.of("silu"), N // 2)):
-                outs = []
-                for a, gather in ((xp, {}), (x, dict(gather_src=meta.src, top_k=meta.top_k))):
-                    out = torch.full((meta.num_slots, width), SENTINEL, dtype=torch.bfloat16, device=DEV)
-                    grouped.launch(a, w, out, offsets=meta.offsets, bias=bias, epilogue=epilogue, config=config,
-                                   dynamic=dynamic, **gather)
-                    outs.append(out)
-                torch.cuda.synchronize()
+                outs = _permuted_and_gathered(grouped.launch, x, xp, meta, w, width, bias=bias, epilogue=epilogue,
+                                              config=config, dynamic=dynamic)
                 assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), (config, dynamic, epilogue)
                 if epilogue is None and not dynamic:
                     check(xp, w, meta, "w13", outs[1], bias)

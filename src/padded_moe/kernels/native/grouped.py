@@ -90,7 +90,8 @@ RS_DYNAMIC = True
 # (bench_native_gemm.py, INDEXED Triton time / this) 0.68-0.70x gathering against 1.07-1.12x from
 # the permuted copy (GPT-OSS and DeepSeek-V4 MXFP4), DeepSeek-V4 bf16 0.69x against 1.09x: GEMM1 took
 # 2.1-2.4x its time, whether a thread's copies arrived on completion or after waiting for its
-# group, so the cp.async feed itself is short of the TMA boxes' rate. Off.
+# group, so the cp.async feed itself is short of the TMA boxes' rate. One-row TMA boxes (bit-equal)
+# were slower still: 4.8-5.2x the permuted path's whole-call time (about 40 ns per box per SM). Off.
 RS_GATHER = False
 GATHER_BF16 = False
 # Whether the backend applies gated activations with interleaved gate / up rows (swigluoai) in the

@@ -711,7 +711,9 @@ __device__ __forceinline__ void gather_landed(uint64_t* full, int done) {
 // memory between two barriers of the warpgroup. A chunk's rows past the expert's are not loaded:
 // their output columns are never stored. The kernel's own parts: `locate(id)`, the tile's geometry
 // (e < 0 past the last tile); `load_weights(stage, bar, g, kt)`, the weight tile's TMA loads of
-// `weight_bytes`; stages of STAGE_BYTES, their 64-row boxes first, CHUNK_ROWS rows.
+// `weight_bytes`; stages of STAGE_BYTES, their 64-row boxes first, CHUNK_ROWS rows. Not one-row TMA
+// boxes of a map over the token rows: they land bit-equal (the swizzle follows the shared address)
+// but the copy engine takes about 40 ns per box per SM, several times these copies' time.
 template <int STAGES, bool PERSISTENT, int STAGE_BYTES, int CHUNK_ROWS, class Locate, class LoadWeights>
 __device__ __forceinline__ void gather_producer(const Args& args, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                                 int* tile_ids, int* walk, int* table, int k_tiles, bool dynamic,
@@ -821,6 +823,8 @@ __global__ void __launch_bounds__(threads<C>(), 1)
     } else {
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs<C>::producer));
       const bool dynamic = dynamic_walk<PERSISTENT, MX>(args);
+      const uint64_t weights_policy = l2_policy<false>();
+      const bool hint_weights = args.load_policies & kPolicyWeights;
       if (args.gather_src != nullptr) {
         gather_producer<STAGES, PERSISTENT, kStageBytes, C * kRowsPerGroup>(
             args, smem, full, empty, tile_ids, walk, table, k_tiles, dynamic, kBBox,
@@ -829,13 +833,13 @@ __global__ void __launch_bounds__(threads<C>(), 1)
               return tile.e < 0 ? TileGeom{-1} : tile_geometry<EPI, C, BN>(args, tile);
             },
             [&](uint8_t* stage, uint64_t* bar, const TileGeom& g, int kt) {
-              load_weight_tile<BN, C>(stage, map_w, bar, g, kt, l2_policy<false>(), args.load_policies & kPolicyWeights);
+              load_weight_tile<BN, C>(stage, map_w, bar, g, kt, weights_policy, hint_weights);
             });
         return;
       }
       if (threadIdx.x != 0) return;
-      const uint64_t weights_policy = l2_policy<false>(), rows_policy = rows_l2_policy(args);
-      const bool hint_weights = args.load_policies & kPolicyWeights, hint_rows = args.load_policies & kPolicyRows;
+      const uint64_t rows_policy = rows_l2_policy(args);
+      const bool hint_rows = args.load_policies & kPolicyRows;
       int it = 0;  // k tiles loaded so far: stage and parity
       for (int id = first_tile(args, dynamic);; id = next_tile<PERSISTENT>(args, dynamic, id)) {
         const Tile tile = locate_tile(prefix, args.L, id, n_tiles);

@@ -7,7 +7,7 @@ native kernel has a Triton twin that stays the default wherever the native one i
 was not measured faster.
 
 Building. The first call that wants a library's kernel compiles its source (with its headers)
-for sm_90 (`GROUPED`: sm_90a, for wgmma; ~15 s) with nvcc into a shared library under the
+for sm_90 (`GROUPED`: sm_90a, for wgmma; about a minute) with nvcc into a shared library under the
 cache directory and loads it; later processes load the cached library (named by a hash of the
 sources and the flags) without nvcc. nvcc is
 `PADDED_MOE_NVCC` if set, else `bin/nvcc` under PyTorch's CUDA home (`CUDA_HOME`), else the one on

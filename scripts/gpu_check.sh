@@ -411,6 +411,14 @@ grouped, cuda, fused, dynamic, gather"
                 --section WarpStateStats --section SchedulerStats --section LaunchStats \
                 --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:_expert_gemm" \
                 --launch-skip 4 --launch-count 2 python3 scripts/ncu_small.py layer gpt-oss-120b:mxfp4 "${DECODE_TOKENS:-128}" ;;
+        decode-tiles)  # the prepared-MXFP4 decode tile (250 registers: 2 blocks of 4 warps per SM, decode-ncu) against
+            # the same tile on 8 warps (128 registers) and BK 128 (134 registers, 3 blocks), whole calls in alternating
+            # rounds (bench_tiles_ab.py checks each output against the table tile's); DECODE_TILES: other candidates
+            for preset in gpt-oss-120b dsv4-flash; do
+                STEP_TIMEOUT=200 step "decode-tiles-$preset" python3 benchmarks/bench_tiles_ab.py --preset "$preset" \
+                    --weights mxfp4 --tokens 128,1024 --regime decode --out "$OUT/bench/decode-tiles-$preset" --candidates \
+                    "${DECODE_TILES:-BM32_BN128_BK256_G1_w4_s3_hop_ptx,BM32_BN128_BK256_G1_w8_s3_hop_ptx,BM32_BN128_BK128_G1_w4_s4_hop_ptx}"
+            done ;;
         mx-decode-ncu)  # Nsight Compute sections and stall reasons of configurations of that kernel and of the
             # library's decode GEMM1 (GPT-OSS; MXD_TOKENS and MXD_CONFIGS choose the call and the configurations)
             ncu_sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy

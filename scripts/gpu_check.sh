@@ -412,13 +412,20 @@ grouped, cuda, fused, dynamic, gather"
                 --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:_expert_gemm" \
                 --launch-skip 4 --launch-count 2 python3 scripts/ncu_small.py layer gpt-oss-120b:mxfp4 "${DECODE_TOKENS:-128}" ;;
         decode-tiles)  # the prepared-MXFP4 decode tile (250 registers: 2 blocks of 4 warps per SM, decode-ncu) against
-            # the same tile on 8 warps (128 registers) and BK 128 (134 registers, 3 blocks), whole calls in alternating
-            # rounds (bench_tiles_ab.py checks each output against the table tile's); DECODE_TILES: other candidates
+            # the same tile on 8 warps (128 registers), BK 128 (134 registers, 3 blocks) and BN 256 BK 128 on 8 warps
+            # (136 registers), whole calls in alternating rounds (bench_tiles_ab.py checks each output against the
+            # table tile's); DECODE_TILES: other candidates
             for preset in gpt-oss-120b dsv4-flash; do
                 STEP_TIMEOUT=200 step "decode-tiles-$preset" python3 benchmarks/bench_tiles_ab.py --preset "$preset" \
                     --weights mxfp4 --tokens 128,1024 --regime decode --out "$OUT/bench/decode-tiles-$preset" --candidates \
-                    "${DECODE_TILES:-BM32_BN128_BK256_G1_w4_s3_hop_ptx,BM32_BN128_BK256_G1_w8_s3_hop_ptx,BM32_BN128_BK128_G1_w4_s4_hop_ptx}"
+                    "${DECODE_TILES:-BM32_BN128_BK256_G1_w4_s3_hop_ptx,BM32_BN128_BK256_G1_w8_s3_hop_ptx,BM32_BN128_BK128_G1_w4_s4_hop_ptx,BM32_BN256_BK128_G1_w8_s3_hop_ptx}"
             done ;;
+        walk-end)  # the dynamic walk's end (publish_walk_end, plain and gathering producers): the native kernels'
+            # dynamic-walk and gather GPU tests against float64 and bit for bit, then memcheck of their small cases
+            STEP_TIMEOUT=300 step test-walk-end python3 -m pytest -q -m gpu tests/test_native_grouped_gpu.py \
+                -k "(every_config and dynamic) or stages_and_chunks or gather or graph_replay"
+            STEP_TIMEOUT=200 step sanitizer-walk-end compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
+                -q -m gpu tests/test_native_grouped_gpu.py -k "sanitizer" ;;
         mx-decode-ncu)  # Nsight Compute sections and stall reasons of configurations of that kernel and of the
             # library's decode GEMM1 (GPT-OSS; MXD_TOKENS and MXD_CONFIGS choose the call and the configurations)
             ncu_sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy

@@ -98,7 +98,7 @@ class FusedMoE(nn.Module):
                              f"{topk_groups} with router={router!r} (group inside a callable router)")
         num_groups, topk_groups = routing.check_groups(num_experts, top_k, num_groups, topk_groups)
         if expert_parallel is not None:
-            _check_expert_parallel(expert_parallel, num_experts, top_k, hidden_size)
+            _check_expert_parallel(expert_parallel, num_experts, top_k, hidden_size, dtype)
         self.num_experts, self.top_k = num_experts, top_k
         self.num_groups, self.topk_groups = num_groups, topk_groups
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
@@ -662,10 +662,12 @@ def _(x, *args):
     return x.new_empty(x.shape)
 
 
-def _check_expert_parallel(ep, num_experts: int, top_k: int, hidden_size: int) -> None:
-    """The layer must describe the same experts, top-k and width as its `ExpertParallel`: its buffers
-    and expert map were sized from those."""
-    for name, mine in (("num_experts", num_experts), ("top_k", top_k), ("hidden_size", hidden_size)):
+def _check_expert_parallel(ep, num_experts: int, top_k: int, hidden_size: int, dtype: torch.dtype) -> None:
+    """The layer must describe the same experts, top-k, width and activation dtype as its
+    `ExpertParallel`: its buffers and expert map were made for those (a dtype that differs would
+    otherwise surface only at the first dispatch)."""
+    for name, mine in (("num_experts", num_experts), ("top_k", top_k), ("hidden_size", hidden_size),
+                       ("dtype", dtype)):
         theirs = getattr(ep, name)
         if theirs != mine:
             raise ValueError(f"{name}={mine} differs from the expert_parallel's {name}={theirs}")

@@ -602,10 +602,7 @@ __device__ __forceinline__ void publish_walk_end(uint64_t* full, uint64_t* empty
   const int s = it % STAGES;
   mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
   tile_ids[s] = id;
-  if (arrivals == 1)
-    mbar_arrive(&full[s]);
-  else
-    mbar_arrive_count(&full[s], arrivals);
+  mbar_arrive_count(&full[s], arrivals);
 }
 // A consumer's next tile in the dynamic walk: the id its first stage carries (or, past the last tile,
 // the end).

@@ -1,0 +1,126 @@
+"""The prepared-MXFP4 upcast's inline PTX (`_four_plane_ptx_asm` in kernels/gemm.py, read by the
+GEMM's `_upcast_pairs` and by the decode kernels) on the CPU: its text is run through a model of the
+few PTX instructions it uses, word by word, on weights arranged by `prepare_hopper`, and each output
+pair is compared bit for bit with `dequantize_mxfp4`, folded and E8M0 scales, signed zeros, the
+extreme scales and NaN included. The GPU tests check the kernels' results; this checks the bit
+placement and the scale handling of the PTX text where no GPU runs."""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import pytest
+import torch
+
+from padded_moe.mxfp4 import FOLD_MAX_SCALE, GROUP, Mxfp4Tensor, dequantize_mxfp4, prepare_hopper
+from test_native_mx_upcast import prmt
+
+pytest.importorskip("triton")
+from padded_moe.kernels.gemm import _four_plane_ptx_asm  # noqa: E402
+
+MASK = 0xFFFFFFFF
+
+
+def bf16_value(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+
+def bf16_bits(value: float) -> int:
+    """`value` rounded to bf16 (to nearest even, subnormals kept, as mul.rn.bf16x2 does)."""
+    return int(torch.tensor([value], dtype=torch.float64).to(torch.bfloat16).view(torch.int16)) & 0xFFFF
+
+
+def mul_bf16x2(a: int, b: int) -> int:
+    # Each product of two bf16 values is exact in float64, so one rounding gives the PTX result.
+    halves = [bf16_bits(bf16_value(a >> s) * bf16_value(b >> s)) for s in (0, 16)]
+    return halves[0] | (halves[1] << 16)
+
+
+def operand(token: str, regs: dict) -> int:
+    token = token.strip()
+    if token.startswith("{"):  # a pair of 16-bit registers packed into 32 bits, low first
+        lo, hi = (operand(t, regs) & 0xFFFF for t in token.strip("{}").split(","))
+        return lo | (hi << 16)
+    if token in regs:
+        return regs[token]
+    return int(token, 0) & MASK
+
+
+def run_ptx(text: str, inputs: dict) -> dict:
+    """Execute the PTX body `text` with `$n` operands from `inputs`; the registers afterwards."""
+    regs = {f"${n}": v for n, v in inputs.items()}
+    ops = {
+        "mov.b32": lambda a: a,
+        "and.b32": lambda a, b: a & b,
+        "or.b32": lambda a, b: a | b,
+        "shl.b32": lambda a, n: (a << n) & MASK,
+        "shr.b32": lambda a, n: a >> n,  # .b32: a logical shift
+        "prmt.b32": prmt,
+        "mul.rn.bf16x2": mul_bf16x2,
+    }
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}", "") or line.startswith(".reg"):
+            continue
+        m = re.match(r"(\S+)\s+(\$?\w+),\s*(.*)", line)
+        if m is None or m.group(1) not in ops:
+            raise AssertionError(f"the model does not know this PTX line: {line!r}")
+        args = [operand(t, regs) for t in re.findall(r"\{[^}]*\}|[^,]+", m.group(3))]
+        regs[m.group(2)] = ops[m.group(1)](*args) & MASK
+    return regs
+
+
+def random_weight(seed: int, rows: int, k: int, scale_range: tuple, extremes: tuple) -> Mxfp4Tensor:
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (1, rows, k // 2), generator=g, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(scale_range[0], scale_range[1] + 1, (1, rows, k // GROUP), generator=g,
+                           dtype=torch.int32).to(torch.uint8)
+    flat = scales.view(-1)
+    flat[: len(extremes)] = torch.tensor(extremes, dtype=torch.uint8)
+    blocks[0, 0, :GROUP // 2] = 0x88  # -0 in both nibbles: signed zeros through every plane
+    return Mxfp4Tensor(blocks, scales)
+
+
+def upcast_factor(scale_entry: int, folded: bool) -> int:
+    """The 16-bit factor bits `_upcast_pairs` hands the PTX: folded scales as stored (bf16 2^(s-1)),
+    else `_scale_bf16`'s 2^(s-127) (s = 0: the bf16 subnormal 2^-127; 255: NaN)."""
+    if folded:
+        return scale_entry & 0xFFFF
+    s = scale_entry & 0xFF
+    return 0x40 if s == 0 else 0x7FC0 if s == 255 else s << 7
+
+
+@pytest.mark.parametrize("folded", [True, False])
+def test_four_plane_ptx_matches_dequantize(folded):
+    rows, k = 4, 128
+    if folded:  # every scale a folded form can hold, its two ends included
+        q = random_weight(1, rows, k, (0, FOLD_MAX_SCALE), (0, 1, 127, FOLD_MAX_SCALE))
+    else:
+        q = random_weight(2, rows, k, (0, 254), (0, 1, 127, 254, 255))
+    h = prepare_hopper(q, fold=folded, planes=4)
+    assert h.folded == folded
+    ref = dequantize_mxfp4(q, torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF  # [1, rows, k]
+    text = _four_plane_ptx_asm(folded)
+    words = h.blocks[0].to(torch.int64) & MASK  # [rows, k/8]
+    for r in range(rows):
+        for w in range(k // 8):
+            g, c = divmod(w, 4)
+            factor = upcast_factor(int(h.scales[0, g, r]), folded)
+            regs = run_ptx(text, {4: int(words[r, w]), 5: factor})
+            for p in range(4):
+                for half in (0, 1):
+                    got = (regs[f"${p}"] >> (16 * half)) & 0xFFFF
+                    want = int(ref[0, r, GROUP * g + 8 * p + 2 * c + half])
+                    if (want & 0x7FFF) > 0x7F80:  # NaN: any NaN bits
+                        assert (got & 0x7FFF) > 0x7F80, (r, w, p, half, hex(got))
+                    else:
+                        assert got == want, (r, w, p, half, hex(got), hex(want))
+
+
+def test_the_model_runs_every_line_it_is_given():
+    regs = run_ptx("{\n.reg .b32 u;\nmov.b32 u, {$4, $5};\nprmt.b32 $0, u, 0, 0x1010;\n}", {4: 0x1234, 5: 0xABCD})
+    assert regs["u"] == 0xABCD1234 and regs["$0"] == 0x12341234
+    with pytest.raises(AssertionError, match="does not know"):
+        run_ptx("cvt.rn.bf16x2.f32 $0, $1, $2;", {1: 0, 2: 0})
+    assert mul_bf16x2(0x3F804000, 0x40003F00) == 0x40003F80  # low halves 2 * 0.5, high halves 1 * 2

@@ -108,17 +108,17 @@ def test_fused_moe_refuses_a_scaling_factor_its_router_would_ignore(router):
     FusedMoE(8, 2, 64, 32, router=router, routed_scaling_factor=1.0, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("sizes,dtype,name", [((16, 2, 64), torch.float32, "num_experts"),
-                                              ((8, 4, 64), torch.float32, "top_k"),
-                                              ((8, 2, 128), torch.float32, "hidden_size"),
-                                              ((8, 2, 64), torch.bfloat16, "dtype")])
-def test_fused_moe_refuses_an_expert_parallel_of_other_sizes(sizes, dtype, name):
+@pytest.mark.parametrize("sizes,dtype,name,error", [((16, 2, 64), torch.float32, "num_experts", ValueError),
+                                                    ((8, 4, 64), torch.float32, "top_k", ValueError),
+                                                    ((8, 2, 128), torch.float32, "hidden_size", ValueError),
+                                                    ((8, 2, 64), torch.bfloat16, "dtype", TypeError)])
+def test_fused_moe_refuses_an_expert_parallel_of_other_sizes(sizes, dtype, name, error):
     from padded_moe import ExpertParallel
     from padded_moe.ep import InProcessWorld
 
     def rank_fn(rank, transport):
         ep = ExpertParallel(None, 8, 2, 64, max_tokens_per_rank=4, dtype=torch.float32, transport=transport)
-        with pytest.raises(ValueError, match=f"{name}=.* differs from the expert_parallel's {name}="):
+        with pytest.raises(error, match=f"{name}=.* differs from the expert_parallel's {name}="):
             FusedMoE(*sizes, 32, expert_parallel=ep, dtype=dtype)
         return FusedMoE(8, 2, 64, 32, expert_parallel=ep, dtype=torch.float32).num_local
 

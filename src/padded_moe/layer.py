@@ -665,12 +665,14 @@ def _(x, *args):
 def _check_expert_parallel(ep, num_experts: int, top_k: int, hidden_size: int, dtype: torch.dtype) -> None:
     """The layer must describe the same experts, top-k, width and activation dtype as its
     `ExpertParallel`: its buffers and expert map were made for those (a dtype that differs would
-    otherwise surface only at the first dispatch)."""
-    for name, mine in (("num_experts", num_experts), ("top_k", top_k), ("hidden_size", hidden_size),
-                       ("dtype", dtype)):
+    otherwise surface only at the first dispatch). Sizes that differ are a ValueError, a dtype a
+    TypeError, as everywhere in the library."""
+    for name, mine in (("num_experts", num_experts), ("top_k", top_k), ("hidden_size", hidden_size)):
         theirs = getattr(ep, name)
         if theirs != mine:
             raise ValueError(f"{name}={mine} differs from the expert_parallel's {name}={theirs}")
+    if dtype != ep.dtype:
+        raise TypeError(f"dtype={dtype} differs from the expert_parallel's dtype={ep.dtype}")
 
 
 def _check_sizes(num_experts, top_k, hidden_size, intermediate_size, dtype) -> None:

@@ -1,9 +1,11 @@
-"""The prepared-MXFP4 upcast's inline PTX (`_four_plane_ptx_asm` in kernels/gemm.py, read by the
-GEMM's `_upcast_pairs` and by the decode kernels) on the CPU: its text is run through a model of the
-few PTX instructions it uses, word by word, on weights arranged by `prepare_hopper`, and each output
-pair is compared bit for bit with `dequantize_mxfp4`, folded and E8M0 scales, signed zeros, the
-extreme scales and NaN included. The GPU tests check the kernels' results; this checks the bit
-placement and the scale handling of the PTX text where no GPU runs."""
+"""The MXFP4 upcasts' inline PTX on the CPU: `_four_plane_ptx_asm` (kernels/gemm.py; the GEMM's
+`_upcast_pairs` on prepared 4-plane words and the decode kernels) and `_e2m1_ptx_asm` (bytes of two
+nibbles: the 2-plane GEMM and the decode kernels on canonical words). Their text is run through a
+model of the few PTX instructions they use, and each output is compared bit for bit with the e2m1
+value times its scale: the 4-plane one word by word on weights arranged by `prepare_hopper`, against
+`dequantize_mxfp4`; both with folded and E8M0 scales, signed zeros, the extreme scales and NaN. The
+GPU tests check the kernels' results; this checks the bit placement and the scale handling of the
+PTX text where no GPU runs."""
 
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ import struct
 import pytest
 import torch
 
-from padded_moe.mxfp4 import FOLD_MAX_SCALE, GROUP, Mxfp4Tensor, dequantize_mxfp4, prepare_hopper
+from padded_moe.mxfp4 import FOLD_MAX_SCALE, GROUP, Mxfp4Tensor, dequantize_mxfp4, e2m1_lut, prepare_hopper
 from test_native_mx_upcast import prmt
 
 pytest.importorskip("triton")
-from padded_moe.kernels.gemm import _four_plane_ptx_asm  # noqa: E402
+from padded_moe.kernels.gemm import _e2m1_ptx_asm, _four_plane_ptx_asm  # noqa: E402
 
 MASK = 0xFFFFFFFF
 
@@ -116,6 +118,39 @@ def test_four_plane_ptx_matches_dequantize(folded):
                         assert (got & 0x7FFF) > 0x7F80, (r, w, p, half, hex(got))
                     else:
                         assert got == want, (r, w, p, half, hex(got), hex(want))
+
+
+@pytest.mark.parametrize("folded", [True, False])
+def test_two_plane_ptx_matches_the_codes(folded):
+    """`_e2m1_ptx_asm`: four bytes ($4) -> the low nibbles' values times the scales $5 / $6 (a bf16
+    pair each: bytes 0-1, 2-3) into $0 / $1, the high nibbles' times $7 / $8 into $2 / $3."""
+    lut = e2m1_lut(dtype=torch.float64).tolist()
+    text = _e2m1_ptx_asm(folded)
+    g = torch.Generator().manual_seed(3)
+    scales = [0, 1, 127, FOLD_MAX_SCALE] if folded else [0, 1, 127, 254, 255]
+    for trial in range(600):
+        data = torch.randint(0, 256, (4,), generator=g).tolist()
+        if trial < 16:  # every code in both nibbles, -0 among them
+            data = [trial * 0x11] * 4
+        s = [scales[(trial + i) % len(scales)] if trial < 64 else
+             int(torch.randint(0, (FOLD_MAX_SCALE if folded else 255) + 1, (1,), generator=g)) for i in range(8)]
+        factors = [((v + 126) << 7) & 0xFFFF if folded else upcast_factor(v, False) for v in s]
+        word = sum(b << (8 * i) for i, b in enumerate(data))
+        pairs = [factors[0] | factors[1] << 16, factors[2] | factors[3] << 16,
+                 factors[4] | factors[5] << 16, factors[6] | factors[7] << 16]
+        regs = run_ptx(text, {4: word, 5: pairs[0], 6: pairs[1], 7: pairs[2], 8: pairs[3]})
+        for out in range(4):
+            for half in (0, 1):
+                byte = data[2 * (out % 2) + half]
+                code = byte & 0xF if out < 2 else byte >> 4
+                scale = s[4 * (out // 2) + 2 * (out % 2) + half]
+                got = (regs[f"${out}"] >> (16 * half)) & 0xFFFF
+                if not folded and scale == 255:
+                    assert (got & 0x7FFF) > 0x7F80, (trial, out, half, hex(got))
+                    continue
+                value = (-1.0 if code & 8 else 1.0) * lut[code & 7] * 2.0 ** (scale - 127)
+                want = bf16_bits(value) if value != 0 else (0x8000 if code & 8 else 0)
+                assert got == want, (trial, out, half, hex(got), hex(want))
 
 
 def test_the_model_runs_every_line_it_is_given():

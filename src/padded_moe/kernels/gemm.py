@@ -180,9 +180,10 @@ TUNED.update({
 # to 8% between sweeps minutes apart, so small was settled on whole calls instead (the peers
 # harness, alternating runs): BK 64 s4 took 0.965x the time of BK 128 s3 on GPT-OSS at 1024 tokens
 # (the sweep had DeepSeek-V4 at 64 rows 4% faster with BK 128 s3). The decode tile's ~250 registers
-# leave two blocks per SM; the same tile on 8 warps (128 registers), BK 128, BN 64 and 4 stages were
-# no faster on both models in whole calls (bench_tiles_ab, H100: 0.97-1.30x at 128 tokens, 1.09-1.22x
-# on DeepSeek-V4 at 1024), so occupancy is not what bounds it.
+# leave two blocks per SM; the same tile on 8 warps (128 registers), BK 128 and BN 64 were slower in
+# whole calls (bench_tiles_ab, H100: 1.01-1.30x at 128 tokens, 1.09-1.22x on DeepSeek-V4 at 1024),
+# and 4 stages gained 1-3% at 128 tokens but took 1.21x on DeepSeek-V4 at 1024, so occupancy is not
+# what bounds it.
 TUNED.update({
     ("mxfp4_hopper4", "decode"): GemmConfig(32, 128, 256, 1, 4, 3, mx_hopper=True, mx_ptx=True),
     ("mxfp4_hopper4", "small"): GemmConfig(64, 128, 64, 4, 4, 4, mx_hopper=True, mx_ptx=True, half_tail=True),

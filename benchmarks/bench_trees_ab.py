@@ -55,11 +55,38 @@ def worker(args) -> None:
         graphs[T], outs[T] = (graph, x, tw, ids, out), out.cpu()
     torch.save(outs, args.save)
     print("ready", flush=True)
-    for line in sys.stdin:
-        if line.strip() != "time":
-            break
+    while sys.stdin.readline().strip() == "time":
         times = {T: bench_us(g[0].replay, warmup_ms=10, rep_ms=100) for T, g in graphs.items()}
         print(json.dumps(times), flush=True)
+
+
+def reply(proc, prefix: str):
+    """The worker's next stdout line starting with `prefix` (None once it has exited); what else
+    it prints on the way is passed through."""
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return line
+        print(line, end="")
+    return None
+
+
+def compare_rows(outs: dict, times: dict) -> list:
+    """One table row per token count: both trees' median and fastest replay, b / a, and how their
+    outputs compare (`bitwise`; `ok` within a relative L2 difference of 2e-2; else `WRONG`, which a
+    NaN left in either output also is). `outs[tree][T]` the output, `times[tree][T]` the round times."""
+    import torch
+
+    rows = []
+    for T in sorted(times["a"]):
+        a, b = outs["a"][T].double(), outs["b"][T].double()
+        finite = bool(torch.isfinite(a).all() and torch.isfinite(b).all())
+        diff = ((b - a).norm() / a.norm().clamp(min=1e-30)).item() if finite else float("nan")
+        same = finite and torch.equal(outs["a"][T], outs["b"][T])
+        check = "bitwise" if same else ("ok" if finite and diff <= 2e-2 else "WRONG")
+        ma, mb = statistics.median(times["a"][T]), statistics.median(times["b"][T])
+        rows.append([T, round(ma, 1), round(mb, 1), round(mb / ma, 3), round(min(times["a"][T]), 1),
+                     round(min(times["b"][T]), 1), f"{diff:.1e}", check])
+    return rows
 
 
 def main() -> None:
@@ -79,6 +106,10 @@ def main() -> None:
         return
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_trees_ab times CUDA graphs: it needs a GPU")
     trees = {"a": Path(args.tree_a).resolve(), "b": Path(args.tree_b).resolve()}
     for name, tree in trees.items():
         if not (tree / "src" / "padded_moe" / "__init__.py").is_file():
@@ -92,17 +123,18 @@ def main() -> None:
                "--weights", args.weights, "--tokens", args.tokens]
         procs[name] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         # one build at a time: the second worker compiles while nothing is timed, and the first is ready
-        if procs[name].stdout.readline().strip() != "ready":
+        if reply(procs[name], "ready") is None:
             raise SystemExit(f"worker for tree {name} ({tree}) failed to start")
-    import torch
-
     outs = {name: torch.load(tmp / f"{name}.pt") for name in trees}
     times = {name: {} for name in trees}
     for _ in range(args.rounds):
         for name, proc in procs.items():
             proc.stdin.write("time\n")
             proc.stdin.flush()
-            for T, us in json.loads(proc.stdout.readline()).items():
+            line = reply(proc, "{")
+            if line is None:
+                raise SystemExit(f"worker for tree {name} stopped while timing")
+            for T, us in json.loads(line).items():
                 times[name].setdefault(int(T), []).append(us)
     for proc in procs.values():
         proc.stdin.close()
@@ -111,16 +143,7 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from _common import print_table, write_report
 
-    rows = []
-    for T in sorted(times["a"]):
-        a, b = outs["a"][T].double(), outs["b"][T].double()
-        finite = bool(torch.isfinite(a).all() and torch.isfinite(b).all())
-        diff = ((b - a).norm() / a.norm().clamp(min=1e-30)).item() if finite else float("nan")
-        same = finite and torch.equal(outs["a"][T], outs["b"][T])
-        check = "bitwise" if same else ("ok" if finite and diff <= 2e-2 else "WRONG")
-        ma, mb = statistics.median(times["a"][T]), statistics.median(times["b"][T])
-        rows.append([T, round(ma, 1), round(mb, 1), round(mb / ma, 3), round(min(times["a"][T]), 1),
-                     round(min(times["b"][T]), 1), f"{diff:.1e}", check])
+    rows = compare_rows(outs, times)
     headers = ["T", "a median us", "b median us", "b / a", "a min us", "b min us", "rel diff", "check"]
     title = (f"{args.preset} {args.weights}: FusedMoE.experts graph replays, {args.rounds} alternating rounds "
              f"(a = {trees['a']}, b = {trees['b']})")

@@ -420,17 +420,17 @@ grouped, cuda, fused, dynamic, gather"
                     --weights mxfp4 --tokens 128,1024 --regime decode --out "$OUT/bench/decode-tiles-$preset" --candidates \
                     "${DECODE_TILES:-BM32_BN128_BK256_G1_w4_s3_hop_ptx,BM32_BN128_BK256_G1_w8_s3_hop_ptx,BM32_BN128_BK128_G1_w4_s4_hop_ptx,BM32_BN256_BK128_G1_w8_s3_hop_ptx}"
             done ;;
-        mx-upcast)  # the prepared-MXFP4 upcast (its scale a 16-bit operand of the inline PTX): the prepared GEMM's and
-            # the decode kernels' GPU tests against the reference, the experts suite's MXFP4 calls, memcheck of the small cases
-            STEP_TIMEOUT=330 step test-hopper python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k "hopper and not big_tiles"
+        mx-upcast)  # the prepared-MXFP4 upcast (its scale a 16-bit operand of the inline PTX): the decode kernels' and the
+            # experts suite's MXFP4 GPU tests, memcheck of the small cases, then the prepared GEMM's GPU tests
             STEP_TIMEOUT=150 step test-decode-mx python3 -m pytest -q -m gpu tests/test_decode_gpu.py tests/test_experts_gpu.py \
                 -k "mxfp4 or mx or hopper"
             STEP_TIMEOUT=120 step sanitizer-hopper compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
-                -m gpu tests/test_gemm_gpu.py tests/test_decode_gpu.py -k "hopper_small_sanitizer or sanitizer" ;;
+                -m gpu tests/test_gemm_gpu.py tests/test_decode_gpu.py -k "hopper_small_sanitizer or sanitizer"
+            STEP_TIMEOUT=330 step test-hopper python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k "hopper and not big_tiles" ;;
         trees-ab)  # whole calls of two source trees in alternating rounds (bench_trees_ab.py): AB_TREE (default .ab/main,
-            # carried) against this tree on GPT-OSS (every T) and DeepSeek-V4 MXFP4 (AB_DSV4_TOKENS)
+            # carried) against this tree on GPT-OSS and DeepSeek-V4 MXFP4 (AB_GPT_TOKENS, AB_DSV4_TOKENS)
             STEP_TIMEOUT=270 step trees-ab-gpt-oss python3 benchmarks/bench_trees_ab.py --tree-a "${AB_TREE:-.ab/main}" \
-                --tree-b . --preset gpt-oss-120b --weights mxfp4 --tokens 1,16,128,1024,8192 --out "$OUT/bench/trees-ab-gpt-oss"
+                --tree-b . --preset gpt-oss-120b --weights mxfp4 --tokens "${AB_GPT_TOKENS:-1,16,128,1024,8192}" --out "$OUT/bench/trees-ab-gpt-oss"
             STEP_TIMEOUT=220 step trees-ab-dsv4 python3 benchmarks/bench_trees_ab.py --tree-a "${AB_TREE:-.ab/main}" \
                 --tree-b . --preset dsv4-flash --weights mxfp4 --tokens "${AB_DSV4_TOKENS:-1,128,1024}" \
                 --out "$OUT/bench/trees-ab-dsv4" ;;

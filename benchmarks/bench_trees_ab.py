@@ -60,6 +60,12 @@ def worker(args) -> None:
         print(json.dumps(times), flush=True)
 
 
+def worker_command(args, save: Path) -> list:
+    """The command line of a worker: this script with the driver's layer and token arguments."""
+    return [sys.executable, __file__, "--worker", "--save", str(save), "--preset", args.preset,
+            "--weights", args.weights, "--tokens", args.tokens]
+
+
 def reply(proc, prefix: str):
     """The worker's next stdout line starting with `prefix` (None once it has exited); what else
     it prints on the way is passed through."""
@@ -89,10 +95,10 @@ def compare_rows(outs: dict, times: dict) -> list:
     return rows
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tree-a", required=True, help="the baseline tree (holds src/padded_moe)")
-    p.add_argument("--tree-b", required=True, help="the changed tree")
+    p.add_argument("--tree-a", help="the baseline tree (holds src/padded_moe); required")
+    p.add_argument("--tree-b", help="the changed tree; required")
     p.add_argument("--preset", default="gpt-oss-120b")
     p.add_argument("--weights", default="mxfp4", choices=("bf16", "mxfp4"))
     p.add_argument("--tokens", default="1,16,128,1024,8192", help="comma list of token counts")
@@ -100,10 +106,16 @@ def main() -> None:
     p.add_argument("--out", default="bench-out/trees-ab")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--save", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.worker:
         worker(args)
         return
+    if args.tree_a is None or args.tree_b is None:
+        raise SystemExit("--tree-a and --tree-b are required")
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
     import torch
@@ -119,9 +131,7 @@ def main() -> None:
     procs = {}
     for name, tree in trees.items():
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "src"), os.environ.get("PYTHONPATH", "")]))
-        cmd = [sys.executable, __file__, "--worker", "--save", str(tmp / f"{name}.pt"), "--preset", args.preset,
-               "--weights", args.weights, "--tokens", args.tokens]
-        procs[name] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs[name] = subprocess.Popen(worker_command(args, tmp / f"{name}.pt"), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         # one build at a time: the second worker compiles while nothing is timed, and the first is ready
         if reply(procs[name], "ready") is None:
             raise SystemExit(f"worker for tree {name} ({tree}) failed to start")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,6 +39,7 @@ def worker(args) -> None:
     sys.path.insert(0, str(HERE))
     from _common import bench_us, captured
 
+    import padded_moe
     from padded_moe.layer import FusedMoE
 
     layer = FusedMoE.from_preset(args.preset, weight_format=args.weights, device="cuda", dtype=torch.bfloat16)
@@ -54,7 +56,7 @@ def worker(args) -> None:
         torch.cuda.synchronize()
         graphs[T], outs[T] = (graph, x, tw, ids, out), out.cpu()
     torch.save(outs, args.save)
-    print("ready", flush=True)
+    print("ready", padded_moe.__file__, flush=True)  # the driver checks the package came from its tree
     while sys.stdin.readline().strip() == "time":
         times = {T: bench_us(g[0].replay, warmup_ms=10, rep_ms=100) for T, g in graphs.items()}
         print(json.dumps(times), flush=True)
@@ -131,11 +133,18 @@ def main() -> None:
     procs = {}
     for name, tree in trees.items():
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "src"), os.environ.get("PYTHONPATH", "")]))
-        procs[name] = subprocess.Popen(worker_command(args, tmp / f"{name}.pt"), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs[name] = subprocess.Popen(worker_command(args, tmp / f"{name}.pt"), env=env, stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True)
         # one build at a time: the second worker compiles while nothing is timed, and the first is ready
-        if reply(procs[name], "ready") is None:
+        ready = reply(procs[name], "ready")
+        if ready is None:
             raise SystemExit(f"worker for tree {name} ({tree}) failed to start")
+        imported = Path(ready.split(maxsplit=1)[1].strip()).resolve()
+        if not imported.is_relative_to(tree / "src"):
+            raise SystemExit(f"worker for tree {name} imported padded_moe from {imported}, not from {tree / 'src'} "
+                             "(an installed copy ahead of PYTHONPATH?)")
     outs = {name: torch.load(tmp / f"{name}.pt") for name in trees}
+    shutil.rmtree(tmp)
     times = {name: {} for name in trees}
     for _ in range(args.rounds):
         for name, proc in procs.items():

@@ -58,12 +58,13 @@ def test_worker_command_parses_as_a_worker(tmp_path):
 
 
 FAKE_WORKER = r"""
-import json, sys, torch
+import json, os, sys, torch
 save, scale = sys.argv[1], float(sys.argv[2])
+tree_src = os.environ["PYTHONPATH"].split(os.pathsep)[0]
 print("a line of the library's own output before ready")
 out = torch.arange(8.0).reshape(2, 4)
 torch.save({1: out * scale, 16: out}, save)
-print("ready", flush=True)
+print("ready", os.path.join(tree_src, "padded_moe", "__init__.py"), flush=True)
 n = 0
 while sys.stdin.readline().strip() == "time":
     n += 1
@@ -101,3 +102,18 @@ def test_driver_alternates_workers_and_reports(monkeypatch, tmp_path, capsys):
     assert rows[0][:4] == [1, 12.0, 22.0, round(22 / 12, 3)] and rows[0][-1] == "WRONG"
     assert rows[1][:4] == [16, 20.0, 20.0, 1.0] and rows[1][-1] == "bitwise"
     assert "noise between replies" in capsys.readouterr().out
+
+
+def test_a_worker_importing_another_tree_is_refused(monkeypatch, tmp_path):
+    """A worker whose padded_moe came from elsewhere (an installed copy ahead of PYTHONPATH) would
+    time the wrong code: the driver stops."""
+    script = tmp_path / "fake_worker.py"
+    script.write_text('print("ready /somewhere/else/padded_moe/__init__.py", flush=True)\n')
+    (tmp_path / "a" / "src" / "padded_moe").mkdir(parents=True)
+    (tmp_path / "a" / "src" / "padded_moe" / "__init__.py").write_text("")
+    monkeypatch.setattr(bench_trees_ab, "worker_command", lambda args, save: [sys.executable, str(script)])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sys, "argv", ["bench_trees_ab.py", "--tree-a", str(tmp_path / "a"), "--tree-b",
+                                      str(tmp_path / "a")])
+    with pytest.raises(SystemExit, match="imported padded_moe from"):
+        bench_trees_ab.main()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -33,6 +33,19 @@ def captured(fn: Callable[[], object]) -> tuple:
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def random_layer(preset: str, weight_format: Optional[str] = None, **kwargs):
+    """`FusedMoE.from_preset(preset)` in bf16 on the GPU with the benchmarks' random weights
+    (`randomize(seed=0, std=0.02)`: every benchmark times the same layer), its expert weights in
+    the form the kernels read (MXFP4: quantized and prepared) made here, outside any timing.
+    `weight_format` None: the preset's own; `kwargs` go to `from_preset`."""
+    from padded_moe.layer import FusedMoE  # after the caller has set up its import path
+
+    layer = FusedMoE.from_preset(preset, weight_format=weight_format, device="cuda", dtype=torch.bfloat16, **kwargs)
+    layer.randomize(seed=0, std=0.02)
+    layer.expert_weights()
+    return layer
 
 
 def bench_graph_us(fn: Callable[[], object], *, replays: int = 20) -> float:

@@ -17,9 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import bench_graph_us, print_table, write_report  # noqa: E402
-
-from padded_moe import FusedMoE  # noqa: E402
+from _common import bench_graph_us, print_table, random_layer, write_report  # noqa: E402
 
 
 def loop_us(fn, calls: int = 50) -> float:
@@ -71,8 +69,7 @@ def main() -> None:
     rows = []
     for spec in args.presets:
         preset, _, fmt = spec.partition(":")
-        layer = FusedMoE.from_preset(preset, device="cuda", dtype=torch.bfloat16, **({"weight_format": fmt} if fmt else {}))
-        layer.randomize(seed=0, std=0.02)
+        layer = random_layer(preset, fmt or None)
         for T in args.tokens:
             torch._dynamo.reset()
             x = torch.randn(T, layer.hidden_size, device="cuda", dtype=torch.bfloat16)

@@ -23,11 +23,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import bench_graph_us, bench_us, captured, copy_bandwidth_gbs, print_table, write_report  # noqa: E402
+from _common import bench_graph_us, bench_us, captured, copy_bandwidth_gbs, print_table, random_layer, write_report  # noqa: E402
 
 from padded_moe import decode as dec  # noqa: E402
 from padded_moe import experts as ex  # noqa: E402
-from padded_moe.layer import FusedMoE  # noqa: E402
 
 PRESETS = ("qwen3-30b-a3b", "dsv4-flash", "mixtral-8x7b", "gpt-oss-120b")
 # One kernel's tiles varied at a time, the other's at the middle candidate.
@@ -160,8 +159,7 @@ def main() -> None:
     print(f"copy bandwidth {copy / 1e12:.2f} TB/s")
     rows, sweep_rows, ab_rows = [], [], []
     for name in args.presets.split(","):
-        layer = FusedMoE.from_preset(name, weight_format=args.weights, device="cuda", dtype=torch.bfloat16)
-        layer.randomize(seed=0, std=0.02)
+        layer = random_layer(name, args.weights)
         gen = torch.Generator(device="cuda").manual_seed(1)
         # Bytes one expert's weights occupy in the format the call reads (MXFP4: e2m1 + E8M0).
         per_weight = 2 if args.weights == "bf16" else 0.5 + 1 / 32

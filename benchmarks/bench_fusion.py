@@ -25,11 +25,10 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import bench_us, captured, print_table, write_report  # noqa: E402
+from _common import bench_us, captured, print_table, random_layer, write_report  # noqa: E402
 
 from padded_moe import experts as ex  # noqa: E402
 from padded_moe.gemm import FUSE_ENV  # noqa: E402
-from padded_moe.layer import FusedMoE  # noqa: E402
 
 DEFAULT_CASES = "gpt-oss-120b:mxfp4,dsv4-flash:bf16,dsv4-flash:mxfp4,qwen3-30b-a3b:bf16,mixtral-8x7b:bf16"
 TWO_STEPS = "two steps"
@@ -82,9 +81,7 @@ def main() -> None:
     rows = []
     for case in args.cases.split(","):
         preset, _, weights = case.partition(":")
-        layer = FusedMoE.from_preset(preset, weight_format=weights or "bf16", device="cuda", dtype=torch.bfloat16)
-        layer.randomize(seed=0, std=0.02)
-        layer.expert_weights()  # quantized and prepared once, outside the timing
+        layer = random_layer(preset, weights or "bf16")
         gen = torch.Generator(device="cuda").manual_seed(1)
         for T in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(T, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)

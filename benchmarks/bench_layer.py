@@ -16,10 +16,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import bar_plot, bench_graph_us, bench_us, print_table, write_report  # noqa: E402
+from _common import bar_plot, bench_graph_us, bench_us, print_table, random_layer, write_report  # noqa: E402
 
 from padded_moe.layer import FusedMoE  # noqa: E402
-from padded_moe.presets import get_preset  # noqa: E402
 
 TOKENS = (1, 16, 128, 1024, 8192)
 
@@ -64,9 +63,8 @@ def time_both(fn) -> tuple[float, float]:
 
 
 def bench_preset(name: str, weight_format: str, rows: list, hf: dict) -> None:
-    layer = FusedMoE.from_preset(name, weight_format=weight_format, device="cuda", dtype=torch.bfloat16)
-    layer.randomize(seed=0, std=0.02)
-    w13 = layer.expert_weights()[0]  # MXFP4: prepared once, outside the timing
+    layer = random_layer(name, weight_format)
+    w13 = layer.expert_weights()[0]
     stand_in = HFExpertsStandIn(layer) if weight_format == "bf16" else None  # HF runs bf16 weights only
     for m in TOKENS:
         x = torch.randn(m, layer.hidden_size, device="cuda", dtype=torch.bfloat16)

@@ -46,7 +46,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import bench_us, captured, copy_bandwidth_gbs, matmul_tflops, print_table, write_report  # noqa: E402
+from _common import bench_us, captured, copy_bandwidth_gbs, matmul_tflops, print_table, random_layer, write_report  # noqa: E402
 from profile_layer import kernel_times, print_kernel_times  # noqa: E402
 
 from padded_moe import fused_experts  # noqa: E402
@@ -231,9 +231,7 @@ def main() -> None:
     for item in (s.strip() for s in args.presets.split(",") if s.strip()):
         preset, _, fmt = item.partition(":")
         fmt = fmt or "bf16"
-        layer = FusedMoE.from_preset(preset, weight_format=fmt, device="cuda", dtype=torch.bfloat16,
-                                     keep_canonical=fmt == "mxfp4")
-        layer.randomize(seed=0, std=0.02)
+        layer = random_layer(preset, fmt, keep_canonical=fmt == "mxfp4")
         w13, w2 = layer.expert_weights()
         E, K, N = layer.num_experts, layer.hidden_size, w2.shape[2]
         if fmt == "mxfp4":

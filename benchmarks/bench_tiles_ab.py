@@ -41,7 +41,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import bench_us, captured, print_table, write_report  # noqa: E402
+from _common import bench_us, captured, print_table, random_layer, write_report  # noqa: E402
 
 from padded_moe import experts as ex  # noqa: E402
 from padded_moe import layouts  # noqa: E402
@@ -175,9 +175,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_tiles_ab times CUDA graphs: it needs a GPU")
     t0 = time.time()
-    layer = FusedMoE.from_preset(args.preset, weight_format=args.weights, device="cuda", dtype=torch.bfloat16)
-    layer.randomize(seed=0, std=0.02)
-    w13, _ = layer.expert_weights()  # quantized and prepared once, outside the timing
+    layer = random_layer(args.preset, args.weights)
+    w13, _ = layer.expert_weights()
     kind = table_kind_of(w13)
     prepared = getattr(w13, "hopper", None)
     key = (kind, args.regime)

@@ -37,14 +37,11 @@ def worker(args) -> None:
     import torch
 
     sys.path.insert(0, str(HERE))
-    from _common import bench_us, captured
+    from _common import bench_us, captured, random_layer
 
     import padded_moe
-    from padded_moe.layer import FusedMoE
 
-    layer = FusedMoE.from_preset(args.preset, weight_format=args.weights, device="cuda", dtype=torch.bfloat16)
-    layer.randomize(seed=0, std=0.02)
-    layer.expert_weights()  # quantized and prepared once, outside the timing
+    layer = random_layer(args.preset, args.weights)
     gen = torch.Generator(device="cuda").manual_seed(1)
     graphs, outs = {}, {}
     for T in (int(t) for t in args.tokens.split(",")):

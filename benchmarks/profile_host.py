@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import bench_graph_us  # noqa: E402
+from _common import bench_graph_us, random_layer  # noqa: E402
 
 from padded_moe import fused_experts  # noqa: E402
 from padded_moe.layouts import PermuteScratch  # noqa: E402
@@ -141,11 +141,9 @@ def run_gate(K: int, E: int, bias: bool, tokens: list[int]) -> None:
 
 def run_layer(preset: str, T: int, calls: int) -> None:
     """`FusedMoE` eager vs `torch.compile(fullgraph=True)`: time per call and where the host time goes."""
-    from padded_moe import FusedMoE
     from padded_moe import experts as X
 
-    layer = FusedMoE.from_preset(preset, device="cuda", dtype=torch.bfloat16)
-    layer.randomize(seed=0, std=0.02)
+    layer = random_layer(preset)
     x = torch.randn(T, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
     comp = torch.compile(layer, fullgraph=True)  # the forward as one op (padded_moe::moe_forward)
     traced = torch.compile(lambda x: layer._forward(x, None, None, None), fullgraph=True)  # gate, router, experts

@@ -11,13 +11,17 @@ of record: the timings in docs/benchmarks.md come from bench_layer.py.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from padded_moe._graphs import capture_warm
-from padded_moe.layer import FusedMoE
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import random_layer  # noqa: E402
+
+from padded_moe._graphs import capture_warm  # noqa: E402
 
 
 def kernel_times(fn, calls: int) -> dict:
@@ -65,9 +69,7 @@ def main() -> None:
                    help="profile CUDA-graph replays of the forward and print the replay time next to the "
                         "sum of kernel times (the difference is launch gaps inside the graph)")
     args = p.parse_args()
-    layer = FusedMoE.from_preset(args.preset, weight_format=args.weights, device="cuda", dtype=torch.bfloat16)
-    layer.randomize(seed=0, std=0.02)
-    layer.expert_weights()
+    layer = random_layer(args.preset, args.weights)
     for m in args.tokens:
         x = torch.randn(m, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
         fn = torch.no_grad()(lambda: layer(x))

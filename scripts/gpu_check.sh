@@ -660,6 +660,16 @@ grouped, cuda, fused, dynamic, gather"
             step ab-small python3 benchmarks/bench_tiles_ab.py --preset gpt-oss-120b --weights mxfp4 --tokens 1024 \
                 --regime small --candidates BM64_BN128_BK128_G4_w4_s3_hop_ptx,BM64_BN128_BK128_G4_w4_s4_hop_ptx,BM64_BN256_BK64_G4_w8_s3_hop_ptx \
                 --out "$OUT/ab-small" ;;
+        small-cap)  # the prepared-MXFP4 small tile with and without a 168-register cap (GemmConfig.maxnreg, 3 blocks
+            # per SM where ptxas takes 170 registers) on whole calls in the small regime, alternating rounds
+            STEP_TIMEOUT=160 step ab-small-cap-gpt-oss python3 benchmarks/bench_tiles_ab.py --preset gpt-oss-120b \
+                --weights mxfp4 --tokens 1024 --regime small \
+                --candidates BM64_BN128_BK64_G4_w4_s4_hop_ptx_half,BM64_BN128_BK64_G4_w4_s4_hop_ptx_half_r168 \
+                --out "$OUT/ab-small-cap-gpt-oss"
+            STEP_TIMEOUT=160 step ab-small-cap-dsv4 python3 benchmarks/bench_tiles_ab.py --preset dsv4-flash \
+                --weights mxfp4 --tokens 2048 --regime small \
+                --candidates BM64_BN128_BK64_G4_w4_s4_hop_ptx_half,BM64_BN128_BK64_G4_w4_s4_hop_ptx_half_r168 \
+                --out "$OUT/ab-small-cap-dsv4" ;;
         persistent)  # GemmConfig.persistent: GPU tests (bits of one program per tile, graphs), then each
             # medium / prefill table entry against its persistent form on whole calls, alternating rounds
             STEP_TIMEOUT=400 step test-persistent python3 -m pytest -q -n 2 -m gpu tests/test_gemm_gpu.py -k persistent

@@ -890,7 +890,10 @@ def test_config_short_names_read_back():
                                                          for cands in kg.sweep_lists(kind).values() for c in cands}
     for c in configs:
         assert kg.GemmConfig.from_short(c.short()) == c
-    for bad in ("BM64_BN128", "BM64_BN128_BK64_G4_w4_s4_hop_xyz", "BM64_BN128_BK64_G4_w4_s4_ptx_hop"):
+        capped = dataclasses.replace(c, maxnreg=168)
+        assert capped.short() == c.short() + "_r168" and kg.GemmConfig.from_short(capped.short()) == capped
+    for bad in ("BM64_BN128", "BM64_BN128_BK64_G4_w4_s4_hop_xyz", "BM64_BN128_BK64_G4_w4_s4_ptx_hop",
+                "BM64_BN128_BK64_G4_w4_s4_r168_hop"):
         with pytest.raises(ValueError, match="short name|unknown tags|reads back"):
             kg.GemmConfig.from_short(bad)
 

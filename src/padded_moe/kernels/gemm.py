@@ -102,22 +102,29 @@ class GemmConfig:
     # together. Each program takes as many tiles as in the static walk. The counter is zeroed
     # before each launch. Same tiles, same math: bit-identical.
     dynamic: bool = False
+    # A cap on registers per thread (ptxas `maxnreg`), None for none. ptxas allocates registers in
+    # steps of 8 per thread, so a kernel a few registers over a step (e.g. 170 on 4 warps) holds one
+    # block per SM fewer than at the step below (168: 3 blocks, 176: 2); a cap that costs no spills
+    # gives the block back.
+    maxnreg: Optional[int] = None
 
     def short(self) -> str:
         tag = "".join(f"_{name}" for name, field, when in _SHORT_TAGS if getattr(self, field) == when)
-        return f"BM{self.BM}_BN{self.BN}_BK{self.BK}_G{self.GROUP_M}_w{self.num_warps}_s{self.num_stages}{tag}"
+        cap = "" if self.maxnreg is None else f"_r{self.maxnreg}"
+        return f"BM{self.BM}_BN{self.BN}_BK{self.BK}_G{self.GROUP_M}_w{self.num_warps}_s{self.num_stages}{tag}{cap}"
 
     @classmethod
     def from_short(cls, name: str) -> "GemmConfig":
         """The config whose `short()` is `name`; ValueError for anything else."""
-        m = re.fullmatch(r"BM(\d+)_BN(\d+)_BK(\d+)_G(\d+)_w(\d+)_s(\d+)((?:_[a-z]+)*)", name)
+        m = re.fullmatch(r"BM(\d+)_BN(\d+)_BK(\d+)_G(\d+)_w(\d+)_s(\d+)((?:_[a-z]+)*)(?:_r(\d+))?", name)
         if m is None:
             raise ValueError(f"not a GemmConfig short name: {name!r}")
         tags = {t for t in m.group(7).split("_") if t}
         known = {tag: (field, when) for tag, field, when in _SHORT_TAGS}
         if tags - known.keys():
             raise ValueError(f"unknown tags {sorted(tags - known.keys())} in {name!r}")
-        cfg = cls(*(int(g) for g in m.groups()[:6]), **{known[t][0]: known[t][1] for t in tags})
+        cap = None if m.group(8) is None else int(m.group(8))
+        cfg = cls(*(int(g) for g in m.groups()[:6]), **{known[t][0]: known[t][1] for t in tags}, maxnreg=cap)
         if cfg.short() != name:
             raise ValueError(f"{name!r} reads back as {cfg.short()!r}")
         return cfg
@@ -1551,7 +1558,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
         key, args = ints + act_floats + ptr_key(*ptrs), ptrs + ints + act_floats
         grid = _grid(_expert_gemm_mx_hopper_kernel, grid, key, args, constexprs, cfg, walk)
         launch_kernel(_expert_gemm_mx_hopper_kernel, grid, key, args, constexprs, num_warps=cfg.num_warps,
-                      num_stages=cfg.num_stages)
+                      num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
         return out2
     a_desc = cfg.tma and layout != codes.INDEXED and _tma_ok(a2, a2.shape[0], BK)
     read = weight_read(cfg, a2, w, gated, gated and epilogue.activation.interleaved)
@@ -1590,7 +1597,7 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     args = (a_arg, a_half, w_arg) + ptrs[2:] + ints + act_floats
     grid = _grid(_expert_gemm_kernel, grid, key, args, constexprs, cfg, walk)
     launch_kernel(_expert_gemm_kernel, grid, key, args, constexprs, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
+                  num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
     return out2
 
 
@@ -1600,5 +1607,6 @@ def _grid(fn, tiles: tuple[int], key: tuple, args: tuple, constexprs: dict, cfg:
     (from the compiled kernel's registers and shared memory), never more than the tiles."""
     if not walk:
         return tiles
-    resident = resident_programs(fn, key, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    resident = resident_programs(fn, key, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                 maxnreg=cfg.maxnreg)
     return (max(1, min(tiles[0], resident)),)

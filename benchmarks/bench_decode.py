@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import bench_graph_us, bench_us, captured, copy_bandwidth_gbs, print_table, random_layer, write_report  # noqa: E402
+from _common import (bench_graph_us, bench_us, captured, copy_bandwidth_gbs, print_table,  # noqa: E402
+                     random_layer, write_report)
 
 from padded_moe import decode as dec  # noqa: E402
 from padded_moe import experts as ex  # noqa: E402

@@ -844,6 +844,30 @@ def test_mxfp4_hopper_config_errors(monkeypatch, gen):
     assert rel_err(out[0, :2], a[0, :2].double() @ w64[0].T) < REL_TOL[torch.bfloat16]
 
 
+def test_config_register_cap(monkeypatch, gen):
+    """`GemmConfig.maxnreg`: a value ptxas cannot take is a ValueError naming it; a cap runs and (under
+    the interpreter, where it changes nothing) gives the bits of the uncapped config."""
+    require_interpreter(monkeypatch)
+    from padded_moe.backends import get_backend
+    from padded_moe.kernels import gemm as kg
+
+    w = torch.randn(2, 32, 64, generator=gen)
+    meta = masked_meta([3, 1], 4)
+    a = torch.randn(2, 4, 64, generator=gen)
+    a[0, 3:], a[1, 1:] = float("nan"), float("nan")  # past each expert's count: never read
+    be = get_backend("triton")
+    for bad in (0, 8, 256, 168.0, True):
+        with pytest.raises(ValueError, match="config.maxnreg must be None or an int from 16 to 255"):
+            be.gemm(a, w, meta, stage="w13", bias=None, out=torch.empty(2, 4, 32),
+                    config=dataclasses.replace(kg.INTERPRET_CONFIG, maxnreg=bad))
+    plain, capped = (be.gemm(a, w, meta, stage="w13", bias=None, out=torch.full((2, 4, 32), SENTINEL),
+                             config=dataclasses.replace(kg.INTERPRET_CONFIG, maxnreg=cap)) for cap in (None, 168))
+    for e, rows in enumerate((3, 1)):
+        assert rel_err(plain[e, :rows], a[e, :rows].double() @ w[e].double().T) < REL_TOL[torch.float32]
+        assert (plain[e, rows:] == SENTINEL).all()
+    assert torch.equal(plain, capped)
+
+
 def test_every_tuned_entry_leads_its_sweep():
     """Each tuned entry is the first candidate of its regime's sweep list: the benchmark then
     times it next to its rivals, and the GPU test that runs every sweep candidate covers it."""

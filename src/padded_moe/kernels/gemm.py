@@ -1484,6 +1484,9 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     if mx and w_hopper is None and config is None and a2.is_cuda:
         warn_unprepared(a2.device)
     hopper = mx and cfg.mx_hopper
+    if cfg.maxnreg is not None and (type(cfg.maxnreg) is not int or not 16 <= cfg.maxnreg <= 255):
+        raise ValueError(f"config.maxnreg must be None or an int from 16 to 255 (registers per thread), "
+                         f"got {cfg.maxnreg!r}")
     if mx and not hopper and w is None:
         raise ValueError("config.mx_hopper=False (the tl.dot_scaled kernel) reads the canonical MXFP4 bytes, which "
                          "this weight does not hold (prepare_for(keep_canonical=False)); use its canonical() form")

@@ -845,8 +845,9 @@ def test_mxfp4_hopper_config_errors(monkeypatch, gen):
 
 
 def test_config_register_cap(monkeypatch, gen):
-    """`GemmConfig.maxnreg`: a value ptxas cannot take is a ValueError naming it; a cap runs and (under
-    the interpreter, where it changes nothing) gives the bits of the uncapped config."""
+    """`GemmConfig.maxnreg`: a value ptxas cannot take is a ValueError naming it (made with the
+    config); a cap runs and (under the interpreter, where it changes nothing) gives the bits of the
+    uncapped config."""
     require_interpreter(monkeypatch)
     from padded_moe.backends import get_backend
     from padded_moe.kernels import gemm as kg

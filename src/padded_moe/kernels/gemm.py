@@ -108,6 +108,12 @@ class GemmConfig:
     # gives the block back.
     maxnreg: Optional[int] = None
 
+    def __post_init__(self):
+        # Checked once here, where the config is made, rather than on every launch.
+        if self.maxnreg is not None and (type(self.maxnreg) is not int or not 16 <= self.maxnreg <= 255):
+            raise ValueError(f"config.maxnreg must be None or an int from 16 to 255 (registers per thread), "
+                             f"got {self.maxnreg!r}")
+
     def short(self) -> str:
         tag = "".join(f"_{name}" for name, field, when in _SHORT_TAGS if getattr(self, field) == when)
         cap = "" if self.maxnreg is None else f"_r{self.maxnreg}"
@@ -1484,9 +1490,6 @@ def launch(a2: torch.Tensor, w, w_scales: Optional[torch.Tensor], out2: torch.Te
     if mx and w_hopper is None and config is None and a2.is_cuda:
         warn_unprepared(a2.device)
     hopper = mx and cfg.mx_hopper
-    if cfg.maxnreg is not None and (type(cfg.maxnreg) is not int or not 16 <= cfg.maxnreg <= 255):
-        raise ValueError(f"config.maxnreg must be None or an int from 16 to 255 (registers per thread), "
-                         f"got {cfg.maxnreg!r}")
     if mx and not hopper and w is None:
         raise ValueError("config.mx_hopper=False (the tl.dot_scaled kernel) reads the canonical MXFP4 bytes, which "
                          "this weight does not hold (prepare_for(keep_canonical=False)); use its canonical() form")

@@ -185,9 +185,9 @@ def _mx4_step(w_rows, s_rows, stride_sk, v_base, k0, K, KB, rows_ok, v_ok, G: tl
     words, xv = _word_step_loads(w_rows, v_base, k0, K, KB, rows_ok, v_ok, G)
     x00, x01, x10, x11, x20, x21, x30, x31 = _word_order(xv, G, ROWS_3D)
     if UPCAST_PTX:
-        f = tl.full(words.shape, _TWO_POW_126_BF16, tl.int32)
+        f = tl.full(words.shape, _TWO_POW_126_BF16, tl.int16)
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
-            asm=_FOUR_PLANE_PTX_FOLDED_ASM, constraints="=r,=r,=r,=r,r,r", args=[words, f],
+            asm=_FOUR_PLANE_PTX_FOLDED_ASM, constraints="=r,=r,=r,=r,r,h", args=[words, f],
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
         acc = _pair_times(tl.zeros(words.shape, dtype=tl.float32), p0, x00, x01)
         acc = _pair_times(acc, p1, x10, x11)

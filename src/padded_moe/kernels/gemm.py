@@ -1065,8 +1065,9 @@ def _four_plane_ptx_asm(folded: bool) -> str:
     (`mxfp4.FOUR_PLANE_BITS`, both 16-bit halves at once) -> four bf16x2 pairs, plane p's pair
     being the code's value times 2^-126 (planes 0-2: one shift and one mask; plane 3: three
     pieces), then times 2^126 unless the scales are folded, then times the group's scale ($5: a
-    bf16 in the low half, copied to both halves first)."""
-    lines = ["prmt.b32 s, $5, 0, 0x1010;"]
+    16-bit register holding its bf16 bits, paired with itself; ptxas folds the pairing into the
+    multiply's operand, where a 32-bit factor cost an extract and a prmt per word)."""
+    lines = ["mov.b32 s, {$5, $5};"]
     lines += ["and.b32 u, $4, 0x81C081C0;"] + _ptx_scaled(0, "s", folded)
     lines += ["shl.b32 u, $4, 3;", "and.b32 u, u, 0x81C081C0;"] + _ptx_scaled(1, "s", folded)
     lines += ["shl.b32 u, $4, 6;", "and.b32 u, u, 0x81C081C0;"] + _ptx_scaled(2, "s", folded)
@@ -1121,14 +1122,14 @@ def _upcast_pairs(words, s, dtype: tl.constexpr, UPCAST_PTX: tl.constexpr, FOLDE
     W: tl.constexpr = words.shape[1]
     G: tl.constexpr = W // 4
     if UPCAST_PTX:  # the bf16 factor's bits for the inline PTX, else the float32 factor
-        f = _factor_bf16(s, FOLDED).to(tl.uint16, bitcast=True).to(tl.int32)
+        f = _factor_bf16(s, FOLDED).to(tl.int16, bitcast=True)
     else:
         f = _factor_f32(s, FOLDED)
     f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, G, 4)), (BN, W))  # each word's group factor
     if UPCAST_PTX:
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
             asm=_FOUR_PLANE_PTX_FOLDED_ASM if FOLDED else _FOUR_PLANE_PTX_ASM,
-            constraints="=r,=r,=r,=r,r,r",
+            constraints="=r,=r,=r,=r,r,h",
             args=[words, f],
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
             is_pure=True,

@@ -49,6 +49,12 @@ if [ -n "${REQUIRE_GPU:-}" ] && ! nvidia-smi --query-gpu=name --format=csv,nohea
     echo "not an $REQUIRE_GPU: stopped (REQUIRE_GPU)" | tee -a "$summary"
     exit 3
 fi
+# A carried .peers must be the adapted copy (scripts/setup_peers.sh: our MXFP4 weights prepared at build, as
+# triton_kernels' are swizzled at build); a plain copy of the harness times the unprepared kernel
+if [ -f .peers/bench_peers.py ] && ! grep -q "_scales).prepare_for()" .peers/bench_peers.py; then
+    echo ".peers is not set up by scripts/setup_peers.sh (MXFP4 weights unprepared): stopped" | tee -a "$summary"
+    exit 4
+fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$summary"
 for stage in "$@"; do
     case "$stage" in

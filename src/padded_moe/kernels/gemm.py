@@ -196,7 +196,9 @@ TUNED.update({
 # leave two blocks per SM; the same tile on 8 warps (128 registers), BK 128 and BN 64 were slower in
 # whole calls (bench_tiles_ab, H100: 1.01-1.30x at 128 tokens, 1.09-1.22x on DeepSeek-V4 at 1024),
 # and 4 stages gained 1-3% at 128 tokens but took 1.21x on DeepSeek-V4 at 1024, so occupancy is not
-# what bounds it.
+# what bounds it. The small tile without a fused activation takes 170 registers (2 blocks per SM);
+# capped at 168 (`maxnreg`, 3 blocks, no spills) it was level in whole calls (H100: GPT-OSS at 1024
+# tokens 0.997x, DeepSeek-V4 at 2048 1.01x), so it runs uncapped.
 TUNED.update({
     ("mxfp4_hopper4", "decode"): GemmConfig(32, 128, 256, 1, 4, 3, mx_hopper=True, mx_ptx=True),
     ("mxfp4_hopper4", "small"): GemmConfig(64, 128, 64, 4, 4, 4, mx_hopper=True, mx_ptx=True, half_tail=True),

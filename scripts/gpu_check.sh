@@ -115,7 +115,7 @@ for stage in "$@"; do
         auto-peers)  # the library's defaults as a user gets them: the GPU tests of the backends' choice, then the
             # peers harness (.peers carried; no layout or backend forced; each case gets an equal share of the
             # time budget and a later case what an earlier one left, so DeepSeek-V4 bf16, the longest, goes last)
-            STEP_TIMEOUT=100 step test-auto python3 -m pytest -q tests/test_cuda_backend.py tests/test_native.py
+            STEP_TIMEOUT=150 step test-auto python3 -m pytest -q tests/test_cuda_backend.py tests/test_native.py
             STEP_TIMEOUT=460 step peers-auto env BUDGET_S=380 TIMEOUT_S=450 bash .peers/run.sh \
                 --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx,qwen3,mixtral,dsv4 ;;
         rs-peers)  # the RS kernel as auto takes it (GPT-OSS prefill): GPU tests of auto and the RS path, GPT-OSS
@@ -433,6 +433,18 @@ grouped, cuda, fused, dynamic, gather"
             STEP_TIMEOUT=120 step sanitizer-hopper compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
                 -m gpu tests/test_gemm_gpu.py tests/test_decode_gpu.py -k "hopper_small_sanitizer or sanitizer"
             STEP_TIMEOUT=330 step test-hopper python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k "hopper and not big_tiles" ;;
+        native-build)  # the native libraries' first build as a user meets it, in a fresh cache: the grouped GEMM's
+            # source compiled by nvcc without -split-compile (the old flags) for the time, then `padded-moe
+            # build-native` (the package's flags), then the GPU tests of the native kernels on that build
+            export PADDED_MOE_CACHE_DIR=/tmp/pmoe-fresh-cache
+            rm -rf "$PADDED_MOE_CACHE_DIR"
+            STEP_TIMEOUT=200 step build-one-thread bash -c 'time "$(python3 -c "from padded_moe.kernels.native import nvcc_path; print(nvcc_path())")" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
+                -Xcompiler -fPIC -shared -I src/padded_moe/kernels/native -o /tmp/one-thread.so \
+                src/padded_moe/kernels/native/grouped_gemm.cu'
+            STEP_TIMEOUT=200 step build-native bash -c 'time python3 -m padded_moe build-native'
+            STEP_TIMEOUT=${NATIVE_TESTS_S:-300} step test-native-build python3 -m pytest -q -m gpu \
+                tests/test_native_grouped_gpu.py -k "not sanitizer"
+            STEP_TIMEOUT=120 step test-native-decode python3 -m pytest -q -m gpu tests/test_decode_gpu.py -k native ;;
         trees-ab)  # whole calls of two source trees in alternating rounds (bench_trees_ab.py): AB_TREE (default .ab/main,
             # carried) against this tree on GPT-OSS and DeepSeek-V4 MXFP4 (AB_GPT_TOKENS, AB_DSV4_TOKENS)
             STEP_TIMEOUT=270 step trees-ab-gpt-oss python3 benchmarks/bench_trees_ab.py --tree-a "${AB_TREE:-.ab/main}" \

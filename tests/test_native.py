@@ -59,6 +59,35 @@ def test_a_compiler_error_is_reported(fresh_loader, monkeypatch, tmp_path):
     assert not list(fresh_loader.glob("*.so")), "a failed build left a library behind"
 
 
+def test_a_library_another_process_is_building_is_waited_for_not_built_again(fresh_loader, monkeypatch):
+    """While the lock beside the library is held (as a rank building it holds it), a load waits;
+    once the holder leaves the library in place and lets go, the waiter builds nothing."""
+    import fcntl
+    import threading
+
+    built = []
+    monkeypatch.setattr(native.DECODE, "build", lambda path: built.append(path))
+    path = native.DECODE.path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    holder = open(path.with_suffix(".lock"), "a")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    waiter = threading.Thread(target=native.DECODE._build_once, args=(path,))
+    waiter.start()
+    waiter.join(timeout=0.5)
+    assert waiter.is_alive(), "the load did not wait for the lock"
+    path.write_bytes(b"built by the holder")
+    holder.close()  # releases the lock
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and built == []
+    path.unlink()
+    native.DECODE._build_once(path)  # nobody holds the lock and nothing is there: this one builds
+    assert built == [path]
+
+
+def test_the_flags_compile_on_every_cpu():
+    assert native.GROUPED.flags[-2:] == native.DECODE.flags[-2:] == ("-split-compile", "0")
+
+
 def test_nvcc_path_prefers_the_environment(monkeypatch):
     monkeypatch.setenv(native.NVCC_ENV, "/opt/somewhere/nvcc")
     assert native.nvcc_path() == "/opt/somewhere/nvcc"

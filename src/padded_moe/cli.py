@@ -1,4 +1,4 @@
-"""The `padded-moe` command: `--version`, `demo`, `plan`."""
+"""The `padded-moe` command: `--version`, `demo`, `plan`, `build-native`."""
 
 from __future__ import annotations
 
@@ -24,7 +24,23 @@ def _build_parser() -> argparse.ArgumentParser:
     from padded_moe import planner
 
     planner.add_arguments(plan)
+
+    sub.add_parser("build-native", help="build the native CUDA kernels into their cache directory now "
+                   "(nvcc, no GPU needed), so no first call waits for them")
     return parser
+
+
+def _build_native() -> int:
+    from padded_moe.kernels import native
+
+    failed = 0
+    for name, path, seconds, failure in native.build_all():
+        if failure is None:
+            print(f"{name}: {path} ({seconds:.1f} s)")
+        else:
+            failed += 1
+            print(f"{name}: not built: {failure}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -37,6 +53,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from padded_moe import planner
 
         return planner.run_cli(args)
+    if args.command == "build-native":
+        return _build_native()
     return 2
 
 

@@ -7,9 +7,12 @@ native kernel has a Triton twin that stays the default wherever the native one i
 was not measured faster.
 
 Building. The first call that wants a library's kernel compiles its source (with its headers)
-for sm_90 (`GROUPED`: sm_90a, for wgmma; about a minute) with nvcc into a shared library under the
-cache directory and loads it; later processes load the cached library (named by a hash of the
-sources and the flags) without nvcc. nvcc is
+for sm_90 (`GROUPED`: sm_90a, for wgmma) with nvcc into a shared library under the cache directory
+and loads it; later processes load the cached library (named by a hash of the sources and the
+flags) without nvcc. nvcc optimizes the kernels on every CPU of the machine (`-split-compile 0`:
+else the grouped library's kernels are compiled one after another, well over a minute). Processes that want the same library at once (the ranks of one machine) build it once:
+the first takes a lock file beside the library, the others wait for it and load its result.
+`padded-moe build-native` builds both libraries ahead of the first call (no GPU needed). nvcc is
 `PADDED_MOE_NVCC` if set, else `bin/nvcc` under PyTorch's CUDA home (`CUDA_HOME`), else the one on
 `PATH`. The cache directory is `PADDED_MOE_CACHE_DIR` if set, else `padded_moe/` under
 `XDG_CACHE_HOME` (default `~/.cache`). The library links the CUDA runtime statically and exports
@@ -27,12 +30,14 @@ new call's pointers.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -41,7 +46,7 @@ import torch
 NVCC_ENV = "PADDED_MOE_NVCC"
 CACHE_ENV = "PADDED_MOE_CACHE_DIR"
 BUILD_TIMEOUT_S = 600
-_COMMON_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-shared")
+_COMMON_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-shared", "-split-compile", "0")
 # sm_90 machine code only: the decode kernels use Hopper's bf16x2 multiply and were measured there.
 CAPABILITY = (9, 0)
 
@@ -120,6 +125,19 @@ class NativeLibrary:
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
+    def _build_once(self, path: Path) -> None:
+        """Build `path` unless another process does: under an exclusive lock on a file beside it,
+        built only if it is still missing once the lock is held."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            lock = open(path.with_suffix(".lock"), "a")
+        except OSError as exc:
+            raise NativeUnavailable(f"cannot open the build lock beside {path}: {exc}") from exc
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not path.exists():
+                self.build(path)
+
     def load(self) -> ctypes.CDLL:
         """The loaded library, built first if the cache lacks it. Raises `NativeUnavailable` (and
         keeps raising it for this process) where that fails."""
@@ -133,7 +151,7 @@ class NativeLibrary:
             try:
                 path = self.path()
                 if not path.exists():
-                    self.build(path)
+                    self._build_once(path)
                 lib = ctypes.CDLL(str(path))
                 self._declare(lib)
             except NativeUnavailable as exc:
@@ -264,6 +282,20 @@ DECODE = NativeLibrary("mx_decode", _HERE / "mx_decode.cu", (_HERE / "mx_words.c
 # The warp-specialized grouped GEMM (see `grouped_gemm.cu`): wgmma and setmaxnreg need sm_90a.
 GROUPED = NativeLibrary("grouped_gemm", _HERE / "grouped_gemm.cu", (_HERE / "mx_words.cuh",),
                         ("-gencode=arch=compute_90a,code=sm_90a",), _declare_grouped)
+
+
+LIBRARIES = (DECODE, GROUPED)
+
+
+def build_all() -> list:
+    """Build (or find in the cache) and load every native library: per library, its name, where
+    it lives, the seconds it took and None, or why it cannot be built or loaded."""
+    results = []
+    for lib in LIBRARIES:
+        t0 = time.perf_counter()
+        failure = lib.failure()
+        results.append((lib.name, lib.path(), time.perf_counter() - t0, failure))
+    return results
 
 
 def library() -> ctypes.CDLL:

@@ -9,10 +9,11 @@ was not measured faster.
 Building. The first call that wants a library's kernel compiles its source (with its headers)
 for sm_90 (`GROUPED`: sm_90a, for wgmma) with nvcc into a shared library under the cache directory
 and loads it; later processes load the cached library (named by a hash of the sources and the
-flags) without nvcc. nvcc optimizes the kernels on every CPU of the machine (`-split-compile 0`:
-else the grouped library's kernels are compiled one after another, well over a minute). Processes that want the same library at once (the ranks of one machine) build it once:
-the first takes a lock file beside the library, the others wait for it and load its result.
-`padded-moe build-native` builds both libraries ahead of the first call (no GPU needed). nvcc is
+flags) without nvcc. nvcc optimizes the kernels on every CPU of the machine (`-split-compile 0`;
+else it compiles the grouped library's kernels one after another, well over a minute). Processes
+that want the same library at once (the ranks of one machine) build it once: the first takes a
+lock file beside the library, the others wait for it and load its result. `padded-moe
+build-native` builds both libraries ahead of the first call (no GPU needed). nvcc is
 `PADDED_MOE_NVCC` if set, else `bin/nvcc` under PyTorch's CUDA home (`CUDA_HOME`), else the one on
 `PATH`. The cache directory is `PADDED_MOE_CACHE_DIR` if set, else `padded_moe/` under
 `XDG_CACHE_HOME` (default `~/.cache`). The library links the CUDA runtime statically and exports

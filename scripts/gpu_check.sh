@@ -116,6 +116,9 @@ for stage in "$@"; do
             # peers harness (.peers carried; no layout or backend forced; each case gets an equal share of the
             # time budget and a later case what an earlier one left, so DeepSeek-V4 bf16, the longest, goes last)
             STEP_TIMEOUT=150 step test-auto python3 -m pytest -q tests/test_cuda_backend.py tests/test_native.py
+            # the native libraries built before the harness (its first GPT-OSS 8192-token call would build them
+            # inside that case's share of the budget)
+            STEP_TIMEOUT=120 step build-native python3 -m padded_moe build-native
             STEP_TIMEOUT=460 step peers-auto env BUDGET_S=380 TIMEOUT_S=450 bash .peers/run.sh \
                 --tokens 1,16,128,1024,8192 --cases gptoss,dsv4mx,qwen3,mixtral,dsv4 ;;
         rs-peers)  # the RS kernel as auto takes it (GPT-OSS prefill): GPU tests of auto and the RS path, GPT-OSS

@@ -56,6 +56,14 @@ if [ -f .peers/bench_peers.py ] && ! grep -q "_scales).prepare_for()" .peers/ben
     exit 4
 fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$summary"
+# MONITOR=1: the card's power draw, SM clock and temperature every 200 ms into $OUT/monitor.csv, for
+# timings that may come from a power-capped (down-clocked) card
+if [ "${MONITOR:-0}" = 1 ]; then
+    nvidia-smi --query-gpu=timestamp,power.draw,power.limit,clocks.sm,clocks.mem,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv -lms 200 > "$OUT/monitor.csv" 2>&1 &
+    monitor_pid=$!
+    trap 'kill $monitor_pid 2>/dev/null' EXIT
+fi
 for stage in "$@"; do
     case "$stage" in
         activation)
@@ -165,7 +173,9 @@ grouped, cuda, fused, dynamic, gather"
             STEP_TIMEOUT=150 step gather-calls-bf16 python3 benchmarks/bench_native_gemm.py --calls-only --rounds 5 \
                 --breakdown --presets dsv4-flash --tokens 8192 --out "$OUT/bench/gather-bf16" \
                 --variants "auto;grouped, cuda;grouped, cuda, gather" ;;
-        peers-dsv4-8192)  # the peers harness's DeepSeek-V4 bf16 case at 8192 tokens alone (.peers carried)
+        peers-dsv4-8192)  # the peers harness's DeepSeek-V4 bf16 case at 8192 tokens alone (.peers carried), the
+            # native library built first (auto runs it there)
+            STEP_TIMEOUT=120 step build-native python3 -m padded_moe build-native
             STEP_TIMEOUT=210 step peers-dsv4-8192 env OUT="$OUT/peers-dsv4-8192" BUDGET_S=160 TIMEOUT_S=200 \
                 bash .peers/run.sh --tokens 8192 --cases dsv4 ;;
         load-policies)  # which TMA loads carry L2 policy operands (grouped.LOAD_POLICIES): probes, the native
@@ -975,6 +985,9 @@ print('warnings', n); assert n == 1, n"
             grep -q "mx-rs-small rc=0" "$summary" || continue
             STEP_TIMEOUT=${MXRS_S:-400} step mx-rs python3 scripts/mx_rs_probe.py --tokens "${MXRS_TOKENS:-1024,8192}" \
                 --rows "${MXRS_ROWS:-256,512}" ;;
+        evict)  # loads marked L2 evict-first against the dirty lines do_bench's memset flush leaves in L2: pure
+            # streaming reads after the memset and after a read-only flush
+            STEP_TIMEOUT=420 step evict-probe python3 scripts/evict_probe.py --out "$OUT/bench/evict.json" ;;
         humming)  # humming-kernels (carried as a wheel in .whl) against our prepared MXFP4 kernel on its three
             # layouts: its GPU test (INDEXED with its own row block), then bench_gemm --mxfp4-hopper --humming on the
             # models of HUMMING_MODELS at HUMMING_ROWS rows per expert (its JIT: ~20 s per configuration here)

@@ -1,0 +1,100 @@
+"""Probe: time and energy per call of our fused_experts against the peers under sustained load.
+
+The peers harness times each implementation in a short burst (do_bench, ~100 ms); at DeepSeek-V4
+bf16 with 8192 tokens the card reaches its power cap within it, so the clock, and the time, depend on
+where in the power ramp the burst falls (notes: run 348). Here each implementation replays its
+captured call back to back for `--window-s` seconds, in alternating rounds, and the probe reports per
+window the time per call (CUDA events over the window's second half, after the clock has settled),
+the energy per call (the card's energy counter, `nvidia-smi --query-gpu=total_energy_consumption`,
+over the whole window) and the mean SM clock and power (NVML through nvidia-smi at the window's end).
+Same weights, routing and inputs as the harness (its own builders; `.peers` from
+scripts/setup_peers.sh must exist).
+
+    PYTHONPATH=src python3 scripts/power_probe.py [--cases dsv4] [--tokens 8192] [--impls padded_moe,triton_kernels]
+
+Not part of the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / ".peers"), str(ROOT / ".peers" / "vendor"), str(ROOT / "benchmarks")]
+import bench_peers as bp  # noqa: E402
+from _common import captured, write_json  # noqa: E402
+
+
+def smi(*fields: str) -> list:
+    out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
+    return [float(v) for v in out.split(",")]
+
+
+def window(graph, seconds: float) -> dict:
+    """Replay `graph` back to back for `seconds`; time the second half's calls with events."""
+    energy0 = smi("total_energy_consumption")[0]  # mJ
+    t_end = time.time() + seconds
+    calls = 0
+    half = time.time() + seconds / 2
+    while time.time() < half:
+        for _ in range(5):
+            graph.replay()
+        calls += 5
+        torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    timed = 0
+    start.record()
+    while time.time() < t_end:
+        for _ in range(5):
+            graph.replay()
+        timed += 5
+        stop.record()
+        stop.synchronize()
+    clock, power = smi("clocks.sm", "power.draw")
+    energy1 = smi("total_energy_consumption")[0]
+    return {"us_per_call": 1000 * start.elapsed_time(stop) / timed, "calls": calls + timed,
+            "mJ_per_call": (energy1 - energy0) / (calls + timed), "sm_mhz_end": clock, "power_w_end": power}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="dsv4")
+    p.add_argument("--tokens", default="8192")
+    p.add_argument("--impls", default="padded_moe,triton_kernels")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--window-s", type=float, default=3.0)
+    p.add_argument("--out", default="gpu-out/power.json")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    report = {"device": torch.cuda.get_device_name(), "rows": []}
+    for case in bp.make_cases(SimpleNamespace(dsv4_topk=6, small=False, cases=args.cases)):
+        W = bp.make_weights(case, device, 0)
+        for T in [int(t) for t in args.tokens.split(",")]:
+            x, ids, tw = bp.make_inputs(case, T, device, 0)
+            graphs = {}
+            for name in args.impls.split(","):
+                run = bp.BUILDERS[name](case, W).make(x, ids, tw)
+                run.e2e()
+                graphs[name], _ = captured(run.e2e)
+            for r in range(args.rounds):
+                for name, g in graphs.items():
+                    row = {"case": case.name, "T": T, "impl": name, "round": r, **window(g, args.window_s)}
+                    report["rows"].append(row)
+                    print(f"{case.name} T={T} round {r} {name:16s} {row['us_per_call']:9.1f} us/call "
+                          f"{row['mJ_per_call']:8.1f} mJ/call  SM {row['sm_mhz_end']:.0f} MHz "
+                          f"{row['power_w_end']:.0f} W at the end", flush=True)
+            del graphs, x, ids, tw
+            torch.cuda.empty_cache()
+    write_json(args.out, report)
+
+
+if __name__ == "__main__":
+    main()

@@ -45,6 +45,8 @@ def pure_reads(sizes_mb, flush, copy) -> list:
     for mb in sizes_mb:
         x = torch.randn(int(mb * (1 << 20)) // 2, device="cuda", dtype=torch.bfloat16)
         block = 2048
+        if x.numel() % block:
+            raise ValueError(f"--sizes: {mb} MB is not a whole number of {2 * block}-byte blocks")
         programs = 2048
         while x.numel() % (programs * block):
             programs //= 2

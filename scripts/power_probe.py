@@ -52,7 +52,7 @@ def window(graph, seconds: float) -> dict:
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     timed = 0
     start.record()
-    while time.time() < t_end:
+    while not timed or time.time() < t_end:  # at least one batch is timed
         for _ in range(5):
             graph.replay()
         timed += 5

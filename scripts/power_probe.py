@@ -6,7 +6,8 @@ where in the power ramp the burst falls (notes: run 348). Here each implementati
 captured call back to back for `--window-s` seconds, in alternating rounds, and the probe reports per
 window the time per call (CUDA events over the window's second half, after the clock has settled),
 the energy per call (the card's energy counter, `nvidia-smi --query-gpu=total_energy_consumption`,
-over the whole window) and the mean SM clock and power (NVML through nvidia-smi at the window's end).
+over the whole window) and the SM clock and power nvidia-smi reports right after the window (one
+sample; gpu_check's MONITOR=1 traces them through the windows).
 Same weights, routing and inputs as the harness (its own builders; `.peers` from
 scripts/setup_peers.sh must exist).
 

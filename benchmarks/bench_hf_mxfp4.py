@@ -209,7 +209,7 @@ def main(argv=None) -> dict:
         lines.append(f"| {name} | {gib[name]:.2f} | " + " | ".join(f"{results[name][c]:.3f}" for c in COLUMNS) + " |")
     base = results["bf16_grouped_mm"]
     lines += ["", "bf16_grouped_mm time / run time: " + "; ".join(
-        f"{name}: " + ", ".join(f"{c} {base[c] / results[name][c]:.2f}" for c in COLUMNS)
+        f"{name}: " + ", ".join(f"{label[c]} {base[c] / results[name][c]:.2f}" for c in COLUMNS)
         for name in ("mxfp4_padded_moe", "bf16_padded_moe"))]
     lines += [f"logits against mxfp4_padded_moe, {name}: median {m:.2e}, max {x:.2e}" for name, (m, x) in errors.items()]
     report = "\n".join(lines)

@@ -1,4 +1,4 @@
-"""The count-aware MoE activation (spec 01).
+"""The count-aware MoE activation.
 
 One entry point, `apply_moe_activation`, serves a plain 2-D buffer, a flat buffer whose first `n`
 rows are valid (one count) and a batched `[E, T, ·]` buffer with one valid prefix per expert. Rows
@@ -108,7 +108,8 @@ def masked_activation_supported(activation: Union[str, MoEActivation]) -> bool:
 
 @dataclass(frozen=True)
 class ApplyMoEActivationConfig:
-    """Activation parameters; `None` means the activation's default (spec 01's table)."""
+    """Activation parameters; `None` means the activation's default (set in
+    `padded_moe.activation._resolve`; docs/usage.md, "Count-aware activation" lists them)."""
 
     clamp_limit: Optional[float] = None
     alpha: Optional[float] = None

@@ -8,7 +8,7 @@ sums each token's slots into its output row in a fixed order (`padded_moe.kernel
 
 The path is taken when `fused_experts` chooses the layout itself (`layout=None` and
 `PADDED_MOE_GEMM_LAYOUT` unset or "auto"), the call has at most `DECODE_MAX_TOKENS` tokens and
-`DECODE_MAX_SLOTS` slots, runs Triton (`backend` "auto" or "triton") and spec 01's activation (no
+`DECODE_MAX_SLOTS` slots, runs Triton (`backend` "auto" or "triton") and a `MoEActivation` (no
 callable, no output transform), with float weights of the hidden states' dtype or MXFP4 weights
 (`Mxfp4Tensor` for both GEMMs; the canonical bytes are read and decoded in registers).
 `PADDED_MOE_DECODE=off` switches it off. Its results follow the layout path's roundings (GEMM1's
@@ -83,7 +83,7 @@ def decode_enabled() -> bool:
 
 
 def decode_allowed(hidden: torch.Tensor, w13, w2, backend: str) -> bool:
-    """Whether a call `fused_experts` already checked (auto layout, spec 01 activation, no output
+    """Whether a call `fused_experts` already checked (auto layout, a `MoEActivation`, no output
     transform) may take the decode path: the rest of the decision, `fits_decode`, is the slot count
     (made where the count is a plain int, also under the compiler's dynamic shapes)."""
     if not (decode_enabled() and effective_backend(backend) in ("auto", "triton") and hidden.stride(1) == 1

@@ -128,12 +128,17 @@ def memory_needed(preset_name: str, tokens: int) -> tuple[int, str]:
 
     preset = get_preset(preset_name)
     bf16 = planner.plan(preset_name, 1, tokens, 1.0, weight_format="bf16")
-    needed = bf16.weights_bytes + bf16.bytes_of("experts")
-    how = f"planner: {planner._human(bf16.weights_bytes)} of bf16 weights"
     if preset.weight_format == "mxfp4":
+        # An MXFP4 layer never holds float experts (`randomize` quantizes one expert at a time), but
+        # `prepare` holds the canonical bytes and their prepared arrangement side by side until it
+        # empties the canonical parameters.
         q = planner.plan(preset_name, 1, tokens, 1.0, weight_format="mxfp4")
-        needed += q.weights_bytes
-        how += f" + {planner._human(q.weights_bytes)} MXFP4 copy"
+        needed = 2 * q.weights_bytes
+        how = f"planner: {planner._human(q.weights_bytes)} of MXFP4 weights, twice while preparing"
+    else:
+        needed = bf16.weights_bytes
+        how = f"planner: {planner._human(bf16.weights_bytes)} of bf16 weights"
+    needed += bf16.bytes_of("experts")
     # The reference's dense float32 + float64 copies of one expert, and the quantizer's working copy.
     one_expert = (preset.w13_rows * preset.hidden_size + preset.hidden_size * preset.intermediate_size) * 12
     needed += one_expert + bf16.bytes_of("experts")

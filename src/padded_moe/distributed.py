@@ -1,4 +1,4 @@
-"""Expert parallelism (spec 04): the names of `padded_moe.ep`, importable from here as before.
+"""Expert parallelism: the names of `padded_moe.ep`, importable from here as before.
 
 It serves every public name of `padded_moe.ep` (`padded_moe.ep.__all__`: the engine, the transports and
 their registry, the buffer description) and the stage, tile and wire names below.

@@ -1,4 +1,4 @@
-"""Expert map and the invalid-expert-ID guard (spec 02).
+"""Expert map and the invalid-expert-ID guard.
 
 A routed slot holding global id `g` is invalid (`g < 0` or `g >= E`), non-local (`map[g] == -1`)
 or local. Invalid and non-local slots become the sentinel `L` ("dropped"). The range check always

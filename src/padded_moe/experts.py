@@ -1,6 +1,6 @@
-"""The fused expert call (spec 03): layout → (permute) → GEMM1 → activation → GEMM2 → unpermute.
+"""The fused expert call: layout → (permute) → GEMM1 → activation → GEMM2 → unpermute.
 
-On the Triton backend GEMM1 applies spec 01's activation in its epilogue (`expert_gemm(activation=)`)
+On the Triton backend GEMM1 applies the activation (`MoEActivation`) in its epilogue (`expert_gemm(activation=)`)
 where that is measured faster (`PADDED_MOE_FUSE_ACTIVATION` overrides) and writes only the
 activation's `[rows, N]`; otherwise GEMM1 writes `[rows, 2N]` and the activation op follows.
 The activation always receives the layout's valid-prefix count, so rows that hold padding
@@ -133,7 +133,7 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
 
     `topk_ids` hold global expert ids; ids outside `[0, E)` and (with `expert_map`) non-local ids
     are dropped. `layout=None` picks INDEXED without expert parallelism and GROUPED_CONTIGUOUS
-    with it (spec 02); a string or `GemmLayout` overrides (validated). With `valid_tokens`
+    with it (docs/usage.md, "GEMM layouts"); a string or `GemmLayout` overrides (validated). With `valid_tokens`
     (int32 `[1]` on device) only the first rows are real; output rows at or past it are not
     written (their contents are unspecified).
 
@@ -151,7 +151,7 @@ def fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: torch.Tens
     (`HopperMxfp4`), which every later call uses. Unprepared weights still work, on the slower
     `tl.dot_scaled` kernel; `FusedMoE` and the transformers plug-in prepare theirs.
 
-    A model whose activation is none of spec 01's passes it as a callable `activation(h) -> g`
+    A model whose activation is not a `MoEActivation` passes it as a callable `activation(h) -> g`
     (and a model with a norm between GEMM2 and the router weighting passes `output_transform(y)
     -> y'`). The contract of both: called once per call, eagerly, with GEMM1's (GEMM2's) output
     rows `h [M*k, W]` (`y [M*k, K]`) in the layout's row order, in the activation dtype; return a
@@ -186,7 +186,8 @@ def _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, a
     if output_transform is not None and not callable(output_transform):
         raise TypeError(f"output_transform must be a callable or None, got {type(output_transform).__name__}")
     if custom and activation_config is not None:
-        raise ValueError("activation_config applies to spec 01's activations; a callable activation takes none")
+        raise ValueError("activation_config applies to the library's activations (MoEActivation); "
+                         "a callable activation takes none")
     require_tensor("hidden_states", hidden_states)
     require_dtype("hidden_states", hidden_states, FLOAT_DTYPES)
     require_rank("hidden_states", hidden_states, (2,))
@@ -389,7 +390,7 @@ RowFunction = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class _Step:
-    """What runs between the GEMMs: spec 01's activation or a model's own row function, and an
+    """What runs between the GEMMs: a `MoEActivation` or a model's own row function, and an
     optional row function on GEMM2's output (see `fused_experts`)."""
 
     activation: Union[MoEActivation, RowFunction]

@@ -1,4 +1,4 @@
-"""Expert GEMMs for the three layouts of spec 02 (spec 03): `expert_gemm`.
+"""Expert GEMMs for the three GEMM layouts (`GemmLayout`): `expert_gemm`.
 
 Per expert `e`, valid rows compute `a_row @ w[e].T (+ bias[e])`, accumulated in fp32 and rounded
 once to `out`'s dtype:
@@ -20,7 +20,7 @@ while `grouped.RS_GATHER` / `GATHER_BF16` are on: both off, measured slower than
 `out=None` allocates with `torch.empty`, so rows the layout does not cover hold garbage; pass a
 buffer when they must keep a value.
 
-`activation=` (stage "w13" only): spec 01's activation applied to GEMM1's rows before they are
+`activation=` (stage "w13" only): a `MoEActivation` applied to GEMM1's rows before they are
 stored, so `out` has the activation's width (`Nout/2` gated, `Nout` otherwise) and no `[rows, Nout]`
 buffer is written. The values equal GEMM1 into a buffer of `a`'s dtype followed by
 `apply_moe_activation` on the valid rows: the epilogue rounds to `a`'s dtype before the

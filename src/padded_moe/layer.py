@@ -1,4 +1,4 @@
-"""`FusedMoE`: router + routed experts (+ optional shared experts) as one `nn.Module` (spec 03).
+"""`FusedMoE`: router + routed experts (+ optional shared experts) as one `nn.Module`.
 
 The router turns logits into `(topk_weights, topk_ids)` with the functions of
 `padded_moe.routing`; the experts run through `padded_moe.experts.fused_experts`, or through an

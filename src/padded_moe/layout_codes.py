@@ -1,4 +1,4 @@
-"""The one integer code of each GEMM layout (spec 02).
+"""The one integer code of each GEMM layout.
 
 `padded_moe.layouts.GemmLayout.code` returns these on the host; the Triton kernels compare their
 `LAYOUT` constexpr against the same values (`padded_moe.kernels._codes`), and the torch path

@@ -1,4 +1,4 @@
-"""Expert layouts (spec 02): metadata objects, builders, permute / unpermute, layout selection.
+"""Expert layouts: metadata objects, builders, permute / unpermute, layout selection.
 
 The metadata dataclasses below are the interface shared with `padded_moe.gemm` and
 `padded_moe.experts`; see docs/architecture.md for the meaning of every field.
@@ -26,8 +26,8 @@ from padded_moe.expert_map import (Experts, ExpertMap, check_topk_ids, check_val
 
 
 class GemmLayout(enum.Enum):
-    """The GEMM layouts of spec 02: `.value` is the name callers pass (and humming's `gemm_type`);
-    `.code` is the integer the kernels and the torch path compare against."""
+    """The GEMM layouts (docs/usage.md, "GEMM layouts"): `.value` is the name callers pass (and
+    humming's `gemm_type`); `.code` is the integer the kernels and the torch path compare against."""
 
     INDEXED = "indexed"
     GROUPED_CONTIGUOUS = "grouped_contiguous"

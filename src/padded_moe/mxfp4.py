@@ -1,6 +1,6 @@
 """MXFP4 (OCP MX v1.0) expert weights: storage class, quantize / dequantize, checkpoint converters.
 
-Format (spec 03): FP4 E2M1 elements, two per byte along K (even K index in the low nibble),
+Format: FP4 E2M1 elements, two per byte along K (even K index in the low nibble),
 one E8M0 scale per 32 consecutive K elements: `w[n, k] = LUT[nib] * 2^(scale[n, k // 32] - 127)`,
 scale 255 = NaN. Activations stay bf16; the GEMM dequantizes in registers.
 
@@ -305,7 +305,7 @@ def dequantize_mxfp4(q: Mxfp4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
 
 
 # ---------------------------------------------------------------------------------------------
-# Prepared layout for the Triton GEMM (spec 03, "MXFP4 on Hopper")
+# Prepared layout for the Triton GEMM (docs/architecture.md, "The Triton expert GEMM on Hopper")
 # ---------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Scratch planner for expert parallelism (spec 04), and the `padded-moe plan` command.
+"""Scratch planner for expert parallelism, and the `padded-moe plan` command.
 
 Sizes every buffer one rank needs for one MoE layer under `ExpertParallel` — the EP buffers from the
 same description the transports allocate from (`padded_moe.ep.wire.ep_buffer_specs`, laid out in

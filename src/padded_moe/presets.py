@@ -1,4 +1,4 @@
-"""Model shapes used by the CLI, the planner, tests and benchmarks (spec 03's preset table)."""
+"""Model shapes used by the CLI, the planner, tests and benchmarks: the preset table `PRESETS`."""
 
 from __future__ import annotations
 

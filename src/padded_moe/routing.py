@@ -1,4 +1,4 @@
-"""Routers: router logits -> (topk_weights float32 [M, k], topk_ids int32 [M, k]) (spec 02).
+"""Routers: router logits -> (topk_weights float32 [M, k], topk_ids int32 [M, k]).
 
 Each function reproduces one family's router from transformers (the test oracles), given the
 router logits the model's gate projection produced (`F.linear(hidden, gate.weight[, bias])`):

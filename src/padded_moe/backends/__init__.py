@@ -97,7 +97,7 @@ def auto_native(device: torch.device, w13, w2, activation, num_slots: int, num_l
     on a GPU the native kernel is built for (its library built, or buildable, here): bf16 weights
     with an activation its epilogue applies and rows per local expert (`num_slots` = tokens x k
     over `num_local`) within the band `AUTO_NATIVE_ROWS` gives the experts' shape; or MXFP4
-    weights that both run the RS kernel (`grouped.takes_rs`), any activation of spec 01, and rows
+    weights that both run the RS kernel (`grouped.takes_rs`), any `MoEActivation`, and rows
     per local expert within the band `AUTO_RS_ROWS` gives the experts' shape. Shapes only, so a
     captured graph or a compiled graph keeps the choice."""
     if num_local < 1 or device.type != "cuda" or activation is None:

@@ -21,14 +21,15 @@ Weight = Union[torch.Tensor, Mxfp4Tensor]
 
 class GemmBackend(ABC):
     name: str = "?"
-    # Spec 03/04's interface flag: a backend that quantizes its activations itself would quantize
-    # fp8-dispatched rows twice, so `ExpertParallel` refuses fp8 dispatch in batched mode for it
-    # (`distributed._backend_quantizes_inputs`). No backend here does; the flag stays on the
-    # interface for backends added later (and the refusal is tested with one that sets it).
+    # Backend interface flag read by expert parallelism: a backend that quantizes its activations
+    # itself would quantize fp8-dispatched rows twice, so `ExpertParallel` refuses fp8 dispatch in
+    # batched mode for it (`distributed._backend_quantizes_inputs`). No backend here does; the flag
+    # stays on the interface for backends added later (and the refusal is tested with one that
+    # sets it).
     quantizes_inputs: bool = False
-    # Whether `gemm_activation` applies spec 01's activation in GEMM1's epilogue. The pipeline
-    # (`fused_experts`) uses it where offered (`fuses`); other backends run GEMM1, then the
-    # activation op.
+    # Whether `gemm_activation` applies the library's activation (`MoEActivation`) in GEMM1's
+    # epilogue. The pipeline (`fused_experts`) uses it where offered (`fuses`); other backends run
+    # GEMM1, then the activation op.
     fuses_activation: bool = False
 
     def available(self, device: torch.device) -> Optional[str]:

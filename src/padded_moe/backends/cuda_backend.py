@@ -8,7 +8,7 @@ layouts (GROUPED_CONTIGUOUS, GROUPED_MASKED) on sm_90 GPUs: a CTA takes a tile o
 64 rows each skip the rows past the expert's count (or, from the rows per expert where
 `grouped.default_config` picks them, tiles of (expert, 128-row chunk, 256 weight rows) over two
 warpgroups).
-It applies the silu family of spec 01's activations (silu, swigluoai, swigluoai_uninterleave) in
+It applies the silu family of `MoEActivation` (silu, swigluoai, swigluoai_uninterleave) in
 GEMM1's epilogue; for the RS kernel's weights while `grouped.RS_EPILOGUE` is on, with gate / up
 halves (not interleaved) only while `grouped.RS_EPILOGUE_SPLIT` is too (`fuses`; `fused_experts`
 uses it unless `PADDED_MOE_FUSE_ACTIVATION=0`); the other activations run as GEMM1 then the

@@ -1,4 +1,4 @@
-"""Expert parallelism (spec 04): dispatch → local experts → combine across ranks.
+"""Expert parallelism: dispatch → local experts → combine across ranks.
 
 Files, in the order data flows through them:
 

@@ -1,4 +1,4 @@
-"""The orchestrator of expert parallelism: `ExpertParallel` (spec 04).
+"""The orchestrator of expert parallelism: `ExpertParallel`.
 
 `dispatch` runs pack → exchange → receive, `combine` runs combine → exchange → reduce; the stages
 are `padded_moe.ep.stages`, the exchanges go through one `Transport` (`padded_moe.ep.transport`),
@@ -133,7 +133,7 @@ class DispatchHandle:
 
 
 def _backend_quantizes_inputs(backend: object) -> bool:
-    """True when the expert backend quantizes its own activations (spec 03 `quantizes_inputs`).
+    """True when the expert backend quantizes its own activations (the backend flag `quantizes_inputs`).
 
     `backend` is None/"auto" (our own kernels: bf16 activations), a name known to
     `padded_moe.backends.get_backend`, or any object with a `quantizes_inputs` attribute.
@@ -160,7 +160,8 @@ def _exclusive_cumsum(values: list) -> list:
 
 
 class ExpertParallel:
-    """Dispatch tokens to the ranks owning their experts and combine the results (spec 04).
+    """Dispatch tokens to the ranks owning their experts and combine the results (docs/usage.md,
+    "Expert parallelism").
 
     Args: `group` (a process group, None = WORLD; used by the collectives transport), `num_experts`
     E, `top_k` k, `hidden_size` K, `max_tokens_per_rank` T (every `dispatch` takes `m <= T`

@@ -1,4 +1,4 @@
-"""HF transformers plug-in: run HF MoE experts modules on padded_moe (spec 03).
+"""HF transformers plug-in: run HF MoE experts modules on padded_moe.
 
 `register()` adds ``"padded_moe"`` to transformers' `ExpertsInterface`, so
 ``AutoModelForCausalLM.from_config(cfg, experts_implementation="padded_moe")`` or
@@ -15,7 +15,7 @@ codes of transformers' quantized `FP8Experts` (DeepSeek-V4's checkpoints), and h
 
 Each call is served one of two ways (see `experts_plan` and docs/transformers.md):
 
-- fused: the module's gate is one of spec 01's activations (detected from the class that defines
+- fused: the module's gate is a `MoEActivation` (detected from the class that defines
   `_apply_gate` and the module's activation attributes), so `fused_experts` runs the whole thing;
 - composed: the gate is unknown (or the module has a post-expert norm), so `fused_experts` runs
   with the module's own `_apply_gate` (or `act_fn`) as its activation callable (and the norm as
@@ -36,7 +36,7 @@ import torch
 
 IMPLEMENTATION = "padded_moe"
 
-# Fused path: the gate is spec 01's activation.  Composed path: the module's gate runs in torch.
+# Fused path: the gate is a `MoEActivation`.  Composed path: the module's gate runs in torch.
 FUSED = "fused"
 COMPOSED = "composed"
 
@@ -45,7 +45,7 @@ COMPOSED = "composed"
 class ExpertsPlan:
     """How one experts module is run.
 
-    `family` names the detected model family (for logs and docs); `activation` is a spec 01 name
+    `family` names the detected model family (for logs and docs); `activation` is a `MoEActivation` name
     or None when the module's own gate must run in torch; `activation_config` holds the
     `ApplyMoEActivationConfig` for it.
     """
@@ -61,7 +61,7 @@ class ExpertsPlan:
 # ---------------------------------------------------------------------------------------------
 
 def _act_name(act_fn: Any) -> Optional[str]:
-    """Spec 01 base name of an HF activation module, or None when it is not one we implement.
+    """`MoEActivation` base name of an HF activation module, or None when it is not one we implement.
 
     Exact type checks (not isinstance) so a subclass that changes `forward` is not mistaken for
     the function its parent computes.
@@ -82,7 +82,7 @@ def _act_name(act_fn: Any) -> Optional[str]:
 
 
 def _limit(value: Any) -> Optional[float]:
-    """An HF clamp bound as a float; None or inf mean "no clamp" to spec 01."""
+    """An HF clamp bound as a float; None or inf mean "no clamp" to `ApplyMoEActivationConfig.clamp_limit`."""
     if value is None:
         return None
     value = float(value)
@@ -100,7 +100,7 @@ def _config(**fields) -> Any:
 # path (e.g. a DeepSeek-V4 config whose hidden_act is not silu).
 
 def _deepseek_v4(m) -> Optional[Tuple[str, Any]]:
-    # gate.clamp(max=L), up.clamp(-L, L), act_fn(gate) * up  ==  spec 01 silu with clamp L.
+    # gate.clamp(max=L), up.clamp(-L, L), act_fn(gate) * up  ==  the library's silu with clamp_limit L.
     if _act_name(m.act_fn) != "silu":
         return None
     return "silu", _config(clamp_limit=_limit(m.limit))
@@ -130,7 +130,7 @@ def _fp8_experts(m) -> Optional[Tuple[str, Any]]:
     # transformers' quantized experts (`FP8Experts`; DeepSeek-V4's FP4 checkpoints load into it), on
     # packed halves. Its `_apply_gate` picks one of four gates from the module's attributes.
     if getattr(m, "gate_softcap", None) is not None:
-        return None  # tanh soft caps: no kernel (spec 01), the module's own gate runs
+        return None  # tanh soft caps: no kernel (not a `MoEActivation`), the module's own gate runs
     act = _act_name(getattr(m, "act_fn", None))
     limit = _limit(getattr(m, "limit", None))
     if getattr(m, "swiglu_alpha", None) is not None:
@@ -181,7 +181,7 @@ def _default_gate() -> Callable:
 def _plan_default_gate(module) -> ExpertsPlan:
     """`act_fn(gate) * up` on packed halves (Mixtral, Qwen3-MoE, OLMoE, ...)."""
     act = _act_name(getattr(module, "act_fn", None))
-    if act is None or act == "relu2":  # gated relu2 has no kernel (spec 01)
+    if act is None or act == "relu2":  # gated relu2 has no kernel (`activation_supported` is False)
         return ExpertsPlan("default_gate", COMPOSED)
     return ExpertsPlan("default_gate", FUSED, act, _config())
 
@@ -579,7 +579,7 @@ def prepare_experts(model: torch.nn.Module) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def _module_activation(module, plan: ExpertsPlan) -> Any:
-    """What `fused_experts` runs between the GEMMs: the plan's spec 01 activation, else the
+    """What `fused_experts` runs between the GEMMs: the plan's `MoEActivation`, else the
     module's own gate (`_apply_gate`, or `act_fn` for ungated experts) as a row function."""
     if plan.activation is not None:
         return plan.activation
@@ -592,7 +592,7 @@ def padded_moe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
 
     `hidden_states [T, H]`, `top_k_index [T, k]` (ids outside `[0, num_experts)` — expert-parallel
     sentinels — contribute nothing), `top_k_weights [T, k]`; returns `[T, H]` in the hidden dtype.
-    The GEMM layout follows `PADDED_MOE_GEMM_LAYOUT` (spec 02) when set.
+    The GEMM layout follows `PADDED_MOE_GEMM_LAYOUT` (docs/usage.md, "Environment variables") when set.
     """
     from padded_moe.experts import fused_experts
 

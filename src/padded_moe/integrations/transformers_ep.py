@@ -1,4 +1,4 @@
-"""Expert parallelism for loaded HF transformers MoE models (spec 04, issue 17).
+"""Expert parallelism for loaded HF transformers MoE models.
 
 Topology: one process per rank, data-parallel attention and expert-parallel experts (DP = EP).
 Every rank loads the same checkpoint and runs its own batch through the dense parts (embeddings,
@@ -64,7 +64,7 @@ class ExpertParallelExperts(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         ids = top_k_index.reshape(x.shape[0], -1)
-        # Spec 03 takes fp32 router weights; HF routers may return them in the model dtype.
+        # The routed experts take fp32 router weights; HF routers may return them in the model dtype.
         weights = top_k_weights.reshape(ids.shape).to(torch.float32)
         ep_dtype = self.expert_parallel.dtype
         if self._graph is not None and x.shape[0] <= self.graph_tokens:

@@ -1,4 +1,4 @@
-"""Triton kernel for the count-aware MoE activation (spec 01).
+"""Triton kernel for the count-aware MoE activation.
 
 One kernel serves plain, flat and batched buffers: a plain or flat buffer is a batch of one
 expert. Each program owns one column block of one expert and strides over that expert's valid
@@ -24,7 +24,7 @@ ACT_GELU_NO_MUL = tl.constexpr(17)
 ACT_GELU_TANH_NO_MUL = tl.constexpr(18)
 ACT_RELU2_NO_MUL = tl.constexpr(19)
 
-# Activation name (spec 01 spelling) -> kernel id (a plain int for the launch).
+# Activation name (`MoEActivation` value) -> kernel id (a plain int for the launch).
 _KERNEL_ID_CONSTANTS = {
     "silu": ACT_SILU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH, "swigluoai": ACT_SWIGLUOAI,
     "swigluoai_uninterleave": ACT_SWIGLUOAI_UNINTERLEAVE, "swiglustep": ACT_SWIGLUSTEP, "situ": ACT_SITU,

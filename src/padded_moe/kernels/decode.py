@@ -9,7 +9,7 @@ every intermediate but one in registers:
   is the first slot routed to its expert; that program gathers every slot routed to the same expert
   (at most RB rows) straight from the hidden states, multiplies them with the expert's gate and up
   tiles, rounds the result to the activation dtype as GEMM1's output buffer would, applies the
-  activation (spec 01's math, `_gated` / `_ungated`) and stores `h [slots, N]` rows of those slots
+  activation (the activation kernel's math, `_gated` / `_ungated`) and stores `h [slots, N]` rows of those slots
   only. Each expert's weights are read once per call, however many slots it has.
 - `_decode_w2_combine_kernel`, grid (tokens, n-tiles of K): the program of token `t` computes its k
   slots' `h[slot] @ w2[e].T + b2[e]` side by side (one `[k, BN, BK]` weight step covers all k

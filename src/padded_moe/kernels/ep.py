@@ -1,4 +1,4 @@
-"""Triton kernels for expert-parallel dispatch / combine (spec 04). Host logic: `padded_moe.ep`.
+"""Triton kernels for expert-parallel dispatch / combine. Host logic: `padded_moe.ep`.
 
 Wire format (see `padded_moe.ep.wire.WireFormat`): one uint8 row of `row_bytes` per (token, peer),
 `x` in the wire dtype first, then int32 "meta" columns: `TOP_K` global ids (-1 for slots owned by

@@ -1,4 +1,4 @@
-"""Triton expert GEMM for the three layouts of spec 02: `out[row] = a[row'] @ w[e].T (+ bias[e])`.
+"""Triton expert GEMM for the three GEMM layouts (`GemmLayout`): `out[row] = a[row'] @ w[e].T (+ bias[e])`.
 
 One kernel, specialised by constexprs; `LAYOUT` is the layout's code (`padded_moe.layout_codes`):
 - INDEXED: a program's rows are `sorted_ids[block]`; A row = id // A_DIV (top_k for GEMM1,

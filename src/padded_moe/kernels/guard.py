@@ -1,4 +1,4 @@
-"""The invalid-expert-id guard of every kernel (spec 02), written once.
+"""The invalid-expert-id guard of every kernel, written once.
 
 Routed ids come from user code and may be anything an int32/int64 holds (-1, E, 2^31-1, 2^32+1, ...).
 Every kernel that reads a table indexed by an expert id checks the id first with `expert_id_ok`:

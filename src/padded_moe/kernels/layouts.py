@@ -1,4 +1,4 @@
-"""Triton kernels for spec 02's layouts: guard + stable counting sort, row scatter, weighted gather.
+"""Triton kernels for the GEMM layouts (`GemmLayout`): guard + stable counting sort, row scatter, weighted gather.
 
 `build_layout` is three launches, none of which needs a zeroed buffer or an atomic, so the result is
 deterministic and identical to the torch path (within an expert, slots keep increasing slot order):

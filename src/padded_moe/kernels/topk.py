@@ -1,4 +1,4 @@
-"""Top-k routing of router logits in one kernel (spec 02's softmax routers).
+"""Top-k routing of router logits in one kernel (the softmax routers of `padded_moe.routing`).
 
 One program per row of `logits [M, E]`: the row is read once into registers (E up to 1024), then
 
@@ -13,7 +13,7 @@ all NaN yields the id E, which every expert guard drops. The exponential is libd
 (as torch's CUDA softmax computes it), not the fast approximation (the interpreter, which has no
 libdevice, computes `exp` in numpy: LIBDEVICE False).
 
-`_biased_router_kernel` is DeepSeek-V3 / V4's router (spec 02's `biased_grouped_topk`) the same
+`_biased_router_kernel` is DeepSeek-V3 / V4's router (`padded_moe.routing.biased_grouped_topk`) the same
 way: the scores (sigmoid, sqrt(softplus) or softmax), the choice scores with the correction bias,
 for V3 the group limit (each group scored by the sum of its two best choice scores, the
 TOPK_GROUPS best groups kept, ties to the lower group), the k best choices, and as weights the

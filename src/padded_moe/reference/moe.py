@@ -1,7 +1,7 @@
 """Float64 loop-over-experts MoE: the independent oracle for kernel and layer tests.
 
-Written from the spec's formulas with plain torch ops in float64; it shares no code with the
-kernels or the torch fast paths it checks.
+Written from the documented formulas (docs/usage.md) with plain torch ops in float64; it shares no
+code with the kernels or the torch fast paths it checks.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 def activation_f64(name: str, x: torch.Tensor, *, limit=None, alpha=None, beta=None,
                    situ_beta=None, situ_lambda=None) -> torch.Tensor:
-    """Spec 01's table in float64. `x` is the GEMM1 output (gated: width 2d)."""
+    """The activations of docs/usage.md ("Count-aware activation") in float64. `x` is the GEMM1
+    output (gated: width 2d)."""
     x = x.double()
     if name.endswith("_no_mul"):
         base = name[: -len("_no_mul")]

@@ -1,4 +1,4 @@
-"""Torch implementation of spec 01's activation math: the CPU path.
+"""Torch implementation of the MoE activations' math (`MoEActivation`): the CPU path.
 
 Computes in float32 and rounds once to the output dtype, like the Triton kernel. Only valid rows
 are passed in (the caller slices the valid prefix), so padding is never read.

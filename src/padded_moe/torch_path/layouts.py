@@ -1,4 +1,4 @@
-"""Torch path of spec 02's layouts (the CPU path when Triton's interpreter is off).
+"""Torch path of the GEMM layouts (the CPU path when Triton's interpreter is off).
 
 Computes exactly the metadata of `padded_moe.kernels.layouts` (same stable order: by local expert,
 then by slot id) and writes it into the buffers it is given, so a scratch object works the same on

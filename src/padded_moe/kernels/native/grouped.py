@@ -9,7 +9,7 @@ bytes, which the kernel upcasts to bf16 in shared memory (exact: an e2m1 value t
 two), so the result is that of the dequantized bf16 weight. With `epilogue` (an
 `ActivationEpilogue`, GEMM1; its activation one of `EPILOGUE_ACTIVATIONS`) the activation is
 applied before the store, as the Triton kernel's epilogue does: the sum plus bias rounded to bf16
-(what the activation op would read from GEMM1's buffer), then spec 01's formula in fp32 (the
+(what the activation op would read from GEMM1's buffer), then the activation's formula in fp32 (the
 sigmoid through the approximate tanh, as the Triton kernels do for 16-bit outputs); `out` then has
 the activation's width. Other rows of `out` are not written.
 

@@ -451,7 +451,7 @@ __device__ __forceinline__ uint64_t rows_l2_policy(const Args& args) {
   return args.rows_evict_last ? l2_policy<true>() : l2_policy<false>();
 }
 
-// ---- the activation epilogue: the silu family of spec 01 (silu, swigluoai, swigluoai_uninterleave),
+// ---- the activation epilogue: the silu family of `MoEActivation` (silu, swigluoai, swigluoai_uninterleave),
 // as `padded_moe.kernels.activation` computes it for 16-bit outputs (sigmoid through tanh.approx).
 // The other activations run as GEMM1 then the activation op (`grouped.EPILOGUE_ACTIVATIONS`): each
 // one compiled into the fully unrolled epilogue would multiply the kernel's code. ----

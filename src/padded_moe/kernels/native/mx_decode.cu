@@ -41,7 +41,7 @@ __device__ __forceinline__ uint16_t float_to_bf16(float f) {
   return (uint16_t)(u >> 16);
 }
 
-// Spec 02's ID guard (the rule of `padded_moe.kernels.guard.slot_local_expert`): the routed id,
+// The invalid-expert-ID guard (the rule of `padded_moe.kernels.guard.slot_local_expert`): the routed id,
 // range-checked in its own dtype before it indexes anything, then mapped through the expert table;
 // `L` for a dropped slot (invalid id, not local).
 __device__ __forceinline__ int slot_local_expert(const void* ids, int ids64, long long at, const int* map, int E,

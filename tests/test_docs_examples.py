@@ -50,3 +50,15 @@ def test_docs_stay_inside_the_repository():
     for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
         text = path.read_text()
         assert "../shared" not in text and "shared/spec" not in text, path
+
+
+SPEC_CITE = re.compile(r"\bspec\s+0?[1-4]\b", re.I)
+
+
+def test_library_text_cites_no_internal_spec():
+    # Docstrings and error messages are what users read through help() and tracebacks; the design
+    # specs are not shipped, so the library's own text names the thing or cites docs/.
+    cited = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "src").rglob("*"))
+             if p.suffix in (".py", ".cu") for n, line in enumerate(p.read_text().splitlines(), 1)
+             if SPEC_CITE.search(line) or "../shared" in line]
+    assert not cited, cited

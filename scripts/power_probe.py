@@ -5,9 +5,9 @@ bf16 with 8192 tokens the card reaches its power cap within it, so the clock, an
 where in the power ramp the burst falls (notes: run 348). Here each implementation replays its
 captured call back to back for `--window-s` seconds, in alternating rounds, and the probe reports per
 window the time per call (CUDA events over the window's second half, after the clock has settled),
-the energy per call (the card's energy counter, `nvidia-smi --query-gpu=total_energy_consumption`,
-over the whole window) and the SM clock and power nvidia-smi reports right after the window (one
-sample; gpu_check's MONITOR=1 traces them through the windows).
+the energy per call (the mean board power from NVML, `torch.cuda.power_draw` after each batch of
+5 replays, times the window's length, over its calls) and the SM clock and power nvidia-smi
+reports right after the window (one sample; gpu_check's MONITOR=1 traces them through the windows).
 Same weights, routing and inputs as the harness (its own builders; `.peers` from
 scripts/setup_peers.sh must exist).
 
@@ -41,7 +41,8 @@ def smi(*fields: str) -> list:
 
 def window(graph, seconds: float) -> dict:
     """Replay `graph` back to back for `seconds`; time the second half's calls with events."""
-    energy0 = smi("total_energy_consumption")[0]  # mJ
+    t0 = time.time()
+    watts = []  # NVML board power (torch.cuda.power_draw, mW) after each batch
     t_end = time.time() + seconds
     calls = 0
     half = time.time() + seconds / 2
@@ -50,6 +51,7 @@ def window(graph, seconds: float) -> dict:
             graph.replay()
         calls += 5
         torch.cuda.synchronize()
+        watts.append(torch.cuda.power_draw() / 1000)
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     timed = 0
     start.record()
@@ -59,10 +61,12 @@ def window(graph, seconds: float) -> dict:
         timed += 5
         stop.record()
         stop.synchronize()
+        watts.append(torch.cuda.power_draw() / 1000)
+    seconds_run = time.time() - t0
     clock, power = smi("clocks.sm", "power.draw")
-    energy1 = smi("total_energy_consumption")[0]
-    return {"us_per_call": 1000 * start.elapsed_time(stop) / timed, "calls": calls + timed,
-            "mJ_per_call": (energy1 - energy0) / (calls + timed), "sm_mhz_end": clock, "power_w_end": power}
+    mean_w = sum(watts) / len(watts)
+    return {"us_per_call": 1000 * start.elapsed_time(stop) / timed, "calls": calls + timed, "mean_w": mean_w,
+            "mJ_per_call": 1000 * mean_w * seconds_run / (calls + timed), "sm_mhz_end": clock, "power_w_end": power}
 
 
 def main() -> None:
@@ -80,11 +84,15 @@ def main() -> None:
         W = bp.make_weights(case, device, 0)
         for T in [int(t) for t in args.tokens.split(",")]:
             x, ids, tw = bp.make_inputs(case, T, device, 0)
-            graphs = {}
+            graphs, keep = {}, []
             for name in args.impls.split(","):
-                run = bp.BUILDERS[name](case, W).make(x, ids, tw)
+                # The builder holds the weights in the implementation's own arrangement (triton_kernels'
+                # re-laid copies); the graph does not, so both stay referenced while it replays.
+                builder = bp.BUILDERS[name](case, W)
+                run = builder.make(x, ids, tw)
                 run.e2e()
-                graphs[name], _ = captured(run.e2e)
+                graphs[name], out = captured(run.e2e)
+                keep.append((builder, run, out))
             for r in range(args.rounds):
                 for name, g in graphs.items():
                     row = {"case": case.name, "T": T, "impl": name, "round": r, **window(g, args.window_s)}
@@ -92,7 +100,7 @@ def main() -> None:
                     print(f"{case.name} T={T} round {r} {name:16s} {row['us_per_call']:9.1f} us/call "
                           f"{row['mJ_per_call']:8.1f} mJ/call  SM {row['sm_mhz_end']:.0f} MHz "
                           f"{row['power_w_end']:.0f} W at the end", flush=True)
-            del graphs, x, ids, tw
+            del graphs, keep, x, ids, tw
             torch.cuda.empty_cache()
     write_json(args.out, report)
 

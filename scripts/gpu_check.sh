@@ -992,7 +992,7 @@ print('warnings', n); assert n == 1, n"
             # (scripts/power_probe.py; .peers carried): the 8192-token cases whose timings run at the power cap
             STEP_TIMEOUT=120 step build-native python3 -m padded_moe build-native
             STEP_TIMEOUT=300 step power-probe python3 scripts/power_probe.py --cases "${POWER_CASES:-dsv4,mixtral,qwen3}" \
-                --tokens "${POWER_TOKENS:-8192}" --rounds "${POWER_ROUNDS:-3}" --impls padded_moe,triton_kernels,vllm_triton \
+                --tokens "${POWER_TOKENS:-8192}" --rounds "${POWER_ROUNDS:-3}" --impls "${POWER_IMPLS:-padded_moe,triton_kernels,vllm_triton}" \
                 --out "$OUT/bench/power.json" ;;
         humming)  # humming-kernels (carried as a wheel in .whl) against our prepared MXFP4 kernel on its three
             # layouts: its GPU test (INDEXED with its own row block), then bench_gemm --mxfp4-hopper --humming on the

@@ -13,12 +13,17 @@ scripts/setup_peers.sh must exist).
 
     PYTHONPATH=src python3 scripts/power_probe.py [--cases dsv4] [--tokens 8192] [--impls padded_moe,triton_kernels]
 
+An implementation may carry environment settings for its build and capture, e.g.
+`padded_moe+PADDED_MOE_GEMM_BACKEND=triton` (our call on the Triton kernels where "auto" takes the
+native one).
+
 Not part of the library.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -86,17 +91,25 @@ def main() -> None:
             x, ids, tw = bp.make_inputs(case, T, device, 0)
             graphs, keep = {}, []
             for name in args.impls.split(","):
+                impl, *settings = name.split("+")  # "padded_moe+PADDED_MOE_GEMM_BACKEND=triton": captured with it set
+                saved = {k: os.environ.get(k) for k, _ in (kv.split("=", 1) for kv in settings)}
+                os.environ.update(kv.split("=", 1) for kv in settings)
                 # The builder holds the weights in the implementation's own arrangement (triton_kernels'
                 # re-laid copies); the graph does not, so both stay referenced while it replays.
                 try:
-                    builder = bp.BUILDERS[name](case, W)
+                    builder = bp.BUILDERS[impl](case, W)
+                    run = builder.make(x, ids, tw)
+                    run.e2e()
+                    graphs[name], out = captured(run.e2e)
+                    keep.append((builder, run, out))
                 except bp.Skip as why:  # e.g. vLLM's Triton kernel has no MXFP4 path on Hopper
                     print(f"{case.name}: {name} skipped ({why})", flush=True)
-                    continue
-                run = builder.make(x, ids, tw)
-                run.e2e()
-                graphs[name], out = captured(run.e2e)
-                keep.append((builder, run, out))
+                finally:
+                    for k, v in saved.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
             for r in range(args.rounds):
                 for name, g in graphs.items():
                     row = {"case": case.name, "T": T, "impl": name, "round": r, **window(g, args.window_s)}

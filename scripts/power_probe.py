@@ -6,7 +6,7 @@ where in the power ramp the burst falls (notes: run 348). Here each implementati
 captured call back to back for `--window-s` seconds, in alternating rounds, and the probe reports per
 window the time per call (CUDA events over the window's second half, after the clock has settled),
 the energy per call (the mean board power from NVML, `torch.cuda.power_draw` after each batch of
-5 replays, times the window's length, over its calls) and the SM clock and power nvidia-smi
+5 replays, times the window's length, over its calls) and the SM clock and power NVML
 reports right after the window (one sample; gpu_check's MONITOR=1 traces them through the windows).
 Same weights, routing and inputs as the harness (its own builders; `.peers` from
 scripts/setup_peers.sh must exist).
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,40 +37,34 @@ import bench_peers as bp  # noqa: E402
 from _common import captured, write_json  # noqa: E402
 
 
-def smi(*fields: str) -> list:
-    out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
-    return [float(v) for v in out.split(",")]
-
-
 def window(graph, seconds: float) -> dict:
     """Replay `graph` back to back for `seconds`; time the second half's calls with events."""
-    t0 = time.time()
     watts = []  # NVML board power (torch.cuda.power_draw, mW) after each batch
-    t_end = time.time() + seconds
-    calls = 0
-    half = time.time() + seconds / 2
-    while time.time() < half:
+
+    def batch(done=None) -> None:  # 5 replays (then `done` recorded), then once they ran a power sample
         for _ in range(5):
             graph.replay()
-        calls += 5
+        if done is not None:
+            done.record()
         torch.cuda.synchronize()
         watts.append(torch.cuda.power_draw() / 1000)
+
+    t0 = time.time()
+    calls = 0
+    while time.time() < t0 + seconds / 2:
+        batch()
+        calls += 5
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     timed = 0
     start.record()
-    while not timed or time.time() < t_end:  # at least one batch is timed
-        for _ in range(5):
-            graph.replay()
+    while not timed or time.time() < t0 + seconds:  # at least one batch is timed
+        batch(stop)
         timed += 5
-        stop.record()
-        stop.synchronize()
-        watts.append(torch.cuda.power_draw() / 1000)
     seconds_run = time.time() - t0
-    clock, power = smi("clocks.sm", "power.draw")
     mean_w = sum(watts) / len(watts)
     return {"us_per_call": 1000 * start.elapsed_time(stop) / timed, "calls": calls + timed, "mean_w": mean_w,
-            "mJ_per_call": 1000 * mean_w * seconds_run / (calls + timed), "sm_mhz_end": clock, "power_w_end": power}
+            "mJ_per_call": 1000 * mean_w * seconds_run / (calls + timed),
+            "sm_mhz_end": torch.cuda.clock_rate(), "power_w_end": torch.cuda.power_draw() / 1000}
 
 
 def main() -> None:

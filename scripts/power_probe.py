@@ -13,6 +13,10 @@ scripts/setup_peers.sh must exist).
 
     PYTHONPATH=src python3 scripts/power_probe.py [--cases dsv4] [--tokens 8192] [--impls padded_moe,triton_kernels]
 
+`--kernels N`: after the rounds, each implementation's call is profiled N times eagerly on the hot card
+(torch.profiler) and its kernels' mean device time per call is printed, longest first: where two
+implementations' time per call differs.
+
 An implementation may carry environment settings for its build and capture, e.g.
 `padded_moe+PADDED_MOE_GEMM_BACKEND=triton` (our call on the Triton kernels where "auto" takes the
 native one).
@@ -67,6 +71,32 @@ def window(graph, seconds: float) -> dict:
             "sm_mhz_end": torch.cuda.clock_rate(), "power_w_end": torch.cuda.power_draw() / 1000}
 
 
+def kernel_times(fn, calls: int) -> list[tuple[str, float]]:
+    """(kernel name, mean device µs per call) of `calls` eager calls of `fn`, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda ev: ev.time_range.start)
+    per_call = {}  # launches of each kernel name per call: the i-th of a call is "name #i" when there are several
+    for ev in kernels:
+        per_call[ev.name] = per_call.get(ev.name, 0) + 1
+    seen: dict[str, int] = {}
+    totals: dict[str, float] = {}
+    for ev in kernels:
+        n = per_call[ev.name] // calls
+        i = seen.get(ev.name, 0)
+        seen[ev.name] = i + 1
+        key = ev.name if n <= 1 else f"#{i % n} {ev.name}"
+        totals[key] = totals.get(key, 0.0) + ev.device_time_total / calls
+    return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="dsv4")
@@ -74,6 +104,7 @@ def main() -> None:
     p.add_argument("--impls", default="padded_moe,triton_kernels")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--window-s", type=float, default=3.0)
+    p.add_argument("--kernels", type=int, default=0, help="profile each call this many times after the rounds")
     p.add_argument("--out", default="gpu-out/power.json")
     args = p.parse_args()
     device = torch.device("cuda")
@@ -94,7 +125,7 @@ def main() -> None:
                     run = builder.make(x, ids, tw)
                     run.e2e()
                     graphs[name], out = captured(run.e2e)
-                    keep.append((builder, run, out))
+                    keep.append((name, builder, run, out))
                 except bp.Skip as why:  # e.g. vLLM's Triton kernel has no MXFP4 path on Hopper
                     print(f"{case.name}: {name} skipped ({why})", flush=True)
                 finally:
@@ -110,6 +141,12 @@ def main() -> None:
                     print(f"{case.name} T={T} round {r} {name:16s} {row['us_per_call']:9.1f} us/call "
                           f"{row['mJ_per_call']:8.1f} mJ/call  SM {row['sm_mhz_end']:.0f} MHz "
                           f"{row['power_w_end']:.0f} W at the end", flush=True)
+            for name, _, run, _ in keep if args.kernels else ():
+                rows = kernel_times(run.e2e, args.kernels)
+                report.setdefault("kernels", []).append({"case": case.name, "T": T, "impl": name, "kernels": rows})
+                print(f"{case.name} T={T} {name}: {sum(us for _, us in rows):.1f} us of kernels per call", flush=True)
+                for kname, us in rows:
+                    print(f"    {us:9.1f} us  {kname[:110]}", flush=True)
             del graphs, keep, x, ids, tw
             torch.cuda.empty_cache()
     write_json(args.out, report)

@@ -989,11 +989,12 @@ print('warnings', n); assert n == 1, n"
             # streaming reads after the memset and after a read-only flush
             STEP_TIMEOUT=420 step evict-probe python3 scripts/evict_probe.py --out "$OUT/bench/evict.json" ;;
         power)  # time and energy per call under sustained load, implementations in alternating 3-s windows
-            # (scripts/power_probe.py; .peers carried): the 8192-token cases whose timings run at the power cap
+            # (scripts/power_probe.py; .peers carried): the 8192-token cases whose timings run at the power cap;
+            # POWER_KERNELS=N: then each call's kernels, profiled N times on the hot card
             STEP_TIMEOUT=120 step build-native python3 -m padded_moe build-native
             STEP_TIMEOUT=300 step power-probe python3 scripts/power_probe.py --cases "${POWER_CASES:-dsv4,mixtral,qwen3}" \
                 --tokens "${POWER_TOKENS:-8192}" --rounds "${POWER_ROUNDS:-3}" --impls "${POWER_IMPLS:-padded_moe,triton_kernels,vllm_triton}" \
-                --out "$OUT/bench/power.json" ;;
+                --kernels "${POWER_KERNELS:-0}" --out "$OUT/bench/power.json" ;;
         humming)  # humming-kernels (carried as a wheel in .whl) against our prepared MXFP4 kernel on its three
             # layouts: its GPU test (INDEXED with its own row block), then bench_gemm --mxfp4-hopper --humming on the
             # models of HUMMING_MODELS at HUMMING_ROWS rows per expert (its JIT: ~20 s per configuration here)

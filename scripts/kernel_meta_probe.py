@@ -2,10 +2,11 @@
 
 Runs each implementation's call once (the harness's builders, weights and routing; `.peers` from
 scripts/setup_peers.sh) with Triton's cache in a fresh directory, then lists every kernel compiled
-there: warps, pipeline stages, shared memory, registers and spills (cuobjdump), and whether Triton
+there: warps, pipeline stages, shared memory, registers and local memory (cuobjdump), and whether Triton
 warp-specialized it (a `ttg.warp_specialize` region in its TTGIR, `setmaxnreg` in its PTX), with its
 wgmma and TMA instruction counts. Where two implementations run the same tile shape at different
-speeds, this says whether they were compiled alike.
+speeds, this says whether they were compiled alike. A kernel compiled for an earlier case or
+implementation of the run is listed there only.
 
     PYTHONPATH=src python3 scripts/kernel_meta_probe.py [--cases mixtral] [--tokens 8192]
 
@@ -35,15 +36,17 @@ import bench_peers as bp  # noqa: E402
 
 
 def registers(cubin: Path) -> str:
-    """cuobjdump's register and spill line for the kernel in `cubin`, or why there is none."""
+    """cuobjdump's registers, stack and local memory per thread (spills land in local memory) of the
+    kernel in `cubin`, or why there are none."""
     try:
         out = subprocess.run(["cuobjdump", "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                              timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired) as why:
         return f"cuobjdump: {why}"
-    m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+)", out)
-    spill = re.search(r"(\d+) bytes spill stores", out)
-    return f"regs {m.group(1)} stack {m.group(2)}" + (f" spill {spill.group(1)}" if spill else "") if m else out[-200:]
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", out)
+    local = re.search(r"LOCAL:(\d+)", out)
+    return (f"regs {m.group(1)} stack {m.group(2)} local {local.group(1) if local else '?'}" if m
+            else out[-200:])
 
 
 def describe(json_path: Path) -> dict:

@@ -27,6 +27,7 @@ Not part of the library.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -69,6 +70,23 @@ def window(graph, seconds: float) -> dict:
     return {"us_per_call": 1000 * start.elapsed_time(stop) / timed, "calls": calls + timed, "mean_w": mean_w,
             "mJ_per_call": 1000 * mean_w * seconds_run / (calls + timed),
             "sm_mhz_end": torch.cuda.clock_rate(), "power_w_end": torch.cuda.power_draw() / 1000}
+
+
+@contextlib.contextmanager
+def settings(name: str):
+    """The environment settings an implementation name carries ("padded_moe+PADDED_MOE_GEMM_BACKEND=triton"),
+    set while the block runs."""
+    pairs = [kv.split("=", 1) for kv in name.split("+")[1:]]
+    saved = {k: os.environ.get(k) for k, _ in pairs}
+    os.environ.update(pairs)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def kernel_times(fn, calls: int) -> list[tuple[str, float]]:
@@ -115,25 +133,17 @@ def main() -> None:
             x, ids, tw = bp.make_inputs(case, T, device, 0)
             graphs, keep = {}, []
             for name in args.impls.split(","):
-                impl, *settings = name.split("+")  # "padded_moe+PADDED_MOE_GEMM_BACKEND=triton": captured with it set
-                saved = {k: os.environ.get(k) for k, _ in (kv.split("=", 1) for kv in settings)}
-                os.environ.update(kv.split("=", 1) for kv in settings)
                 # The builder holds the weights in the implementation's own arrangement (triton_kernels'
                 # re-laid copies); the graph does not, so both stay referenced while it replays.
                 try:
-                    builder = bp.BUILDERS[impl](case, W)
-                    run = builder.make(x, ids, tw)
-                    run.e2e()
-                    graphs[name], out = captured(run.e2e)
+                    with settings(name):
+                        builder = bp.BUILDERS[name.split("+")[0]](case, W)
+                        run = builder.make(x, ids, tw)
+                        run.e2e()
+                        graphs[name], out = captured(run.e2e)
                     keep.append((name, builder, run, out))
                 except bp.Skip as why:  # e.g. vLLM's Triton kernel has no MXFP4 path on Hopper
                     print(f"{case.name}: {name} skipped ({why})", flush=True)
-                finally:
-                    for k, v in saved.items():
-                        if v is None:
-                            os.environ.pop(k, None)
-                        else:
-                            os.environ[k] = v
             for r in range(args.rounds):
                 for name, g in graphs.items():
                     row = {"case": case.name, "T": T, "impl": name, "round": r, **window(g, args.window_s)}
@@ -142,7 +152,8 @@ def main() -> None:
                           f"{row['mJ_per_call']:8.1f} mJ/call  SM {row['sm_mhz_end']:.0f} MHz "
                           f"{row['power_w_end']:.0f} W at the end", flush=True)
             for name, _, run, _ in keep if args.kernels else ():
-                rows = kernel_times(run.e2e, args.kernels)
+                with settings(name):  # an eager call reads them again (e.g. the layout)
+                    rows = kernel_times(run.e2e, args.kernels)
                 report.setdefault("kernels", []).append({"case": case.name, "T": T, "impl": name, "kernels": rows})
                 print(f"{case.name} T={T} {name}: {sum(us for _, us in rows):.1f} us of kernels per call", flush=True)
                 for kname, us in rows:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -24,15 +24,26 @@ from _common import random_layer  # noqa: E402
 from padded_moe._graphs import capture_warm  # noqa: E402
 
 
-def kernel_times(fn, calls: int) -> dict:
+def kernel_times(fn, calls: int, per_launch: bool = False) -> dict:
+    """{kernel name (cut at 90 characters): device µs per call} over `calls` calls of `fn`.
+    `per_launch`: a kernel launched several times in a call is listed once per launch, "#i name"
+    for its i-th launch of the call (e.g. GEMM1 and GEMM2 of one kernel), instead of summed."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda ev: ev.time_range.start)
+    launches = Counter(ev.name[:90] for ev in events)
+    seen: Counter = Counter()
     totals: dict = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            totals[ev.name[:90]] += ev.device_time / calls
+    for ev in events:
+        name = ev.name[:90]
+        per_call = launches[name] // calls if per_launch else 1
+        if per_call > 1:
+            seen[name] += 1
+            name = f"#{(seen[name] - 1) % per_call} {name}"
+        totals[name] += ev.device_time / calls
     return totals
 
 

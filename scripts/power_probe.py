@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / ".peers"), str(ROOT / ".peers" / "vendor"), str(ROOT / "benchmarks")]
 import bench_peers as bp  # noqa: E402
 from _common import captured, write_json  # noqa: E402
+from profile_layer import kernel_times  # noqa: E402
 
 
 def window(graph, seconds: float) -> dict:
@@ -89,32 +90,6 @@ def settings(name: str):
                 os.environ[k] = v
 
 
-def kernel_times(fn, calls: int) -> list[tuple[str, float]]:
-    """(kernel name, mean device µs per call) of `calls` eager calls of `fn`, longest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    kernels = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda ev: ev.time_range.start)
-    per_call = {}  # launches of each kernel name per call: the i-th of a call is "name #i" when there are several
-    for ev in kernels:
-        per_call[ev.name] = per_call.get(ev.name, 0) + 1
-    seen: dict[str, int] = {}
-    totals: dict[str, float] = {}
-    for ev in kernels:
-        n = per_call[ev.name] // calls
-        i = seen.get(ev.name, 0)
-        seen[ev.name] = i + 1
-        key = ev.name if n <= 1 else f"#{i % n} {ev.name}"
-        totals[key] = totals.get(key, 0.0) + ev.device_time_total / calls
-    return sorted(totals.items(), key=lambda kv: -kv[1])
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="dsv4")
@@ -153,11 +128,13 @@ def main() -> None:
                           f"{row['power_w_end']:.0f} W at the end", flush=True)
             for name, _, run, _ in keep if args.kernels else ():
                 with settings(name):  # an eager call reads them again (e.g. the layout)
-                    rows = kernel_times(run.e2e, args.kernels)
+                    run.e2e()
+                    torch.cuda.synchronize()
+                    rows = sorted(kernel_times(run.e2e, args.kernels, per_launch=True).items(), key=lambda kv: -kv[1])
                 report.setdefault("kernels", []).append({"case": case.name, "T": T, "impl": name, "kernels": rows})
                 print(f"{case.name} T={T} {name}: {sum(us for _, us in rows):.1f} us of kernels per call", flush=True)
                 for kname, us in rows:
-                    print(f"    {us:9.1f} us  {kname[:110]}", flush=True)
+                    print(f"    {us:9.1f} us  {kname}", flush=True)
             del graphs, keep, x, ids, tw
             torch.cuda.empty_cache()
     write_json(args.out, report)

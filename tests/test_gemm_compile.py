@@ -307,6 +307,7 @@ for sig, const, warps, stages, aligned in json.loads(sys.argv[1]):
                     wgmma_serialized=("C7515" in ptxas_log(ptx)) if "ptxas_log" in globals() else None,
                     # register tiles stored to shared memory (none when TMA feeds both operands)
                     local_stores=ttgir.count("ttg.local_store"),
+                    persistent=const.get("PERSISTENT"),
                     dot_operands_shared=all(l.count("!ttg.memdesc") >= 2 for l in dots) and bool(dots)))
 print(json.dumps(out))
 """
@@ -428,10 +429,13 @@ def test_persistent_programs_compile_to_the_same_main_loop():
 
     cfg = kg.TUNED[("bf16", "prefill")]
     cases = [_captured_launch(c, layout, epi) for layout in (codes.INDEXED, codes.GROUPED_CONTIGUOUS)
-             for epi in (None, "silu") for c in (cfg, dataclasses.replace(cfg, persistent=True))]
+             for epi in (None, "silu")
+             for c in (dataclasses.replace(cfg, persistent=False), dataclasses.replace(cfg, persistent=True))]
     results = compile_for_sm90(PTXAS_LOG + HGMMA_LOOPS + TMA_SCRIPT, json.dumps(cases))
     for one, walked in zip(results[::2], results[1::2]):
+        assert one["persistent"] is False and walked["persistent"] is True, (one, walked)
         same = ("widths", "tma", "async_copies", "local_stores", "dot_operands_shared")
         assert {k: one[k] for k in same} == {k: walked[k] for k in same}, (one, walked)
         assert walked["tma"] + walked["async_copies"] > 0 and walked["spills"] == 0, walked
         assert walked["shared"] <= 227 * 1024, walked
+        assert walked["wgmma_serialized"] is False, walked

@@ -1243,6 +1243,10 @@ def _expert_gemm_mx_hopper_kernel(
     if PERSISTENT:
         tiles, live_m = _walk(N, num_pid_m, npad_ptr, off_ptr, cnt_ptr, R_a, T_max, num_local, LAYOUT, BLOCK_MB,
                               SUB, L_POW2, BM, BN_OUT)
+        # Not flattened with the K loop (as the bf16 walk can be): fused, the accumulator's reset
+        # for the next tile lands in the epilogue's branch while the register-operand wgmma groups
+        # of the K steps are in flight, and ptxas then serializes every wgmma (advisory C7515;
+        # Triton 3.6, sm_90 compiles of the prefill tile on all three layouts).
         for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0)):
             _expert_gemm_mx_hopper_tile(tile, live_m, a_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, ids_ptr, blk_exp_ptr,
                 npad_ptr, off_ptr, cnt_ptr, N, K, K_PAD, R_a, num_local, mk, T_max, stride_am, stride_we, stride_wn,

@@ -271,6 +271,20 @@ def test_batched_experts_rows_past_counts_untouched(cpu_path, gen):
         assert (out[e, c:] == SENTINEL).all()
 
 
+@pytest.mark.parametrize("wide", [2**31, 2**32 + 1, 2**40, 2**63 - 1])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_wide_int64_valid_tokens_mean_every_token(cpu_path, layout, wide, gen):
+    """An int64 `valid_tokens` past int32 counts as M (every token), never wrapped into range by a
+    narrowing before the clamp: every output row computed, equal to the call without it."""
+    M, k, E = 6, 2, 4
+    x = torch.randn(M, K, generator=gen)
+    w13, w2 = weights(E, gen, torch.float32)
+    tw, ids = routed(M, k, E, gen)
+    out = fused_experts(x, w13, w2, tw, ids, activation="silu", layout=layout,
+                        valid_tokens=torch.tensor([wide], dtype=torch.int64))
+    assert rel_err(out, reference_moe(x, w13, w2, tw, ids, activation="silu")) <= TOL[torch.float32]
+
+
 def test_batched_experts_expected_m_sizes_the_tiles_not_the_rows(cpu_path, gen, monkeypatch):
     """`expected_m` reaches the GEMMs as the slabs' expected rows (capped at T), and every count is
     still computed: the same outputs with any hint."""

@@ -45,7 +45,7 @@ from padded_moe import layout_codes as codes
 from padded_moe.kernels._codes import GROUPED_CONTIGUOUS, INDEXED
 from padded_moe.kernels._launch import launch as launch_kernel, ptr_key, resident_programs
 from padded_moe.kernels.activation import ACT_SWIGLUOAI, _bias_act, _gate_up_rows
-from padded_moe.kernels.guard import expert_id_ok
+from padded_moe.kernels.guard import clamp_count, expert_id_ok
 from padded_moe.layouts import BLOCK_128_MEAN_ROWS, default_block_m
 from padded_moe.mxfp4 import warn_unprepared
 
@@ -547,14 +547,11 @@ def _segment_tiles(off_ptr, cnt_ptr, R_a, T_max, num_local, LAYOUT: tl.constexpr
     ev = tl.arange(0, L_POW2)
     ein = ev < num_local
     if LAYOUT == GROUPED_CONTIGUOUS:
-        lo = tl.load(off_ptr + ev, mask=ein, other=0).to(tl.int32)
-        hi = tl.load(off_ptr + ev + 1, mask=ein, other=0).to(tl.int32)
-        lo = tl.minimum(tl.maximum(lo, 0), R_a)
-        hi = tl.minimum(tl.maximum(hi, lo), R_a)
+        lo = clamp_count(tl.load(off_ptr + ev, mask=ein, other=0), R_a)
+        hi = clamp_count(tl.maximum(tl.load(off_ptr + ev + 1, mask=ein, other=0), lo), R_a)
     else:
-        cnt = tl.load(cnt_ptr + ev, mask=ein, other=0).to(tl.int32)
         lo = ev * T_max
-        hi = lo + tl.minimum(tl.maximum(cnt, 0), T_max)
+        hi = lo + clamp_count(tl.load(cnt_ptr + ev, mask=ein, other=0), T_max)
     return ev, lo, hi, tl.where(ein, (hi - lo + BM - 1) // BM, 0)
 
 

@@ -4,7 +4,9 @@ Routed ids come from user code and may be anything an int32/int64 holds (-1, E, 
 Every kernel that reads a table indexed by an expert id checks the id first with `expert_id_ok`:
 the comparison runs in the ids' own dtype (an int64 id is never narrowed into range first), and
 callers mask the table load with the result, so an invalid id never forms an address.
-The torch paths' twin is `padded_moe.expert_map.guarded_lookup`.
+The torch paths' twin is `padded_moe.expert_map.guarded_lookup`. Counts and row bounds read from a
+caller's buffer (`valid_tokens`, per-expert counts, offsets) are clamped the same way, in their own
+dtype before they are narrowed (`clamp_count`).
 """
 
 import triton
@@ -39,3 +41,11 @@ def slot_local_expert(ids_ptr, stride_im, stride_ik, map_ptr, vt_ptr, s, smask, 
     if HAS_VT:
         keep = keep & (t < tl.load(vt_ptr))
     return tl.where(keep, loc, L)
+
+
+@triton.jit
+def clamp_count(v, hi):
+    """A count or row bound `v` read from a caller's buffer (int32 or int64), clamped to [0, hi]
+    in its own dtype, then int32: narrowed only once in range, so a wide value (2^32 + 5, say)
+    never wraps to a small one."""
+    return tl.minimum(tl.maximum(v, 0), hi).to(tl.int32)

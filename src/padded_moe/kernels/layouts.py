@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from padded_moe.kernels._codes import GROUPED_CONTIGUOUS, GROUPED_MASKED, INDEXED
-from padded_moe.kernels.guard import slot_local_expert
+from padded_moe.kernels.guard import clamp_count, slot_local_expert
 
 
 @triton.jit
@@ -103,7 +103,7 @@ def _scan_kernel(chunk_cnt_ptr, chunk_base_ptr, counts_ptr, offs32_ptr, offsets6
             tl.store(num_padded_ptr, total)
             n_tok = M
             if HAS_VT:
-                n_tok = tl.minimum(tl.maximum(tl.load(vt_ptr).to(tl.int32), 0), M)
+                n_tok = clamp_count(tl.load(vt_ptr), M)
             tl.store(act_ptr, n_tok * TOP_K)
 
 
@@ -235,7 +235,7 @@ def _unpermute_kernel(y_ptr, stride_y0, stride_y1, SLAB_ROWS, w_ptr, stride_wm, 
     n_tok = M
     if HAS_VT:
         # Tokens at/after valid_tokens are not written at all.
-        n_tok = tl.minimum(tl.maximum(tl.load(vt_ptr).to(tl.int32), 0), M)
+        n_tok = clamp_count(tl.load(vt_ptr), M)
     for t in range(pid, n_tok, nprog):
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)

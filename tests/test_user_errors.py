@@ -307,3 +307,78 @@ def test_quantize_mxfp4_expert_by_expert_matches_whole(gen):
         bad = w.clone()
         bad[2, 0, 0] = float("inf")
         quantize_mxfp4(bad)
+
+
+def _small_call(gen, M=5, E=4, k=2):
+    x = torch.randn(M, K, generator=gen)
+    w13 = torch.randn(E, 2 * N, K, generator=gen) * 0.1
+    w2 = torch.randn(E, K, N, generator=gen) * 0.1
+    ids = torch.randint(0, E, (M, k), generator=gen, dtype=torch.int32)
+    return dict(hidden_states=x, w13=w13, w2=w2, topk_weights=torch.rand(M, k, generator=gen), topk_ids=ids)
+
+
+@pytest.mark.parametrize("case, error, message", [
+    ("w13 strided", ValueError, "w13 must have a contiguous last dimension"),
+    ("w2 strided", ValueError, "w2 must have a contiguous last dimension"),
+    ("w2 bf16", TypeError, "w2 must have hidden_states.dtype"),
+    ("w2_bias shape", ValueError, "w2_bias must have shape"),
+    ("w13_bias float64", TypeError, "w13_bias must have dtype"),
+    ("hidden_states strided", ValueError, "hidden_states must have a contiguous last dimension"),
+    ("scratch", TypeError, "scratch must be a PermuteScratch"),
+])
+def test_fused_experts_refusals_name_the_callers_argument(cpu_path, gen, case, error, message):
+    kw = _small_call(gen)
+    E = kw["w13"].shape[0]
+    over = {"w13 strided": lambda: dict(w13=kw["w13"].transpose(1, 2).contiguous().transpose(1, 2)),
+            "w2 strided": lambda: dict(w2=kw["w2"].transpose(1, 2).contiguous().transpose(1, 2)),
+            "w2 bf16": lambda: dict(w2=kw["w2"].bfloat16()),
+            "w2_bias shape": lambda: dict(w13_bias=torch.zeros(E, 2 * N), w2_bias=torch.zeros(E, N)),
+            "w13_bias float64": lambda: dict(w13_bias=torch.zeros(E, 2 * N, dtype=torch.float64)),
+            "hidden_states strided": lambda: dict(hidden_states=kw["hidden_states"].t().contiguous().t()),
+            "scratch": lambda: dict(scratch=object())}[case]()
+    with pytest.raises(error, match=message):
+        fused_experts(**{**kw, **over}, activation="silu")
+
+
+def test_batched_experts_takes_a_permuted_dense_x_without_out(cpu_path, gen):
+    """A dense `x` in another dimension order ([T, L, K] storage seen as [L, T, K]) gets a contiguous
+    output of its own, not one that copies x's strides and is then refused as `out`."""
+    L, T = 3, 4
+    x = torch.randn(T, L, K, generator=gen).transpose(0, 1)
+    w13 = torch.randn(L, 2 * N, K, generator=gen) * 0.2
+    w2 = torch.randn(L, K, N, generator=gen) * 0.2
+    out = batched_experts(x, torch.tensor([4, 1, 0]), w13, w2, activation="silu")
+    assert out.is_contiguous()
+    assert rel_err(out[0], _expert_ref(x[0], w13[0], w2[0])) <= 1e-5
+    assert rel_err(out[1, :1], _expert_ref(x[1, :1], w13[1], w2[1])) <= 1e-5
+
+
+def test_fused_moe_forward_names_a_hidden_states_dtype_mismatch():
+    layer = FusedMoE(4, 2, K, N, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="hidden_states must have the layer's dtype torch.bfloat16"):
+        layer(torch.randn(3, K))
+
+
+def test_load_experts_refuses_biases_it_would_drop_or_misread(gen):
+    E = 4
+    w13, w2 = torch.randn(E, 2 * N, K, generator=gen), torch.randn(E, K, N, generator=gen)
+    plain = FusedMoE(E, 2, K, N, dtype=torch.float32)
+    with pytest.raises(ValueError, match="w13_bias given, but this layer has no biases"):
+        plain.load_experts(w13, w2, w13_bias=torch.zeros(E, 2 * N))
+    biased = FusedMoE(E, 2, K, N, dtype=torch.float32, has_bias=True)
+    with pytest.raises(ValueError, match=r"w2_bias must be \(4, 32\)"):
+        biased.load_experts(w13, w2, w2_bias=torch.zeros(E, N))
+    with pytest.raises(TypeError, match="w13_bias"):
+        biased.load_experts(w13, w2, w13_bias=[[0.0] * (2 * N)] * E)
+    b13, b2 = torch.randn(E, 2 * N, generator=gen), torch.randn(E, K, generator=gen)
+    biased.load_experts(w13, w2, w13_bias=b13, w2_bias=b2)
+    assert torch.equal(biased.w13_bias, b13) and torch.equal(biased.w2_bias, b2)
+
+
+@pytest.mark.parametrize("tuning, error", [({"max_block_d": 0}, ValueError), ({"max_block_d": 1000}, ValueError),
+                                           ({"num_warps": 0}, ValueError), ({"num_warps": 3}, ValueError),
+                                           ({"tile_elems": "big"}, TypeError), ({"tile_elems": 0}, ValueError)])
+def test_activation_tuning_values_are_checked(tuning, error):
+    x = torch.randn(4, 2 * N)
+    with pytest.raises(error, match="tuning"):
+        apply_moe_activation("silu", torch.empty(4, N), x, tuning=tuning)

@@ -317,6 +317,12 @@ def _tuning(act: MoEActivation, tuning: Optional[Mapping]) -> dict:
     if unknown:
         raise ValueError(f"tuning has unknown keys {unknown}; TUNING's keys are {sorted(TUNING)}")
     merged = {**default_tuning(act), **tuning}
+    for key, pow2 in (("tile_elems", False), ("max_block_d", True), ("num_warps", True)):
+        v, want = merged[key], f"a positive int{' power of two' if pow2 else ''}"
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"tuning[{key!r}] must be {want}, got {type(v).__name__}")
+        if v < 1 or (pow2 and v & (v - 1)):
+            raise ValueError(f"tuning[{key!r}] must be {want}, got {v}")
     per_sm = merged["programs_per_sm"]
     if per_sm is not None and (not isinstance(per_sm, int) or isinstance(per_sm, bool) or per_sm < 1):
         raise ValueError(f"tuning['programs_per_sm'] must be None (all resident) or a positive int, got {per_sm!r}")

@@ -25,6 +25,7 @@ from padded_moe._validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     require_dtype,
+    require_last_dim_contiguous,
     require_rank,
     require_tensor,
     require_weight,
@@ -39,7 +40,7 @@ from padded_moe.decode import DECODE_ENV, decode_allowed, decode_experts, fits_d
 from padded_moe.expert_map import ExpertMap, check_topk_ids, check_valid_tokens
 from padded_moe import backends
 from padded_moe.backends import BACKEND_ENV, effective_backend, resolve_backend
-from padded_moe.gemm import FUSE_ENV, expert_gemm, fuse_activation_mode
+from padded_moe.gemm import FUSE_ENV, check_bias, expert_gemm, fuse_activation_mode
 from padded_moe.layouts import (
     LAYOUT_ENV,
     GemmLayout,
@@ -54,11 +55,19 @@ from padded_moe.layouts import (
 from padded_moe.mxfp4 import HopperMxfp4, Mxfp4Tensor
 
 
-def _check_weights(act: Optional[MoEActivation], w13, w2, hidden_size: int) -> tuple[int, int]:
-    """Return (num_local, N) after checking w13 [L, 2N|N, K] and w2 [L, K, N]. `act` None (a
-    callable activation): w13's width is the callable's business, N is w2's."""
-    require_weight("w13", w13)
-    require_weight("w2", w2)
+def _check_weights(act: Optional[MoEActivation], w13, w2, x: torch.Tensor, x_name: str) -> tuple[int, int]:
+    """Return (num_local, N) after checking w13 [L, 2N|N, K] and w2 [L, K, N] against the
+    activations `x` (named `x_name`: K its last dimension, its dtype unless a weight is MXFP4, its
+    device). `act` None (a callable activation): w13's width is the callable's business, N is w2's."""
+    hidden_size = x.shape[-1]
+    for name, w in (("w13", w13), ("w2", w2)):
+        require_weight(name, w)
+        if isinstance(w, torch.Tensor) and w.dtype != x.dtype:
+            raise TypeError(f"{name} must have {x_name}.dtype {x.dtype} (or be an Mxfp4Tensor), got {w.dtype}")
+        if w.device != x.device:
+            raise ValueError(f"{name} must be on {x_name}.device {x.device}, got {w.device}")
+        if isinstance(w, torch.Tensor):
+            require_last_dim_contiguous(name, w)
     s13, s2 = tuple(w13.shape), tuple(w2.shape)
     if len(s13) != 3 or len(s2) != 3:
         raise ValueError(f"w13 and w2 must be 3-D [L, out, in], got shapes {s13} and {s2}")
@@ -191,6 +200,7 @@ def _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, a
     require_tensor("hidden_states", hidden_states)
     require_dtype("hidden_states", hidden_states, FLOAT_DTYPES)
     require_rank("hidden_states", hidden_states, (2,))
+    require_last_dim_contiguous("hidden_states", hidden_states)
     require_tensor("topk_ids", topk_ids)
     require_dtype("topk_ids", topk_ids, INDEX_DTYPES)
     num_tokens, hidden_size = hidden_states.shape
@@ -200,12 +210,16 @@ def _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, a
     require_dtype("topk_weights", topk_weights, FLOAT_DTYPES + (torch.float64,))
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
-    num_local, n = _check_weights(act, w13, w2, hidden_size)
+    num_local, n = _check_weights(act, w13, w2, hidden_states, "hidden_states")
+    check_bias(w13_bias, hidden_states, num_local, w13.shape[1], name="w13_bias", a_name="hidden_states")
+    check_bias(w2_bias, hidden_states, num_local, hidden_size, name="w2_bias", a_name="hidden_states")
     if expert_map is not None and not isinstance(expert_map, ExpertMap):
         raise TypeError(f"expert_map must be an ExpertMap or None, got {type(expert_map).__name__} (a vLLM-style "
                         f"table tensor converts once: ExpertMap.from_table(table))")
     if expert_map is not None and expert_map.num_local != num_local:
         raise ValueError(f"expert_map has {expert_map.num_local} local experts but w13 holds {num_local}")
+    if scratch is not None and not isinstance(scratch, PermuteScratch):
+        raise TypeError(f"scratch must be a PermuteScratch or None, got {type(scratch).__name__}")
     cfg = _activation_config(activation_config)
     chosen = layout_for_call(layout, expert_parallel=expert_map is not None)
     check_expected_m(expected_m, chosen)
@@ -591,11 +605,11 @@ def batched_experts(x: torch.Tensor, counts: torch.Tensor, w13, w2, *, activatio
     check_expected_m(expected_m, GemmLayout.GROUPED_MASKED)
     if tuple(counts.shape) != (num_local,):
         raise ValueError(f"counts must be 1-D of length L={num_local}, got shape {tuple(counts.shape)}")
-    if _check_weights(act, w13, w2, hidden_size)[0] != num_local:
+    if _check_weights(act, w13, w2, x, "x")[0] != num_local:
         raise ValueError(f"w13 must hold L={num_local} experts (x's first dim), got {tuple(w13.shape)}")
     cfg = _activation_config(activation_config)
-    if out is None:
-        out = torch.empty_like(x)
+    if out is None:  # contiguous whatever x's strides (empty_like would copy a permuted x's)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     elif not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype \
             or out.device != x.device or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of x's shape {tuple(x.shape)} on {x.device}")

@@ -76,15 +76,17 @@ def _check_meta(meta, device: torch.device) -> None:
             raise ValueError(f"layout_meta.{f} must be contiguous")
 
 
-def check_bias(bias: Optional[torch.Tensor], a: torch.Tensor, num_local: int, n_out: int) -> None:
-    """An expert bias `[L, Nout]` (or None) for a GEMM on `a`."""
+def check_bias(bias: Optional[torch.Tensor], a: torch.Tensor, num_local: int, n_out: int, *,
+               name: str = "bias", a_name: str = "a") -> None:
+    """An expert bias `[L, Nout]` (or None) for a GEMM on `a` (`name`, `a_name`: the arguments as
+    the caller knows them, for the messages)."""
     if bias is None:
         return
-    require_tensor("bias", bias)
-    require_dtype("bias", bias, FLOAT_DTYPES)
-    require_shape("bias", bias, (num_local, n_out))
-    require_same_device("bias", bias, "a", a)
-    require_last_dim_contiguous("bias", bias)
+    require_tensor(name, bias)
+    require_dtype(name, bias, FLOAT_DTYPES)
+    require_shape(name, bias, (num_local, n_out))
+    require_same_device(name, bias, a_name, a)
+    require_last_dim_contiguous(name, bias)
 
 
 def check_weight(w, a: torch.Tensor, num_local: int) -> tuple[int, int]:

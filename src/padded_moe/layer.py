@@ -170,7 +170,9 @@ class FusedMoE(nn.Module):
 
         Float weights fit either format (an MXFP4 layer quantizes them one expert at a time, so
         no float copy of all local experts is made on its device); `Mxfp4Tensor`s (e.g.
-        `from_gpt_oss` of a checkpoint) only an MXFP4 layer, which keeps their bytes as they are."""
+        `from_gpt_oss` of a checkpoint) only an MXFP4 layer, which keeps their bytes as they are.
+        Biases `[E, rows]` load into a layer built with `has_bias=True` (anything else is refused,
+        never dropped); one left None keeps the layer's own."""
         want13 = (self.num_experts,) + self._w13_shape[1:]
         want2 = (self.num_experts,) + self._w2_shape[1:]
         for name, w in (("w13", w13), ("w2", w2)):
@@ -183,6 +185,15 @@ class FusedMoE(nn.Module):
                 require_tensor(name, w)
         if tuple(w13.shape) != want13 or tuple(w2.shape) != want2:
             raise ValueError(f"w13/w2 must be {want13} / {want2}, got {tuple(w13.shape)} / {tuple(w2.shape)}")
+        for name, b, have, rows in (("w13_bias", w13_bias, self.w13_bias, want13[1]),
+                                    ("w2_bias", w2_bias, self.w2_bias, want2[1])):
+            if b is None:
+                continue
+            if have is None:
+                raise ValueError(f"{name} given, but this layer has no biases: build it with has_bias=True")
+            require_tensor(name, b)
+            if tuple(b.shape) != (self.num_experts, rows):
+                raise ValueError(f"{name} must be {(self.num_experts, rows)} (E, rows), got {tuple(b.shape)}")
         idx = torch.tensor(self.local_experts, dtype=torch.long)
         if self.weight_format == "mxfp4":
             self._fill_canonical()
@@ -198,10 +209,10 @@ class FusedMoE(nn.Module):
         else:
             self.w13.copy_(w13[idx].to(self.w13.device))
             self.w2.copy_(w2[idx].to(self.w2.device))
-        if self.w13_bias is not None and w13_bias is not None:
-            self.w13_bias.copy_(w13_bias[idx].to(self.w13_bias.device))
-        if self.w2_bias is not None and w2_bias is not None:
-            self.w2_bias.copy_(w2_bias[idx].to(self.w2_bias.device))
+        if w13_bias is not None:
+            self.w13_bias.copy_(w13_bias[idx.to(w13_bias.device)].to(self.w13_bias.device))
+        if w2_bias is not None:
+            self.w2_bias.copy_(w2_bias[idx.to(w2_bias.device)].to(self.w2_bias.device))
         self.prepare()
 
     @torch.no_grad()
@@ -383,7 +394,7 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None,
                 token_ids: Optional[torch.Tensor] = None,
                 valid_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        _check_forward_inputs(hidden_states, router_logits, self.hidden_size, self.num_experts)
+        _check_forward_inputs(hidden_states, router_logits, self.hidden_size, self.num_experts, self.gate.weight.dtype)
         check_valid_tokens(valid_tokens, hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
@@ -686,11 +697,14 @@ def _check_sizes(num_experts, top_k, hidden_size, intermediate_size, dtype) -> N
         raise TypeError(f"dtype must be one of torch.float32, torch.float16, torch.bfloat16, got {dtype!r}")
 
 
-def _check_forward_inputs(hidden_states, router_logits, hidden_size: int, num_experts: int) -> None:
-    """Shape checks on Python ints only (no tensor reads), so forward stays traceable."""
+def _check_forward_inputs(hidden_states, router_logits, hidden_size: int, num_experts: int,
+                          dtype: torch.dtype) -> None:
+    """Shape and dtype checks on metadata only (no tensor reads), so forward stays traceable."""
     require_tensor("hidden_states", hidden_states)
     if hidden_states.dim() < 1 or hidden_states.shape[-1] != hidden_size:
         raise ValueError(f"hidden_states must be [..., hidden_size={hidden_size}], got shape {tuple(hidden_states.shape)}")
+    if hidden_states.dtype != dtype:
+        raise TypeError(f"hidden_states must have the layer's dtype {dtype}, got {hidden_states.dtype}")
     if router_logits is not None:
         require_tensor("router_logits", router_logits)
         tokens = hidden_states.numel() // hidden_size

@@ -355,7 +355,8 @@ BLOCK_128_MEAN_ROWS = 72
 
 def default_block_m(num_slots: int, num_local: int) -> int:
     """INDEXED row block when the caller gives none: the smallest of 16/32/64 that holds the mean
-    rows per expert plus their square root, or 128 from `BLOCK_128_MEAN_ROWS` mean rows on. Never
+    rows per expert plus their square root (64 where none does), or 128 from `BLOCK_128_MEAN_ROWS`
+    mean rows on. Never
     decreases as `num_slots` grows (a scratch sized for its largest call has room for every
     smaller one).
 

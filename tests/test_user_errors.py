@@ -382,3 +382,8 @@ def test_activation_tuning_values_are_checked(tuning, error):
     x = torch.randn(4, 2 * N)
     with pytest.raises(error, match="tuning"):
         apply_moe_activation("silu", torch.empty(4, N), x, tuning=tuning)
+
+
+def test_activation_check_counts_must_be_a_bool():
+    with pytest.raises(TypeError, match="check_counts must be a bool"):
+        apply_moe_activation("silu", torch.empty(4, N), torch.randn(4, 2 * N), check_counts="yes")

@@ -289,6 +289,8 @@ def apply_moe_activation(activation: Union[str, MoEActivation], output: torch.Te
     cfg = ApplyMoEActivationConfig() if activation_config is None else activation_config
     if not isinstance(cfg, ApplyMoEActivationConfig):
         raise TypeError(f"activation_config must be an ApplyMoEActivationConfig, got {type(cfg).__name__}")
+    if not isinstance(check_counts, bool):
+        raise TypeError(f"check_counts must be a bool, got {type(check_counts).__name__}")
     params = _resolve(act, cfg)
     launch_shape = _tuning(act, tuning)
     _check_tensors(act, output, input, valid_token_counts)

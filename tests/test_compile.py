@@ -488,3 +488,31 @@ def test_dispatch_and_combine_ops_pass_opcheck(one_rank_group, mode):
     y = torch.randn(rb.x.shape, generator=gen)
     ep._op_handle = handle  # what the dispatch op leaves for the combine op (one real call below)
     torch.library.opcheck(torch.ops.padded_moe.ep_combine.default, (y, 3, ep.op_id), test_utils=("test_faketensor",))
+
+
+@pytest.mark.parametrize("act, field, values", [("silu", "clamp_limit", (3.0, 5.0)),
+                                                ("swigluoai", "clamp_limit", (7.0, 9.0)),
+                                                ("situ", "situ_beta", (4.0, 2.0))])
+def test_activation_configs_differing_per_layer_compile_fullgraph(gen, act, field, values):
+    """One compiled function applied to layers whose activation configs differ: the recompile for
+    the second value holds it as a symbolic float, which the op takes as given and resolves when it
+    runs (the checks of `_resolve` are not traced); each result equals the eager call's."""
+    from padded_moe.activation import ApplyMoEActivationConfig, apply_moe_activation
+
+    class Act(torch.nn.Module):
+        def __init__(self, value):
+            super().__init__()
+            self.cfg = ApplyMoEActivationConfig(**{field: value})
+
+        def forward(self, x):
+            out = torch.zeros(x.shape[0], x.shape[1] // 2)
+            return apply_moe_activation(act, out, x, activation_config=self.cfg)
+
+    step = torch.compile(lambda mod, x: mod(x), fullgraph=True, backend="aot_eager")
+    x = torch.randn(6, 16, generator=gen)
+    for value in values:
+        mod = Act(value)
+        assert torch.equal(step(mod, x), mod(x))
+    mod = Act(values[0])  # dynamic=True: the module's floats symbolic from the first trace
+    dyn = torch.compile(lambda x: mod(x), fullgraph=True, dynamic=True, backend="aot_eager")
+    assert torch.equal(dyn(x), mod(x))

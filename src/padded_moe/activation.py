@@ -291,22 +291,23 @@ def apply_moe_activation(activation: Union[str, MoEActivation], output: torch.Te
         raise TypeError(f"activation_config must be an ApplyMoEActivationConfig, got {type(cfg).__name__}")
     if not isinstance(check_counts, bool):
         raise TypeError(f"check_counts must be a bool, got {type(check_counts).__name__}")
-    params = _resolve(act, cfg)
-    launch_shape = _tuning(act, tuning)
     _check_tensors(act, output, input, valid_token_counts)
     if check_counts and valid_token_counts is not None:
         _check_counts_on_host(valid_token_counts, input.shape[-2])
     if torch.compiler.is_compiling():
         if tuning is not None:
             raise NotImplementedError("tuning is for eager calls; under torch.compile the op uses the default launch shape")
-        # Under torch.compile the registered op keeps the kernel opaque to the tracer.
+        # Under torch.compile the registered op keeps the kernel opaque to the tracer. It takes the
+        # config's fields as given and resolves them when it runs: the tracer may hold them as
+        # symbolic floats (a compiled block reused by layers of different limits), which the
+        # checks of `_resolve` cannot evaluate.
         torch.ops.padded_moe.moe_activation(
             act.value, output, input, valid_token_counts,
-            params.limit, params.alpha, params.beta, params.situ_beta, params.situ_lambda)
+            cfg.clamp_limit, cfg.alpha, cfg.beta, cfg.situ_beta, cfg.situ_linear_beta)
     else:
         # Eager calls skip the dispatcher: it costs tens of µs of host time per call, more than
         # the kernel itself for small or mostly-padded buffers.
-        _run(act, output, input, valid_token_counts, params, launch_shape)
+        _run(act, output, input, valid_token_counts, _resolve(act, cfg), _tuning(act, tuning))
     return output
 
 
@@ -337,9 +338,11 @@ def _tuning(act: MoEActivation, tuning: Optional[Mapping]) -> dict:
 
 @custom_op("padded_moe::moe_activation", mutates_args={"output"})
 def _moe_activation_op(activation: str, output: torch.Tensor, input: torch.Tensor,
-                       counts: Optional[torch.Tensor], limit: Optional[float], alpha: float,
-                       beta: float, situ_beta: float, situ_lambda: Optional[float]) -> None:
-    _run(MoEActivation(activation), output, input, counts, _Params(limit, alpha, beta, situ_beta, situ_lambda))
+                       counts: Optional[torch.Tensor], clamp_limit: Optional[float], alpha: Optional[float],
+                       beta: Optional[float], situ_beta: Optional[float], situ_linear_beta: Optional[float]) -> None:
+    act = MoEActivation(activation)
+    cfg = ApplyMoEActivationConfig(clamp_limit, alpha, beta, situ_beta, situ_linear_beta)
+    _run(act, output, input, counts, _resolve(act, cfg))
 
 
 def _run(act: MoEActivation, output: torch.Tensor, input: torch.Tensor, counts: Optional[torch.Tensor],
@@ -353,7 +356,8 @@ def _run(act: MoEActivation, output: torch.Tensor, input: torch.Tensor, counts: 
 
 
 @register_fake("padded_moe::moe_activation")
-def _moe_activation_fake(activation, output, input, counts, limit, alpha, beta, situ_beta, situ_lambda) -> None:
+def _moe_activation_fake(activation, output, input, counts, clamp_limit, alpha, beta, situ_beta,
+                         situ_linear_beta) -> None:
     return None
 
 

@@ -56,6 +56,9 @@ def round_trip(geo, owner, placement, mode, graph_safe, hiddens, ids, weights, s
         for name, t in ep.buffers().items():
             if name in POISON:
                 t.fill_(POISON[name])
+        # Every rank poisoned before any rank dispatches: a put transport's first call writes into
+        # the other ranks' receive rows, which a later poisoning would overwrite.
+        transport.world._sync()
         for _ in range(calls):
             out = one_call(ep, rank)
         if ep._keeps_own_chunk != keep_own:
@@ -129,10 +132,12 @@ def test_round_trip_matches_reference(cpu_path, gen, mode, graph_safe, keep_own,
 
 @pytest.mark.parametrize("mode", ["flat", "batched"])
 @pytest.mark.parametrize("wire,ms", [("f32", (5, 0, 7)), ("fp8", (4, 6, 2)), ("bf16", (0, 0, 0))], ids=str)
-def test_put_transport_round_trip_matches_reference(triton_on, gen, mode, wire, ms):
+@pytest.mark.parametrize("calls", [1, 3])
+def test_put_transport_round_trip_matches_reference(triton_on, gen, mode, wire, ms, calls):
     """The put transport's kernels (pack and combine writing into the other ranks' rows through
-    the destination tables, the epoch handshake) on 3 in-process ranks, 3 calls on the same
-    buffers: each equals the float64 reference, an idle rank and all-idle included."""
+    the destination tables, the epoch handshake) on 3 in-process ranks, the first call on poisoned
+    buffers and the third on the same buffers: each equals the float64 reference, an idle rank and
+    all-idle included."""
     R, T, E, k = 3, 7, 10, 3
     K = 256 if wire == "fp8" else 40
     dtype = torch.bfloat16 if wire in ("bf16", "fp8") else torch.float32
@@ -142,7 +147,7 @@ def test_put_transport_round_trip_matches_reference(triton_on, gen, mode, wire, 
     ids = [random_ids(gen, m, E, k, dup=True) for m in ms]
     weights = [torch.rand(m, k, generator=gen) + 0.1 for m in ms]
     scale = torch.rand(E, generator=gen, dtype=torch.float64) + 0.5
-    outs = round_trip(geo, owner, "linear", mode, True, hiddens, ids, weights, scale, put=True, calls=3)
+    outs = round_trip(geo, owner, "linear", mode, True, hiddens, ids, weights, scale, put=True, calls=calls)
     check_round_trip(outs, hiddens, ids, weights, scale, wire)
 
 

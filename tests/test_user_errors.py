@@ -387,3 +387,32 @@ def test_activation_tuning_values_are_checked(tuning, error):
 def test_activation_check_counts_must_be_a_bool():
     with pytest.raises(TypeError, match="check_counts must be a bool"):
         apply_moe_activation("silu", torch.empty(4, N), torch.randn(4, 2 * N), check_counts="yes")
+
+
+def test_expert_parallel_arguments_are_typed():
+    """ExpertParallel's flags take bools only (1 and "no" are not), a CUDA device needs CUDA, and
+    FusedMoE takes an ExpertParallel or None; a batched one refuses the layouts and biases it
+    would ignore, at construction."""
+    from padded_moe import ExpertParallel
+    from padded_moe.ep import InProcessWorld
+
+    def rank_fn(rank, transport):
+        make = lambda **kw: ExpertParallel(None, 8, 2, 64, max_tokens_per_rank=4, dtype=torch.float32,
+                                           transport=transport, **kw)
+        for kw in (dict(keep_own_chunk=1), dict(keep_own_chunk=0.0), dict(graph_safe="no"), dict(graph_safe=None)):
+            with pytest.raises(TypeError, match=f"{next(iter(kw))} must be"):
+                make(**kw)
+        if not torch.cuda.is_available():
+            with pytest.raises(ValueError, match="CUDA is not available"):
+                make(device="cuda")
+        for bad in (object(), True, "ep"):
+            with pytest.raises(TypeError, match="expert_parallel must be an ExpertParallel or None"):
+                FusedMoE(8, 2, 64, 32, expert_parallel=bad, dtype=torch.float32)
+        batched = make(mode="batched")
+        with pytest.raises(ValueError, match="not legal for the batched format"):
+            FusedMoE(8, 2, 64, 32, expert_parallel=batched, dtype=torch.float32, layout="indexed")
+        with pytest.raises(NotImplementedError, match="has_bias=True"):
+            FusedMoE(8, 2, 64, 32, expert_parallel=batched, dtype=torch.float32, has_bias=True)
+        return FusedMoE(8, 2, 64, 32, expert_parallel=batched, dtype=torch.float32, layout="grouped_masked").num_local
+
+    assert InProcessWorld(1).run(rank_fn) == [8]

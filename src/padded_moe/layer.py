@@ -34,7 +34,7 @@ from padded_moe.ep.engine import expert_parallel_of_op
 from padded_moe.expert_map import check_valid_tokens, drop_rows_past
 from padded_moe.experts import (batched_experts, eager_cache_off, fused_experts, layout_for_call, op_weight_from_parts,
                                 op_weight_parts, plan_key_head, plan_options, planned_call)
-from padded_moe.layouts import GemmLayout
+from padded_moe.layouts import GemmLayout, select_gemm_layout
 from padded_moe.mxfp4 import GROUP, HopperMxfp4, Mxfp4Tensor, canonical_kept, quantize_mxfp4
 from padded_moe.presets import MoEPreset, get_preset
 
@@ -99,6 +99,12 @@ class FusedMoE(nn.Module):
         num_groups, topk_groups = routing.check_groups(num_experts, top_k, num_groups, topk_groups)
         if expert_parallel is not None:
             _check_expert_parallel(expert_parallel, num_experts, top_k, hidden_size, dtype)
+            if expert_parallel.mode == "batched":  # its buffers run GROUPED_MASKED, without biases
+                if layout is not None:
+                    select_gemm_layout(expert_parallel=True, batched_format=True, override=layout)
+                if has_bias:
+                    raise NotImplementedError("has_bias=True: expert biases are not supported in batched "
+                                              "expert-parallel mode; use mode='flat'")
         self.num_experts, self.top_k = num_experts, top_k
         self.num_groups, self.topk_groups = num_groups, topk_groups
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
@@ -678,6 +684,10 @@ def _check_expert_parallel(ep, num_experts: int, top_k: int, hidden_size: int, d
     `ExpertParallel`: its buffers and expert map were made for those (a dtype that differs would
     otherwise surface only at the first dispatch). Sizes that differ are a ValueError, a dtype a
     TypeError, as everywhere in the library."""
+    from padded_moe.ep import ExpertParallel
+
+    if not isinstance(ep, ExpertParallel):
+        raise TypeError(f"expert_parallel must be an ExpertParallel or None, got {type(ep).__name__}")
     for name, mine in (("num_experts", num_experts), ("top_k", top_k), ("hidden_size", hidden_size)):
         theirs = getattr(ep, name)
         if theirs != mine:

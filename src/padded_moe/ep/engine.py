@@ -206,8 +206,10 @@ class ExpertParallel:
         if dispatch_dtype not in (None, dtype, *FP8_WIRE_DTYPES):
             raise ValueError(
                 f"dispatch_dtype must be None, dtype ({dtype}) or one of {FP8_WIRE_DTYPES}, got {dispatch_dtype}")
-        if keep_own_chunk not in (None, True, False):
+        if keep_own_chunk is not None and not isinstance(keep_own_chunk, bool):  # 1 == True: not enough
             raise TypeError(f"keep_own_chunk must be None or a bool, got {keep_own_chunk!r}")
+        if not isinstance(graph_safe, bool):
+            raise TypeError(f"graph_safe must be a bool, got {graph_safe!r}")
         self.num_experts = require_int("num_experts", num_experts)
         self.top_k = require_int("top_k", top_k)
         self.hidden_size = require_int("hidden_size", hidden_size)
@@ -217,10 +219,12 @@ class ExpertParallel:
         self.group = group
         self.mode = mode
         self.dtype = dtype
-        self.graph_safe = bool(graph_safe)
+        self.graph_safe = graph_safe
         self.ep_size = self.transport.size
         self.ep_rank = self.transport.rank
         self.device = requested if requested is not None else self.transport.default_device()
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device} but CUDA is not available here")
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" != "cuda:0" in comparisons
             self.device = torch.device("cuda", torch.cuda.current_device())
         # flat mode + a quantizing backend: deferred quantization, so the wire keeps `dtype`.

@@ -49,6 +49,13 @@ def require_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         )
 
 
+def require_bool(name: str, value: object) -> bool:
+    """A flag: a bool, not 0 / 1 or a string (which `if value` would take)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def require_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")

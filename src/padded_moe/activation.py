@@ -19,8 +19,9 @@ import torch
 from padded_moe import _platform
 from padded_moe._ops import custom_op, register_fake
 from padded_moe._util import cdiv, even_split, next_pow2
-from padded_moe._validation import (FLOAT_DTYPES, INDEX_DTYPES, require_dtype, require_last_dim_contiguous,
-                                    require_rank, require_real, require_same_device, require_tensor)
+from padded_moe._validation import (FLOAT_DTYPES, INDEX_DTYPES, require_bool, require_dtype,
+                                    require_last_dim_contiguous, require_rank,
+                                    require_real, require_same_device, require_tensor)
 from padded_moe.torch_path import activation as torch_activation
 
 
@@ -289,8 +290,7 @@ def apply_moe_activation(activation: Union[str, MoEActivation], output: torch.Te
     cfg = ApplyMoEActivationConfig() if activation_config is None else activation_config
     if not isinstance(cfg, ApplyMoEActivationConfig):
         raise TypeError(f"activation_config must be an ApplyMoEActivationConfig, got {type(cfg).__name__}")
-    if not isinstance(check_counts, bool):
-        raise TypeError(f"check_counts must be a bool, got {type(check_counts).__name__}")
+    require_bool("check_counts", check_counts)
     _check_tensors(act, output, input, valid_token_counts)
     if check_counts and valid_token_counts is not None:
         _check_counts_on_host(valid_token_counts, input.shape[-2])

@@ -37,8 +37,9 @@ from typing import Optional, Union
 
 import torch
 
-from padded_moe._validation import (FLOAT_DTYPES, INDEX_DTYPES, require_dtype, require_last_dim_contiguous,
-                                    require_rank, require_same_device, require_shape, require_tensor)
+from padded_moe._validation import (FLOAT_DTYPES, INDEX_DTYPES, require_bool, require_dtype,
+                                    require_last_dim_contiguous, require_rank,
+                                    require_same_device, require_shape, require_tensor)
 from padded_moe.activation import ActivationEpilogue, ApplyMoEActivationConfig, MoEActivation, apply_moe_activation
 from padded_moe.backends import resolve_backend
 from padded_moe.layouts import GemmLayout, LayoutMeta, LayoutMetaBase
@@ -118,8 +119,7 @@ def expert_gemm(a: torch.Tensor, w: Union[torch.Tensor, Mxfp4Tensor], layout_met
     """One expert GEMM over `layout_meta`'s layout; returns `out` (see the module docstring)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
-    if not isinstance(gather, bool):
-        raise TypeError(f"gather must be a bool, got {type(gather).__name__}")
+    require_bool("gather", gather)
     epilogue = None
     if activation is not None:
         if stage != "w13":

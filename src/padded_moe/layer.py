@@ -28,7 +28,7 @@ from torch import nn
 from padded_moe import routing
 from padded_moe._ops import custom_op, register_fake
 from padded_moe._util import cdiv
-from padded_moe._validation import FLOAT_DTYPES, require_int, require_real, require_tensor
+from padded_moe._validation import FLOAT_DTYPES, require_bool, require_int, require_real, require_tensor
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
 from padded_moe.ep.engine import expert_parallel_of_op
 from padded_moe.expert_map import check_valid_tokens, drop_rows_past
@@ -82,8 +82,7 @@ class FusedMoE(nn.Module):
         self.activation_config = activation_config or ApplyMoEActivationConfig()
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
-        if not isinstance(keep_canonical, bool):
-            raise TypeError(f"keep_canonical must be a bool, got {type(keep_canonical).__name__}")
+        require_bool("keep_canonical", keep_canonical)
         if not callable(router) and router not in ROUTERS:
             raise ValueError(f"router must be a callable or one of {ROUTERS}, got {router!r}")
         routed_scaling_factor = require_real("routed_scaling_factor", routed_scaling_factor)

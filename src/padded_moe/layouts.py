@@ -20,7 +20,7 @@ import torch
 from padded_moe import layout_codes
 from padded_moe._platform import use_triton
 from padded_moe._util import cdiv, even_split, next_pow2, round_up
-from padded_moe._validation import require_int, require_rank, require_shape, require_tensor
+from padded_moe._validation import require_bool, require_int, require_rank, require_shape, require_tensor
 from padded_moe.expert_map import (Experts, ExpertMap, check_topk_ids, check_valid_tokens,
                                    resolve_experts)
 
@@ -296,8 +296,7 @@ def select_gemm_layout(*, expert_parallel: bool, batched_format: bool,
     GROUPED_CONTIGUOUS with expert parallelism. `override` (else env PADDED_MOE_GEMM_LAYOUT; unset or
     empty means auto) forces a layout; an illegal one for the format is a ValueError, never a fallback."""
     for name, flag in (("expert_parallel", expert_parallel), ("batched_format", batched_format)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        require_bool(name, flag)
     fmt = "batched" if batched_format else "standard"
     if override is not None:
         chosen = _parse_layout(override, "override", fmt)
@@ -634,8 +633,7 @@ def check_expected_m(expected_m: object, layout: GemmLayout) -> None:
 def _check_capacity(t_max: int, M: int, k: int, drop_overflow: object) -> None:
     """Losing tokens is opt-in: whether routes overflow is only known on the device, and reading
     that back would cost a host sync per call, so a capacity that *could* overflow needs consent."""
-    if not isinstance(drop_overflow, bool):
-        raise TypeError(f"drop_overflow must be a bool, got {type(drop_overflow).__name__}")
+    require_bool("drop_overflow", drop_overflow)
     if t_max < M * k and not drop_overflow:
         raise ValueError(
             f"max_tokens_per_expert={t_max} is below M*k={M * k}, the most slots one expert can receive, "

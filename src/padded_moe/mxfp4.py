@@ -19,7 +19,7 @@ from typing import Optional, Union
 
 import torch
 
-from padded_moe._validation import FLOAT_DTYPES, require_dtype, require_rank, require_tensor
+from padded_moe._validation import FLOAT_DTYPES, require_bool, require_dtype, require_rank, require_tensor
 
 GROUP = 32  # K elements sharing one E8M0 scale
 SCALE_BIAS = 127
@@ -196,8 +196,7 @@ class Mxfp4Tensor:
         (the `tl.dot_scaled` kernel, `mx_hopper=False`; the humming backend; the decode path's
         `MX_STEP` "bytes" / "words").
         """
-        if not isinstance(keep_canonical, bool):
-            raise TypeError(f"keep_canonical must be a bool, got {type(keep_canonical).__name__}")
+        require_bool("keep_canonical", keep_canonical)
         q = self
         if device is not None and torch.device(device) != self.device:
             q = self.to(device)

@@ -21,6 +21,7 @@ from typing import Optional, Union
 import torch
 
 from padded_moe._util import itemsize
+from padded_moe._validation import require_bool
 from padded_moe.ep.transport import storage_plan, transport_names
 from padded_moe.ep.wire import EPGeometry, WireFormat, ep_buffer_specs
 from padded_moe.mxfp4 import HOPPER_KB, canonical_kept
@@ -203,8 +204,7 @@ def plan(preset_or_shapes: Union[str, MoEPreset, dict], ranks: int, max_tokens: 
     if transport not in transport_names():
         raise ValueError(f"transport must be one of {transport_names()}, got {transport!r}")
     fmt = weight_format or p.weight_format
-    if not isinstance(keep_canonical, bool):
-        raise TypeError(f"keep_canonical must be a bool, got {type(keep_canonical).__name__}")
+    require_bool("keep_canonical", keep_canonical)
     fp8 = dispatch_dtype == torch.float8_e4m3fn
     mem = int(gpu_mem_gb * GIB)
 

@@ -40,6 +40,7 @@ from padded_moe._ops import custom_op, register_fake
 from padded_moe._util import next_pow2
 from padded_moe._validation import (
     INDEX_DTYPES,
+    require_bool,
     require_dtype,
     require_rank,
     require_same_device,
@@ -88,12 +89,6 @@ def _check_int(name: str, value: object, low: int, high: int, what: str) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}] ({what}), got {value}")
-    return value
-
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
 
 
@@ -320,8 +315,8 @@ def fused_topk(
     """
     logits = _check_logits(logits)
     k = _check_int("k", k, 1, logits.shape[1], "experts per token, at most E = logits.shape[1]")
-    renormalize = _check_bool("renormalize", renormalize)
-    topk_before_softmax = _check_bool("topk_before_softmax", topk_before_softmax)
+    renormalize = require_bool("renormalize", renormalize)
+    topk_before_softmax = require_bool("topk_before_softmax", topk_before_softmax)
     _check_out_dtypes(weights_dtype, ids_dtype)
     if logits.requires_grad and torch.is_grad_enabled():
         return _topk_formula(logits, k, renormalize, topk_before_softmax, weights_dtype, ids_dtype)
@@ -497,7 +492,7 @@ def biased_grouped_topk(
     num_groups, topk_groups = check_groups(num_experts, k, num_groups, topk_groups)
     scoring = _check_scoring(scoring)
     scale = _check_scale(routed_scaling_factor)
-    renormalize = _check_bool("renormalize", renormalize)
+    renormalize = require_bool("renormalize", renormalize)
     _check_out_dtypes(weights_dtype, ids_dtype)
     if compute_dtype not in (None, torch.float32, torch.bfloat16):
         raise TypeError(f"compute_dtype must be None, torch.float32 or torch.bfloat16, got {compute_dtype}")

@@ -73,6 +73,7 @@ from padded_moe._platform import use_triton
 from padded_moe._validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    require_bool,
     require_dtype,
     require_int,
     require_rank,
@@ -208,8 +209,7 @@ class ExpertParallel:
                 f"dispatch_dtype must be None, dtype ({dtype}) or one of {FP8_WIRE_DTYPES}, got {dispatch_dtype}")
         if keep_own_chunk is not None and not isinstance(keep_own_chunk, bool):  # 1 == True: not enough
             raise TypeError(f"keep_own_chunk must be None or a bool, got {keep_own_chunk!r}")
-        if not isinstance(graph_safe, bool):
-            raise TypeError(f"graph_safe must be a bool, got {graph_safe!r}")
+        require_bool("graph_safe", graph_safe)
         self.num_experts = require_int("num_experts", num_experts)
         self.top_k = require_int("top_k", top_k)
         self.hidden_size = require_int("hidden_size", hidden_size)

@@ -320,7 +320,7 @@ def _small_call(gen, M=5, E=4, k=2):
 @pytest.mark.parametrize("case, error, message", [
     ("w13 strided", ValueError, "w13 must have a contiguous last dimension"),
     ("w2 strided", ValueError, "w2 must have a contiguous last dimension"),
-    ("w2 bf16", TypeError, "w2 must have hidden_states.dtype"),
+    ("w2 bf16", TypeError, "w2 must have hidden_states's dtype"),
     ("w2_bias shape", ValueError, "w2_bias must have shape"),
     ("w13_bias float64", TypeError, "w13_bias must have dtype"),
     ("hidden_states strided", ValueError, "hidden_states must have a contiguous last dimension"),

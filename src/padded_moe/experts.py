@@ -40,7 +40,7 @@ from padded_moe.decode import DECODE_ENV, decode_allowed, decode_experts, fits_d
 from padded_moe.expert_map import ExpertMap, check_topk_ids, check_valid_tokens
 from padded_moe import backends
 from padded_moe.backends import BACKEND_ENV, effective_backend, resolve_backend
-from padded_moe.gemm import FUSE_ENV, check_bias, expert_gemm, fuse_activation_mode
+from padded_moe.gemm import FUSE_ENV, check_bias, check_weight_storage, expert_gemm, fuse_activation_mode
 from padded_moe.layouts import (
     LAYOUT_ENV,
     GemmLayout,
@@ -62,12 +62,7 @@ def _check_weights(act: Optional[MoEActivation], w13, w2, x: torch.Tensor, x_nam
     hidden_size = x.shape[-1]
     for name, w in (("w13", w13), ("w2", w2)):
         require_weight(name, w)
-        if isinstance(w, torch.Tensor) and w.dtype != x.dtype:
-            raise TypeError(f"{name} must have {x_name}.dtype {x.dtype} (or be an Mxfp4Tensor), got {w.dtype}")
-        if w.device != x.device:
-            raise ValueError(f"{name} must be on {x_name}.device {x.device}, got {w.device}")
-        if isinstance(w, torch.Tensor):
-            require_last_dim_contiguous(name, w)
+        check_weight_storage(w, x, name=name, a_name=x_name)
     s13, s2 = tuple(w13.shape), tuple(w2.shape)
     if len(s13) != 3 or len(s2) != 3:
         raise ValueError(f"w13 and w2 must be 3-D [L, out, in], got shapes {s13} and {s2}")

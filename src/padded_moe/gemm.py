@@ -90,19 +90,27 @@ def check_bias(bias: Optional[torch.Tensor], a: torch.Tensor, num_local: int, n_
     require_last_dim_contiguous(name, bias)
 
 
-def check_weight(w, a: torch.Tensor, num_local: int) -> tuple[int, int]:
-    """Returns (Nout, K) after checking `w` against `a` and the metadata."""
+def check_weight_storage(w, a: torch.Tensor, *, name: str = "w", a_name: str = "a") -> None:
+    """An expert weight's storage against the activations `a` it multiplies: an `Mxfp4Tensor` on
+    `a`'s device, or a float tensor on it in `a`'s dtype with a contiguous last dimension
+    (`name`, `a_name`: the arguments as the caller knows them, for the messages)."""
     if isinstance(w, Mxfp4Tensor):
         if w.device != a.device:
-            raise ValueError(f"w must be on a's device {a.device}, got {w.device}")
-    else:
-        require_tensor("w", w)
-        require_dtype("w", w, FLOAT_DTYPES)
+            raise ValueError(f"{name} must be on {a_name}'s device {a.device}, got {w.device}")
+        return
+    require_tensor(name, w)
+    require_dtype(name, w, FLOAT_DTYPES)
+    require_same_device(name, w, a_name, a)
+    require_last_dim_contiguous(name, w)
+    if w.dtype != a.dtype:
+        raise TypeError(f"{name} must have {a_name}'s dtype {a.dtype} (or be an Mxfp4Tensor), got {w.dtype}")
+
+
+def check_weight(w, a: torch.Tensor, num_local: int) -> tuple[int, int]:
+    """Returns (Nout, K) after checking `w` against `a` and the metadata."""
+    check_weight_storage(w, a)
+    if not isinstance(w, Mxfp4Tensor):
         require_rank("w", w, (3,))
-        require_same_device("w", w, "a", a)
-        require_last_dim_contiguous("w", w)
-        if w.dtype != a.dtype:
-            raise TypeError(f"w must have a's dtype {a.dtype} (or be an Mxfp4Tensor), got {w.dtype}")
     L, n_out, k = w.shape
     if L != num_local:
         raise ValueError(f"w must have layout_meta.num_local = {num_local} experts in dim 0, got {L}")

@@ -528,7 +528,7 @@ def _tile_rows(pid_m, ids_ptr, blk_exp_ptr, npad_ptr, off_ptr, cnt_ptr, R_a, num
         tiles_per_e = tl.cdiv(T_max, BM)
         e = pid_m // tiles_per_e
         t0 = (pid_m % tiles_per_e) * BM
-        cnt = tl.minimum(tl.maximum(tl.load(cnt_ptr + e), 0), T_max)
+        cnt = clamp_count(tl.load(cnt_ptr + e), T_max)
         live = (t0 < cnt).to(tl.int32)
         valid = t0 + rm < cnt
         row_start = e * T_max + t0

@@ -193,6 +193,22 @@ def test_layer_never_quantizes_inside_the_graph():
     torch.testing.assert_close(second.dequantize(torch.float32), 2 * before, rtol=0, atol=0)
 
 
+def test_mxfp4_layer_dynamic_first_token_count_equal_to_a_prepared_dim_does_not_recompile():
+    """The prepared MXFP4 arrangement sits beside the parameters (not a parameter itself): its
+    sizes are fixed, so a first token count equal to one of them (duck sizing would tie the two
+    symbols) still gives one graph for every later token count."""
+    layer = FusedMoE(4, 2, 64, 32, router="softmax", weight_format="mxfp4", dtype=torch.float32)
+    h = layer._mxfp4["w13"].hopper
+    first = max(d for d in (*h.blocks.shape, *h.scales.shape) if d not in (64, 32, 4))  # not a layer width
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for M in (first, 5, 7):
+            x, logits = torch.randn(M, 64, generator=gen), torch.randn(M, 4, generator=gen)
+            torch.testing.assert_close(compiled(x, logits), layer(x, logits), rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
 def test_mxfp4_layer_compiled_straight_after_construction_reads_the_prepared_form():
     """Construction prepares the MXFP4 experts (`reset_parameters` ends with `prepare()`), so a
     layer compiled before any eager forward passes the prepared arrangement to its op, never the

@@ -336,6 +336,9 @@ class FusedMoE(nn.Module):
             # Like a parameter, a fixed address: CUDA graphs of a compiled forward read it
             # in place instead of copying it in before every replay.
             torch._dynamo.mark_static_address(t, guard=False)
+            # Fixed sizes too: under `dynamic=True` their dims would otherwise be symbols, tied by duck
+            # sizing to an equal token count, and the next token count would recompile.
+            torch._dynamo.mark_static(t)
         self._mxfp4[name] = q
 
     def _canonical_emptied(self) -> bool:

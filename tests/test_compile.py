@@ -125,6 +125,26 @@ def test_fused_experts_dynamic_no_recompile(gen):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
+def test_fused_experts_dynamic_prepared_mxfp4_weights_keep_their_sizes(gen):
+    """Prepared MXFP4 weights held in a closure (not module parameters): `prepare_for()` fixes
+    their sizes, so a first token count equal to one of them still gives one graph."""
+    L, k, K, N = 4, 2, 64, 32
+    w13 = quantize_mxfp4(torch.randn(L, 2 * N, K, generator=gen)).prepare_for()
+    w2 = quantize_mxfp4(torch.randn(L, K, N, generator=gen)).prepare_for()
+    sizes = {d for h in (w13.hopper, w2.hopper) for t in (h.blocks, h.scales) for d in t.shape}
+    first = max(sizes - {L, K, N, 2 * N})  # a size of the prepared form alone
+
+    def step(x, w, ids):
+        return fused_experts(x, w13, w2, w, ids, activation="silu")
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    for M in (first, 5, 7):
+        x = torch.randn(M, K, generator=gen)
+        w, ids = _routes(gen, M, L, k)
+        torch.testing.assert_close(compiled(x, w, ids), step(x, w, ids), rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
 @pytest.mark.parametrize("expected_m", [None, 2])
 def test_batched_experts_fullgraph(gen, expected_m):
     L, T, K, N = 3, 5, 64, 32

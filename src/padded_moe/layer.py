@@ -35,7 +35,7 @@ from padded_moe.expert_map import check_valid_tokens, drop_rows_past
 from padded_moe.experts import (batched_experts, eager_cache_off, fused_experts, layout_for_call, op_weight_from_parts,
                                 op_weight_parts, plan_key_head, plan_options, planned_call)
 from padded_moe.layouts import GemmLayout, select_gemm_layout
-from padded_moe.mxfp4 import GROUP, HopperMxfp4, Mxfp4Tensor, canonical_kept, quantize_mxfp4
+from padded_moe.mxfp4 import GROUP, HopperMxfp4, Mxfp4Tensor, canonical_kept, mark_sizes_static, quantize_mxfp4
 from padded_moe.presets import MoEPreset, get_preset
 
 RouterFn = Callable[[torch.Tensor, Optional[torch.Tensor]], "tuple[torch.Tensor, torch.Tensor]"]
@@ -336,9 +336,7 @@ class FusedMoE(nn.Module):
             # Like a parameter, a fixed address: CUDA graphs of a compiled forward read it
             # in place instead of copying it in before every replay.
             torch._dynamo.mark_static_address(t, guard=False)
-            # Fixed sizes too: under `dynamic=True` their dims would otherwise be symbols, tied by duck
-            # sizing to an equal token count, and the next token count would recompile.
-            torch._dynamo.mark_static(t)
+        mark_sizes_static(q.hopper)  # held in a dict, not as buffers: sizes fixed by hand too
         self._mxfp4[name] = q
 
     def _canonical_emptied(self) -> bool:

@@ -204,6 +204,7 @@ class Mxfp4Tensor:
             if not keep_canonical and not prepared_stands_alone(q.shape[-1]):
                 raise ValueError(f"keep_canonical=False needs K a multiple of {HOPPER_KB}, got K={q.shape[-1]}")
             object.__setattr__(q, "hopper", prepare_hopper(q, planes=planes))  # frozen: set once, before any use
+        mark_sizes_static(q.hopper)
         if keep_canonical or q.blocks is None:
             return q
         return Mxfp4Tensor(None, None, q.hopper)
@@ -369,6 +370,16 @@ class HopperMxfp4:
 
     def __getitem__(self, idx) -> "HopperMxfp4":
         return HopperMxfp4(self.blocks[idx], self.scales[idx], self.k)
+
+
+def mark_sizes_static(h: "HopperMxfp4") -> None:
+    """Fix the sizes of a prepared arrangement for `torch.compile`. Weights held outside a module's
+    parameters and buffers (a closure, a dict) get symbolic sizes under `dynamic=True`, and a first
+    token count equal to one of them ties the two symbols (duck sizing): the next token count would
+    recompile. Eager only (a no-op while tracing)."""
+    if not torch.compiler.is_compiling():
+        for t in (h.blocks, h.scales):
+            torch._dynamo.mark_static(t)
 
 
 def prepare_hopper(q: Mxfp4Tensor, fold: Optional[bool] = None, planes: int = 4) -> HopperMxfp4:

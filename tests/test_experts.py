@@ -220,6 +220,42 @@ def test_mxfp4_layer_holds_its_experts_once(cpu_path, gen):
         FusedMoE(E, 2, K, n, weight_format="mxfp4", keep_canonical="no")
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_mxfp4_layer_keeps_its_experts_through_partial_and_refused_loads(cpu_path, keep, gen):
+    """What a load does not write keeps its value, as a plain parameter's does, also where the
+    prepared form alone held the experts: a partial `load_state_dict(strict=False)`, a strict one
+    refused for a size mismatch, and a `load_experts` refused for a NaN in its sixth expert (named)."""
+    from torch.func import functional_call
+
+    E, n = 8, 64
+    layer = FusedMoE(E, 2, K, n, weight_format="mxfp4", dtype=torch.float32, keep_canonical=keep)
+    layer.randomize(seed=1)
+    x = torch.randn(6, K, generator=gen)
+    want = layer(x)
+    res = layer.load_state_dict({"gate.weight": layer.gate.weight.detach().clone()}, strict=False)
+    assert "w13_blocks" in res.missing_keys
+    assert torch.equal(layer(x), want)
+    small = FusedMoE(4, 2, K, n, weight_format="mxfp4", dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        layer.load_state_dict(small.state_dict())
+    assert torch.equal(layer(x), want)
+    w13, w2 = torch.randn(E, 2 * n, K, generator=gen), torch.randn(E, K, n, generator=gen)
+    w13[5, 3, 7] = float("nan")
+    with pytest.raises(ValueError, match=r"^w13 must be finite to quantize to MXFP4 \(expert 5 holds NaN"):
+        layer.load_experts(w13, w2)
+    with pytest.raises(TypeError, match="^w2 must have dtype in"):
+        layer.load_experts(w13.nan_to_num(), w2.to(torch.int32))
+    assert torch.equal(layer(x), want) and (layer.w13_blocks.numel() == 0) == (not keep)
+    # Another layer's parameters for one call (torch.func): its experts, not the held prepared form
+    # (read as canonical bytes, another kernel: equal up to float32 summation order).
+    other = FusedMoE(E, 2, K, n, weight_format="mxfp4", dtype=torch.float32)
+    other.randomize(seed=2)
+    torch.testing.assert_close(functional_call(layer, other.state_dict(), (x,)), other(x), rtol=1e-5, atol=1e-6)
+    assert torch.equal(layer(x), want)
+    with pytest.raises(TypeError, match="expert weights are bytes"):
+        layer.type(torch.float64)
+
+
 @pytest.mark.parametrize("act, cfg", [
     ("situ", ApplyMoEActivationConfig(situ_beta=4.0, situ_linear_beta=25.0)),
     ("silu", ApplyMoEActivationConfig(clamp_limit=0.05)),

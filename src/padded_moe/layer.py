@@ -28,7 +28,7 @@ from torch import nn
 from padded_moe import routing
 from padded_moe._ops import custom_op, register_fake
 from padded_moe._util import cdiv
-from padded_moe._validation import FLOAT_DTYPES, require_bool, require_int, require_real, require_tensor
+from padded_moe._validation import FLOAT_DTYPES, require_bool, require_dtype, require_int, require_real, require_tensor
 from padded_moe.activation import ApplyMoEActivationConfig, MoEActivation, resolve_supported
 from padded_moe.ep.engine import expert_parallel_of_op
 from padded_moe.expert_map import check_valid_tokens, drop_rows_past
@@ -199,6 +199,15 @@ class FusedMoE(nn.Module):
             require_tensor(name, b)
             if tuple(b.shape) != (self.num_experts, rows):
                 raise ValueError(f"{name} must be {(self.num_experts, rows)} (E, rows), got {tuple(b.shape)}")
+        for name, w in (("w13", w13), ("w2", w2)):
+            if isinstance(w, Mxfp4Tensor):
+                continue
+            # Checked before anything is written: a refused load leaves the layer as it was.
+            require_dtype(name, w, FLOAT_DTYPES + (torch.float64,))
+            if self.weight_format == "mxfp4":
+                for e in (int(e) for e in self.local_experts):
+                    if not bool(torch.isfinite(w[e]).all()):
+                        raise ValueError(f"{name} must be finite to quantize to MXFP4 (expert {e} holds NaN or Inf)")
         idx = torch.tensor(self.local_experts, dtype=torch.long)
         if self.weight_format == "mxfp4":
             self._fill_canonical()
@@ -233,7 +242,7 @@ class FusedMoE(nn.Module):
         _init_uniform_(self.gate.weight, seed, stream=-1)
         if self.gate.bias is not None:
             self.gate.bias.zero_()
-        self._fill_canonical()
+        self._fill_canonical(keep_values=False)  # every expert is written below
         for local, e in enumerate(self.local_experts):
             e = int(e)  # an ExpertMap lists its experts as a tensor
             for name, stream in (("w13", e), ("w2", e + self.num_experts)):
@@ -294,8 +303,9 @@ class FusedMoE(nn.Module):
             return self.w13, self.w2
         if not self._mxfp4 and not torch.compiler.is_compiling():
             self.prepare()
-        if self._mxfp4:
+        if self._mxfp4 and (torch.compiler.is_compiling() or self._prepared_is_current()):
             return self._mxfp4["w13"], self._mxfp4["w2"]
+        # Other expert parameters swapped in (`torch.func.functional_call`): read as they are.
         # Compiled before `prepare()` ran, or on the meta device: the canonical bytes (a tensor made
         # inside a compiled graph must not be cached past it, CUDA-graph pools reuse its memory).
         return self._canonical("w13"), self._canonical("w2")
@@ -339,20 +349,39 @@ class FusedMoE(nn.Module):
         mark_sizes_static(q.hopper)  # held in a dict, not as buffers: sizes fixed by hand too
         self._mxfp4[name] = q
 
+    def _prepared_is_current(self) -> bool:
+        """Whether the held prepared form was built from the expert parameters the layer holds now:
+        emptied by `prepare()` (the prepared form is all there is) or the very tensors it views, not
+        others put in their place (`torch.func.functional_call` swaps parameters for one call)."""
+        for name, q in self._mxfp4.items():
+            blocks, scales = getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales")
+            if blocks.numel() == 0 and scales.numel() == 0:
+                continue
+            if q.blocks is None or q.blocks.data_ptr() != blocks.data_ptr() \
+                    or q.scales.data_ptr() != scales.data_ptr():
+                return False
+        return True
+
     def _canonical_emptied(self) -> bool:
         """Whether `prepare()` emptied the canonical MXFP4 parameters (the prepared form holds the
         experts alone)."""
         return self.weight_format == "mxfp4" and self.w13_blocks.numel() == 0 and bool(self._mxfp4)
 
-    def _fill_canonical(self) -> None:
-        """Give emptied canonical parameters their full size again, before something writes them
-        (a load, an initialisation); the prepared form of the old weights is dropped."""
+    def _fill_canonical(self, keep_values: bool = True) -> None:
+        """Give emptied canonical parameters their full size again before something writes them (a
+        load, an initialisation), holding the current weights rebuilt from the prepared form unless
+        `keep_values` is False (the caller writes every byte). So what a load leaves unwritten (a key
+        a partial state dict lacks, a tensor whose size mismatches, the experts after a failed one)
+        keeps its value, as a plain parameter's would. The prepared form of the old weights is dropped."""
         if not self._canonical_emptied():
             return
+        held = {name: q.canonical() for name, q in self._mxfp4.items()} if keep_values else {}
         self._mxfp4.clear()
-        for name, shape in self._mxfp4_param_shapes():
-            p = getattr(self, name)
-            p.data = p.data.new_empty(shape)
+        for pname, shape in self._mxfp4_param_shapes():
+            p = getattr(self, pname)
+            name, part = pname.split("_")  # "w13_blocks" -> the canonical blocks of w13
+            p.data = getattr(held[name], part).to(p.dtype).reshape(shape).contiguous() if held \
+                else p.data.new_empty(shape)
 
     def _mxfp4_param_shapes(self):
         """(name, shape) of the four canonical MXFP4 parameters: e2m1 codes two per byte, one E8M0
@@ -362,6 +391,14 @@ class FusedMoE(nn.Module):
             yield f"{name}_scales", (L, rows, cols // GROUP)
 
     def _apply(self, fn, recurse=True):
+        if self.weight_format == "mxfp4":
+            # Checked on an empty byte tensor before anything is converted: a conversion that casts
+            # every tensor would turn the MXFP4 bytes into numbers of another kind.
+            probe = torch.empty(0, dtype=torch.uint8, device=self.gate.weight.device)
+            if fn(probe).dtype != torch.uint8:
+                raise TypeError("an MXFP4 layer's expert weights are bytes, which this conversion would cast "
+                                "(Module.type casts every tensor); use .to(dtype), .float() or .half(), which "
+                                "cast floating-point tensors only")
         emptied = self._canonical_emptied()
         module = super()._apply(fn, recurse)
         if emptied:  # `.to()` / `.cuda()`: the prepared form travels as the parameters would

@@ -256,6 +256,23 @@ def test_mxfp4_layer_keeps_its_experts_through_partial_and_refused_loads(cpu_pat
         layer.type(torch.float64)
 
 
+def test_mxfp4_layer_redraw_does_not_rebuild_the_canonical_bytes(cpu_path, monkeypatch):
+    """`randomize` / `reset_parameters` write every expert, so an emptied layer does not rebuild its
+    old canonical bytes first (on a model-sized layer that transient is the whole layer's size)."""
+    import padded_moe.mxfp4 as mx
+
+    layer = FusedMoE(8, 2, K, 64, weight_format="mxfp4", dtype=torch.float32)
+    assert layer.w13_blocks.numel() == 0
+
+    def refuse(h):
+        raise AssertionError("the canonical bytes were rebuilt")
+
+    monkeypatch.setattr(mx, "unprepare_hopper", refuse)
+    layer.randomize(seed=3)
+    layer.reset_parameters(seed=4)
+    assert layer.w13_blocks.numel() == 0
+
+
 @pytest.mark.parametrize("act, cfg", [
     ("situ", ApplyMoEActivationConfig(situ_beta=4.0, situ_linear_beta=25.0)),
     ("silu", ApplyMoEActivationConfig(clamp_limit=0.05)),

@@ -268,7 +268,7 @@ class FusedMoE(nn.Module):
         sized layers need no host copy; deterministic for a seed on a given device. Expert weights
         are drawn one expert at a time, so the float32 temporary is one expert's size."""
         mx = self.weight_format == "mxfp4"
-        self._fill_canonical()
+        self._fill_canonical(keep_values=False)  # every expert is drawn below
         experts = ("w13", "w2") if mx else (self.w13, self.w2)
         params = (self.gate.weight, self.gate.bias) + experts + (self.w13_bias, self.w2_bias,
                                                                   self.e_score_correction_bias)

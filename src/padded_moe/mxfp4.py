@@ -449,28 +449,34 @@ def _may_read_back(t: torch.Tensor) -> bool:
                 or torch.cuda.get_sync_debug_mode() != 0)
 
 
+def _hopper_codes(h: HopperMxfp4, b: torch.Tensor) -> torch.Tensor:
+    """The e2m1 codes `uint8 [rows, k]` (one per byte, K order) of one expert's prepared blocks `b`."""
+    rows, kp = b.shape[0], h.k_padded
+    if h.planes == 2:
+        b = b.view(rows, kp // HOPPER_KB, 1, HOPPER_KB // 2)
+        return torch.cat([b & 0x0F, b >> 4], dim=2).reshape(rows, kp)[:, :h.k]
+    word = b.to(torch.int64).view(rows, kp // GROUP, 1, 4, 1) & 0xFFFFFFFF  # [.., g, p, c, h]
+    planes = []
+    for places in FOUR_PLANE_BITS:
+        for half in (0, 1):
+            code = torch.zeros_like(word)
+            for bit, place in zip((3, 2, 1, 0), places):
+                code |= ((word >> (place + 16 * half)) & 1) << bit
+            planes.append(code)
+    # [.., g, c, (p, h)] -> [.., g, p, c, h]
+    codes = torch.cat(planes, dim=4).view(rows, kp // GROUP, 4, 4, 2).permute(0, 1, 3, 2, 4)
+    return codes.reshape(rows, kp)[:, :h.k].to(torch.uint8)
+
+
 def unprepare_hopper(h: HopperMxfp4) -> Mxfp4Tensor:
     """Inverse of `prepare_hopper`: the canonical `Mxfp4Tensor`."""
     if not isinstance(h, HopperMxfp4):
         raise TypeError(f"h must be a HopperMxfp4, got {type(h).__name__}")
     L, rows = h.blocks.shape[:2]
-    kp = h.k_padded
-    if h.planes == 2:
-        b = h.blocks.view(L, rows, kp // HOPPER_KB, 1, HOPPER_KB // 2)
-        codes = torch.cat([b & 0x0F, b >> 4], dim=3).reshape(L, rows, kp)[..., :h.k]
-    else:
-        word = h.blocks.to(torch.int64).view(L, rows, kp // GROUP, 1, 4, 1) & 0xFFFFFFFF  # [.., g, p, c, h]
-        planes = []
-        for places in FOUR_PLANE_BITS:
-            for half in (0, 1):
-                code = torch.zeros_like(word)
-                for bit, place in zip((3, 2, 1, 0), places):
-                    code |= ((word >> (place + 16 * half)) & 1) << bit
-                planes.append(code)
-        # [.., g, c, (p, h)] -> [.., g, p, c, h]
-        codes = torch.cat(planes, dim=5).view(L, rows, kp // GROUP, 4, 4, 2).permute(0, 1, 2, 4, 3, 5)
-        codes = codes.reshape(L, rows, kp)[..., :h.k].to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    blocks = torch.empty(L, rows, h.k // 2, dtype=torch.uint8, device=h.blocks.device)
+    for e in range(L):  # one expert at a time: the int64 working copies stay one expert's size
+        codes = _hopper_codes(h, h.blocks[e])
+        torch.bitwise_or(codes[:, 0::2], codes[:, 1::2] << 4, out=blocks[e])
     scales = h.scales
     if h.folded:
         scales = ((scales.to(torch.int32) >> 7) - (_BF16_EXP_BIAS - 1)).to(torch.uint8)

@@ -104,6 +104,58 @@ def test_load_state_dict_round_trip(tmp_path, monkeypatch):
     assert torch.equal(module._padded_moe_gate_up_proj_blocks, before.flip(0))
 
 
+def test_load_state_dict_refuses_held_experts_of_another_size(tmp_path, monkeypatch):
+    """Checkpoint tensors of another expert count for a held weight are refused as PyTorch refuses a
+    parameter of another size ("size mismatch"), and the held weight is kept."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    mxfp4_checkpoint(tmp_path / "ckpt", 64)
+    model = load(tmp_path / "ckpt", experts_implementation=plug.IMPLEMENTATION)
+    ids = prompts(2, 9, 4)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    state = model.state_dict()
+    key = next(k for k in state if k.endswith("gate_up_proj_blocks"))
+    scales_key = key.replace("_blocks", "_scales")
+    bigger = dict(state, **{key: torch.cat([state[key], state[key]]),
+                            scales_key: torch.cat([state[scales_key], state[scales_key]])})
+    with pytest.raises(RuntimeError, match="size mismatch for .*gate_up_proj_blocks"):
+        model.load_state_dict(bigger, strict=True)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, want)
+
+
+def test_a_replaced_scales_tensor_reaches_the_cached_weight(tmp_path, monkeypatch):
+    """An inner width that is not a multiple of 64 (down_proj at intermediate 32) keeps its checkpoint
+    tensors and a prepared copy cached beside them: a new scales tensor alone (the values kept)
+    invalidates that copy, as new values do."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    mxfp4_checkpoint(tmp_path / "ckpt", 32)
+    model = load(tmp_path / "ckpt", experts_implementation=plug.IMPLEMENTATION)
+    ids = prompts(2, 9, 4)
+    with torch.no_grad():
+        model(input_ids=ids)  # fills the cache
+        experts = model.model.layers[0].mlp.experts
+        experts.down_proj_scales = experts.down_proj_scales + 1  # every down_proj scale doubled
+        got = model(input_ids=ids).logits
+    fresh = load(tmp_path / "ckpt", experts_implementation=plug.IMPLEMENTATION)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(got, fresh(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_whole_model_pickles(tmp_path, monkeypatch):
+    """`torch.save(model)` of a model loaded with padded_moe experts (transformers keeps our load op
+    on it) and `torch.load` back give the same logits."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    mxfp4_checkpoint(tmp_path / "ckpt", 64)
+    model = load(tmp_path / "ckpt", experts_implementation=plug.IMPLEMENTATION)
+    ids = prompts(2, 9, 4)
+    torch.save(model, tmp_path / "whole.pt")
+    again = torch.load(tmp_path / "whole.pt", weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
 def test_other_loads_keep_transformers_behaviour(tmp_path, monkeypatch):
     """`Mxfp4Config(dequantize=True)` still gives float parameters under padded_moe, and a load that
     does not ask for padded_moe takes transformers' own path, checks included (here its accelerate

@@ -258,8 +258,9 @@ def _experts_plan(module: torch.nn.Module) -> ExpertsPlan:
 # Weights in our layout (`w13 [E, 2N, K]`, `w2 [E, K, N]`)
 # ---------------------------------------------------------------------------------------------
 
-def _cached(module, slot: str, source: torch.Tensor, convert: Callable[[torch.Tensor], Any]) -> Any:
-    """`convert(source)`, recomputed only when `source` changes (storage, in-place version, shape).
+def _cached(module, slot: str, source: tuple, convert: Callable[..., Any]) -> Any:
+    """`convert(*source)`, recomputed only when a tensor of `source` changes (storage, in-place
+    version, shape): an MXFP4 weight's values and its scales, each of which may be replaced alone.
 
     MXFP4 checkpoint tensors whose inner width is not a multiple of 64 keep a prepared copy here
     (the others are held once, `hold_mxfp4`); converting on every forward would cost a full weight
@@ -278,11 +279,11 @@ def _cached(module, slot: str, source: torch.Tensor, convert: Callable[[torch.Te
                 "once after loading the model (or run one eager forward), then compile")
         return hit[1]
     cache = module.__dict__.setdefault("_padded_moe_cache", {})
-    key = (source.data_ptr(), source._version, tuple(source.shape), source.dtype, source.device)
+    key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device) for t in source)
     hit = cache.get(slot)
     if hit is not None and hit[0] == key:
         return hit[1]
-    value = convert(source)
+    value = convert(*source)
     cache[slot] = (key, value)
     return value
 
@@ -466,8 +467,14 @@ def _held_load_state_dict(module, state_dict, prefix, local_metadata, strict, mi
         values, scales = (state_dict.pop(n) for n in names)
         device = getattr(module, f"_padded_moe_{proj}_blocks").device
         weight = fmt.read(values.to(device), scales.to(device), f"{type(module).__name__}.{proj}")
-        with torch.no_grad():
-            hold_mxfp4(module, proj, weight, fmt.kind, fmt.scale_dtype)
+        have = tuple(_held(module, proj).shape)
+        if tuple(weight.shape) != have:
+            # Refused as PyTorch refuses any parameter of another size: reported, the weight kept.
+            error_msgs.append(f"size mismatch for {names[0]}: copying an expert weight of shape {tuple(weight.shape)} "
+                              f"(E, out, in) from checkpoint, the shape in current model is {have}.")
+        else:
+            with torch.no_grad():
+                hold_mxfp4(module, proj, weight, fmt.kind, fmt.scale_dtype)
         for part in ("blocks", "scales"):
             state_dict[f"{prefix}_padded_moe_{proj}_{part}"] = getattr(module, f"_padded_moe_{proj}_{part}")
 
@@ -496,8 +503,8 @@ def _mxfp4_weight(module, proj: str, prepared: bool) -> Any:
         with torch.no_grad():
             hold_mxfp4(module, proj, fmt.read(values.detach(), scales.detach(), where), fmt.kind, fmt.scale_dtype)
         return _held(module, proj)
-    return _cached(module, f"{proj}_mxfp4", values,
-                   lambda v: fmt.read(v.detach(), scales.detach(), where).prepare_for())
+    return _cached(module, f"{proj}_mxfp4", (values, scales),
+                   lambda v, s: fmt.read(v.detach(), s.detach(), where).prepare_for())
 
 
 def _weight(module, proj: str, prepared: bool) -> Any:
@@ -511,7 +518,7 @@ def _weight(module, proj: str, prepared: bool) -> Any:
             return ours
         if type(w) not in (torch.Tensor, torch.nn.Parameter):
             # A tensor subclass (DTensor, a sharded parameter) owns its storage: keep a copy beside it.
-            return _cached(module, proj, w, _untransposed)
+            return _cached(module, proj, (w,), _untransposed)
         return _relaid(module, proj, w)
     return w
 

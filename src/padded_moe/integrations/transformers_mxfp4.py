@@ -35,8 +35,11 @@ def _pick(tensors: dict, name: str, layer: str) -> torch.Tensor:
     raise ValueError(f"{layer}: the checkpoint has no {name} for it (got {sorted(tensors)})")
 
 
+@functools.cache
 def _load_op_class() -> type:
-    """The conversion op (transformers' `ConversionOps`) that hands one experts weight to the module."""
+    """The conversion op (transformers' `ConversionOps`) that hands one experts weight to the module.
+    Made once, and named as this module's `HoldMxfp4` (`__getattr__` below): transformers keeps the
+    op on the loaded model, and `torch.save(model)` pickles it by that name."""
     from transformers.core_model_loading import ConversionOps, _IdentityOp
 
     class HoldMxfp4(ConversionOps):
@@ -72,7 +75,15 @@ def _load_op_class() -> type:
         def reverse_op(self):
             return _IdentityOp()  # `state_dict()` gives the checkpoint's tensors back itself
 
+    HoldMxfp4.__module__, HoldMxfp4.__qualname__ = __name__, "HoldMxfp4"
     return HoldMxfp4
+
+
+def __getattr__(name: str) -> Any:
+    """`HoldMxfp4`, made on first use (it subclasses a transformers class, imported only then)."""
+    if name == "HoldMxfp4":
+        return _load_op_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def install() -> bool:

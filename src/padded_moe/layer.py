@@ -38,6 +38,9 @@ from padded_moe.layouts import GemmLayout, select_gemm_layout
 from padded_moe.mxfp4 import GROUP, HopperMxfp4, Mxfp4Tensor, canonical_kept, mark_sizes_static, quantize_mxfp4
 from padded_moe.presets import MoEPreset, get_preset
 
+# Each MXFP4 weight and the names of its two canonical parameters.
+_MXFP4_PARAMS = (("w13", "w13_blocks", "w13_scales"), ("w2", "w2_blocks", "w2_scales"))
+
 RouterFn = Callable[[torch.Tensor, Optional[torch.Tensor]], "tuple[torch.Tensor, torch.Tensor]"]
 
 # Router names (as used by the presets) and whether the gate has a bias / a correction bias.
@@ -353,8 +356,9 @@ class FusedMoE(nn.Module):
         """Whether the held prepared form was built from the expert parameters the layer holds now:
         emptied by `prepare()` (the prepared form is all there is) or the very tensors it views, not
         others put in their place (`torch.func.functional_call` swaps parameters for one call)."""
-        for name, q in self._mxfp4.items():
-            blocks, scales = getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales")
+        params = self._parameters  # where functional_call swaps them too; read directly, on every forward
+        for name, blocks_name, scales_name in _MXFP4_PARAMS:
+            q, blocks, scales = self._mxfp4[name], params[blocks_name], params[scales_name]
             if blocks.numel() == 0 and scales.numel() == 0:
                 continue
             if q.blocks is None or q.blocks.data_ptr() != blocks.data_ptr() \
@@ -386,9 +390,9 @@ class FusedMoE(nn.Module):
     def _mxfp4_param_shapes(self):
         """(name, shape) of the four canonical MXFP4 parameters: e2m1 codes two per byte, one E8M0
         scale per `GROUP` elements."""
-        for name, (L, rows, cols) in (("w13", self._w13_shape), ("w2", self._w2_shape)):
-            yield f"{name}_blocks", (L, rows, cols // 2)
-            yield f"{name}_scales", (L, rows, cols // GROUP)
+        for (_, blocks, scales), (L, rows, cols) in zip(_MXFP4_PARAMS, (self._w13_shape, self._w2_shape)):
+            yield blocks, (L, rows, cols // 2)
+            yield scales, (L, rows, cols // GROUP)
 
     def _apply(self, fn, recurse=True):
         if self.weight_format == "mxfp4":

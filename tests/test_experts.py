@@ -257,8 +257,9 @@ def test_mxfp4_layer_keeps_its_experts_through_partial_and_refused_loads(cpu_pat
 
 
 def test_mxfp4_layer_redraw_does_not_rebuild_the_canonical_bytes(cpu_path, monkeypatch):
-    """`randomize` / `reset_parameters` write every expert, so an emptied layer does not rebuild its
-    old canonical bytes first (on a model-sized layer that transient is the whole layer's size)."""
+    """`randomize`, `reset_parameters` and float `load_experts` write every expert, so an emptied layer
+    does not rebuild its old canonical bytes first (on a model-sized layer that transient is the whole
+    layer's size)."""
     import padded_moe.mxfp4 as mx
 
     layer = FusedMoE(8, 2, K, 64, weight_format="mxfp4", dtype=torch.float32)
@@ -270,6 +271,8 @@ def test_mxfp4_layer_redraw_does_not_rebuild_the_canonical_bytes(cpu_path, monke
     monkeypatch.setattr(mx, "unprepare_hopper", refuse)
     layer.randomize(seed=3)
     layer.reset_parameters(seed=4)
+    gen = torch.Generator().manual_seed(0)
+    layer.load_experts(torch.randn(8, 128, K, generator=gen), torch.randn(8, K, 64, generator=gen))
     assert layer.w13_blocks.numel() == 0
 
 

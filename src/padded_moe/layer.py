@@ -35,7 +35,7 @@ from padded_moe.expert_map import check_valid_tokens, drop_rows_past
 from padded_moe.experts import (batched_experts, eager_cache_off, fused_experts, layout_for_call, op_weight_from_parts,
                                 op_weight_parts, plan_key_head, plan_options, planned_call)
 from padded_moe.layouts import GemmLayout, select_gemm_layout
-from padded_moe.mxfp4 import GROUP, HopperMxfp4, Mxfp4Tensor, canonical_kept, mark_sizes_static, quantize_mxfp4
+from padded_moe.mxfp4 import GROUP, HopperMxfp4, Mxfp4Tensor, canonical_kept, mark_sizes_static, quantize_expert_into
 from padded_moe.presets import MoEPreset, get_preset
 
 # Each MXFP4 weight and the names of its two canonical parameters.
@@ -213,7 +213,7 @@ class FusedMoE(nn.Module):
                         raise ValueError(f"{name} must be finite to quantize to MXFP4 (expert {e} holds NaN or Inf)")
         idx = torch.tensor(self.local_experts, dtype=torch.long)
         if self.weight_format == "mxfp4":
-            self._fill_canonical()
+            self._fill_canonical(keep_values=False)  # checked above: every local expert is written below
             for name, w in (("w13", w13), ("w2", w2)):
                 blocks, scales = getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales")
                 if isinstance(w, Mxfp4Tensor):
@@ -222,7 +222,7 @@ class FusedMoE(nn.Module):
                     scales.copy_(w.scales[idx.to(w.device)].to(scales.device))
                 else:
                     for local, e in enumerate(self.local_experts):
-                        _quantize_into(blocks[local], scales[local], w[int(e)].to(blocks.device))
+                        quantize_expert_into(w[int(e)].to(blocks.device), blocks[local], scales[local])
         else:
             self.w13.copy_(w13[idx].to(self.w13.device))
             self.w2.copy_(w2[idx].to(self.w2.device))
@@ -253,7 +253,7 @@ class FusedMoE(nn.Module):
                     blocks = getattr(self, f"{name}_blocks")
                     w = torch.empty(self._expert_shape(name), dtype=self.gate.weight.dtype, device=blocks.device)
                     _init_uniform_(w, seed, stream=stream)
-                    _quantize_into(blocks[local], getattr(self, f"{name}_scales")[local], w)
+                    quantize_expert_into(w, blocks[local], getattr(self, f"{name}_scales")[local])
                 else:
                     _init_uniform_(getattr(self, name)[local], seed, stream=stream)
         for b in (self.w13_bias, self.w2_bias, self.e_score_correction_bias):
@@ -291,7 +291,7 @@ class FusedMoE(nn.Module):
                 shape = self._expert_shape(p)
                 for local in range(blocks.shape[0]):
                     w = torch.randn(shape, generator=gen, device=blocks.device, dtype=torch.float32).mul_(std)
-                    _quantize_into(blocks[local], scales[local], w.to(self.gate.weight.dtype))
+                    quantize_expert_into(w.to(self.gate.weight.dtype), blocks[local], scales[local])
                 continue
             gen = generator(p.device)
             pieces = p if p.dim() == 3 else (p,)
@@ -762,13 +762,6 @@ def _check_forward_inputs(hidden_states, router_logits, hidden_size: int, num_ex
         if tuple(router_logits.shape) != (tokens, num_experts):
             raise ValueError(f"router_logits must be [tokens={tokens}, num_experts={num_experts}], "
                              f"got shape {tuple(router_logits.shape)}")
-
-
-def _quantize_into(blocks: torch.Tensor, scales: torch.Tensor, w: torch.Tensor) -> None:
-    """Quantize one float expert `w [rows, K]` into its MXFP4 parameter slices (`quantize_mxfp4`)."""
-    q = quantize_mxfp4(w.unsqueeze(0))
-    blocks.copy_(q.blocks[0])
-    scales.copy_(q.scales[0])
 
 
 def _init_uniform_(target: torch.Tensor, seed: int, *, stream: int) -> None:

@@ -273,17 +273,24 @@ def quantize_mxfp4(w: torch.Tensor) -> Mxfp4Tensor:
     for e in range(L):
         if not bool(torch.isfinite(w[e]).all()):
             raise ValueError(f"w must be finite to quantize to MXFP4 (found NaN or Inf in expert {e})")
-        g = w[e].to(torch.float64, copy=True).reshape(rows, K // GROUP, GROUP)  # divided in place below
-        amax = torch.maximum(g.amax(dim=-1), g.amin(dim=-1).neg_())  # |g|'s max without a |g| copy
-        exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(1e-300))) - 2,
-                          torch.full_like(amax, -127.0))
-        exp = exp.clamp(-SCALE_BIAS, SCALE_BIAS)
-        g.div_(torch.pow(2.0, exp).unsqueeze(-1))
-        codes = _codes_in_place(g).reshape(rows, K)
-        del g
-        torch.bitwise_or(codes[:, 0::2], codes[:, 1::2] << 4, out=blocks[e])
-        scales[e].copy_(exp + SCALE_BIAS)
+        quantize_expert_into(w[e], blocks[e], scales[e])
     return Mxfp4Tensor(blocks, scales)
+
+
+def quantize_expert_into(w: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    """One expert of `quantize_mxfp4`, written in place: finite float `w [rows, K]` (K % 32 == 0;
+    the caller checks both) into uint8 `blocks [rows, K/2]` and `scales [rows, K/32]` on w's device."""
+    rows, K = w.shape
+    g = w.to(torch.float64, copy=True).reshape(rows, K // GROUP, GROUP)  # divided in place below
+    amax = torch.maximum(g.amax(dim=-1), g.amin(dim=-1).neg_())  # |g|'s max without a |g| copy
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(1e-300))) - 2,
+                      torch.full_like(amax, -127.0))
+    exp = exp.clamp(-SCALE_BIAS, SCALE_BIAS)
+    g.div_(torch.pow(2.0, exp).unsqueeze(-1))
+    codes = _codes_in_place(g).reshape(rows, K)
+    del g
+    torch.bitwise_or(codes[:, 0::2], codes[:, 1::2] << 4, out=blocks)
+    scales.copy_(exp + SCALE_BIAS)
 
 
 def dequantize_mxfp4(q: Mxfp4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
